@@ -61,9 +61,7 @@ class SamplingParams:
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
-            raise ValueError(
-                f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}"
-            )
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
 
 
 @dataclass(slots=True)
@@ -103,9 +101,7 @@ class RolloutEngine(Protocol):
     shares_policy_weights: bool
     policy_version: int
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """Sample `params.n` completions for each prompt (token ids, no padding)."""
         ...
 
@@ -120,3 +116,17 @@ class RolloutEngine(Protocol):
     def wake_up(self) -> None:
         """Take generation memory back before the next `generate`."""
         ...
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineOptions:
+    """What a factory needs to build an engine for a run (from the run's config)."""
+
+    max_model_len: int
+    """Longest prompt plus completion, in tokens."""
+    gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory an engine with its own KV cache may take."""
+    logprob_chunk_size: int = 4096
+    """Tokens per chunk when an engine computes log-probs with a forward pass."""
+    max_num_seqs: int = 512
+    """Most sequences decoded at once."""

@@ -1,0 +1,36 @@
+"""The GRPO-family algorithm as pure tensor functions: advantages, log-probs, KL, losses, filters."""
+
+from grpoflow.algo.advantages import SCALE_MODES, combine_rewards, group_advantages, group_reward_std
+from grpoflow.algo.filters import overlong_mask, select_groups, zero_std_groups
+from grpoflow.algo.kl import k3_kl
+from grpoflow.algo.logprobs import (
+    position_ids_from_mask,
+    selective_log_softmax,
+    sequence_logprobs,
+    token_logprobs_from_hidden,
+)
+from grpoflow.algo.losses import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_REDUCTIONS,
+    micro_batch_scale,
+    policy_loss,
+)
+
+__all__ = [
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "LOSS_REDUCTIONS",
+    "SCALE_MODES",
+    "combine_rewards",
+    "group_advantages",
+    "group_reward_std",
+    "k3_kl",
+    "micro_batch_scale",
+    "overlong_mask",
+    "policy_loss",
+    "position_ids_from_mask",
+    "select_groups",
+    "selective_log_softmax",
+    "sequence_logprobs",
+    "token_logprobs_from_hidden",
+    "zero_std_groups",
+]

@@ -1,0 +1,221 @@
+"""Per-token log-probabilities of completions, without materialising the full logits.
+
+The vocabulary projection is the memory peak of RL post-training: `(batch * seq, vocab)` float32
+logits are gigabytes for a modern vocabulary. Here the last hidden states are projected a chunk of
+tokens at a time, and under autograd each chunk is checkpointed, so the backward pass saves only
+the hidden chunk and recomputes that chunk's logits.
+
+Positions follow the attention mask (`cumsum(mask) - 1`), as `generate` and vLLM number them, so
+left padding does not shift the positions of a prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK_SIZE = 4096
+"""Tokens projected to the vocabulary at a time."""
+
+_LOGIT_SCALING_ATTRIBUTES = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_scaling",
+)
+"""Config fields of models whose forward transforms the logits after the output projection."""
+
+
+def selective_log_softmax(logits: Tensor, index: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+    """`log_softmax(logits)[..., index]`, computed in float32 a chunk of rows at a time.
+
+    Args:
+        logits: `(..., vocab)`.
+        index: `(...)`, integer ids into the vocabulary.
+        chunk_size: rows per chunk; bounds the float32 temporaries to `(chunk_size, vocab)`.
+
+    Returns:
+        `(...)` float32 log-probabilities.
+    """
+    flat_logits = logits.reshape(-1, logits.size(-1))
+    flat_index = index.reshape(-1)
+    pieces = [
+        _gather_log_prob(rows.float(), ids)
+        for rows, ids in zip(flat_logits.split(chunk_size), flat_index.split(chunk_size))
+    ]
+    return _concat(pieces, flat_logits).view(index.shape)
+
+
+def _gather_log_prob(logits: Tensor, index: Tensor) -> Tensor:
+    """`(rows, vocab)`, `(rows,)` -> `(rows,)`: the target logit minus the row's logsumexp."""
+    target = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    return target - torch.logsumexp(logits, dim=-1)
+
+
+def _entropy(logits: Tensor) -> Tensor:
+    """`(rows, vocab)` -> `(rows,)` entropy of `softmax(logits)`, without gradient."""
+    with torch.no_grad():
+        log_probs = torch.log_softmax(logits, dim=-1)
+        return -(log_probs.exp() * log_probs).sum(dim=-1)
+
+
+def _concat(pieces: list[Tensor], like: Tensor) -> Tensor:
+    return torch.cat(pieces) if pieces else like.new_zeros(0, dtype=torch.float32)
+
+
+def _projection(lm_head: nn.Module | Tensor, bias: Tensor | None):
+    """A callable `hidden (tokens, hidden) -> logits (tokens, vocab)` and the weight it uses."""
+    if isinstance(lm_head, nn.Module):
+        if bias is not None:
+            raise ValueError("Pass `bias` only with a weight tensor; an nn.Module lm_head carries its own.")
+        return lm_head, lm_head.weight
+    return (lambda hidden: F.linear(hidden, lm_head, bias)), lm_head
+
+
+def token_logprobs_from_hidden(
+    hidden: Tensor,
+    lm_head: nn.Module | Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    compute_entropy: bool = False,
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probabilities of `targets` under `softmax(lm_head(hidden) / temperature)`.
+
+    Args:
+        hidden: `(batch, seq, hidden)` last hidden states; position t predicts `targets[:, t]`.
+        lm_head: the output projection, an `nn.Module` or its weight `(vocab, hidden)`.
+        targets: `(batch, seq)` token ids.
+        temperature: divides the logits, as at sampling time.
+        chunk_size: tokens projected at a time; the float32 logits never exceed
+            `(chunk_size, vocab)`, in the forward pass or in backward.
+        compute_entropy: also return the entropy of each temperature-scaled distribution.
+        bias: `(vocab,)`, only with a weight tensor.
+
+    Returns:
+        log_probs: `(batch, seq)` float32.
+        entropy: `(batch, seq)` float32 without gradient, or None.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}.")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    project, weight = _projection(lm_head, bias)
+
+    def score_chunk(hidden_chunk: Tensor, target_chunk: Tensor) -> tuple[Tensor, Tensor | None]:
+        logits = project(hidden_chunk).float() / temperature  # (chunk, vocab)
+        entropy = _entropy(logits) if compute_entropy else None
+        return _gather_log_prob(logits, target_chunk), entropy
+
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    flat_hidden = hidden.reshape(-1, hidden.size(-1))
+    log_probs, entropies = [], []
+    for hidden_chunk, target_chunk in zip(
+        flat_hidden.split(chunk_size), targets.reshape(-1).split(chunk_size)
+    ):
+        if recompute:
+            chunk_log_probs, chunk_entropy = checkpoint(
+                score_chunk, hidden_chunk, target_chunk, use_reentrant=False
+            )
+        else:
+            chunk_log_probs, chunk_entropy = score_chunk(hidden_chunk, target_chunk)
+        log_probs.append(chunk_log_probs)
+        entropies.append(chunk_entropy)
+    log_probs = _concat(log_probs, flat_hidden).view(targets.shape)
+    entropy = _concat(entropies, flat_hidden).view(targets.shape) if compute_entropy else None
+    return log_probs, entropy
+
+
+def _logprobs_from_logits(
+    logits: Tensor, targets: Tensor, temperature: float, chunk_size: int, compute_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Like `token_logprobs_from_hidden` for logits a model already produced: `(b, s, vocab)`."""
+    flat_logits = logits.reshape(-1, logits.size(-1))
+    log_probs, entropies = [], []
+    for rows, ids in zip(flat_logits.split(chunk_size), targets.reshape(-1).split(chunk_size)):
+        scaled = rows.float() / temperature
+        log_probs.append(_gather_log_prob(scaled, ids))
+        if compute_entropy:
+            entropies.append(_entropy(scaled))
+    log_probs = _concat(log_probs, flat_logits).view(targets.shape)
+    entropy = _concat(entropies, flat_logits).view(targets.shape) if compute_entropy else None
+    return log_probs, entropy
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """`(batch, seq)` -> `(batch, seq)` positions counting only attended tokens; padding gets 0."""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """The model's decoder body and output projection, or None when logits need the full forward."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    if any(getattr(config, name, None) is not None for name in _LOGIT_SCALING_ATTRIBUTES):
+        return None
+    get_decoder = getattr(model, "get_decoder", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        return None
+    decoder, head = get_decoder(), get_head()
+    if decoder is None or decoder is model or head is None:
+        return None
+    return decoder, head
+
+
+def sequence_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    logits_to_keep: int,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    compute_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probabilities of the last `logits_to_keep` tokens of each sequence.
+
+    Runs the model's decoder body and projects only the hidden states that predict completion
+    tokens (the state at position t - 1 scores token t), in chunks. Models whose forward changes
+    the logits after the projection (soft-capping, logit scaling) or that expose no decoder go
+    through `model(...)` instead and only the log-softmax is chunked.
+
+    Args:
+        model: a causal LM (transformers `PreTrainedModel` or alike).
+        input_ids: `(batch, seq)` prompt then completion tokens, prompts left-padded.
+        attention_mask: `(batch, seq)`, 1 on real tokens.
+        logits_to_keep: number of completion tokens at the end of each row to score.
+        temperature, chunk_size, compute_entropy: as in `token_logprobs_from_hidden`.
+
+    Returns:
+        log_probs: `(batch, logits_to_keep)` float32.
+        entropy: `(batch, logits_to_keep)` float32 without gradient, or None.
+    """
+    if not 0 < logits_to_keep < input_ids.size(1):
+        raise ValueError(
+            f"logits_to_keep must be in [1, seq - 1] so that every scored token has a predecessor; got "
+            f"{logits_to_keep} for seq {input_ids.size(1)}."
+        )
+    targets = input_ids[:, -logits_to_keep:]
+    position_ids = position_ids_from_mask(attention_mask)
+    parts = _decoder_and_head(model)
+    if parts is None:
+        outputs = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=logits_to_keep + 1,
+            use_cache=False,
+        )
+        logits = outputs.logits[:, -(logits_to_keep + 1) : -1]
+        return _logprobs_from_logits(logits, targets, temperature, chunk_size, compute_entropy)
+    decoder, head = parts
+    outputs = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
+    hidden = outputs.last_hidden_state[:, -(logits_to_keep + 1) : -1]
+    return token_logprobs_from_hidden(hidden, head, targets, temperature, chunk_size, compute_entropy)

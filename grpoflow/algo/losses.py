@@ -1,0 +1,230 @@
+"""The clipped policy-gradient loss of GRPO, DAPO, Dr. GRPO and GSPO, as one function.
+
+All variants share the PPO surrogate `-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)` per
+token and differ in the importance ratio `r` and in how per-token losses become a scalar. The math
+matches TRL 1.16's `GRPOTrainer`; where that departs from the papers:
+
+- GRPO (`loss_type="grpo"`): per-sequence token mean, then mean over sequences, as in the paper.
+  The KL penalty is Schulman's k3 estimator added to every token's loss; it is added after the
+  importance-sampling correction weights and is never clipped.
+- KL bias correction (on by default, as in TRL 1.16): the k3 term is multiplied by the
+  (differentiable, unclipped) importance ratio `pi / pi_old`, following DeepSeek-V3.2. The
+  samples come from `pi_old`, so this makes the KL gradient the unbiased reverse-KL gradient; it
+  changes the gradient even on-policy, where the ratio's value is 1. The GRPO paper has plain k3.
+- BNPO (`"bnpo"`): one token mean over the micro-batch.
+- Dr. GRPO (`"dr_grpo"`): token sum over the constant `num_sequences * max_completion_length`,
+  which removes the length bias of the per-sequence mean. The paper also drops the reward std;
+  that is `scale_rewards="none"` in `advantages.py`, not part of the loss.
+- DAPO (`"dapo"`, the default): token sum over the number of completion tokens in the whole
+  generation batch (`num_items_in_batch`), so micro-batches add up to the paper's token-level
+  loss. `epsilon_high > epsilon_low` is DAPO's clip-higher. Dynamic sampling and the overlong
+  filter live in `filters.py`; the overlong *reward shaping* is a reward function.
+- GSPO (`importance_sampling_level="sequence"`): `r = exp(mean_t log(pi / pi_old))` per sequence,
+  with the gradient flowing through the mean (the paper's GSPO, not GSPO-token). The per-sequence
+  loss is then reduced by `loss_type` like a per-token one: "grpo" gives the paper's mean over
+  sequences, while "dapo" and "bnpo" weigh each sequence by its number of tokens.
+- `delta` (INTELLECT-2's two-sided clipping) also caps `r` at `delta`, which bounds the loss of
+  tokens with negative advantage and a large ratio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grpoflow.algo.kl import k3_kl
+
+
+def _reduce_grpo(per_token_loss: Tensor, mask: Tensor, **_) -> Tensor:
+    per_sequence = (per_token_loss * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+    return per_sequence.mean()
+
+
+def _reduce_bnpo(per_token_loss: Tensor, mask: Tensor, **_) -> Tensor:
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _reduce_dr_grpo(
+    per_token_loss: Tensor,
+    mask: Tensor,
+    *,
+    max_completion_length: int | None,
+    num_sequences_in_batch: int | None,
+    **_,
+) -> Tensor:
+    if max_completion_length is None:
+        raise ValueError("loss_type='dr_grpo' divides by max_completion_length; pass it to policy_loss.")
+    num_sequences = mask.size(0) if num_sequences_in_batch is None else num_sequences_in_batch
+    return (per_token_loss * mask).sum() / (num_sequences * max_completion_length)
+
+
+def _reduce_dapo(
+    per_token_loss: Tensor, mask: Tensor, *, num_items_in_batch: Tensor | int | None, **_
+) -> Tensor:
+    num_items = mask.sum() if num_items_in_batch is None else num_items_in_batch
+    num_items = torch.as_tensor(num_items, dtype=per_token_loss.dtype, device=per_token_loss.device)
+    return (per_token_loss * mask).sum() / num_items.clamp(min=1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LossReduction:
+    """How one loss type turns masked per-token losses into a scalar."""
+
+    reduce: Callable[..., Tensor]
+    """`(per_token_loss (batch, seq), mask (batch, seq), **batch totals) -> 0-dim loss`."""
+    global_normalizer: bool
+    """True when the divisor counts the whole generation batch, so micro-batch losses add up."""
+
+
+LOSS_REDUCTIONS: dict[str, LossReduction] = {
+    "grpo": LossReduction(_reduce_grpo, global_normalizer=False),
+    "bnpo": LossReduction(_reduce_bnpo, global_normalizer=False),
+    "dr_grpo": LossReduction(_reduce_dr_grpo, global_normalizer=True),
+    "dapo": LossReduction(_reduce_dapo, global_normalizer=True),
+}
+"""Loss reductions by `loss_type`."""
+
+
+def _reduction(loss_type: str) -> LossReduction:
+    if loss_type not in LOSS_REDUCTIONS:
+        raise ValueError(f"Unknown loss_type {loss_type!r}; known: {sorted(LOSS_REDUCTIONS)}.")
+    return LOSS_REDUCTIONS[loss_type]
+
+
+def micro_batch_scale(loss_type: str, num_micro_batches: int) -> float:
+    """Factor by which to multiply each micro-batch's loss before accumulating gradients.
+
+    With "dapo" and "dr_grpo" the caller passes the generation batch's totals
+    (`num_items_in_batch`, `num_sequences_in_batch`) to every micro-batch, so the micro-batch
+    losses already sum to the full-batch loss: the factor is 1. "grpo" and "bnpo" are means over
+    their micro-batch, so the factor is `1 / num_micro_batches` (exact for equal micro-batches).
+    """
+    if num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}.")
+    return 1.0 if _reduction(loss_type).global_normalizer else 1.0 / num_micro_batches
+
+
+def _token_log_weights(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    return log_ratio
+
+
+def _sequence_log_weights(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    mean = (log_ratio * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+    return mean.unsqueeze(-1)
+
+
+IMPORTANCE_SAMPLING_LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "token": _token_log_weights,
+    "sequence": _sequence_log_weights,
+}
+"""`(log_ratio (batch, seq), mask (batch, seq)) -> log importance weights (batch, seq) or (batch, 1)`."""
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean over unmasked tokens; over sequences when `values` is per sequence `(batch, 1)`."""
+    if values.size(-1) == 1 and mask.size(-1) != 1:
+        return values.mean()
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _clip_metrics(
+    ratio: Tensor, advantages: Tensor, mask: Tensor, epsilon_low: float, epsilon_high: float
+) -> dict[str, Tensor]:
+    is_low = (ratio < 1 - epsilon_low) & (advantages < 0)
+    is_high = (ratio > 1 + epsilon_high) & (advantages > 0)
+    return {
+        "clip_ratio/low_mean": _masked_mean(is_low.float(), mask),
+        "clip_ratio/high_mean": _masked_mean(is_high.float(), mask),
+        "clip_ratio/region_mean": _masked_mean((is_low | is_high).float(), mask),
+    }
+
+
+def policy_loss(
+    logps: Tensor,
+    old_logps: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logps: Tensor | None = None,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    delta: float | None = None,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    max_completion_length: int | None = None,
+    num_items_in_batch: Tensor | int | None = None,
+    num_sequences_in_batch: int | None = None,
+    is_weights: Tensor | None = None,
+    kl_bias_correction: bool = True,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped surrogate loss plus an optional k3 KL penalty, reduced as `loss_type` says.
+
+    Args:
+        logps: `(batch, seq)` log-probabilities of the completion tokens under the policy (with grad).
+        old_logps: `(batch, seq)` the same under the policy that sampled them; None means
+            on-policy (`logps.detach()`, ratio 1).
+        advantages: `(batch,)`, or `(batch, seq)` per token.
+        mask: `(batch, seq)`, 1 on completion tokens that count in the loss.
+        ref_logps: `(batch, seq)` reference log-probabilities; required when `beta != 0`.
+        beta: weight of the per-token KL penalty.
+        epsilon_low, epsilon_high: clip range `[1 - epsilon_low, 1 + epsilon_high]`.
+        delta: if set, the ratio is also capped at `delta` (two-sided clipping).
+        loss_type: a key of `LOSS_REDUCTIONS`.
+        importance_sampling_level: a key of `IMPORTANCE_SAMPLING_LEVELS` ("sequence" is GSPO).
+        max_completion_length: the generation limit; required by "dr_grpo".
+        num_items_in_batch: completion tokens in the whole generation batch ("dapo");
+            defaults to `mask.sum()`.
+        num_sequences_in_batch: completions in the whole generation batch ("dr_grpo");
+            defaults to `batch`.
+        is_weights: `(batch, seq)` or `(batch, 1)` importance-sampling correction weights (e.g.
+            trainer-vs-sampler mismatch); they multiply the surrogate, not the KL term.
+        kl_bias_correction: multiply the per-token KL by the importance ratio (TRL's
+            `use_bias_correction_kl`); False gives the GRPO paper's plain k3 penalty.
+
+    Returns:
+        loss: 0-dim tensor with grad.
+        metrics: 0-dim detached tensors: `clip_ratio/low_mean`, `clip_ratio/high_mean`,
+            `clip_ratio/region_mean` (token means, or sequence means at sequence level) and,
+            when `beta != 0`, `kl` (token mean of the KL term as it enters the loss, before `beta`).
+    """
+    reduction = _reduction(loss_type)
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"Unknown importance_sampling_level {importance_sampling_level!r}; known: "
+            f"{sorted(IMPORTANCE_SAMPLING_LEVELS)}."
+        )
+    if beta != 0.0 and ref_logps is None:
+        raise ValueError("beta != 0 adds a KL penalty to the reference model; pass ref_logps.")
+    mask = mask.to(logps.dtype)
+    old_logps = logps.detach() if old_logps is None else old_logps
+    advantages = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # (batch, 1 or seq)
+
+    log_weights = IMPORTANCE_SAMPLING_LEVELS[importance_sampling_level](logps - old_logps, mask)
+    ratio = torch.exp(log_weights)  # (batch, seq) or (batch, 1)
+    kl = None
+    if beta != 0.0:
+        kl = k3_kl(logps, ref_logps) * (ratio if kl_bias_correction else 1.0)  # (batch, seq)
+    clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        ratio = torch.clamp(ratio, max=delta)
+    per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    if is_weights is not None:
+        per_token_loss = per_token_loss * is_weights
+
+    metrics = _clip_metrics(ratio, advantages, mask, epsilon_low, epsilon_high)
+    if kl is not None:
+        per_token_loss = per_token_loss + beta * kl
+        metrics["kl"] = _masked_mean(kl, mask)
+
+    loss = reduction.reduce(
+        per_token_loss,
+        mask,
+        max_completion_length=max_completion_length,
+        num_items_in_batch=num_items_in_batch,
+        num_sequences_in_batch=num_sequences_in_batch,
+    )
+    return loss, {name: value.detach() for name, value in metrics.items()}

@@ -1,0 +1,125 @@
+"""Atomic, rotating checkpoints that resume a run exactly.
+
+A checkpoint is written into a hidden temporary directory beside its final place, a `COMPLETE`
+marker goes in last, and one `rename` publishes it: a crash mid-save leaves only a temporary
+directory, which the next save clears, never a half-written `checkpoint-N`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("grpoflow.checkpoint")
+
+MARKER = "COMPLETE"
+STATE_FILE = "trainer_state.pt"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    *,
+    model,
+    tokenizer,
+    trainer_state: dict[str, Any],
+    save_total_limit: int | None = None,
+) -> Path:
+    """Write `output_dir/checkpoint-{step}` atomically, then drop the oldest beyond the limit."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for stale in output_dir.glob(".tmp-checkpoint-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = output_dir / f"checkpoint-{step}"
+    staging = output_dir / f".tmp-checkpoint-{step}-{os.getpid()}"
+    staging.mkdir()
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    torch.save(trainer_state, staging / STATE_FILE)
+    (staging / MARKER).write_text(str(step))
+    _fsync_tree(staging)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync_dir(output_dir)
+    if save_total_limit is not None:
+        for old in list_checkpoints(output_dir)[:-save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in `output_dir`, oldest first."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for path in output_dir.iterdir():
+        match = _NAME.match(path.name)
+        if match and (path / MARKER).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def resolve_checkpoint(spec: str, output_dir: str | Path) -> Path:
+    """A checkpoint directory from `resume_from_checkpoint` (a path, or `latest`/`true`)."""
+    if spec.lower() in {"latest", "true", "auto"}:
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise ValueError(f"resume_from_checkpoint={spec}: no complete checkpoint in {output_dir}")
+        return found[-1]
+    path = Path(spec)
+    if not (path / MARKER).is_file() or not (path / STATE_FILE).is_file():
+        raise ValueError(
+            f"resume_from_checkpoint={spec} is not a complete checkpoint directory "
+            f"(it needs {MARKER} and {STATE_FILE})"
+        )
+    return path
+
+
+def load_trainer_state(path: str | Path) -> dict[str, Any]:
+    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

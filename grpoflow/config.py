@@ -1,0 +1,449 @@
+"""Typed configuration: one small dataclass per component, grouped under `GRPOConfig`.
+
+Users write flat keys with the names they know from TRL's GRPOConfig and ms-swift's
+`swift rlhf --rlhf_type grpo` (`learning_rate`, `num_generations`, `beta`, ...), in YAML or as
+`--key value` flags; each key belongs to exactly one section, except `max_completion_length`, which
+the generation and reward sections share. Unknown keys and bad values raise `ValueError` naming
+the key and what is allowed, before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from grpoflow.rewards import RewardConfig
+
+KEY_ALIASES = {"overlong_filter": "mask_truncated_completions", "rlhf_type": None}
+"""Other names users know for a key; None marks keys accepted and ignored (always GRPO here)."""
+
+
+def _check_positive(section: object, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyConfig:
+    """The model being trained."""
+
+    model: str | None = None
+    """Hugging Face causal LM: a local directory or a hub id; `tiny` builds a small local model."""
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype; auto is bfloat16 on a GPU that supports it, float32 on the CPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train; auto picks CUDA when available."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where prompts come from and how they become token ids."""
+
+    dataset: list[str] = field(default_factory=list)
+    """Datasets: a packaged task (echo, gsm8k), a local jsonl/json/parquet/csv file or a hub
+    dataset; `NAME#N` takes N rows."""
+    dataset_split: str = "train"
+    """Split of hub datasets and packaged tasks."""
+    system: str | None = None
+    """System prompt: text, or the path of a file holding it."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens; longer ones follow truncation_strategy."""
+    truncation_strategy: Literal["delete", "left", "raise"] = "delete"
+    """Prompts over max_prompt_length: delete (skip, reported), left (keep the end), raise."""
+    dataset_shuffle: bool = True
+    """Shuffle prompts each epoch."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "max_prompt_length")
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerationConfig:
+    """How completions are sampled."""
+
+    num_generations: int = 8
+    """Completions per prompt (G)."""
+    max_completion_length: int = 512
+    """Most new tokens per completion."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are taken on logits divided by it."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 keeps all."""
+    min_p: float = 0.0
+    """Minimum probability relative to the most likely token."""
+    repetition_penalty: float = 1.0
+    """Penalty on tokens already present; 1.0 is off."""
+    stop: list[str] = field(default_factory=list)
+    """Extra strings that end a completion."""
+    rollout_engine: Literal["auto", "hf", "native"] = "auto"
+    """Generation backend: native (grpoflow's engine), hf (transformers generate), auto (native
+    where it supports the model, else hf)."""
+    gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory the native engine may use for its KV cache."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "max_completion_length", "temperature")
+        if self.num_generations < 2:
+            raise ValueError(
+                f"num_generations must be >= 2 (group-relative advantages need a group), "
+                f"got {self.num_generations}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+        _check_positive(self, "repetition_penalty")
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    """The GRPO-family objective."""
+
+    beta: float = 0.0
+    """KL coefficient; 0 loads no reference model."""
+    epsilon: float = 0.2
+    """Lower clip range of the importance ratio."""
+    epsilon_high: float | None = None
+    """Upper clip range (DAPO clip-higher); defaults to epsilon."""
+    delta: float | None = None
+    """Upper clamp on the unclipped ratio (two-sided clipping); off when None."""
+    num_iterations: int = 1
+    """Policy updates per generation batch."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """How per-token losses are reduced."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide advantages by the std of the group, of the batch, or not at all."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """Ratio per token (GRPO) or per sequence (GSPO)."""
+    mask_truncated_completions: bool = False
+    """Truncated completions carry no loss (DAPO overlong filtering; alias overlong_filter)."""
+    dynamic_sample: bool = False
+    """Drop groups whose rewards have zero spread and sample more prompts (DAPO)."""
+    max_resample_times: int = 3
+    """Most extra sampling rounds per step under dynamic_sample."""
+    logprob_chunk_size: int = 4096
+    """Tokens per chunk when computing log-probs, bounding the fp32 logits in memory."""
+
+    def __post_init__(self) -> None:
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        _check_positive(self, "epsilon", "epsilon_high", "num_iterations", "logprob_chunk_size")
+        if self.delta is not None and self.delta <= 1:
+            raise ValueError(f"delta must be > 1 (an upper bound on the ratio), got {self.delta}")
+        if self.max_resample_times < 0:
+            raise ValueError(f"max_resample_times must be >= 0, got {self.max_resample_times}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardSelectionConfig:
+    """Which rewards score completions (their parameters live in RewardConfig)."""
+
+    reward_funcs: list[str] = field(default_factory=list)
+    """Registered names (accuracy, format, cosine, repetition, soft_overlong, ...) or import paths
+    (`pkg.module:function`, `file.py:function`)."""
+    reward_weights: list[float] | None = None
+    """One weight per reward (reward_model last); all 1.0 when unset."""
+    reward_model: str | None = None
+    """A sequence-classification model scoring prompt + completion."""
+    external_plugins: list[str] = field(default_factory=list)
+    """Python files to load before rewards are resolved (they register rewards)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """Optimisation, schedule, checkpoints."""
+
+    learning_rate: float = 1e-6
+    """Peak learning rate of AdamW."""
+    lr_scheduler_type: Literal[
+        "linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial"
+    ] = "linear"
+    """Learning-rate schedule (transformers' names)."""
+    warmup_ratio: float = 0.0
+    """Fraction of steps spent warming up."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm; 0 turns clipping off."""
+    per_device_train_batch_size: int = 8
+    """Completions per micro-batch."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; a step generates their completions in one batch."""
+    num_train_epochs: float = 1.0
+    """Passes over the prompts when max_steps is not set."""
+    max_steps: int = -1
+    """Training steps (each: one generation batch, num_iterations optimizer steps); -1 uses
+    num_train_epochs."""
+    seed: int = 42
+    """Seed of data order, sampling and initialisation."""
+    output_dir: str = "outputs/grpoflow"
+    """Where checkpoints, metrics and logs go."""
+    save_steps: int = 500
+    """Save a checkpoint every this many steps (and at the end)."""
+    save_total_limit: int | None = None
+    """Keep at most this many checkpoints (oldest deleted)."""
+    resume_from_checkpoint: str | None = None
+    """A checkpoint directory, or `latest` for the newest in output_dir."""
+
+    def __post_init__(self) -> None:
+        _check_positive(
+            self,
+            "learning_rate",
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "num_train_epochs",
+            "save_steps",
+            "save_total_limit",
+        )
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ValueError(f"max_steps must be > 0, or -1 to use num_train_epochs; got {self.max_steps}")
+
+
+@dataclass(kw_only=True, slots=True)
+class LogConfig:
+    """What gets logged where."""
+
+    logging_steps: int = 1
+    """Log metrics every this many steps."""
+    log_completions: bool = False
+    """Write every completion with its rewards and advantage to completions.jsonl."""
+    report_to: list[Literal["tensorboard", "wandb", "none", "all"]] = field(
+        default_factory=lambda: ["tensorboard"]
+    )
+    """Metric sinks besides metrics.jsonl."""
+    disable_tqdm: bool = False
+    """Turn off the live progress bar."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "logging_steps")
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    """Everything a run needs, one section per component."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rewards: RewardSelectionConfig = field(default_factory=RewardSelectionConfig)
+    reward_params: RewardConfig = field(default_factory=RewardConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions generated per step."""
+        return self.training.per_device_train_batch_size * self.training.gradient_accumulation_steps
+
+    def total_steps(self, num_prompts: int) -> int:
+        """Training steps: max_steps, or enough generation batches for num_train_epochs."""
+        if self.training.max_steps > 0:
+            return self.training.max_steps
+        per_step = self.generation_batch_size // self.generation.num_generations
+        return max(1, math.ceil(self.training.num_train_epochs * num_prompts / per_step))
+
+    def validate(self) -> None:
+        """Checks that span sections."""
+        if self.policy.model is None:
+            raise ValueError(
+                "model is not set: pass --model (a local directory or hub id), or run the embedded "
+                "default with `grpoflow train` and no arguments"
+            )
+        if not self.data.dataset:
+            raise ValueError("dataset is not set: pass --dataset (e.g. gsm8k, or a jsonl file)")
+        if not self.rewards.reward_funcs and not self.rewards.reward_model:
+            raise ValueError("no reward: set reward_funcs (e.g. accuracy format) or reward_model")
+        g, batch = self.generation.num_generations, self.generation_batch_size
+        if batch % g:
+            raise ValueError(
+                f"per_device_train_batch_size x gradient_accumulation_steps = {batch} completions "
+                f"per step must be divisible by num_generations = {g}"
+            )
+        num_rewards = len(self.rewards.reward_funcs) + bool(self.rewards.reward_model)
+        weights = self.rewards.reward_weights
+        if weights is not None and len(weights) != num_rewards:
+            raise ValueError(
+                f"reward_weights has {len(weights)} values but there are {num_rewards} rewards "
+                "(reward_funcs, then reward_model): give one weight each"
+            )
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """All keys as one flat mapping (what a YAML recipe holds)."""
+        flat: dict[str, Any] = {}
+        for section in _sections():
+            flat.update(dataclasses.asdict(getattr(self, section.name)))
+        return flat
+
+    @classmethod
+    def from_flat_dict(cls, values: dict[str, Any]) -> GRPOConfig:
+        """Build from flat keys (or keys nested under section names), checking every value."""
+        owners = _key_owners()
+        per_section: dict[str, dict[str, Any]] = {section.name: {} for section in _sections()}
+        for raw_key, value in _flatten_sections(values).items():
+            key = _canonical_key(raw_key)
+            if key is None:
+                continue
+            if key not in owners:
+                raise ValueError(_unknown_key_message(raw_key, owners))
+            for section_name, hint in owners[key]:
+                per_section[section_name][key] = _coerce(key, value, hint)
+        sections = {}
+        for section in _sections():
+            try:
+                sections[section.name] = _section_type(section)(**per_section[section.name])
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"invalid config: {error}") from None
+        return cls(**sections)
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> GRPOConfig:
+    """Read a YAML recipe (or none) and apply overrides on top."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {path} must hold a mapping of keys to values")
+        values.update(_flatten_sections(loaded))
+    values.update(overrides or {})
+    return GRPOConfig.from_flat_dict(values)
+
+
+def parse_overrides(argv: list[str]) -> dict[str, Any]:
+    """`--key value`, `--key=value`, `--flag` (true) and `--key v1 v2 ...` (lists) to a dict.
+
+    Values stay strings; `GRPOConfig.from_flat_dict` converts them by the field's type.
+    """
+    overrides: dict[str, Any] = {}
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if not token.startswith("--") or token == "--":
+            raise ValueError(f"unexpected argument {token!r}: options look like --key value")
+        key, _, inline = token[2:].partition("=")
+        key = key.replace("-", "_")
+        index += 1
+        values = [inline] if inline else []
+        while not inline and index < len(argv) and not argv[index].startswith("--"):
+            values.append(argv[index])
+            index += 1
+        overrides[key] = "true" if not values else values[0] if len(values) == 1 else values
+    return overrides
+
+
+def _sections() -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(GRPOConfig)
+
+
+def _section_type(section: dataclasses.Field) -> type:
+    return typing.get_type_hints(GRPOConfig)[section.name]
+
+
+def _key_owners() -> dict[str, list[tuple[str, Any]]]:
+    owners: dict[str, list[tuple[str, Any]]] = {}
+    for section in _sections():
+        hints = typing.get_type_hints(_section_type(section))
+        for item in dataclasses.fields(_section_type(section)):
+            owners.setdefault(item.name, []).append((section.name, hints[item.name]))
+    return owners
+
+
+def _flatten_sections(values: dict[str, Any]) -> dict[str, Any]:
+    section_names = {section.name for section in _sections()}
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in section_names and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def _canonical_key(key: str) -> str | None:
+    key = key.replace("-", "_")
+    return KEY_ALIASES.get(key, key) if key in KEY_ALIASES else key
+
+
+def _unknown_key_message(key: str, owners: dict[str, Any]) -> str:
+    close = difflib.get_close_matches(key, list(owners) + list(KEY_ALIASES), n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"unknown config key {key!r}{hint} (`grpoflow train --help` lists the keys)"
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Convert `value` (from YAML or a flag) to the field's declared type or raise ValueError."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in {"none", "null"}):
+            if type(None) in args:
+                return None
+        inner = [arg for arg in args if arg is not type(None)]
+        return _coerce(key, value, inner[0])
+    if origin is list:
+        items = value if isinstance(value, list | tuple) else _split_list(value)
+        return [_coerce(key, item, args[0]) for item in items]
+    if origin is Literal:
+        text = value if not isinstance(value, bool) else str(value).lower()
+        if text not in args:
+            raise ValueError(f"{key} must be one of {', '.join(map(str, args))}; got {value!r}")
+        return text
+    try:
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).lower()
+            if text not in _TRUE | _FALSE:
+                raise ValueError
+            return text in _TRUE
+        if hint is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if hint is float:
+            return float(value)
+        if hint is str:
+            if isinstance(value, dict | list):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be a {hint.__name__}; got {value!r}") from None
+    return value
+
+
+def _split_list(value: Any) -> list[Any]:
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return [value]

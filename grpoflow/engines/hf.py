@@ -1,0 +1,187 @@
+"""Reference rollout engine on transformers' `generate`.
+
+Slow but exact and universal: it runs any causal LM, generating from the policy module itself
+(no weight copy). Sampling log-probs come from one extra forward pass over the finished
+sequences, taken on logits divided by the temperature, as the trainer takes them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from grpoflow.algo import sequence_logprobs
+from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
+
+
+class HFEngine:
+    """Generates with `model.generate` on the live policy module."""
+
+    shares_policy_weights = True
+
+    def __init__(self, model: torch.nn.Module, tokenizer, *, logprob_chunk_size: int = 4096) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.logprob_chunk_size = logprob_chunk_size
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.policy_version = 0
+        self.stats = EngineStats()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        for index, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {index} is empty: give at least one token")
+        start = time.perf_counter()
+        repeated = [list(prompt) for prompt in prompts for _ in range(params.n)]
+        input_ids, attention_mask = left_pad(repeated, self.pad_token_id, self.device)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), _seeded(params.seed, self.device):
+                sequences = self.model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    **self._generate_kwargs(params),
+                )
+            completion_ids = sequences[:, input_ids.shape[1] :]
+            rows = [self._trim(row.tolist(), params) for row in completion_ids]
+            logprobs = self._logprobs(input_ids, attention_mask, rows, params)
+        finally:
+            self.model.train(was_training)
+        completions = [
+            Completion(
+                token_ids=ids,
+                logprobs=row_logprobs,
+                finish_reason=reason,
+                policy_version=self.policy_version,
+            )
+            for (ids, reason), row_logprobs in zip(rows, logprobs)
+        ]
+        self.stats = EngineStats(
+            num_prompt_tokens=sum(map(len, repeated)),
+            num_generated_tokens=sum(len(ids) for ids, _ in rows),
+            seconds=time.perf_counter() - start,
+        )
+        return [completions[i : i + params.n] for i in range(0, len(completions), params.n)]
+
+    def _generate_kwargs(self, params: SamplingParams) -> dict:
+        greedy = params.temperature == 0
+        kwargs = dict(
+            max_new_tokens=params.max_tokens,
+            do_sample=not greedy,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=None if params.ignore_eos else list(params.stop_token_ids) or None,
+            repetition_penalty=params.repetition_penalty,
+            top_k=None,
+            top_p=None,
+        )
+        if params.ignore_eos:
+            kwargs["min_new_tokens"] = params.max_tokens
+        if not greedy:
+            kwargs.update(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else None,
+                min_p=params.min_p or None,
+            )
+        if params.stop:
+            kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
+        return kwargs
+
+    def _trim(self, ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
+        """Cut the padding after the end of a completion and say why it ended."""
+        stop_ids = set() if params.ignore_eos else set(params.stop_token_ids)
+        for position, token in enumerate(ids):
+            if token in stop_ids:
+                return ids[: position + 1], "stop"
+        while len(ids) < params.max_tokens and ids and ids[-1] == self.pad_token_id:
+            ids = ids[:-1]
+        if len(ids) < params.max_tokens:
+            return ids, "stop"
+        if params.stop and self.tokenizer.decode(ids).endswith(tuple(params.stop)):
+            return ids, "stop"
+        return ids, "length"
+
+    def _logprobs(self, input_ids, attention_mask, rows, params) -> list[list[float]]:
+        width = max((len(ids) for ids, _ in rows), default=0)
+        if width == 0:
+            return [[] for _ in rows]
+        completion = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        completion_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, (ids, _) in enumerate(rows):
+            completion[row, : len(ids)] = torch.tensor(ids)
+            completion_mask[row, : len(ids)] = 1
+        device = input_ids.device
+        full_ids = torch.cat([input_ids, completion.to(device)], dim=1)
+        full_mask = torch.cat([attention_mask, completion_mask.to(device)], dim=1)
+        with torch.no_grad():
+            logps, _ = sequence_logprobs(
+                self.model,
+                full_ids,
+                full_mask,
+                logits_to_keep=width,
+                temperature=params.temperature or 1.0,
+                chunk_size=self.logprob_chunk_size,
+            )
+        return [logps[row, : len(ids)].tolist() for row, (ids, _) in enumerate(rows)]
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """The engine runs the policy module itself: only foreign weights need copying."""
+        own = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in own:
+                    raise ValueError(f"update_weights: the model has no parameter named {name!r}")
+                if own[name].data_ptr() != tensor.data_ptr():
+                    own[name].copy_(tensor)
+        self.policy_version = version
+
+    def sleep(self, level: int = 1) -> None:
+        """Nothing persists between calls of `generate`; the caching allocator is emptied."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        return None
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, longest) ids and attention mask with the padding on the left."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, row in enumerate(rows):
+        if row:
+            ids[index, width - len(row) :] = torch.as_tensor(row)
+            mask[index, width - len(row) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+class _seeded:
+    """Seed the global generators for one call and restore them afterwards."""
+
+    def __init__(self, seed: int | None, device: torch.device) -> None:
+        self.seed, self.device = seed, device
+
+    def __enter__(self):
+        if self.seed is None:
+            return None
+        devices = [self.device] if self.device.type == "cuda" else []
+        self._fork = torch.random.fork_rng(devices=devices)
+        self._fork.__enter__()
+        torch.manual_seed(self.seed)
+        return None
+
+    def __exit__(self, *exc) -> None:
+        if self.seed is not None:
+            self._fork.__exit__(*exc)
+
+
+def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> HFEngine:
+    """Registry factory."""
+    return HFEngine(model, tokenizer, logprob_chunk_size=options.logprob_chunk_size)

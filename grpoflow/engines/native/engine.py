@@ -1,0 +1,214 @@
+"""`NativeEngine`: grpoflow's own rollout engine, generating from the live policy module.
+
+The loop of one `generate` call is: validate, schedule a step (prefill or decode), run it,
+record the sampled tokens, until every sequence has finished. Everything that lives across
+calls is the KV cache, the step buffers and the captured graphs (the runner's); everything
+about the requests (the book and the scheduler) is built per call, so an error in one call
+leaves nothing behind for the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from grpoflow.engines.base import Completion, EngineStats, SamplingParams
+from grpoflow.engines.native.config import NativeEngineConfig
+from grpoflow.engines.native.generic import GenericRunner
+from grpoflow.engines.native.model import FamilyModel
+from grpoflow.engines.native.requests import RequestBook
+from grpoflow.engines.native.runner import Runner, triton_available
+from grpoflow.engines.native.sampler import SamplingOptions
+from grpoflow.engines.native.scheduler import PrefillStep, Scheduler
+
+ON_ERROR = ("raise", "error_completion")
+UNIFORM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class NativeEngine:
+    """Continuous-batching generation straight from `model`'s parameters (no copy, no sync).
+
+    Llama / Mistral / Qwen2 / Qwen3 models run the paged-KV family path (Triton kernels and CUDA
+    graphs on CUDA, torch reference ops on the CPU); any other causal LM runs the generic path.
+    """
+
+    shares_policy_weights = True
+
+    def __init__(self, model: nn.Module, *, config: NativeEngineConfig | None = None, tokenizer=None) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config = config if config is not None else NativeEngineConfig()
+        self.policy_version = 0
+        self.stats = EngineStats()
+        self.family = None if config.force_generic else FamilyModel.from_hf(model)
+        model_config = model.config
+        model_limit = getattr(model_config, "max_position_embeddings", None) or getattr(
+            model_config, "n_positions", None
+        )
+        self.max_model_len = config.max_model_len or model_limit or 2048
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.runner = Runner(self.family, config, self.max_model_len) if self.family else None
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        use_triton = on_cuda and config.use_triton and triton_available()
+        self.generic = None if self.family else GenericRunner(model, config.max_num_seqs, use_triton)
+        self.rng = np.random.default_rng(config.seed)
+        self.weights_signature = self._signature()
+
+    @property
+    def path(self) -> str:
+        """'family' (paged cache, kernels) or 'generic' (the module with its own cache)."""
+        return "family" if self.family else "generic"
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        *,
+        on_error: str = "raise",
+    ) -> list[list[Completion]]:
+        """Sample `n` completions per prompt.
+
+        `params` is one SamplingParams for all prompts or one per prompt (then max_tokens, n, seed,
+        stops and ignore_eos may differ; the distribution fields must agree). A bad prompt (empty,
+        ids outside the vocabulary, no room for one token, more than the cache can hold) raises
+        ValueError naming its index when on_error='raise' (nothing is generated); with
+        on_error='error_completion' it gets `n` empty completions with finish_reason 'error' and
+        the message as text, and the other prompts are served.
+        """
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        requests = self._per_prompt(prompts, params)
+        start = time.perf_counter()
+        self.wake_up()
+        errors = [
+            self._check(index, prompt, request)
+            for index, (prompt, request) in enumerate(zip(prompts, requests))
+        ]
+        if on_error == "raise" and any(errors):
+            raise ValueError("; ".join(error for error in errors if error))
+        book = RequestBook(
+            prompts,
+            requests,
+            errors,
+            seed=int(self.rng.integers(2**63)),
+            max_model_len=self.max_model_len,
+            tokenizer=self.tokenizer,
+        )
+        options = SamplingOptions.from_params(requests[0]) if requests else SamplingOptions()
+        with torch.inference_mode(), _no_autocast(self.model):
+            extra = self._run_family(book, options) if self.family else self.generic.run(book, options)
+        self.stats = EngineStats(
+            num_prompt_tokens=sum(len(book.prompts[index]) for index in book.prompt_of),
+            num_generated_tokens=int(book.num_generated.sum()),
+            seconds=time.perf_counter() - start,
+            extra=extra,
+        )
+        return book.completions(self.policy_version)
+
+    def _run_family(self, book: RequestBook, options: SamplingOptions) -> dict[str, float]:
+        runner = self.runner
+        signature = self._signature()
+        if signature != self.weights_signature:
+            runner.graphs.clear()  # parameters moved: graphs hold the old addresses
+            self.weights_signature = signature
+        scheduler = Scheduler(
+            book,
+            runner.new_pool(),
+            max_rows=self.config.max_num_seqs,
+            block_size=self.config.block_size,
+            max_blocks=runner.max_blocks,
+            max_prefill_tokens=self.config.max_prefill_tokens,
+        )
+        runner.begin(options)
+        prefill_steps = decode_steps = context_tokens = 0
+        while not book.finished:
+            step = scheduler.schedule()
+            if isinstance(step, PrefillStep):
+                tokens, logprobs = runner.prefill(step, book.keys(step.child_sequences), options)
+                scheduler.finish_prefill(step, tokens, logprobs)
+                prefill_steps += 1
+            else:
+                tokens, logprobs = runner.decode(step, book.keys(step.sequences), options)
+                scheduler.finish_decode(step, tokens, logprobs)
+                decode_steps += 1
+                context_tokens += int(step.context_lens.sum())
+        return {
+            "prefill_steps": float(prefill_steps),
+            "decode_steps": float(decode_steps),
+            "decode_context_tokens": float(context_tokens),
+        }
+
+    def _per_prompt(self, prompts, params) -> list[SamplingParams]:
+        requests = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(requests) != len(prompts):
+            raise ValueError(
+                f"got {len(requests)} SamplingParams for {len(prompts)} prompts: give one or one per prompt"
+            )
+        for name in UNIFORM_FIELDS:
+            if len({getattr(request, name) for request in requests}) > 1:
+                raise ValueError(
+                    f"SamplingParams.{name} must be the same for every prompt of one generate call"
+                )
+        return requests
+
+    def _check(self, index: int, prompt: Sequence[int], request: SamplingParams) -> str | None:
+        """Why prompt `index` cannot be served, or None."""
+        if len(prompt) == 0:
+            return f"prompt {index} is empty: give at least one token"
+        if request.max_tokens < 1:
+            return f"prompt {index}: max_tokens must be >= 1, got {request.max_tokens}"
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            return f"prompt {index} has token ids outside [0, {self.vocab_size})"
+        if len(prompt) >= self.max_model_len:
+            return (
+                f"prompt {index} has {len(prompt)} tokens, no room for a completion within "
+                f"max_model_len={self.max_model_len}: shorten it or raise NativeEngineConfig.max_model_len"
+            )
+        if self.runner is not None:
+            total = min(len(prompt) + request.max_tokens, self.max_model_len)
+            capacity = self.runner.num_blocks * self.config.block_size
+            if math.ceil(total / self.config.block_size) > self.runner.num_blocks:
+                return (
+                    f"prompt {index} needs up to {total} tokens of KV cache but the cache holds {capacity}: "
+                    "raise gpu_memory_utilization or num_kv_blocks, or lower max_tokens"
+                )
+        return None
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Record the policy version; tensors that are not already the module's own storage are
+        copied into the module's parameters (standalone use)."""
+        parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in parameters:
+                    raise ValueError(f"update_weights: the model has no parameter named {name!r}")
+                target = parameters[name]
+                if target.data_ptr() != tensor.data_ptr():
+                    target.copy_(tensor)
+        self.policy_version = version
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache, step buffers and graphs; the weights are the policy's and stay
+        (level 2 is the same as level 1)."""
+        if self.runner is not None and self.runner.awake:
+            self.runner.release()
+
+    def wake_up(self) -> None:
+        """Take the KV cache back (generate also does this when needed)."""
+        if self.runner is not None and not self.runner.awake:
+            self.runner.allocate()
+
+    def _signature(self) -> tuple[int, ...]:
+        return tuple(parameter.data_ptr() for parameter in self.model.parameters())
+
+
+@contextlib.contextmanager
+def _no_autocast(model: nn.Module):
+    device_type = next(model.parameters()).device.type
+    with torch.autocast(device_type=device_type, enabled=False):
+        yield

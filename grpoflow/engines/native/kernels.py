@@ -1,0 +1,278 @@
+"""Triton kernels for the CUDA path; `TritonOps` swaps them in for the torch reference ops.
+
+Imported only when the engine runs on CUDA with Triton. Each kernel is tested against its
+reference in `ops.py` / `sampler.py` on the GPU (tests marked `gpu`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from grpoflow.engines.native.ops import TorchOps
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, num_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * num_cols + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * num_cols + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        tl.store(residual_out_ptr + row * num_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inverse = tl.rsqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
+    normed = (xf * inverse).to(dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * num_cols + cols, (weight * normed).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope_store_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
+    q_weight_ptr, k_weight_ptr, eps,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
+    stride_cb, stride_ch, stride_cs,
+    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dtype = q_ptr.dtype.element_ty
+    d = tl.arange(0, HALF_PAD)
+    dmask = d < HALF
+    position = tl.load(positions_ptr + token)
+    cos = tl.load(cos_ptr + position * stride_table + d, mask=dmask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + position * stride_table + d, mask=dmask, other=0.0).to(tl.float32)
+    is_key = head >= NUM_Q_HEADS
+    kv_head = head - NUM_Q_HEADS
+    if is_key:
+        base = k_ptr + token * stride_kt + kv_head * stride_kh
+        weight_ptr = k_weight_ptr
+    else:
+        base = q_ptr + token * stride_qt + head * stride_qh
+        weight_ptr = q_weight_ptr
+    x1 = tl.load(base + d, mask=dmask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        inverse = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+        w1 = tl.load(weight_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * inverse).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inverse).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    out1 = ((x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(base + d, out1, mask=dmask)
+    tl.store(base + HALF + d, out2, mask=dmask)
+    if is_key:
+        slot = tl.load(slots_ptr + token)
+        if slot >= 0:
+            offset = (slot // BLOCK_SIZE) * stride_cb + kv_head * stride_ch + (slot % BLOCK_SIZE) * stride_cs
+            tl.store(k_cache_ptr + offset + d, out1, mask=dmask)
+            tl.store(k_cache_ptr + offset + HALF + d, out2, mask=dmask)
+            v_base = v_ptr + token * stride_vt + kv_head * stride_vh
+            v1 = tl.load(v_base + d, mask=dmask, other=0.0)
+            v2 = tl.load(v_base + HALF + d, mask=dmask, other=0.0)
+            tl.store(v_cache_ptr + offset + d, v1, mask=dmask)
+            tl.store(v_cache_ptr + offset + HALF + d, v2, mask=dmask)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, num_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    dtype = gate_ptr.dtype.element_ty
+    gate = tl.load(gate_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * num_cols + cols, (activated * up).to(dtype), mask=mask)
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, context_ptr, out_ptr, scale, window,
+    stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_tb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    context = tl.load(context_ptr + row)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    q = tl.load(
+        q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=(g < GROUP)[:, None],
+        other=0.0,
+    )
+    m = tl.full([GROUP_PAD], -1e30, tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    start = tl.where(window > 0, tl.maximum(context - window, 0), 0)
+    for first in range((start // BLOCK_N) * BLOCK_N, context, BLOCK_N):
+        offs = first + tl.arange(0, BLOCK_N)
+        valid = (offs < context) & (offs >= start)
+        page = tl.load(table_ptr + row * stride_tb + offs // BLOCK_SIZE, mask=offs < context, other=0)
+        offset = page.to(tl.int64)[:, None] * stride_cb + kv_head * stride_ch
+        offset += (offs % BLOCK_SIZE)[:, None] * stride_cs + d[None, :]
+        k = tl.load(k_cache_ptr + offset, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offset, mask=valid[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.maximum(total, 1e-30)[:, None]
+    tl.store(
+        out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=(g < GROUP)[:, None],
+    )
+
+
+@triton.jit
+def _hash32(x):
+    x ^= x >> 16
+    x *= tl.full([], 0x7FEB352D, tl.uint32)
+    x ^= x >> 15
+    x *= tl.full([], 0x846CA68B, tl.uint32)
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def _race_kernel(
+    logits_ptr, stride_row, keys_ptr, thresholds_ptr, tokens_ptr, logprobs_ptr, vocab_size, inverse_temperature,
+    GREEDY: tl.constexpr, HAS_THRESHOLD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    key = tl.load(keys_ptr + row).to(tl.uint32)
+    threshold = float("-inf")
+    if HAS_THRESHOLD:
+        threshold = tl.load(thresholds_ptr + row)
+    lanes = tl.arange(0, BLOCK)
+    running_max = float("-inf")
+    running_sum = 0.0
+    best = float("-inf")
+    best_index = 0
+    best_logit = 0.0
+    for first in range(0, vocab_size, BLOCK):
+        offs = first + lanes
+        mask = offs < vocab_size
+        x = tl.load(logits_ptr + row * stride_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        x = x * inverse_temperature
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        running_max = new_max
+        if GREEDY:
+            score = x
+        else:
+            bits = _hash32(offs.to(tl.uint32) * tl.full([], 0x9E3779B1, tl.uint32) + key)
+            uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            score = x - tl.log(-tl.log(uniform))
+        if HAS_THRESHOLD:
+            score = tl.where(x >= threshold, score, float("-inf"))
+        score = tl.where(mask, score, float("-inf"))
+        chunk_best = tl.max(score, axis=0)
+        chunk_index = tl.argmax(score, axis=0)
+        chunk_logit = tl.sum(tl.where(lanes == chunk_index, x, 0.0), axis=0)
+        better = chunk_best > best
+        best_index = tl.where(better, first + chunk_index, best_index)
+        best_logit = tl.where(better, chunk_logit, best_logit)
+        best = tl.where(better, chunk_best, best)
+    tl.store(tokens_ptr + row, best_index.to(tl.int64))
+    tl.store(logprobs_ptr + row, best_logit - running_max - tl.log(running_sum))
+
+
+def race(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    inverse_temperature: float,
+    greedy: bool,
+    thresholds: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused sampler: `sampler.race_reference` in one pass over logits (B, V)."""
+    rows, vocab_size = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    block = min(4096, triton.next_power_of_2(vocab_size))
+    _race_kernel[(rows,)](
+        logits, logits.stride(0), keys, thresholds if thresholds is not None else keys, tokens, logprobs,
+        vocab_size, inverse_temperature,
+        GREEDY=greedy, HAS_THRESHOLD=thresholds is not None, BLOCK=block, num_warps=8,
+    )  # fmt: skip
+    return tokens, logprobs
+
+
+class TritonOps(TorchOps):
+    """The reference ops with the hot ones replaced by Triton kernels."""
+
+    name = "triton"
+
+    @staticmethod
+    def rms_norm(
+        x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, cols = x.shape
+        out = torch.empty_like(x)
+        residual_out = torch.empty_like(x) if residual is not None else x
+        _rms_norm_kernel[(rows,)](
+            x, residual if residual is not None else x, weight, out, residual_out, cols, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), num_warps=4,
+        )  # fmt: skip
+        return out, residual_out
+
+    @staticmethod
+    def rope_and_store(q, k, v, cos, sin, positions, slots, k_cache, v_cache, qk_norm=None) -> None:
+        tokens, num_q_heads, head_dim = q.shape
+        half = head_dim // 2
+        q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
+        _rope_store_kernel[(tokens, num_q_heads + k.shape[1])](
+            q, k, v, cos, sin, positions, slots, k_cache, v_cache, q_weight, k_weight, eps,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            NUM_Q_HEADS=num_q_heads, HALF=half, HALF_PAD=triton.next_power_of_2(half),
+            BLOCK_SIZE=k_cache.shape[2], HAS_NORM=qk_norm is not None, num_warps=1,
+        )  # fmt: skip
+
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        rows, cols = gate.shape
+        out = torch.empty_like(gate)
+        block = 1024
+        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, out, cols, BLOCK=block, num_warps=4)
+        return out
+
+    @staticmethod
+    def decode_attention(q, k_cache, v_cache, block_table, context_lens, scale, window, max_context=0):
+        rows, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[1]
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(q)
+        _decode_attention_kernel[(rows, num_kv_heads)](
+            q, k_cache, v_cache, block_table, context_lens, out, scale, window,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_table.stride(0), out.stride(0), out.stride(1),
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            BLOCK_SIZE=k_cache.shape[2], BLOCK_N=64, IEEE=q.dtype == torch.float32,
+            num_warps=4, num_stages=2,
+        )  # fmt: skip
+        return out

@@ -1,0 +1,92 @@
+"""The paged KV cache: one tensor, sized from a memory budget, handed out in ref-counted blocks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from grpoflow.engines.native.config import NativeEngineConfig
+from grpoflow.engines.native.model import Shape
+
+
+def block_bytes(shape: Shape, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block over all layers, keys and values."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return shape.num_layers * 2 * shape.num_kv_heads * block_size * shape.head_dim * element
+
+
+def workspace_bytes(shape: Shape, config: NativeEngineConfig, dtype: torch.dtype) -> int:
+    """A generous bound on what generation needs beside the cache: logits and sampler temporaries
+    for a full decode batch, and the activations of the largest prefill."""
+    element = torch.empty((), dtype=dtype).element_size()
+    rows = config.max_num_seqs
+    decode = rows * shape.vocab_size * (element + 16)
+    tokens = config.max_prefill_tokens
+    prefill = tokens * (4 * shape.intermediate_size + 12 * shape.hidden_size) * element
+    return decode + prefill + (512 << 20)
+
+
+def num_blocks_for(
+    shape: Shape, config: NativeEngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype
+) -> int:
+    """How many blocks to allocate: config.num_kv_blocks, else what the memory budget allows
+    (CUDA), else enough for max_num_seqs full-length sequences (CPU)."""
+    blocks_per_sequence = math.ceil(max_model_len / config.block_size)
+    useful = config.max_num_seqs * blocks_per_sequence
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if device.type != "cuda":
+        return useful
+    free, total = torch.cuda.mem_get_info(device)
+    budget = total * config.gpu_memory_utilization - torch.cuda.memory_reserved(device)
+    budget = min(budget, free) - workspace_bytes(shape, config, dtype)
+    per_block = block_bytes(shape, config.block_size, dtype)
+    if budget < per_block * blocks_per_sequence:
+        raise ValueError(
+            f"gpu_memory_utilization={config.gpu_memory_utilization} leaves "
+            f"{max(budget, 0) / 2**30:.2f} GiB for the KV cache, less than one sequence of "
+            f"max_model_len={max_model_len} needs ({per_block * blocks_per_sequence / 2**30:.2f} GiB); "
+            "raise gpu_memory_utilization, lower max_model_len or max_num_seqs, or free GPU memory"
+        )
+    return int(min(budget // per_block, useful))
+
+
+def allocate_cache(
+    shape: Shape, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """(layers, 2, num_blocks, Hkv, block_size, D): a block of one head is contiguous."""
+    return torch.empty(
+        (shape.num_layers, 2, num_blocks, shape.num_kv_heads, block_size, shape.head_dim),
+        device=device,
+        dtype=dtype,
+    )
+
+
+class BlockPool:
+    """Free list and reference counts of the cache's blocks (host-side bookkeeping only)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.refs = np.zeros(num_blocks, dtype=np.int32)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self, count: int) -> list[int]:
+        assert count <= len(self.free), "caller checks num_free first"
+        blocks = [self.free.pop() for _ in range(count)]
+        self.refs[blocks] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        self.refs[blocks] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free.append(block)

@@ -1,0 +1,174 @@
+"""The decoder forward of the Llama family, read straight from a transformers module.
+
+`FamilyModel` keeps references to the policy's own modules and reads `module.weight` at every
+forward: no copy, the same storage the optimizer updates in place. Llama, Mistral, Qwen2 and Qwen3
+share one layout (pre-norm, rotary GQA attention with optional q/k/v bias and optional per-head
+q/k norm, SwiGLU MLP), so one forward serves them all; anything else returns None from `from_hf`
+and goes to the generic path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grpoflow.engines.native.ops import TorchOps
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+# attend(layer_index, q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D)) -> (T, Hq, D)
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class Shape:
+    """The sizes the engine needs: heads, dims, layers, vocabulary."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_position: int
+
+
+class FamilyModel:
+    """A forward over a live Llama-family transformers model, for paged-KV decoding."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        self.hf_model = hf_model
+        self.config = config = hf_model.config
+        inner = hf_model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.lm_head = hf_model.lm_head
+        attention = self.layers[0].self_attn
+        num_heads = config.num_attention_heads
+        head_dim = attention.q_proj.out_features // num_heads
+        self.shape = Shape(
+            num_layers=len(self.layers),
+            num_heads=num_heads,
+            num_kv_heads=attention.k_proj.out_features // head_dim,
+            head_dim=head_dim,
+            hidden_size=config.hidden_size,
+            intermediate_size=self.layers[0].mlp.gate_proj.out_features,
+            vocab_size=self.lm_head.out_features,
+            max_position=config.max_position_embeddings,
+        )
+        self.scale = float(getattr(attention, "scaling", head_dim**-0.5))
+        self.windows = [_window(config, index) for index in range(len(self.layers))]
+        self.has_qk_norm = hasattr(attention, "q_norm")
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    @staticmethod
+    def from_hf(hf_model: nn.Module) -> FamilyModel | None:
+        """The family forward for `hf_model`, or None when it is outside the supported layout."""
+        config = getattr(hf_model, "config", None)
+        if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+            return None
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
+            return None
+        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+            return None
+        inner = getattr(hf_model, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if inner is None or not all(hasattr(inner, name) for name in needed):
+            return None
+        if not hasattr(hf_model, "lm_head"):
+            return None
+        return FamilyModel(hf_model)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def build_rotary_tables(self, max_len: int) -> None:
+        """cos and sin (max_len, D) in the model dtype, computed as transformers computes them."""
+        rotary = self.hf_model.model.rotary_emb
+        inv_freq = rotary.inv_freq.to(device=self.device, dtype=torch.float32)
+        positions = torch.arange(max_len, device=self.device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.cos = (angles.cos() * scaling).to(self.dtype)
+        self.sin = (angles.sin() * scaling).to(self.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attend: Attend,
+        ops: type[TorchOps],
+        last_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits of the tokens `input_ids` (T,) at `positions` (T,), writing their K and V into
+        `kv_cache` (layers, 2, num_blocks, Hkv, block_size, D) at `slots` (T,) (-1: no write).
+
+        `last_index` (R,) picks the rows whose logits are returned; None returns all T.
+        Returns (R or T, V) in the model dtype.
+        """
+        shape = self.shape
+        num_tokens = input_ids.shape[0]
+        hidden = F.embedding(input_ids, self.embed.weight)
+        residual = None
+        for index, layer in enumerate(self.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            normed, residual = ops.rms_norm(
+                hidden, layer.input_layernorm.weight, _eps(layer.input_layernorm), residual
+            )
+            q = _linear(normed, attention.q_proj).view(num_tokens, shape.num_heads, shape.head_dim)
+            k = _linear(normed, attention.k_proj).view(num_tokens, shape.num_kv_heads, shape.head_dim)
+            v = _linear(normed, attention.v_proj).view(num_tokens, shape.num_kv_heads, shape.head_dim)
+            qk_norm = None
+            if self.has_qk_norm:
+                qk_norm = (attention.q_norm.weight, attention.k_norm.weight, _eps(attention.q_norm))
+            ops.rope_and_store(
+                q, k, v, self.cos, self.sin, positions, slots, kv_cache[index, 0], kv_cache[index, 1], qk_norm
+            )
+            out = attend(index, q, k, v).reshape(num_tokens, shape.num_heads * shape.head_dim)
+            hidden = _linear(out, attention.o_proj)
+            normed, residual = ops.rms_norm(
+                hidden, layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm), residual
+            )
+            hidden = _linear(
+                ops.silu_mul(_linear(normed, mlp.gate_proj), _linear(normed, mlp.up_proj)), mlp.down_proj
+            )
+        normed, _ = ops.rms_norm(hidden, self.norm.weight, _eps(self.norm), residual)
+        if last_index is not None:
+            normed = normed[last_index]
+        return _linear(normed, self.lm_head)
+
+
+def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+    return F.linear(x, module.weight, module.bias)
+
+
+def _eps(norm: nn.Module) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def _window(config, layer_index: int) -> int:
+    """Sliding window of a layer in tokens, 0 for full attention (transformers' conventions)."""
+    window = getattr(config, "sliding_window", None) or 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_index] == "sliding_attention" else 0
+    if getattr(config, "use_sliding_window", True) is False:
+        return 0
+    return window

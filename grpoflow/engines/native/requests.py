@@ -1,0 +1,158 @@
+"""The sequences of one `generate` call: what each has generated, and when it must stop.
+
+Arrays are indexed by sequence id (prompt-major: the `n` samples of prompt 0, then of prompt 1,
+...), so recording a decode step and testing stop tokens and lengths are a few numpy operations
+whatever the batch size; only stop strings need per-sequence work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from grpoflow.engines.base import Completion, SamplingParams
+from grpoflow.engines.native.sampler import row_keys, sequence_seeds
+
+
+class RequestBook:
+    """Per-sequence state of one call. Prompts marked invalid get no sequences."""
+
+    def __init__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        errors: Sequence[str | None],
+        *,
+        seed: int,
+        max_model_len: int,
+        tokenizer=None,
+    ) -> None:
+        self.prompts = [list(map(int, prompt)) for prompt in prompts]
+        self.params, self.errors, self.tokenizer = list(params), list(errors), tokenizer
+        self.first_sequence: list[int] = []
+        prompt_of, sample_of, limit = [], [], []
+        for index, (prompt, request) in enumerate(zip(self.prompts, self.params)):
+            self.first_sequence.append(len(prompt_of))
+            if errors[index] is not None:
+                continue
+            prompt_of += [index] * request.n
+            sample_of += range(request.n)
+            limit += [min(request.max_tokens, max_model_len - len(prompt))] * request.n
+        self.prompt_of = np.array(prompt_of, dtype=np.int64)
+        self.sample_of = np.array(sample_of, dtype=np.int64)
+        self.limit = np.array(limit, dtype=np.int64)
+        num_sequences = len(prompt_of)
+        width = int(self.limit.max()) if num_sequences else 1
+        self.tokens = np.zeros((num_sequences, width), dtype=np.int64)
+        self.logprobs = np.zeros((num_sequences, width), dtype=np.float32)
+        self.num_generated = np.zeros(num_sequences, dtype=np.int64)
+        self.done = np.zeros(num_sequences, dtype=bool)
+        self.finish_reason: list[str] = ["length"] * num_sequences
+        self.seeds = self._seeds(seed)
+        self.stop_ids = self._stop_id_table()
+        self.stop_strings = [tuple(request.stop) for request in self.params]
+        if any(self.stop_strings) and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer= to NativeEngine")
+
+    def _seeds(self, call_seed: int) -> np.ndarray:
+        """A request with a seed gets streams that depend on (seed, sample index) only; one without
+        gets streams from the call's seed and its prompt index too."""
+        seeds = np.zeros(len(self.prompt_of), dtype=np.uint64)
+        for index, request in enumerate(self.params):
+            first, count = self.first_sequence[index], (self.prompt_of == index).sum()
+            if count == 0:
+                continue
+            samples = self.sample_of[first : first + count]
+            if request.seed is None:
+                prompt_index = np.full(count, index)
+                seeds[first : first + count] = sequence_seeds(call_seed, prompt_index, samples)
+            else:
+                seeds[first : first + count] = sequence_seeds(request.seed, np.zeros(count), samples)
+        return seeds
+
+    def _stop_id_table(self) -> np.ndarray:
+        """(S, K) stop token ids per sequence, -1 padded; empty rows under ignore_eos."""
+        width = max([len(request.stop_token_ids) for request in self.params] + [1])
+        table = np.full((len(self.prompt_of), width), -1, dtype=np.int64)
+        for index, request in enumerate(self.params):
+            if request.ignore_eos or not request.stop_token_ids:
+                continue
+            rows = self.prompt_of == index
+            table[rows, : len(request.stop_token_ids)] = list(request.stop_token_ids)
+        return table
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.prompt_of)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.done.all())
+
+    def sequence_tokens(self, sequence: int) -> list[int]:
+        """Prompt plus what has been generated so far."""
+        generated = self.tokens[sequence, : self.num_generated[sequence]].tolist()
+        return self.prompts[self.prompt_of[sequence]] + generated
+
+    def keys(self, sequences: np.ndarray) -> np.ndarray:
+        """Sampling keys (int64) for the next token of each sequence."""
+        return row_keys(self.seeds[sequences], self.num_generated[sequences])
+
+    def record(self, sequences: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> np.ndarray:
+        """Append one sampled token per sequence; returns the ids of sequences that finished."""
+        position = self.num_generated[sequences]
+        self.tokens[sequences, position] = tokens
+        self.logprobs[sequences, position] = logprobs
+        self.num_generated[sequences] = position + 1
+        stopped = (self.stop_ids[sequences] == tokens[:, None]).any(axis=1)
+        if any(self.stop_strings):
+            stopped |= self._hit_stop_string(sequences)
+        finished = stopped | (position + 1 >= self.limit[sequences])
+        ended = sequences[finished]
+        self.done[ended] = True
+        for sequence in sequences[stopped]:
+            self.finish_reason[sequence] = "stop"
+        return ended
+
+    def _hit_stop_string(self, sequences: np.ndarray) -> np.ndarray:
+        hits = np.zeros(len(sequences), dtype=bool)
+        for row, sequence in enumerate(sequences):
+            strings = self.stop_strings[self.prompt_of[sequence]]
+            if not strings:
+                continue
+            count = self.num_generated[sequence]
+            window = max(map(len, strings)) + 8
+            tail = self.tokenizer.decode(self.tokens[sequence, max(0, count - window) : count].tolist())
+            hits[row] = any(string in tail for string in strings)
+        return hits
+
+    def completions(self, policy_version: int) -> list[list[Completion]]:
+        """One list of `n` completions per prompt; an invalid prompt's completions are empty with
+        finish_reason 'error'."""
+        result = []
+        for index, request in enumerate(self.params):
+            if self.errors[index] is not None:
+                error = Completion([], [], "error", policy_version, text=self.errors[index])
+                result.append([error] * request.n)
+                continue
+            first = self.first_sequence[index]
+            result.append([self._completion(first + j, policy_version) for j in range(request.n)])
+        return result
+
+    def _completion(self, sequence: int, policy_version: int) -> Completion:
+        count = self.num_generated[sequence]
+        token_ids = self.tokens[sequence, :count].tolist()
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            for string in self.stop_strings[self.prompt_of[sequence]]:
+                if string in text:
+                    text = text[: text.index(string)]
+        return Completion(
+            token_ids=token_ids,
+            logprobs=self.logprobs[sequence, :count].tolist(),
+            finish_reason=self.finish_reason[sequence],
+            policy_version=policy_version,
+            text=text,
+        )

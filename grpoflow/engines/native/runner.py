@@ -1,0 +1,226 @@
+"""Runs prefill and decode steps of the family forward on the paged cache.
+
+Device state lives here, indexed by row: the next input token of each row (written by the
+sampler, so sampled tokens never travel to the host and back), the block table, the step's
+positions / slots / context lengths, and the logits. Decode steps replay a CUDA graph captured
+once per batch-size bucket (lazily, at first use), so the host issues two launches per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from grpoflow.engines.native.config import NativeEngineConfig
+from grpoflow.engines.native.kv_cache import BlockPool, allocate_cache, num_blocks_for
+from grpoflow.engines.native.model import FamilyModel
+from grpoflow.engines.native.ops import TorchOps, prefill_attention
+from grpoflow.engines.native.sampler import SamplingOptions, sample
+from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def graph_buckets(max_rows: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, then every 16 up to max_rows."""
+    small = [size for size in (1, 2, 4, 8) if size < max_rows]
+    return small + list(range(16, max_rows, 16)) + [max_rows]
+
+
+class Runner:
+    """Executes scheduled steps for one FamilyModel; owns the cache and the graphs."""
+
+    def __init__(self, family: FamilyModel, config: NativeEngineConfig, max_model_len: int) -> None:
+        self.family, self.config = family, config
+        self.device, self.dtype = family.device, family.dtype
+        self.max_model_len = max_model_len
+        self.max_rows = config.max_num_seqs
+        self.block_size = config.block_size
+        self.max_blocks = math.ceil(max_model_len / config.block_size)
+        cuda = self.device.type == "cuda"
+        self.use_triton = cuda and config.use_triton and triton_available()
+        self.use_graphs = self.use_triton and config.use_cuda_graphs
+        if self.use_triton:
+            from grpoflow.engines.native.kernels import TritonOps
+
+            self.ops = TritonOps
+        else:
+            self.ops = TorchOps
+        family.build_rotary_tables(max_model_len)
+        self.cache: torch.Tensor | None = None
+        self.num_blocks = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.seen: torch.Tensor | None = None
+
+    @property
+    def awake(self) -> bool:
+        return self.cache is not None
+
+    def allocate(self) -> None:
+        """Take the KV cache and the step buffers."""
+        shape, device = self.family.shape, self.device
+        self.num_blocks = num_blocks_for(shape, self.config, self.max_model_len, device, self.dtype)
+        self.cache = allocate_cache(shape, self.num_blocks, self.block_size, device, self.dtype)
+        rows = self.max_rows
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.meta = torch.zeros(3, rows, dtype=torch.int64, device=device)  # positions, slots, context
+        self.block_table = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)
+        self.logits = torch.zeros(rows, shape.vocab_size, dtype=self.dtype, device=device)
+        pin = device.type == "cuda"
+        self.meta_host = torch.zeros(3, rows, dtype=torch.int64, pin_memory=pin)
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    def release(self) -> None:
+        """Drop the cache, the buffers and the graphs (which point into them)."""
+        self.graphs.clear()
+        self.cache = self.input_ids = self.meta = self.block_table = self.logits = None
+        self.seen = self.graph_pool = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def new_pool(self) -> BlockPool:
+        return BlockPool(self.num_blocks)
+
+    def begin(self, options: SamplingOptions) -> None:
+        """Per-call state: the seen-token mask when a repetition penalty is asked for."""
+        self.seen = None
+        if options.repetition_penalty != 1:
+            vocab_size = self.family.shape.vocab_size
+            self.seen = torch.zeros(self.max_rows, vocab_size, dtype=torch.bool, device=self.device)
+
+    def prefill(
+        self, step: PrefillStep, keys: np.ndarray, options: SamplingOptions
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Run the items' tokens, fork the children, sample their first tokens (C,)."""
+        device, block_size = self.device, self.block_size
+        num_items, length = len(step.tokens), max(map(len, step.tokens))
+        ids = np.zeros((num_items, length), dtype=np.int64)
+        slots = np.full((num_items, length), -1, dtype=np.int64)
+        lengths = np.array([len(tokens) for tokens in step.tokens], dtype=np.int64)
+        for item, (tokens, blocks) in enumerate(zip(step.tokens, step.blocks)):
+            position = np.arange(len(tokens))
+            ids[item, : len(tokens)] = tokens
+            slots[item, : len(tokens)] = (
+                np.array(blocks)[position // block_size] * block_size + position % block_size
+            )
+        positions = np.minimum(np.arange(length)[None, :], lengths[:, None] - 1)  # (G, L)
+        last = np.arange(num_items) * length + lengths - 1
+        shape, family = self.family.shape, self.family
+
+        def attend(index, q, k, v):
+            q = q.view(num_items, length, shape.num_heads, shape.head_dim)
+            k = k.view(num_items, length, shape.num_kv_heads, shape.head_dim)
+            v = v.view(num_items, length, shape.num_kv_heads, shape.head_dim)
+            out = prefill_attention(q, k, v, family.scale, family.windows[index])
+            return out.reshape(num_items * length, shape.num_heads, shape.head_dim)
+
+        logits = family.forward(
+            _to(ids.reshape(-1), device),
+            _to(positions.reshape(-1), device),
+            _to(slots.reshape(-1), device),
+            self.cache,
+            attend,
+            self.ops,
+            last_index=_to(last, device),
+        )
+        if step.copies:
+            source, destination = (_to(np.array(column), device) for column in zip(*step.copies))
+            self.cache[:, :, destination] = self.cache[:, :, source]
+        rows = _to(step.child_rows, device)
+        self.block_table[rows] = _to(step.table, device)
+        child_logits = logits[_to(step.child_item, device)]
+        seen = None
+        if self.seen is not None:
+            self._mark_prompts(step)
+            seen = self.seen[rows]
+        tokens, logprobs = sample(
+            child_logits, _to(keys, device), options, seen=seen, use_triton=self.use_triton
+        )
+        self.input_ids[rows] = tokens
+        if self.seen is not None:
+            self.seen[rows, tokens] = True
+        return tokens.cpu().numpy(), logprobs.cpu().numpy()
+
+    def _mark_prompts(self, step: PrefillStep) -> None:
+        rows = _to(step.child_rows, self.device)
+        self.seen[rows] = False
+        for row, item in zip(step.child_rows.tolist(), step.child_item.tolist()):
+            self.seen[row, _to(np.array(step.tokens[item]), self.device)] = True
+
+    def decode(
+        self, step: DecodeStep, keys: np.ndarray, options: SamplingOptions
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One token for rows [0, num_rows); returns tokens and log-probs (num_rows,)."""
+        rows = step.num_rows
+        if self.use_graphs:
+            rows = next(size for size in graph_buckets(self.max_rows) if size >= step.num_rows)
+            self._ensure_graph(rows)
+        host = self.meta_host
+        host[:, :rows] = torch.tensor([[0], [-1], [0]])
+        host[0, : step.num_rows] = torch.from_numpy(step.positions)
+        host[1, : step.num_rows] = torch.from_numpy(step.slots)
+        host[2, : step.num_rows] = torch.from_numpy(step.context_lens)
+        self.meta[:, :rows].copy_(host[:, :rows], non_blocking=True)
+        update_rows, update_columns, update_blocks = step.table_updates
+        if len(update_rows):
+            self.block_table[_to(update_rows, self.device), _to(update_columns, self.device)] = _to(
+                update_blocks.astype(np.int32), self.device
+            )
+        if self.use_graphs:
+            self.graphs[rows].replay()
+        else:
+            self._decode_forward(rows, int(step.context_lens.max()))
+        full_keys = np.zeros(rows, dtype=np.int64)
+        full_keys[step.rows] = keys
+        seen = self.seen[:rows] if self.seen is not None else None
+        tokens, logprobs = sample(
+            self.logits[:rows], _to(full_keys, self.device), options, seen=seen, use_triton=self.use_triton
+        )
+        self.input_ids[:rows] = tokens
+        if self.seen is not None:
+            self.seen[torch.arange(rows, device=self.device), tokens] = True
+        return tokens[: step.num_rows].cpu().numpy(), logprobs[: step.num_rows].cpu().numpy()
+
+    def _decode_forward(self, rows: int, max_context: int) -> None:
+        cache, family, ops = self.cache, self.family, self.ops
+        positions, slots, context_lens = self.meta[0, :rows], self.meta[1, :rows], self.meta[2, :rows]
+        table = self.block_table[:rows]
+
+        def attend(index, q, k, v):
+            return ops.decode_attention(
+                q,
+                cache[index, 0],
+                cache[index, 1],
+                table,
+                context_lens,
+                family.scale,
+                family.windows[index],
+                max_context,
+            )
+
+        self.logits[:rows] = family.forward(self.input_ids[:rows], positions, slots, cache, attend, ops)
+
+    def _ensure_graph(self, rows: int) -> None:
+        """Capture the decode forward for `rows` rows, run once first to compile the kernels.
+        While capturing, the rows are idle (no cache writes, nothing attended)."""
+        if rows in self.graphs:
+            return
+        self.meta[:, :rows] = torch.tensor([[0], [-1], [0]], device=self.device)
+        self._decode_forward(rows, 0)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            self._decode_forward(rows, 0)
+        self.graphs[rows] = graph
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)

@@ -1,0 +1,183 @@
+"""Sampling on the device: one pass over the logits, reproducible per request.
+
+Every sampled token is an exponential race, `argmax(logits / T - log(-log u))` (Gumbel-max), over
+the tokens that survive top-k / top-p / min-p. The uniforms `u` come from a counter-based hash of
+(request key, vocabulary index), where the key is itself a hash of (the request's seed, the index
+of the token being sampled). So a request's completion depends on its seed alone, not on which
+other requests share its batch, nor on preemption, nor on whether the Triton kernel or this
+module's torch reference drew it (both compute the same hash).
+
+Filters reduce to one threshold per row on the scaled logits: a token takes part in the race iff
+its scaled logit is >= the threshold, so top-p needs a sort only when it is asked for.
+
+Log-probs follow vLLM's "processed" convention minus the filters: the returned log-prob of a token
+is `log_softmax(penalised_logits / T)[token]` over the whole vocabulary (T = 1 when greedy), which
+is what the trainer recomputes as `log_softmax(logits / T)` when repetition_penalty is 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from grpoflow.engines.base import SamplingParams
+
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B1
+MUL1 = 0x7FEB352D
+MUL2 = 0x846CA68B
+
+
+def hash32_numpy(x: np.ndarray) -> np.ndarray:
+    """lowbias32 integer hash on uint32 values (a bijection with good avalanche)."""
+    x = np.asarray(x, dtype=np.uint64) & MASK32
+    x ^= x >> 16
+    x = (x * MUL1) & MASK32
+    x ^= x >> 15
+    x = (x * MUL2) & MASK32
+    x ^= x >> 16
+    return x
+
+
+def hash32_torch(x: torch.Tensor) -> torch.Tensor:
+    """The same hash on int64 tensors holding uint32 values (products wrap, masks keep 32 bits)."""
+    x = x & MASK32
+    x = x ^ (x >> 16)
+    x = (x * MUL1) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * MUL2) & MASK32
+    return x ^ (x >> 16)
+
+
+def sequence_seeds(seed: int, prompt_index: np.ndarray, sample_index: np.ndarray) -> np.ndarray:
+    """uint32 seed of each sequence from the call's seed, its prompt and its sample index."""
+    base = hash32_numpy(np.uint64(seed & MASK32) ^ hash32_numpy(np.uint64((seed >> 32) & MASK32)))
+    mixed = hash32_numpy(base ^ hash32_numpy(prompt_index.astype(np.uint64) * 2 + 1))
+    return hash32_numpy(mixed + hash32_numpy(sample_index.astype(np.uint64) * 2 + 2))
+
+
+def row_keys(seeds: np.ndarray, token_index: np.ndarray) -> np.ndarray:
+    """uint32 key of the race that samples token `token_index` of each sequence, as int64."""
+    return hash32_numpy(seeds ^ hash32_numpy(token_index.astype(np.uint64) * GOLDEN)).astype(np.int64)
+
+
+def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B,) int64 keys -> (B, V) float32 Gumbel noise `-log(-log u)`, u in (0, 1)."""
+    index = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
+    bits = hash32_torch(index[None, :] * GOLDEN + keys[:, None])
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return -torch.log(-torch.log(uniform))
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """The distribution-shaping part of SamplingParams, shared by every request of a call."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> SamplingOptions:
+        return cls(
+            temperature=params.temperature,
+            top_k=max(params.top_k, 0),
+            top_p=params.top_p,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def inverse_temperature(self) -> float:
+        return 1.0 if self.greedy else 1.0 / self.temperature
+
+    @property
+    def filters(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """vLLM/CTRL penalty: seen tokens' positive logits divided by `penalty`, negative ones multiplied.
+
+    logits: (B, V) float32; seen: (B, V) bool. Returns a new tensor.
+    """
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def race_thresholds(scaled: torch.Tensor, options: SamplingOptions) -> torch.Tensor | None:
+    """(B, V) scaled logits -> (B,) smallest scaled logit still allowed in the race, or None.
+
+    Top-p is taken over the top-k survivors renormalised (vLLM's order); min-p against the full
+    distribution's top probability. Ties at the threshold all stay in.
+    """
+    if not options.filters:
+        return None
+    vocab_size = scaled.shape[-1]
+    thresholds = torch.full(scaled.shape[:1], -torch.inf, device=scaled.device)
+    if options.top_p < 1:
+        ordered = scaled.sort(dim=-1, descending=True).values
+        if 0 < options.top_k < vocab_size:
+            ordered[:, options.top_k :] = -torch.inf
+        probs = ordered.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep = (mass_before < options.top_p).sum(dim=-1).clamp(min=1)
+        thresholds = ordered.gather(1, (keep - 1)[:, None])[:, 0]
+    elif 0 < options.top_k < vocab_size:
+        thresholds = scaled.topk(options.top_k, dim=-1).values[:, -1]
+    if options.min_p > 0:
+        floor = scaled.max(dim=-1).values + float(np.log(options.min_p))
+        thresholds = torch.maximum(thresholds, floor)
+    return thresholds
+
+
+def race_reference(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    inverse_temperature: float,
+    greedy: bool,
+    thresholds: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch sampler. logits (B, V) any float dtype; keys (B,) int64.
+
+    Returns tokens (B,) int64 and their log-probs (B,) float32.
+    """
+    scaled = logits.float() * inverse_temperature
+    log_probs = scaled.log_softmax(dim=-1)
+    score = scaled if greedy else scaled + gumbel_noise(keys, scaled.shape[-1])
+    if thresholds is not None:
+        score = score.masked_fill(scaled < thresholds[:, None], -torch.inf)
+    tokens = score.argmax(dim=-1)
+    return tokens, log_probs.gather(1, tokens[:, None])[:, 0]
+
+
+def sample(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    options: SamplingOptions,
+    *,
+    seen: torch.Tensor | None = None,
+    use_triton: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row. logits (B, V); keys (B,) int64; seen (B, V) bool or None.
+
+    Returns tokens (B,) int64 and log-probs (B,) float32, both on the logits' device.
+    """
+    if options.repetition_penalty != 1 and seen is not None:
+        logits = apply_repetition_penalty(logits.float(), seen, options.repetition_penalty)
+    thresholds = None
+    if options.filters:
+        thresholds = race_thresholds(logits.float() * options.inverse_temperature, options)
+    if use_triton:
+        from grpoflow.engines.native.kernels import race
+
+        return race(logits, keys, options.inverse_temperature, options.greedy, thresholds)
+    return race_reference(logits, keys, options.inverse_temperature, options.greedy, thresholds)

@@ -1,0 +1,166 @@
+"""Assemble a run from its config: model, prompts, engine, rewards, optimizer, trainer."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpoflow import checkpoint
+from grpoflow.config import GRPOConfig
+from grpoflow.data import build_prompt_items, load_rows, read_system_prompt
+from grpoflow.engines import ENGINES, EngineOptions, build_engine
+from grpoflow.metrics import MetricsLogger
+from grpoflow.models import frozen_copy, load_model, load_tokenizer, resolve_device, resolve_dtype
+from grpoflow.rewards import RewardModel, RewardRunner, load_plugins, resolve_reward
+from grpoflow.trainer import GRPOTrainer
+
+logger = logging.getLogger("grpoflow")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_rewards(config: GRPOConfig, device: torch.device) -> RewardRunner:
+    selection, params = config.rewards, config.reward_params
+    load_plugins(selection.external_plugins)
+    funcs = [(_reward_name(spec), resolve_reward(spec, params)) for spec in selection.reward_funcs]
+    if selection.reward_model:
+        funcs.append(("reward_model", RewardModel(selection.reward_model, device=device)))
+    return RewardRunner(
+        funcs,
+        selection.reward_weights,
+        timeout=params.reward_timeout,
+        num_workers=params.reward_num_workers,
+    )
+
+
+def _reward_name(spec: str) -> str:
+    return spec.replace("\\", "/").split("/")[-1].split(":")[-1].split(".")[-1]
+
+
+def choose_engine(config: GRPOConfig) -> str:
+    name = config.generation.rollout_engine
+    if name != "auto":
+        return name
+    return "native" if "native" in ENGINES else "hf"
+
+
+def build_trainer(config: GRPOConfig) -> GRPOTrainer:
+    """Everything a run needs, checked before any training work starts."""
+    training, policy = config.training, config.policy
+    seed_everything(training.seed)
+    resume = (
+        checkpoint.resolve_checkpoint(training.resume_from_checkpoint, training.output_dir)
+        if training.resume_from_checkpoint
+        else None
+    )
+    device = resolve_device(policy.device)
+    dtype = resolve_dtype(policy.torch_dtype, device)
+    tokenizer = load_tokenizer(policy.model, trust_remote_code=policy.trust_remote_code)
+    rewards = build_rewards(config, device)
+    items = _prompt_items(config, tokenizer)
+    model = load_model(
+        policy.model, policy, vocab_size=len(tokenizer), seed=training.seed, device=device, dtype=dtype
+    )
+    ref_model = frozen_copy(model) if config.algorithm.beta != 0 else None
+    if resume is not None:
+        _load_weights(model, resume)
+    options = EngineOptions(
+        max_model_len=config.data.max_prompt_length + config.generation.max_completion_length,
+        gpu_memory_utilization=config.generation.gpu_memory_utilization,
+        logprob_chunk_size=config.algorithm.logprob_chunk_size,
+    )
+    engine = build_engine(choose_engine(config), model, tokenizer, options)
+    optimizer, scheduler = build_optimizer(model, config, len(items))
+    trainer = GRPOTrainer(
+        config,
+        model=model,
+        tokenizer=tokenizer,
+        engine=engine,
+        rewards=rewards,
+        items=items,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ref_model=ref_model,
+    )
+    if resume is not None:
+        trainer.load_state_dict(checkpoint.load_trainer_state(resume))
+        logger.info("resumed from %s at step %d", resume, trainer.step_count)
+    return trainer
+
+
+def _prompt_items(config: GRPOConfig, tokenizer):
+    data = config.data
+    rows = [
+        row for spec in data.dataset for row in load_rows(spec, data.dataset_split, seed=config.training.seed)
+    ]
+    return build_prompt_items(
+        rows,
+        tokenizer,
+        system=read_system_prompt(data.system),
+        max_prompt_length=data.max_prompt_length,
+        truncation_strategy=data.truncation_strategy,
+    )
+
+
+def _load_weights(model: torch.nn.Module, directory: Path) -> None:
+    from safetensors.torch import load_file
+
+    state = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        state.update(load_file(str(path), device=str(next(model.parameters()).device)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or set(missing) - tied - {"lm_head.weight"}:
+        raise ValueError(
+            f"checkpoint {directory} does not match the model (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}): resume with the model the run started from"
+        )
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def build_optimizer(model: torch.nn.Module, config: GRPOConfig, num_items: int):
+    from transformers import get_scheduler
+
+    training = config.training
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=training.learning_rate,
+        betas=(training.adam_beta1, training.adam_beta2),
+        weight_decay=training.weight_decay,
+    )
+    optimizer_steps = config.total_steps(num_items) * config.algorithm.num_iterations
+    scheduler = get_scheduler(
+        training.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=math.ceil(training.warmup_ratio * optimizer_steps),
+        num_training_steps=optimizer_steps,
+    )
+    return optimizer, scheduler
+
+
+def run(config: GRPOConfig, trainer: GRPOTrainer | None = None) -> list[dict[str, float]]:
+    """Train (building the trainer unless given); the metrics of every step."""
+    trainer = trainer or build_trainer(config)
+    metrics_logger = MetricsLogger(
+        config.training.output_dir,
+        report_to=[sink for sink in config.log.report_to if sink != "none"],
+        total_steps=trainer.total_steps,
+        start_step=trainer.step_count,
+        show_progress=not config.log.disable_tqdm,
+        run_config=config.to_flat_dict(),
+    )
+    try:
+        return trainer.train(metrics_logger)
+    finally:
+        metrics_logger.close()
+        trainer.rewards.close()

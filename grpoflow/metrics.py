@@ -1,0 +1,104 @@
+"""Where metrics go: metrics.jsonl always, TensorBoard and wandb when asked, a live progress bar,
+and completions.jsonl with every completion, its rewards and its advantage."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("grpoflow")
+
+
+class MetricsLogger:
+    """Fan step metrics out to the configured sinks."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        report_to: Sequence[str],
+        total_steps: int,
+        start_step: int = 0,
+        show_progress: bool = True,
+        run_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_file = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self.completions_file = None
+        sinks = set(report_to)
+        if "all" in sinks:
+            sinks = {"tensorboard", "wandb"}
+        self.tensorboard = self._open_tensorboard() if "tensorboard" in sinks else None
+        self.wandb = self._open_wandb(run_config) if "wandb" in sinks else None
+        self.progress = None
+        if show_progress:
+            from tqdm.auto import tqdm
+
+            self.progress = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step")
+
+    def _open_tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            logger.warning("report_to tensorboard ignored: pip install tensorboard to enable it")
+            return None
+        return SummaryWriter(log_dir=str(self.output_dir / "runs"))
+
+    def _open_wandb(self, run_config):
+        try:
+            import wandb
+        except ImportError:
+            logger.warning("report_to wandb ignored: pip install wandb to enable it")
+            return None
+        return wandb.init(project="grpoflow", config=run_config, dir=str(self.output_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {name: _finite(value) for name, value in metrics.items()}
+        record = {"step": step, "time": round(time.time(), 3), **clean}
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        if self.tensorboard is not None:
+            for name, value in clean.items():
+                if value is not None:
+                    self.tensorboard.add_scalar(name, value, step)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
+
+    def advance(self, step: int, metrics: dict[str, float]) -> None:
+        """Move the progress bar to `step`, showing the latest reward."""
+        if self.progress is None:
+            return
+        self.progress.update(step - self.progress.n)
+        shown = {key: metrics[key] for key in ("reward", "kl", "time/step") if key in metrics}
+        self.progress.set_postfix({key: f"{value:.3f}" for key, value in shown.items()})
+
+    def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        if self.completions_file is None:
+            path = self.output_dir / "completions.jsonl"
+            self.completions_file = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        for row in rows:
+            self.completions_file.write(json.dumps({"step": step, **row}, default=str) + "\n")
+        self.completions_file.flush()
+
+    def close(self) -> None:
+        for handle in (self.metrics_file, self.completions_file):
+            if handle is not None:
+                handle.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.progress is not None:
+            self.progress.close()
+
+
+def _finite(value: float) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None

@@ -1,0 +1,95 @@
+"""Loading the policy, its tokenizer and the frozen reference model."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import torch
+
+from grpoflow.config import PolicyConfig
+
+logger = logging.getLogger("grpoflow.models")
+
+TINY = "tiny"
+"""Model name that builds a small randomly initialised Qwen2 and a character tokenizer locally."""
+TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA device is visible: use device=cpu or auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if gpu_bf16 else torch.float32
+    return getattr(torch, name)
+
+
+def load_tokenizer(source: str, *, trust_remote_code: bool = False):
+    """The tokenizer of `source` with a pad token (the EOS token when it has none)."""
+    if source == TINY:
+        from grpoflow.tiny import build_char_tokenizer
+
+        return build_char_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        raise ValueError(_load_hint(source, error)) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    source: str,
+    config: PolicyConfig,
+    *,
+    vocab_size: int,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.nn.Module:
+    """A causal LM from a directory or hub id, or the tiny local model, on `device` in `dtype`."""
+    if source == TINY:
+        from grpoflow.tiny import build_tiny_model
+
+        model = build_tiny_model(vocab_size, seed=seed, dtype=dtype, **TINY_SHAPE)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, trust_remote_code=config.trust_remote_code
+            )
+        except OSError as error:
+            raise ValueError(_load_hint(source, error)) from None
+    model.to(device)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A reference model: a copy of `model` that never trains."""
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def _load_hint(source: str, error: Exception) -> str:
+    if Path(source).exists():
+        return f"model {source!r} could not be loaded: {error}"
+    return (
+        f"model {source!r} is neither a local directory nor reachable on the hub ({error}); "
+        f"give a local path, check the name, or use model={TINY} for a small local model"
+    )

@@ -1,0 +1,125 @@
+"""The policy-update phase: old and reference log-probs, micro-batched loss, optimizer steps."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from grpoflow.algo import micro_batch_scale, policy_loss, sequence_logprobs
+from grpoflow.config import AlgorithmConfig
+from grpoflow.rollout import RolloutBatch
+
+
+@dataclass(kw_only=True, slots=True)
+class UpdateSettings:
+    """What the update phase needs from the run's config."""
+
+    algorithm: AlgorithmConfig
+    micro_batch_size: int
+    temperature: float
+    max_completion_length: int
+    max_grad_norm: float
+
+
+def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
+    return [batch.rows(start, min(start + size, len(batch))) for start in range(0, len(batch), size)]
+
+
+def batch_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, settings: UpdateSettings, *, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (batch, completion_len) of the completion tokens under `model`."""
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+    return sequence_logprobs(
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep=batch.completion_ids.shape[1],
+        temperature=settings.temperature,
+        chunk_size=settings.algorithm.logprob_chunk_size,
+        compute_entropy=entropy,
+    )
+
+
+@torch.no_grad()
+def frozen_logprobs(
+    model: torch.nn.Module, parts: list[RolloutBatch], settings: UpdateSettings
+) -> list[torch.Tensor]:
+    """Log-probs of each micro-batch under `model` without gradients (old policy, reference)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return [batch_logprobs(model, part, settings)[0] for part in parts]
+    finally:
+        model.train(was_training)
+
+
+def update_policy(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    batch: RolloutBatch,
+    advantages: torch.Tensor,
+    settings: UpdateSettings,
+    ref_model: torch.nn.Module | None = None,
+) -> dict[str, float]:
+    """Run `num_iterations` optimizer steps on one generation batch; return averaged metrics.
+
+    advantages: (batch,). Completions masked out (e.g. truncated under overlong filtering) must
+    already have zeros in `batch.completion_mask`.
+    """
+    algorithm = settings.algorithm
+    parts = micro_batches(batch, settings.micro_batch_size)
+    starts = [0]
+    for part in parts:
+        starts.append(starts[-1] + len(part))
+    old = frozen_logprobs(model, parts, settings) if algorithm.num_iterations > 1 else None
+    ref = frozen_logprobs(ref_model, parts, settings) if ref_model is not None else None
+    num_items = batch.completion_mask.sum().clamp(min=1)
+    scale = micro_batch_scale(algorithm.loss_type, len(parts))
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    model.train()
+    for _ in range(algorithm.num_iterations):
+        for index, part in enumerate(parts):
+            logps, entropy = batch_logprobs(model, part, settings, entropy=True)
+            loss, metrics = policy_loss(
+                logps,
+                old[index] if old is not None else None,
+                advantages[starts[index] : starts[index + 1]],
+                part.completion_mask,
+                ref_logps=ref[index] if ref is not None else None,
+                beta=algorithm.beta,
+                epsilon_low=algorithm.epsilon,
+                epsilon_high=algorithm.epsilon_high or algorithm.epsilon,
+                delta=algorithm.delta,
+                loss_type=algorithm.loss_type,
+                importance_sampling_level=algorithm.importance_sampling_level,
+                max_completion_length=settings.max_completion_length,
+                num_items_in_batch=num_items,
+                num_sequences_in_batch=len(batch),
+            )
+            (loss * scale).backward()
+            mask = part.completion_mask.bool()
+            metrics["loss"] = loss.detach() * scale * len(parts)
+            if entropy is not None and mask.any():
+                metrics["entropy"] = entropy[mask].mean()
+            for name, value in metrics.items():
+                totals[name] += float(value)
+                counts[name] += 1
+        totals["grad_norm"] += float(_optimizer_step(model, optimizer, scheduler, settings))
+        counts["grad_norm"] += 1
+    return {name: totals[name] / counts[name] for name in totals}
+
+
+def _optimizer_step(model, optimizer, scheduler, settings: UpdateSettings) -> torch.Tensor:
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm

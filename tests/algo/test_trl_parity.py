@@ -1,0 +1,211 @@
+"""Parity with TRL 1.16's GRPOTrainer, driven through its own methods on a tiny local model.
+
+Advantages: `_generate_and_score_completions` runs TRL's real generation and scoring on a batch
+whose rewards come from dataset columns, so the rewards are fixed while everything else is TRL's.
+Losses: `_compute_loss` on hand-built inputs, against `policy_loss` on `sequence_logprobs` of the
+same model. Prompts are unpadded: TRL's loss forward numbers positions 0..seq-1 regardless of left
+padding, while `sequence_logprobs` numbers them from the attention mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpoflow.algo import combine_rewards, group_advantages, micro_batch_scale, policy_loss, sequence_logprobs
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+NAN = float("nan")
+NUM_GENERATIONS = 3
+REWARD_WEIGHTS = [1.0, 0.5]
+# (batch, num_funcs): a group with spread, one without (after NaNs), one with a missing sample, one mixed
+REWARDS = torch.tensor(
+    [
+        [1.0, 0.0], [0.0, 1.0], [1.0, 1.0],
+        [1.0, NAN], [NAN, 2.0], [NAN, NAN],
+        [0.3, 0.2], [2.0, NAN], [-1.0, 4.0],
+        [0.0, 0.0], [NAN, 1.0], [3.0, -2.0],
+    ]
+)  # fmt: skip
+
+
+def first_reward(completions, r0, **_):
+    return r0
+
+
+def second_reward(completions, r1, **_):
+    return r1
+
+
+def build_trainer(tmp_path, checkpoint, num_generations=NUM_GENERATIONS, **config):
+    prompts = ["ab", "cd", "ef", "gh"]
+    dataset = datasets.Dataset.from_dict({"prompt": prompts, "r0": [0.0] * 4, "r1": [0.0] * 4})
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        bf16=False,  # GRPOConfig defaults to bf16 autocast, even on the CPU; parity is checked in float32
+        num_generations=num_generations,
+        **config,
+    )
+    return trl.GRPOTrainer(
+        model=str(checkpoint), reward_funcs=[first_reward, second_reward], args=args, train_dataset=dataset
+    )
+
+
+def as_optional(value: float) -> float | None:
+    return None if value != value else value
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_advantages_match_trl(tmp_path, tiny_checkpoint, scale_rewards):
+    trainer = build_trainer(
+        tmp_path,
+        tiny_checkpoint,
+        per_device_train_batch_size=len(REWARDS),
+        max_completion_length=3,
+        reward_weights=REWARD_WEIGHTS,
+        scale_rewards=scale_rewards,
+    )
+    trainer.model.train()
+    inputs = [
+        {"prompt": f"prompt {row // NUM_GENERATIONS}", "r0": as_optional(r0), "r1": as_optional(r1)}
+        for row, (r0, r1) in enumerate(REWARDS.tolist())
+    ]
+    trl_advantages = trainer._generate_and_score_completions(inputs)["advantages"]
+    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+    advantages, metrics = group_advantages(
+        combine_rewards(REWARDS, torch.tensor(REWARD_WEIGHTS)), NUM_GENERATIONS, scale_rewards
+    )
+    torch.testing.assert_close(advantages, trl_advantages, rtol=1e-5, atol=1e-5)
+    assert metrics["reward"].item() == pytest.approx(trl_metrics["reward"], abs=1e-5)
+    assert metrics["reward_std"].item() == pytest.approx(trl_metrics["reward_std"], abs=1e-5)
+    if scale_rewards != "batch":  # TRL's "batch" mode reports whether the *batch* std is zero
+        assert metrics["frac_reward_zero_std"].item() == pytest.approx(trl_metrics["frac_reward_zero_std"])
+
+
+LOSS_CASES = {
+    "dapo": dict(loss_type="dapo", epsilon_high=0.28),
+    "dapo-kl-temperature": dict(loss_type="dapo", beta=0.05, temperature=0.7),
+    "grpo-kl": dict(loss_type="grpo", beta=0.05),
+    "grpo-plain-kl": dict(loss_type="grpo", beta=0.05, use_bias_correction_kl=False),
+    "bnpo": dict(loss_type="bnpo", epsilon_high=0.28),
+    "dr_grpo-kl": dict(loss_type="dr_grpo", beta=0.05, max_completion_length=8),
+    "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=0.05, epsilon_high=0.08),
+    "gspo-dapo-kl": dict(loss_type="dapo", importance_sampling_level="sequence", beta=0.05, epsilon=0.05),
+    "dapo-delta": dict(loss_type="dapo", delta=1.25),
+    "dapo-is-weights": dict(loss_type="dapo", beta=0.05),
+}
+BATCH, PROMPT_LENGTH, COMPLETION_LENGTHS = 4, 4, [6, 4, 1, 5]
+
+
+def loss_inputs(model, temperature, with_ref, with_is_weights, num_micro_batches):
+    """A micro-batch as `_generate_and_score_completions` would hand it to `_compute_loss`."""
+    generator = torch.Generator().manual_seed(0)
+    width = max(COMPLETION_LENGTHS)
+    prompt_ids = torch.randint(2, model.config.vocab_size, (BATCH, PROMPT_LENGTH), generator=generator)
+    completion_mask = (torch.arange(width) < torch.tensor(COMPLETION_LENGTHS).unsqueeze(1)).long()
+    completion_ids = torch.randint(2, model.config.vocab_size, (BATCH, width), generator=generator)
+    completion_ids = completion_ids * completion_mask  # right padding with pad id 0
+    with torch.no_grad():
+        logps, _ = sequence_logprobs(
+            model,
+            torch.cat([prompt_ids, completion_ids], dim=1),
+            torch.cat([torch.ones_like(prompt_ids), completion_mask], dim=1),
+            width,
+            temperature,
+        )
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(BATCH, generator=generator),
+        # the generation batch holds `num_micro_batches` micro-batches, each with this many tokens
+        "num_items_in_batch": completion_mask.sum() * num_micro_batches,
+        "old_per_token_logps": logps + 0.5 * torch.randn(logps.shape, generator=generator),
+    }
+    if with_ref:
+        inputs["ref_per_token_logps"] = logps + 0.5 * torch.randn(logps.shape, generator=generator)
+    if with_is_weights:
+        inputs["importance_sampling_ratio"] = 0.5 + torch.rand(logps.shape, generator=generator)
+    return inputs
+
+
+def gradients(model):
+    grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    model.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("num_micro_batches", [1, 2])
+@pytest.mark.parametrize("case", list(LOSS_CASES))
+def test_loss_and_gradients_match_trl(tmp_path, tiny_checkpoint, case, num_micro_batches):
+    config = dict(LOSS_CASES[case])
+    trainer = build_trainer(
+        tmp_path,
+        tiny_checkpoint,
+        num_generations=2,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=num_micro_batches,
+        **config,
+    )
+    model = trainer.model
+    model.train()
+    # Normally set by the training loop; `_compute_loss` divides by it for grpo, bnpo and dr_grpo.
+    trainer.current_gradient_accumulation_steps = num_micro_batches
+    with_is_weights = case == "dapo-is-weights"
+    if with_is_weights:
+        # `_compute_loss` applies the sampler-mismatch ratio only on its vLLM path; nothing else reads these.
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    inputs = loss_inputs(model, trainer.temperature, trainer.beta != 0, with_is_weights, num_micro_batches)
+
+    trl_loss = trainer._compute_loss(model, inputs)
+    trl_loss.backward()
+    trl_grads = gradients(model)
+    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+    completion_mask = inputs["completion_mask"]
+    logps, entropy = sequence_logprobs(
+        model,
+        torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+        torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
+        completion_mask.size(1),
+        trainer.temperature,
+        chunk_size=5,
+        compute_entropy=True,
+    )
+    loss, metrics = policy_loss(
+        logps,
+        inputs["old_per_token_logps"],
+        inputs["advantages"],
+        completion_mask,
+        ref_logps=inputs.get("ref_per_token_logps"),
+        beta=trainer.beta,
+        epsilon_low=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high,
+        delta=trainer.args.delta,
+        loss_type=trainer.loss_type,
+        importance_sampling_level=trainer.importance_sampling_level,
+        max_completion_length=trainer.max_completion_length,
+        num_items_in_batch=inputs["num_items_in_batch"],
+        num_sequences_in_batch=BATCH * num_micro_batches,
+        is_weights=inputs.get("importance_sampling_ratio"),
+        kl_bias_correction=trainer.args.use_bias_correction_kl,
+    )
+    loss = loss * micro_batch_scale(trainer.loss_type, num_micro_batches)
+    loss.backward()
+
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-5)
+    for name, grad in gradients(model).items():
+        torch.testing.assert_close(grad, trl_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+    for name, value in metrics.items():
+        assert value.item() == pytest.approx(trl_metrics[name], abs=1e-5), name
+    mask = completion_mask.float()
+    assert ((entropy * mask).sum() / mask.sum()).item() == pytest.approx(trl_metrics["entropy"], abs=1e-5)
+    assert metrics["clip_ratio/region_mean"] > 0  # the inputs exercise the clipped branch
