@@ -139,7 +139,7 @@ class AlgorithmConfig:
     """Drop groups whose rewards have zero spread and sample more prompts (DAPO)."""
     max_resample_times: int = 3
     """Most extra sampling rounds per step under dynamic_sample."""
-    logprob_chunk_size: int = 4096
+    logprob_chunk_size: int = 1024
     """Tokens per chunk when computing log-probs, bounding the fp32 logits in memory."""
 
     def __post_init__(self) -> None:
@@ -407,9 +407,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Convert `value` (from YAML or a flag) to the field's declared type or raise ValueError."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in {"none", "null"}):
-            if type(None) in args:
-                return None
+        is_none = value is None or (isinstance(value, str) and value.lower() in {"none", "null"})
+        if is_none and type(None) in args:
+            return None
         inner = [arg for arg in args if arg is not type(None)]
         return _coerce(key, value, inner[0])
     if origin is list:

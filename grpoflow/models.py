@@ -14,7 +14,15 @@ logger = logging.getLogger("grpoflow.models")
 
 TINY = "tiny"
 """Model name that builds a small randomly initialised Qwen2 and a character tokenizer locally."""
-TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+RANDOM_PREFIX = "random:"
+"""`random:PRESET` builds a randomly initialised model of a preset shape (grpoflow.tiny.PRESETS)."""
+
+
+def local_preset(source: str) -> str | None:
+    """The preset a model name asks to build locally, or None for a real model."""
+    if source == TINY:
+        return TINY
+    return source.removeprefix(RANDOM_PREFIX) if source.startswith(RANDOM_PREFIX) else None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -34,7 +42,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_tokenizer(source: str, *, trust_remote_code: bool = False):
     """The tokenizer of `source` with a pad token (the EOS token when it has none)."""
-    if source == TINY:
+    if local_preset(source):
         from grpoflow.tiny import build_char_tokenizer
 
         return build_char_tokenizer()
@@ -59,10 +67,11 @@ def load_model(
     dtype: torch.dtype,
 ) -> torch.nn.Module:
     """A causal LM from a directory or hub id, or the tiny local model, on `device` in `dtype`."""
-    if source == TINY:
-        from grpoflow.tiny import build_tiny_model
+    preset = local_preset(source)
+    if preset:
+        from grpoflow.tiny import build_preset_model
 
-        model = build_tiny_model(vocab_size, seed=seed, dtype=dtype, **TINY_SHAPE)
+        model = build_preset_model(preset, vocab_size, seed=seed, dtype=dtype, device=device)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -91,5 +100,5 @@ def _load_hint(source: str, error: Exception) -> str:
         return f"model {source!r} could not be loaded: {error}"
     return (
         f"model {source!r} is neither a local directory nor reachable on the hub ({error}); "
-        f"give a local path, check the name, or use model={TINY} for a small local model"
+        f"give a local path, check the name, or use model={TINY} (or random:qwen2-0.5b) for a local random model"
     )

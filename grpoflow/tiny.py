@@ -43,6 +43,7 @@ def build_tiny_model(
     dtype: torch.dtype = torch.float32,
     eos_token_id: int = 1,
     pad_token_id: int = 0,
+    device: torch.device | str = "cpu",
 ) -> PreTrainedModel:
     """A randomly initialised causal LM (`model_type`: qwen2, llama, mistral, qwen3, ...)."""
     config = AutoConfig.for_model(
@@ -59,12 +60,35 @@ def build_tiny_model(
         pad_token_id=pad_token_id,
         bos_token_id=None,
     )
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = pad_token_id
     model.generation_config.eos_token_id = eos_token_id
     return model
+
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "qwen2-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        max_position_embeddings=32768,
+    ),
+}
+"""Shapes of randomly initialised models; `qwen2-0.5b` is Qwen2-0.5B's shape (benchmarks)."""
+
+
+def build_preset_model(name: str, tokenizer_size: int, **kwargs) -> PreTrainedModel:
+    """A random model of a preset shape; the vocabulary is the tokenizer's unless the preset sets one."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    shape = {"vocab_size": tokenizer_size, **PRESETS[name], **kwargs}
+    return build_tiny_model(shape.pop("vocab_size"), **shape)
 
 
 def save_tiny_checkpoint(directory: str | Path, **model_kwargs) -> Path:

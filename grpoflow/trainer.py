@@ -206,6 +206,8 @@ class GRPOTrainer:
             valid = column[~column.isnan()]
             metrics[f"rewards/{name}/mean"] = valid.mean().item() if len(valid) else float("nan")
             metrics[f"rewards/{name}/std"] = valid.std().item() if len(valid) > 1 else 0.0
+        if self.device.type == "cuda":
+            metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         for phase, seconds in timer.seconds.items():
             metrics[f"time/{phase}"] = seconds
         return metrics

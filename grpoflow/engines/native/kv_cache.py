@@ -57,7 +57,7 @@ def allocate_cache(
     shape: Shape, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
     """(layers, 2, num_blocks, Hkv, block_size, D): a block of one head is contiguous."""
-    return torch.empty(
+    return torch.zeros(
         (shape.num_layers, 2, num_blocks, shape.num_kv_heads, block_size, shape.head_dim),
         device=device,
         dtype=dtype,

@@ -101,6 +101,8 @@ class TorchOps:
         if window > 0:
             visible &= position[None, :] >= context_lens[:, None] - window
         visible[:, 0] |= context_lens == 0
+        hidden = ~visible[:, None, :, None]  # stale cache memory may hold anything, NaN included
+        keys, values = keys.masked_fill(hidden, 0), values.masked_fill(hidden, 0)
         out = F.scaled_dot_product_attention(
             q[:, :, None, :],
             keys,
