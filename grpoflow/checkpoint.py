@@ -71,7 +71,10 @@ def save_checkpoint(
     os.replace(staging, final)
     _fsync_dir(output_dir)
     if save_total_limit is not None:
-        for old in list_checkpoints(output_dir)[:-save_total_limit]:
+        # The one just written stays even when higher-numbered ones exist (a run resumed from an
+        # older checkpoint); the oldest of the others go.
+        others = [path for path in list_checkpoints(output_dir) if path != final]
+        for old in others[: max(0, len(others) - save_total_limit + 1)]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -350,11 +350,11 @@ def parse_overrides(argv: list[str]) -> dict[str, Any]:
         token = argv[index]
         if not token.startswith("--") or token == "--":
             raise ValueError(f"unexpected argument {token!r}: options look like --key value")
-        key, _, inline = token[2:].partition("=")
+        key, equals, inline = token[2:].partition("=")
         key = key.replace("-", "_")
         index += 1
-        values = [inline] if inline else []
-        while not inline and index < len(argv) and not argv[index].startswith("--"):
+        values = [inline] if equals else []
+        while not equals and index < len(argv) and not argv[index].startswith("--"):
             values.append(argv[index])
             index += 1
         overrides[key] = "true" if not values else values[0] if len(values) == 1 else values
@@ -429,13 +429,15 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
                 raise ValueError
             return text in _TRUE
         if hint is int:
-            if isinstance(value, float) and not value.is_integer():
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
             return int(value)
         if hint is float:
+            if isinstance(value, bool):
+                raise ValueError
             return float(value)
         if hint is str:
-            if isinstance(value, dict | list):
+            if value is None or isinstance(value, dict | list):
                 raise ValueError
             return str(value)
     except (TypeError, ValueError):
@@ -444,6 +446,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
 
 
 def _split_list(value: Any) -> list[Any]:
+    if value is None:  # a YAML key left empty
+        return []
     if isinstance(value, str):
         return [item.strip() for item in value.split(",") if item.strip()]
     return [value]

@@ -41,8 +41,8 @@ class PromptItem:
 def load_rows(spec: str, split: str = "train", seed: int = 0) -> list[dict]:
     """Rows of one dataset spec: `echo`, `gsm8k`, `path/to/file.jsonl`, `org/name`, each
     optionally with `#N` to take N rows (sampled with `seed` when N is below the size)."""
-    name, _, count = spec.partition("#")
-    if count and (not count.isdigit() or int(count) < 1):
+    name, hash_sign, count = spec.partition("#")
+    if hash_sign and (not count.isdigit() or int(count) < 1):
         raise ValueError(f"dataset {spec!r}: the part after '#' must be a positive row count")
     path = Path(name)
     if name in TASKS:
@@ -103,7 +103,11 @@ def _datasets_module():
 
 def read_system_prompt(system: str | None) -> str | None:
     """`system` as given, or the contents of the file it names."""
-    if system and len(system) < 4096 and Path(system).is_file():
+    try:
+        is_file = bool(system) and len(system) < 4096 and Path(system).is_file()
+    except (OSError, ValueError):  # text no file system accepts as a name (too long, NUL bytes)
+        is_file = False
+    if is_file:
         return Path(system).read_text(encoding="utf-8").strip()
     return system
 

@@ -13,19 +13,21 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-DEFAULT_CHARS = string.ascii_lowercase + string.digits + " +-=:?.,!<>/\n"
+DEFAULT_CHARS = string.ascii_lowercase + string.digits + string.ascii_uppercase + string.punctuation + " \n"
 
 
 def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
-    """A tokenizer with one token per character plus `<pad>` (id 0) and `<eos>` (id 1)."""
+    """One token per character plus `<pad>` (id 0), `<eos>` (id 1) and `<unk>` (id 2)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    symbols = ["<pad>", "<eos>", *dict.fromkeys(chars)]
+    symbols = ["<pad>", "<eos>", "<unk>", *dict.fromkeys(chars)]
     vocab = {symbol: index for index, symbol in enumerate(symbols)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
 
 
 def build_tiny_model(

@@ -12,6 +12,7 @@ from grpoflow.engines.base import RolloutEngine, SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.engines.native.sampler import SamplingOptions, race_reference, race_thresholds, sample
 from grpoflow.tiny import build_char_tokenizer
+
 from .native_fixtures import (
     FAMILIES,
     VOCAB_SIZE,
@@ -69,6 +70,7 @@ def test_more_requests_than_rows_and_preemption():
     for prompt, completions in zip(PROMPTS, outputs):
         reference = hf_greedy(model, prompt, 64)
         assert all(completion.token_ids == reference for completion in completions)
+    assert native.stats.extra["preemptions"] > 0
 
 
 def test_logprobs_match_a_forward_pass():
@@ -162,9 +164,10 @@ def test_in_place_optimizer_step_is_seen_by_next_generate():
     before = native.generate([prompt], greedy(32))[0][0].token_ids
     assert before == hf_greedy(model, prompt, 32)
     optimizer = torch.optim.SGD(model.parameters(), lr=5.0)
-    loss = model(torch.tensor([prompt + before])).logits.logsumexp(-1).mean() - model(
-        torch.tensor([prompt + before])
-    ).logits[0, :, 9].mean()
+    loss = (
+        model(torch.tensor([prompt + before])).logits.logsumexp(-1).mean()
+        - model(torch.tensor([prompt + before])).logits[0, :, 9].mean()
+    )
     loss.backward()
     pointers = [parameter.data_ptr() for parameter in model.parameters()]
     optimizer.step()
@@ -228,7 +231,9 @@ def test_seed_reproducible_whatever_the_batch():
     crowded = engine(model, max_num_seqs=2).generate([PROMPTS[0], PROMPTS[1]], params)[1]
     assert [c.token_ids for c in alone] == [c.token_ids for c in crowded]
     assert len({tuple(c.token_ids) for c in alone}) > 1, "the n samples differ"
-    other = engine(model).generate([PROMPTS[1]], SamplingParams(temperature=1.0, max_tokens=20, n=3, seed=8))[0]
+    other = engine(model).generate([PROMPTS[1]], SamplingParams(temperature=1.0, max_tokens=20, n=3, seed=8))[
+        0
+    ]
     assert [c.token_ids for c in other] != [c.token_ids for c in alone]
 
 

@@ -141,6 +141,7 @@ class NativeEngine:
             "prefill_steps": float(prefill_steps),
             "decode_steps": float(decode_steps),
             "decode_context_tokens": float(context_tokens),
+            "preemptions": float(scheduler.num_preemptions),
         }
 
     def _per_prompt(self, prompts, params) -> list[SamplingParams]:

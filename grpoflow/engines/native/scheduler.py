@@ -97,6 +97,7 @@ class Scheduler:
         self.free_rows = list(range(max_rows))
         self.admission: dict[int, int] = {}
         self.admitted = 0
+        self.num_preemptions = 0
         self.min_prefill_rows = max(1, max_rows // 8)
 
     @property
@@ -204,6 +205,7 @@ class Scheduler:
 
     def _preempt(self, row: int) -> None:
         sequence = int(self.row_sequence[row])
+        self.num_preemptions += 1
         self._retire(row)
         self.waiting.appendleft(WorkItem(self.book.sequence_tokens(sequence), [sequence]))
         self.num_waiting += 1

@@ -1,0 +1,253 @@
+"""Rollout throughput: the native engine against transformers' `generate`, in one run.
+
+    python benchmarks/rollout.py            # the Qwen2-0.5B-shaped model, bf16, on CUDA
+    python benchmarks/rollout.py --smoke    # a tiny model on the CPU, to check the script
+
+Workloads: (1) GRPO: 64 prompts x 8 samples, prompt 128, 256 new tokens, temperature 1, ignore_eos;
+(2) 512 distinct prompts x 1, same lengths; (3) ragged: 1024 prompts of 64-256 tokens, max_tokens
+drawn from 32-1024. transformers runs a smaller slice of each (stated in the table) to keep the
+whole run within minutes. The roofline is (weights + KV bytes read by every decode step) over the
+device-to-device copy bandwidth measured in the same run; the fraction is that ideal time over the
+measured time of the whole generate call (prefill included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+
+from grpoflow.engines.base import SamplingParams
+from grpoflow.engines.native import NativeEngine, NativeEngineConfig
+
+QWEN2_0_5B = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+)
+SMOKE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+)
+
+
+@dataclass
+class Workload:
+    """Prompts and per-prompt sampling parameters, plus the transformers slice."""
+
+    name: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    hf_prompts: list[list[int]]
+    hf_n: int
+    hf_budgets: list[int]
+    hf_note: str
+
+
+def build_workloads(vocab_size: int, scale: float, rng: np.random.Generator) -> list[Workload]:
+    def prompts(count, low, high):
+        return [rng.integers(2, vocab_size, int(rng.integers(low, high + 1))).tolist() for _ in range(count)]
+
+    def sampling(max_tokens, n=1):
+        return SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+
+    count = max(1, int(64 * scale))
+    grpo = prompts(count, 128, 128)
+    distinct = prompts(8 * count, 128, 128)
+    ragged = prompts(16 * count, 64, 256)
+    budgets = rng.integers(32, 1025, len(ragged)).tolist()
+    hf_new = 64
+    hf_ragged = rng.integers(32, 257, 2 * count).tolist()
+    return [
+        Workload(
+            "grpo 64x8", grpo, [sampling(256, 8)] * len(grpo), grpo, 8, [hf_new] * 8 * len(grpo),
+            f"{8 * len(grpo)} seqs, {hf_new} new tokens",
+        ),
+        Workload(
+            "512 distinct", distinct, [sampling(256)] * len(distinct), distinct, 1, [hf_new] * len(distinct),
+            f"{len(distinct)} seqs, {hf_new} new tokens",
+        ),
+        Workload(
+            "ragged 32-1024", ragged, [sampling(b) for b in budgets], ragged[: 2 * count], 1, hf_ragged,
+            f"{2 * count} seqs, max_tokens 32-256 (batch runs to its longest)",
+        ),
+    ]  # fmt: skip
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read plus written per second by a large device-to-device copy."""
+    if device.type != "cuda":
+        return float("nan")
+    source = torch.randn(256 << 20, device=device)  # 1 GiB
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        target.copy_(source)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / 20
+    return 2 * source.numel() * source.element_size() / seconds
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_native(engine: NativeEngine, workload: Workload, device: torch.device) -> dict:
+    engine.generate(workload.prompts, workload.params)  # warm-up: graphs captured, kernels compiled
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    synchronize(device)
+    start = time.perf_counter()
+    outputs = engine.generate(workload.prompts, workload.params)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for group in outputs for c in group)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    return dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, peak_gib=peak, **engine.stats.extra)
+
+
+def run_transformers(model, workload: Workload, device: torch.device) -> dict:
+    """Left-padded batch sampling with `generate`; counts only the tokens each sequence asked for."""
+    rows = [prompt for prompt in workload.hf_prompts for _ in range(workload.hf_n)]
+    length = max(map(len, rows))
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(rows):
+        ids[row, length - len(prompt) :] = torch.tensor(prompt)
+        mask[row, length - len(prompt) :] = 1
+    config = GenerationConfig(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(workload.hf_budgets),
+        eos_token_id=[], pad_token_id=0,
+    )  # fmt: skip
+    ids, mask = ids.to(device), mask.to(device)
+    with torch.no_grad():
+        warm = GenerationConfig(**{**config.to_dict(), "max_new_tokens": 2})
+        model.generate(input_ids=ids[:8], attention_mask=mask[:8], generation_config=warm)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        synchronize(device)
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        synchronize(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(workload.hf_budgets)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    return dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, peak_gib=peak)
+
+
+def profile_decode(engine: NativeEngine, workload: Workload, device: torch.device) -> list[tuple[str, float]]:
+    """Top kernels by GPU time over one generate call of the workload (ms in total)."""
+    if device.type != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(workload.prompts, workload.params)
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    return [(event.key[:70], event.device_time_total / 1000) for event in events[:12]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few sequences")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/...)")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    shape = SMOKE if args.smoke else QWEN2_0_5B
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=dtype).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * 64 * model.dtype.itemsize
+    if args.smoke:
+        kv_bytes_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * 16 * 4
+    bandwidth = copy_bandwidth(device)
+    config = NativeEngineConfig(
+        max_num_seqs=64 if args.smoke else 512,
+        max_model_len=1300,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    engine = NativeEngine(model, config=config)
+    workloads = build_workloads(shape["vocab_size"], 0.05 if args.smoke else 1.0, np.random.default_rng(0))
+    results = []
+    for workload in workloads:
+        native = run_native(engine, workload, device)
+        ideal = (native["decode_steps"] * weight_bytes + native["decode_context_tokens"] * kv_bytes_per_token) / bandwidth
+        native["roofline_fraction"] = ideal / native["seconds"]
+        native["ms_per_decode_step"] = 1000 * native["seconds"] / max(native["decode_steps"], 1)
+        results.append(dict(workload=workload.name, native=native, hf_note=workload.hf_note))
+        print(f"native {workload.name}: {native['tokens_per_s']:,.0f} tokens/s", flush=True)
+    top_kernels = profile_decode(engine, workloads[0], device)
+    engine.sleep()
+    if not args.skip_transformers:
+        for result, workload in zip(results, workloads):
+            result["transformers"] = run_transformers(model, workload, device)
+            print(f"transformers {workload.name}: {result['transformers']['tokens_per_s']:,.0f} tokens/s", flush=True)
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    report = dict(
+        date=datetime.date.today().isoformat(),
+        device=gpu,
+        torch=torch.__version__,
+        model="random Qwen2-0.5B shape, bf16" if not args.smoke else "tiny smoke model, fp32",
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=kv_bytes_per_token,
+        copy_bandwidth_bytes_per_s=bandwidth,
+        engine_config=dict(max_num_seqs=config.max_num_seqs, block_size=config.block_size),
+        results=results,
+        top_kernels_ms=top_kernels,
+    )
+    if top_kernels:
+        print("\ntop kernels over one 'grpo 64x8' call (GPU ms):")
+        for name, ms in top_kernels:
+            print(f"  {ms:9.1f}  {name}")
+    print(f"\n{gpu}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB")
+    print(f"{'workload':<16}{'native tok/s':>14}{'ms/step':>9}{'roofline':>10}{'peak GiB':>10}"
+          f"{'hf tok/s':>11}{'ratio':>8}  transformers slice")  # fmt: skip
+    for result in results:
+        native, hf = result["native"], result.get("transformers")
+        hf_rate = hf["tokens_per_s"] if hf else float("nan")
+        print(
+            f"{result['workload']:<16}{native['tokens_per_s']:>14,.0f}{native['ms_per_decode_step']:>9.2f}"
+            f"{native['roofline_fraction']:>10.1%}{native['peak_gib']:>10.1f}{hf_rate:>11,.0f}"
+            f"{native['tokens_per_s'] / hf_rate:>8.1f}  {result['hf_note']}"
+        )
+    name = f"rollout-{gpu.replace(' ', '_')}-{report['date']}.json"
+    paths = [Path(args.output) if args.output else Path(__file__).parent / "results" / name]
+    if os.environ.get("OUT"):
+        paths.append(Path(os.environ["OUT"]) / name)
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

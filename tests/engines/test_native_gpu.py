@@ -1,0 +1,158 @@
+"""The native engine's CUDA path: Triton kernels against the torch references, graphs against
+eager, and greedy decoding against transformers on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from grpoflow.engines.base import SamplingParams
+from grpoflow.engines.native import NativeEngine, NativeEngineConfig
+from grpoflow.engines.native.ops import TorchOps
+from grpoflow.engines.native.sampler import SamplingOptions, race_reference, race_thresholds
+
+from .native_fixtures import FAMILIES, forward_logprobs, hf_greedy, tiny
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+DTYPES = [torch.float32, torch.bfloat16]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from grpoflow.engines.native import kernels
+
+    return kernels.TritonOps
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    assert torch.isfinite(out).all()
+    return ((out.double() - reference.double()).norm() / reference.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(kernels, dtype):
+    x, residual = torch.randn(2, 37, 896, device="cuda", dtype=dtype).unbind(0)
+    weight = torch.randn(896, device="cuda", dtype=dtype)
+    for res in (None, residual):
+        out, new_residual = kernels.rms_norm(x, weight, 1e-6, res)
+        ref, ref_residual = TorchOps.rms_norm(x, weight, 1e-6, res)
+        assert relative_error(out, ref) < TOLERANCE[dtype]
+        assert torch.equal(new_residual, ref_residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_and_store(kernels, dtype, qk_norm):
+    tokens, num_heads, num_kv_heads, head_dim, blocks, block_size = 23, 14, 2, 64, 9, 16
+    q = torch.randn(tokens, num_heads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(tokens, num_kv_heads, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(tokens, num_kv_heads, head_dim, device="cuda", dtype=dtype)
+    angles = torch.rand(100, head_dim, device="cuda") * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    positions = torch.randint(0, 100, (tokens,), device="cuda")
+    slots = torch.randperm(blocks * block_size, device="cuda")[:tokens]
+    slots[3] = -1
+    norm = None
+    if qk_norm:
+        norm = (
+            torch.randn(head_dim, device="cuda", dtype=dtype),
+            torch.randn(head_dim, device="cuda", dtype=dtype),
+            1e-6,
+        )
+    results = []
+    for ops in (kernels, TorchOps):
+        caches = torch.full((2, blocks, num_kv_heads, block_size, head_dim), 7.0, device="cuda", dtype=dtype)
+        q_out, k_out = q.clone(), k.clone()
+        ops.rope_and_store(q_out, k_out, v, cos, sin, positions, slots, caches[0], caches[1], norm)
+        results.append((q_out, k_out, caches))
+    (q1, k1, c1), (q2, k2, c2) = results
+    assert relative_error(q1, q2) < TOLERANCE[dtype]
+    assert relative_error(k1, k2) < TOLERANCE[dtype]
+    assert relative_error(c1, c2) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(kernels, dtype):
+    gate, up = torch.randn(2, 33, 4864, device="cuda", dtype=dtype).unbind(0)
+    assert relative_error(kernels.silu_mul(gate, up), TorchOps.silu_mul(gate, up)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("group", [1, 7])
+def test_decode_attention(kernels, dtype, window, group):
+    rows, num_kv_heads, head_dim, block_size, blocks = 19, 2, 64, 16, 200
+    q = torch.randn(rows, num_kv_heads * group, head_dim, device="cuda", dtype=dtype)
+    caches = torch.randn(2, blocks, num_kv_heads, block_size, head_dim, device="cuda", dtype=dtype)
+    table = torch.stack([torch.randperm(blocks, device="cuda")[:20] for _ in range(rows)]).int()
+    context = torch.randint(1, 20 * block_size, (rows,), device="cuda")
+    context[0], context[1] = 0, 1
+    scale = head_dim**-0.5
+    out = kernels.decode_attention(q, caches[0], caches[1], table, context, scale, window)
+    ref = TorchOps.decode_attention(
+        q, caches[0], caches[1], table, context, scale, window, int(context.max())
+    )
+    assert (out[0] == 0).all()
+    assert relative_error(out[1:], ref[1:]) < TOLERANCE[dtype] * 2
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("filters", [False, True])
+def test_race_kernel_matches_reference(greedy, filters):
+    from grpoflow.engines.native.kernels import race
+
+    logits = torch.randn(256, 151936, device="cuda", dtype=torch.bfloat16) * 3
+    keys = torch.from_numpy(np.random.default_rng(0).integers(0, 2**32, 256)).cuda()
+    options = SamplingOptions(temperature=0.8, top_p=0.9 if filters else 1.0, top_k=50 if filters else 0)
+    thresholds = race_thresholds(logits.float() / 0.8, options)
+    inverse = 1.0 if greedy else 1 / 0.8
+    tokens, logprobs = race(logits, keys, inverse, greedy, thresholds)
+    ref_tokens, ref_logprobs = race_reference(logits, keys, inverse, greedy, thresholds)
+    assert (tokens == ref_tokens).float().mean() > 0.99
+    same = tokens == ref_tokens
+    torch.testing.assert_close(logprobs[same], ref_logprobs[same], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_greedy_matches_transformers_on_cuda(model_type):
+    model = tiny(model_type, device="cuda")
+    native = NativeEngine(model, config=NativeEngineConfig(max_num_seqs=8, block_size=16, num_kv_blocks=64))
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(2, 40))]
+    outputs = native.generate(prompts, SamplingParams(temperature=0, max_tokens=64, n=2, ignore_eos=True))
+    assert native.runner.use_graphs and native.runner.graphs
+    for prompt, completions in zip(prompts, outputs):
+        reference = hf_greedy(model, prompt, 64)
+        assert all(completion.token_ids == reference for completion in completions)
+
+
+def test_graphs_equal_eager_and_logprobs_match_forward():
+    model = tiny("qwen2", device="cuda", dtype=torch.bfloat16, hidden_size=256, num_attention_heads=4)
+    prompts = [list(range(3, 30)), [4, 5, 6]]
+    params = SamplingParams(temperature=0.9, max_tokens=40, n=4, seed=5, ignore_eos=True)
+    runs = []
+    for graphs in (True, False):
+        config = NativeEngineConfig(max_num_seqs=16, block_size=16, num_kv_blocks=64, use_cuda_graphs=graphs)
+        runs.append(NativeEngine(model, config=config).generate(prompts, params))
+    assert [[c.token_ids for c in group] for group in runs[0]] == [
+        [c.token_ids for c in group] for group in runs[1]
+    ]
+    for prompt, completions in zip(prompts, runs[0]):
+        for completion in completions:
+            expected = forward_logprobs(model, prompt, completion.token_ids, 0.9)
+            np.testing.assert_allclose(completion.logprobs, expected, atol=0.1)
+
+
+def test_memory_fraction_sizes_cache_and_sleep_frees_it():
+    model = tiny("llama", device="cuda")
+    native = NativeEngine(model, config=NativeEngineConfig(gpu_memory_utilization=0.2, max_model_len=512))
+    native.wake_up()
+    taken = torch.cuda.memory_allocated()
+    native.sleep()
+    assert torch.cuda.memory_allocated() < taken - 2**20
+    native.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=4))
+    assert native.runner.awake
