@@ -130,3 +130,49 @@ def test_dynamic_sampling_replaces_groups_without_reward_spread(tmp_path):
     history = run(config)
     assert max(step["dynamic_sample/rounds"] for step in history) > 1
     assert all(step["frac_reward_zero_std"] < 0.5 for step in history)
+
+
+def test_reward_model_and_plugin_rewards_are_weighted_into_the_run(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from grpoflow.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    reward_dir = tmp_path / "reward_model"
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=1,
+    )
+    Qwen2ForSequenceClassification(config).save_pretrained(reward_dir)
+    tokenizer.save_pretrained(reward_dir)
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(
+        "from grpoflow.rewards import register_reward\n"
+        "@register_reward('short')\n"
+        "def short(completions, **kwargs):\n"
+        "    return [-len(c) / 8 for c in completions]\n"
+    )
+    run_config = recipe(
+        tmp_path,
+        max_steps=1,
+        external_plugins=[str(plugin)],
+        reward_funcs=["echo", "short"],
+        reward_model=str(reward_dir),
+        reward_weights=[1.0, 0.5, 0.1],
+    )
+    (step,) = run(run_config)
+    assert {"rewards/echo/mean", "rewards/short/mean", "rewards/reward_model/mean"} <= set(step)
+    assert step["rewards/short/mean"] < 0
+    assert math.isfinite(step["rewards/reward_model/mean"])
+    weighted = (
+        step["rewards/echo/mean"]
+        + 0.5 * step["rewards/short/mean"]
+        + 0.1 * step["rewards/reward_model/mean"]
+    )
+    assert step["reward"] == pytest.approx(weighted, abs=1e-5)

@@ -94,18 +94,38 @@ class HFEngine:
         return kwargs
 
     def _trim(self, ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
-        """Cut the padding after the end of a completion and say why it ended."""
+        """Cut a completion after the token that ended it and say why it ended.
+
+        `generate` pads a row that ends before the others only when it has stop tokens, and lets it
+        sample on otherwise, so the end is found from the tokens: the first stop token, or the
+        first token that completes a stop string, whichever comes first.
+        """
         stop_ids = set() if params.ignore_eos else set(params.stop_token_ids)
-        for position, token in enumerate(ids):
-            if token in stop_ids:
-                return ids[: position + 1], "stop"
-        while len(ids) < params.max_tokens and ids and ids[-1] == self.pad_token_id:
-            ids = ids[:-1]
-        if len(ids) < params.max_tokens:
-            return ids, "stop"
-        if params.stop and self.tokenizer.decode(ids).endswith(tuple(params.stop)):
+        end = next((position + 1 for position, token in enumerate(ids) if token in stop_ids), None)
+        if params.stop:
+            end = self._stop_string_end(ids[:end], params.stop) or end
+        if end is not None:
+            return ids[:end], "stop"
+        if len(ids) < params.max_tokens:  # every row ended early: what follows the text is padding
+            while ids and ids[-1] == self.pad_token_id:
+                ids = ids[:-1]
             return ids, "stop"
         return ids, "length"
+
+    def _stop_string_end(self, ids: list[int], stop: Sequence[str]) -> int | None:
+        """Length of the shortest prefix of `ids` whose text holds a stop string, or None."""
+
+        def holds(length: int) -> bool:
+            text = self.tokenizer.decode(ids[:length], skip_special_tokens=True)
+            return any(string in text for string in stop)
+
+        if not ids or not holds(len(ids)):
+            return None
+        low, high = 1, len(ids)  # binary search: a prefix holding one keeps it when it grows
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if holds(middle) else (middle + 1, high)
+        return low
 
     def _logprobs(self, input_ids, attention_mask, rows, params) -> list[list[float]]:
         width = max((len(ids) for ids, _ in rows), default=0)
@@ -132,7 +152,7 @@ class HFEngine:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """The engine runs the policy module itself: only foreign weights need copying."""
-        own = dict(self.model.named_parameters())
+        own = dict(self.model.named_parameters(remove_duplicate=False))  # tied names too
         with torch.no_grad():
             for name, tensor in weights:
                 if name not in own:
