@@ -128,7 +128,9 @@ def run_native(engine: NativeEngine, workload: Workload, device: torch.device) -
     seconds = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for group in outputs for c in group)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    return dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, peak_gib=peak, **engine.stats.extra)
+    return dict(
+        tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, peak_gib=peak, **engine.stats.extra
+    )
 
 
 def run_transformers(model, workload: Workload, device: torch.device) -> dict:
@@ -160,17 +162,22 @@ def run_transformers(model, workload: Workload, device: torch.device) -> dict:
     return dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, peak_gib=peak)
 
 
-def profile_decode(engine: NativeEngine, workload: Workload, device: torch.device) -> list[tuple[str, float]]:
-    """Top kernels by GPU time over one generate call of the workload (ms in total)."""
+def profile_decode(engine: NativeEngine, workload: Workload, device: torch.device) -> dict:
+    """Top kernels by GPU time over one generate call of the workload, and how busy the GPU was."""
     if device.type != "cuda":
-        return []
+        return {}
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         engine.generate(workload.prompts, workload.params)
         torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
-    return [(event.key[:70], event.device_time_total / 1000) for event in events[:12]]
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    busy = sum(event.self_device_time_total for event in events) / 1e6
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    kernels = [(event.key[:70], event.self_device_time_total / 1000) for event in top]
+    return dict(wall_s=wall, gpu_busy_s=busy, kernels_ms=kernels)
 
 
 def main() -> None:
@@ -187,7 +194,9 @@ def main() -> None:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=dtype).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * 64 * model.dtype.itemsize
+    kv_bytes_per_token = (
+        shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * 64 * model.dtype.itemsize
+    )
     if args.smoke:
         kv_bytes_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * 16 * 4
     bandwidth = copy_bandwidth(device)
@@ -201,17 +210,22 @@ def main() -> None:
     results = []
     for workload in workloads:
         native = run_native(engine, workload, device)
-        ideal = (native["decode_steps"] * weight_bytes + native["decode_context_tokens"] * kv_bytes_per_token) / bandwidth
+        ideal = (
+            native["decode_steps"] * weight_bytes + native["decode_context_tokens"] * kv_bytes_per_token
+        ) / bandwidth
         native["roofline_fraction"] = ideal / native["seconds"]
         native["ms_per_decode_step"] = 1000 * native["seconds"] / max(native["decode_steps"], 1)
         results.append(dict(workload=workload.name, native=native, hf_note=workload.hf_note))
         print(f"native {workload.name}: {native['tokens_per_s']:,.0f} tokens/s", flush=True)
-    top_kernels = profile_decode(engine, workloads[0], device)
+    profile = profile_decode(engine, workloads[0], device)
     engine.sleep()
     if not args.skip_transformers:
         for result, workload in zip(results, workloads):
             result["transformers"] = run_transformers(model, workload, device)
-            print(f"transformers {workload.name}: {result['transformers']['tokens_per_s']:,.0f} tokens/s", flush=True)
+            print(
+                f"transformers {workload.name}: {result['transformers']['tokens_per_s']:,.0f} tokens/s",
+                flush=True,
+            )
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     report = dict(
         date=datetime.date.today().isoformat(),
@@ -223,11 +237,13 @@ def main() -> None:
         copy_bandwidth_bytes_per_s=bandwidth,
         engine_config=dict(max_num_seqs=config.max_num_seqs, block_size=config.block_size),
         results=results,
-        top_kernels_ms=top_kernels,
+        profile=profile,
     )
-    if top_kernels:
-        print("\ntop kernels over one 'grpo 64x8' call (GPU ms):")
-        for name, ms in top_kernels:
+    if profile:
+        print(
+            f"\nprofiled 'grpo 64x8' call: wall {profile['wall_s'] * 1000:.0f} ms, GPU busy {profile['gpu_busy_s'] * 1000:.0f} ms"
+        )
+        for name, ms in profile["kernels_ms"]:
             print(f"  {ms:9.1f}  {name}")
     print(f"\n{gpu}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB")
     print(f"{'workload':<16}{'native tok/s':>14}{'ms/step':>9}{'roofline':>10}{'peak GiB':>10}"

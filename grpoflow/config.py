@@ -441,7 +441,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
                 raise ValueError
             return str(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{key} must be a {hint.__name__}; got {value!r}") from None
+        kind = {bool: "true or false", int: "an integer", float: "a number", str: "text"}[hint]
+        raise ValueError(f"{key} must be {kind}; got {value!r}") from None
     return value
 
 

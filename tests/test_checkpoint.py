@@ -151,7 +151,12 @@ def test_resolve_errors(tmp_path):
 
 
 def draws() -> tuple:
-    return random.random(), float(np.random.rand()), torch.rand(3).tolist(), torch.randint(0, 100, (2,)).tolist()
+    return (
+        random.random(),
+        float(np.random.rand()),
+        torch.rand(3).tolist(),
+        torch.randint(0, 100, (2,)).tolist(),
+    )
 
 
 def test_rng_state_round_trip(tmp_path):

@@ -52,7 +52,9 @@ def test_collate_places_sampling_logprobs_under_their_tokens(groups):
 def test_collate_uses_the_pad_id():
     batch = collate([group([3], [completion([4]), completion([4, 5])])], 99, torch.device("cpu"))
     assert batch.completion_ids.tolist() == [[4, 99], [4, 5]]
-    batch = collate([group([3], [completion([4])]), group([2, 3], [completion([4])])], 99, torch.device("cpu"))
+    batch = collate(
+        [group([3], [completion([4])]), group([2, 3], [completion([4])])], 99, torch.device("cpu")
+    )
     assert batch.prompt_ids.tolist() == [[99, 3], [2, 3]]
 
 
@@ -128,9 +130,7 @@ class FakeEngine:
 
     def generate(self, prompts, params):
         self.calls.append(([list(prompt) for prompt in prompts], params))
-        return [
-            [completion([prompt[-1] + index + 1, 1]) for index in range(params.n)] for prompt in prompts
-        ]
+        return [[completion([prompt[-1] + index + 1, 1]) for index in range(params.n)] for prompt in prompts]
 
 
 class FakeTokenizer:

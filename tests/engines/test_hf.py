@@ -8,6 +8,15 @@ from grpoflow.tiny import build_char_tokenizer, build_tiny_model
 TEMPERATURE = 0.7
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The models are tiny: a second thread only adds contention on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_char_tokenizer()
@@ -226,7 +235,9 @@ def test_mode_is_restored_when_generation_fails(tokenizer, prompts):
 
 
 def small_model(tokenizer, seed):
-    return build_tiny_model(len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, seed=seed)
+    return build_tiny_model(
+        len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, seed=seed
+    )
 
 
 def test_update_weights_copies_foreign_tensors(tokenizer, prompts):

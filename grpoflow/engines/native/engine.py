@@ -126,17 +126,21 @@ class NativeEngine:
         )
         runner.begin(options)
         prefill_steps = decode_steps = context_tokens = 0
-        while not book.finished:
+        pending = None  # the step launched last, whose results are not read yet
+        while not (book.finished and pending is None):
             step = scheduler.schedule()
+            launched = None
             if isinstance(step, PrefillStep):
-                tokens, logprobs = runner.prefill(step, book.keys(step.child_sequences), options)
-                scheduler.finish_prefill(step, tokens, logprobs)
+                launched = runner.prefill(step, book.keys(step.sequences, step.token_index), options)
                 prefill_steps += 1
-            else:
-                tokens, logprobs = runner.decode(step, book.keys(step.sequences), options)
-                scheduler.finish_decode(step, tokens, logprobs)
+            elif step is not None:
+                launched = runner.decode(step, book.keys(step.sequences, step.token_index), options)
                 decode_steps += 1
                 context_tokens += int(step.context_lens.sum())
+            if pending is not None:
+                scheduler.finish(pending[0], *pending[1].wait())
+            assert launched is not None or pending is not None, "the scheduler stalled"
+            pending = (step, launched) if launched is not None else None
         return {
             "prefill_steps": float(prefill_steps),
             "decode_steps": float(decode_steps),

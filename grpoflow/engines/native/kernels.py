@@ -163,25 +163,26 @@ def _race_kernel(
     logits_ptr, stride_row, keys_ptr, thresholds_ptr, tokens_ptr, logprobs_ptr, vocab_size, inverse_temperature,
     GREEDY: tl.constexpr, HAS_THRESHOLD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    # Each lane keeps its own running max, sum, best score and index; one reduction at the end.
     row = tl.program_id(0).to(tl.int64)
     key = tl.load(keys_ptr + row).to(tl.uint32)
     threshold = float("-inf")
     if HAS_THRESHOLD:
         threshold = tl.load(thresholds_ptr + row)
     lanes = tl.arange(0, BLOCK)
-    running_max = float("-inf")
-    running_sum = 0.0
-    best = float("-inf")
-    best_index = 0
-    best_logit = 0.0
+    lane_max = tl.full([BLOCK], -1e30, tl.float32)
+    lane_sum = tl.zeros([BLOCK], tl.float32)
+    lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_index = tl.zeros([BLOCK], tl.int32)
+    lane_logit = tl.zeros([BLOCK], tl.float32)
     for first in range(0, vocab_size, BLOCK):
         offs = first + lanes
         mask = offs < vocab_size
         x = tl.load(logits_ptr + row * stride_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
         x = x * inverse_temperature
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-        running_max = new_max
+        new_max = tl.maximum(lane_max, x)
+        lane_sum = lane_sum * tl.exp(lane_max - new_max) + tl.exp(x - new_max)
+        lane_max = new_max
         if GREEDY:
             score = x
         else:
@@ -190,16 +191,17 @@ def _race_kernel(
             score = x - tl.log(-tl.log(uniform))
         if HAS_THRESHOLD:
             score = tl.where(x >= threshold, score, float("-inf"))
-        score = tl.where(mask, score, float("-inf"))
-        chunk_best = tl.max(score, axis=0)
-        chunk_index = tl.argmax(score, axis=0)
-        chunk_logit = tl.sum(tl.where(lanes == chunk_index, x, 0.0), axis=0)
-        better = chunk_best > best
-        best_index = tl.where(better, first + chunk_index, best_index)
-        best_logit = tl.where(better, chunk_logit, best_logit)
-        best = tl.where(better, chunk_best, best)
-    tl.store(tokens_ptr + row, best_index.to(tl.int64))
-    tl.store(logprobs_ptr + row, best_logit - running_max - tl.log(running_sum))
+        better = mask & (score > lane_best)
+        lane_best = tl.where(better, score, lane_best)
+        lane_index = tl.where(better, offs, lane_index)
+        lane_logit = tl.where(better, x, lane_logit)
+    row_max = tl.max(lane_max, axis=0)
+    total = tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0)
+    best = tl.max(lane_best, axis=0)
+    token = tl.min(tl.where(lane_best == best, lane_index, 2147483647), axis=0)  # first index, as argmax
+    logit = tl.sum(tl.where((lane_index == token) & (lane_best == best), lane_logit, 0.0), axis=0)
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(logprobs_ptr + row, logit - row_max - tl.log(total))
 
 
 def race(

@@ -95,9 +95,11 @@ class RequestBook:
         generated = self.tokens[sequence, : self.num_generated[sequence]].tolist()
         return self.prompts[self.prompt_of[sequence]] + generated
 
-    def keys(self, sequences: np.ndarray) -> np.ndarray:
-        """Sampling keys (int64) for the next token of each sequence."""
-        return row_keys(self.seeds[sequences], self.num_generated[sequences])
+    def keys(self, sequences: np.ndarray, token_index: np.ndarray | None = None) -> np.ndarray:
+        """Sampling keys (int64) for token `token_index` (default: the next) of each sequence."""
+        if token_index is None:
+            token_index = self.num_generated[sequences]
+        return row_keys(self.seeds[sequences], token_index)
 
     def record(self, sequences: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> np.ndarray:
         """Append one sampled token per sequence; returns the ids of sequences that finished."""

@@ -9,6 +9,7 @@ once per batch-size bucket (lazily, at first use), so the host issues two launch
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,6 +34,21 @@ def graph_buckets(max_rows: int) -> list[int]:
     """Batch sizes that get a graph: 1, 2, 4, 8, then every 16 up to max_rows."""
     small = [size for size in (1, 2, 4, 8) if size < max_rows]
     return small + list(range(16, max_rows, 16)) + [max_rows]
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step on its way: its results land in host buffers once `event` has passed."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    event: torch.cuda.Event | None
+
+    def wait(self) -> tuple[np.ndarray, np.ndarray]:
+        """Block until the step is done; copies of its tokens (int64) and log-probs."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tokens.numpy().copy(), self.logprobs.numpy().copy()
 
 
 class Runner:
@@ -75,7 +91,11 @@ class Runner:
         self.block_table = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)
         self.logits = torch.zeros(rows, shape.vocab_size, dtype=self.dtype, device=device)
         pin = device.type == "cuda"
-        self.meta_host = torch.zeros(3, rows, dtype=torch.int64, pin_memory=pin)
+        # two of each host buffer: step t+1 is written while step t's copies may still run
+        self.meta_host = torch.zeros(2, 3, rows, dtype=torch.int64, pin_memory=pin)
+        self.tokens_host = torch.zeros(2, rows, dtype=torch.int64, pin_memory=pin)
+        self.logprobs_host = torch.zeros(2, rows, dtype=torch.float32, pin_memory=pin)
+        self.launches = 0
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def release(self) -> None:
@@ -96,9 +116,7 @@ class Runner:
             vocab_size = self.family.shape.vocab_size
             self.seen = torch.zeros(self.max_rows, vocab_size, dtype=torch.bool, device=self.device)
 
-    def prefill(
-        self, step: PrefillStep, keys: np.ndarray, options: SamplingOptions
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def prefill(self, step: PrefillStep, keys: np.ndarray, options: SamplingOptions) -> Launched:
         """Run the items' tokens, fork the children, sample their first tokens (C,)."""
         device, block_size = self.device, self.block_size
         num_items, length = len(step.tokens), max(map(len, step.tokens))
@@ -134,7 +152,7 @@ class Runner:
         if step.copies:
             source, destination = (_to(np.array(column), device) for column in zip(*step.copies))
             self.cache[:, :, destination] = self.cache[:, :, source]
-        rows = _to(step.child_rows, device)
+        rows = _to(step.rows, device)
         self.block_table[rows] = _to(step.table, device)
         child_logits = logits[_to(step.child_item, device)]
         seen = None
@@ -147,23 +165,21 @@ class Runner:
         self.input_ids[rows] = tokens
         if self.seen is not None:
             self.seen[rows, tokens] = True
-        return tokens.cpu().numpy(), logprobs.cpu().numpy()
+        return self._send_back(tokens, logprobs)
 
     def _mark_prompts(self, step: PrefillStep) -> None:
-        rows = _to(step.child_rows, self.device)
+        rows = _to(step.rows, self.device)
         self.seen[rows] = False
-        for row, item in zip(step.child_rows.tolist(), step.child_item.tolist()):
+        for row, item in zip(step.rows.tolist(), step.child_item.tolist()):
             self.seen[row, _to(np.array(step.tokens[item]), self.device)] = True
 
-    def decode(
-        self, step: DecodeStep, keys: np.ndarray, options: SamplingOptions
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """One token for rows [0, num_rows); returns tokens and log-probs (num_rows,)."""
+    def decode(self, step: DecodeStep, keys: np.ndarray, options: SamplingOptions) -> Launched:
+        """One token for rows [0, num_rows) (tokens and log-probs indexed by row)."""
         rows = step.num_rows
         if self.use_graphs:
             rows = next(size for size in graph_buckets(self.max_rows) if size >= step.num_rows)
             self._ensure_graph(rows)
-        host = self.meta_host
+        host = self.meta_host[self.launches % 2]
         host[:, :rows] = torch.tensor([[0], [-1], [0]])
         host[0, : step.num_rows] = torch.from_numpy(step.positions)
         host[1, : step.num_rows] = torch.from_numpy(step.slots)
@@ -187,7 +203,20 @@ class Runner:
         self.input_ids[:rows] = tokens
         if self.seen is not None:
             self.seen[torch.arange(rows, device=self.device), tokens] = True
-        return tokens[: step.num_rows].cpu().numpy(), logprobs[: step.num_rows].cpu().numpy()
+        return self._send_back(tokens[: step.num_rows], logprobs[: step.num_rows])
+
+    def _send_back(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Launched:
+        """Start the copy of a step's results to the host; `Launched.wait` gives them."""
+        slot = self.launches % 2
+        self.launches += 1
+        count = tokens.shape[0]
+        self.tokens_host[slot, :count].copy_(tokens, non_blocking=True)
+        self.logprobs_host[slot, :count].copy_(logprobs, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return Launched(self.tokens_host[slot, :count], self.logprobs_host[slot, :count], event)
 
     def _decode_forward(self, rows: int, max_context: int) -> None:
         cache, family, ops = self.cache, self.family, self.ops

@@ -3,8 +3,13 @@
 Each running sequence owns a row (its place in the decode batch) and a list of cache blocks. A
 waiting item is a prompt with the sequences still to start from it: it is prefilled once, and
 its children share its full blocks and get a copy of its last, partial block. When blocks run
-out during decoding, the most recently admitted sequence is preempted: it frees its row and
-blocks and waits to be prefilled again from its prompt and what it has generated so far.
+out, the most recently admitted sequence is preempted: it frees its row and blocks and waits to
+be prefilled again from its prompt and what it has generated so far.
+
+Steps are scheduled one ahead of their results (the engine launches step t+1 before it reads
+step t's tokens), so the scheduler counts tokens in flight (`scheduled`) apart from tokens
+recorded, and tags each row with an epoch that changes when the row is retired or preempted:
+a result whose row changed hands in between is dropped.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,32 +45,38 @@ class PrefillStep:
     """(source, destination) blocks to copy after the prefill: children's private last blocks."""
     child_item: np.ndarray
     """(C,) item of each child."""
-    child_rows: np.ndarray
+    rows: np.ndarray
     """(C,) row of each child."""
-    child_sequences: np.ndarray
+    sequences: np.ndarray
     """(C,) sequence id of each child."""
+    token_index: np.ndarray
+    """(C,) index of the token each child samples."""
+    epochs: np.ndarray
+    """(C,) epoch of each row when scheduled."""
     table: np.ndarray
     """(C, max_blocks) block-table rows of the children."""
 
 
 @dataclass(slots=True)
 class DecodeStep:
-    """One token for every running row; rows [0, num_rows) with idle ones masked."""
+    """One token for each scheduled row; rows [0, num_rows), the others idle."""
 
     num_rows: int
     rows: np.ndarray
-    """(A,) active rows."""
+    """(A,) scheduled rows."""
     sequences: np.ndarray
     """(A,) their sequence ids."""
+    token_index: np.ndarray
+    """(A,) index of the token each samples."""
+    epochs: np.ndarray
+    """(A,) epoch of each row when scheduled."""
     positions: np.ndarray
     """(num_rows,) position of the token fed to each row."""
     slots: np.ndarray
     """(num_rows,) cache slot it is written to, -1 for idle rows."""
     context_lens: np.ndarray
     """(num_rows,) tokens attended to, 0 for idle rows."""
-    table_updates: tuple[np.ndarray, np.ndarray, np.ndarray] = field(
-        default_factory=lambda: (np.zeros(0, np.int64),) * 3
-    )
+    table_updates: tuple[np.ndarray, np.ndarray, np.ndarray]
     """(rows, columns, blocks) new block-table entries."""
 
 
@@ -90,8 +101,11 @@ class Scheduler:
             if sequences:
                 self.waiting.append(WorkItem(prompt, sequences))
         self.num_waiting = book.num_sequences
+        self.scheduled = book.num_generated.copy()
         self.row_sequence = np.full(max_rows, -1, dtype=np.int64)
         self.row_context = np.zeros(max_rows, dtype=np.int64)
+        self.row_num_blocks = np.zeros(max_rows, dtype=np.int64)
+        self.row_epoch = np.zeros(max_rows, dtype=np.int64)
         self.table = np.zeros((max_rows, max_blocks), dtype=np.int32)
         self.row_blocks: list[list[int]] = [[] for _ in range(max_rows)]
         self.free_rows = list(range(max_rows))
@@ -104,20 +118,20 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.admission)
 
-    def schedule(self) -> PrefillStep | DecodeStep:
+    def schedule(self) -> PrefillStep | DecodeStep | None:
         """The next step: a prefill when enough rows are free to make one worth a pass over the
-        weights (or nothing runs), else a decode step over the running rows."""
+        weights (or nothing runs), else a decode step; None when every running sequence waits
+        for its last token and nothing can be admitted."""
         if self.waiting:
             worth = min(self.num_waiting, self.min_prefill_rows)
             if self.num_running == 0 or len(self.free_rows) >= worth:
                 step = self._admit()
                 if step is not None:
                     return step
-        assert self.num_running > 0, "a sequence that fits alone can always be admitted"
         return self._decode()
 
     def _admit(self) -> PrefillStep | None:
-        tokens, blocks, copies, child_item, child_rows, child_sequences = [], [], [], [], [], []
+        tokens, blocks, copies, child_item, child_rows = [], [], [], [], []
         longest = 0
         while self.waiting and self.free_rows:
             item = self.waiting[0]
@@ -135,19 +149,16 @@ class Scheduler:
             tokens.append(item.tokens)
             blocks.append(prompt_blocks)
             for child in range(count):
-                sequence = item.sequences[child]
                 own = list(prompt_blocks)
                 if child > 0:
-                    shared = prompt_blocks[:-1] if partial else prompt_blocks
-                    self.pool.share(shared)
+                    self.pool.share(prompt_blocks[:-1] if partial else prompt_blocks)
                     if partial:
                         own[-1] = self.pool.allocate(1)[0]
                         copies.append((prompt_blocks[-1], own[-1]))
                 row = heapq.heappop(self.free_rows)
-                self._place(row, sequence, own, length)
+                self._place(row, item.sequences[child], own, length)
                 child_item.append(len(tokens) - 1)
                 child_rows.append(row)
-                child_sequences.append(sequence)
             self.num_waiting -= count
             if count == len(item.sequences):
                 self.waiting.popleft()
@@ -156,13 +167,18 @@ class Scheduler:
         if not tokens:
             return None
         rows = np.array(child_rows, dtype=np.int64)
+        sequences = self.row_sequence[rows]
+        token_index = self.scheduled[sequences].copy()
+        self.scheduled[sequences] += 1
         return PrefillStep(
             tokens=tokens,
             blocks=blocks,
             copies=copies,
             child_item=np.array(child_item, dtype=np.int64),
-            child_rows=rows,
-            child_sequences=np.array(child_sequences, dtype=np.int64),
+            rows=rows,
+            sequences=sequences,
+            token_index=token_index,
+            epochs=self.row_epoch[rows].copy(),
             table=self.table[rows].copy(),
         )
 
@@ -170,16 +186,23 @@ class Scheduler:
         self.row_sequence[row] = sequence
         self.row_context[row] = context
         self.row_blocks[row] = blocks
+        self.row_num_blocks[row] = len(blocks)
         self.table[row, : len(blocks)] = blocks
         self.admission[row] = self.admitted
         self.admitted += 1
 
-    def _decode(self) -> DecodeStep:
+    def _decodable_rows(self) -> np.ndarray:
+        rows = np.nonzero(self.row_sequence >= 0)[0]
+        sequences = self.row_sequence[rows]
+        return rows[self.scheduled[sequences] < self.book.limit[sequences]]
+
+    def _decode(self) -> DecodeStep | None:
         block_size = self.block_size
         while True:
-            rows = np.nonzero(self.row_sequence >= 0)[0]
-            num_blocks = np.array([len(self.row_blocks[row]) for row in rows], dtype=np.int64)
-            growing = rows[self.row_context[rows] // block_size >= num_blocks]
+            rows = self._decodable_rows()
+            if len(rows) == 0:
+                return None
+            growing = rows[self.row_context[rows] // block_size >= self.row_num_blocks[rows]]
             if len(growing) <= self.pool.num_free:
                 break
             self._preempt(max(self.admission, key=self.admission.__getitem__))
@@ -187,19 +210,29 @@ class Scheduler:
         new_blocks = np.array(self.pool.allocate(len(growing)), dtype=np.int64)
         for row, block in zip(growing.tolist(), new_blocks.tolist()):
             self.row_blocks[row].append(block)
+        self.row_num_blocks[growing] += 1
         self.table[growing, columns] = new_blocks
+        sequences = self.row_sequence[rows]
+        token_index = self.scheduled[sequences].copy()
+        self.scheduled[sequences] += 1
         num_rows = int(rows.max()) + 1
-        active = self.row_sequence[:num_rows] >= 0
-        positions = np.where(active, self.row_context[:num_rows], 0)
-        pages = self.table[np.arange(num_rows), positions // block_size]
-        slots = np.where(active, pages.astype(np.int64) * block_size + positions % block_size, -1)
+        positions = np.zeros(num_rows, dtype=np.int64)
+        positions[rows] = self.row_context[rows]
+        slots = np.full(num_rows, -1, dtype=np.int64)
+        pages = self.table[rows, positions[rows] // block_size].astype(np.int64)
+        slots[rows] = pages * block_size + positions[rows] % block_size
+        context_lens = np.zeros(num_rows, dtype=np.int64)
+        context_lens[rows] = positions[rows] + 1
+        self.row_context[rows] += 1
         return DecodeStep(
             num_rows=num_rows,
             rows=rows,
-            sequences=self.row_sequence[rows],
+            sequences=sequences,
+            token_index=token_index,
+            epochs=self.row_epoch[rows].copy(),
             positions=positions,
             slots=slots,
-            context_lens=np.where(active, positions + 1, 0),
+            context_lens=context_lens,
             table_updates=(growing, columns, new_blocks),
         )
 
@@ -207,27 +240,27 @@ class Scheduler:
         sequence = int(self.row_sequence[row])
         self.num_preemptions += 1
         self._retire(row)
+        self.scheduled[sequence] = self.book.num_generated[sequence]  # its token in flight is dropped
         self.waiting.appendleft(WorkItem(self.book.sequence_tokens(sequence), [sequence]))
         self.num_waiting += 1
 
     def _retire(self, row: int) -> None:
         self.pool.release(self.row_blocks[row])
         self.row_blocks[row] = []
+        self.row_num_blocks[row] = 0
         self.row_sequence[row] = -1
+        self.row_epoch[row] += 1
         del self.admission[row]
         heapq.heappush(self.free_rows, row)
 
-    def finish_prefill(self, step: PrefillStep, tokens: np.ndarray, logprobs: np.ndarray) -> None:
-        """Record the children's first tokens and retire those that are already done."""
-        self._finish(step.child_rows, step.child_sequences, tokens, logprobs)
-
-    def finish_decode(self, step: DecodeStep, tokens: np.ndarray, logprobs: np.ndarray) -> None:
-        """Record one token per active row (`tokens`, `logprobs` are (num_rows,))."""
-        self.row_context[step.rows] += 1
-        self._finish(step.rows, step.sequences, tokens[step.rows], logprobs[step.rows])
-
-    def _finish(self, rows: np.ndarray, sequences: np.ndarray, tokens, logprobs) -> None:
-        ended = set(self.book.record(sequences, tokens, logprobs).tolist())
-        for row, sequence in zip(rows.tolist(), sequences.tolist()):
-            if sequence in ended:
+    def finish(self, step: PrefillStep | DecodeStep, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+        """Record a step's tokens (indexed like step.rows for a prefill, by row for a decode),
+        dropping rows that changed hands since, and retire the sequences that are done."""
+        current = self.row_epoch[step.rows] == step.epochs
+        if isinstance(step, DecodeStep):
+            tokens, logprobs = tokens[step.rows], logprobs[step.rows]
+        rows, sequences = step.rows[current], step.sequences[current]
+        ended = self.book.record(sequences, tokens[current], logprobs[current])
+        if len(ended):
+            for row in rows[np.isin(sequences, ended)].tolist():
                 self._retire(row)
