@@ -48,7 +48,7 @@ class MetricsLogger:
         except ImportError:
             logger.warning("report_to tensorboard ignored: pip install tensorboard to enable it")
             return None
-        return SummaryWriter(log_dir=str(self.output_dir / "runs"))
+        return SummaryWriter(log_dir=str(self.output_dir / "runs"), flush_secs=10)
 
     def _open_wandb(self, run_config):
         try:
@@ -67,7 +67,6 @@ class MetricsLogger:
             for name, value in clean.items():
                 if value is not None:
                     self.tensorboard.add_scalar(name, value, step)
-            self.tensorboard.flush()
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
 

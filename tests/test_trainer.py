@@ -33,12 +33,12 @@ def read_jsonl(path):
 
 @pytest.mark.slow
 def test_reward_rises_on_the_embedded_default(tmp_path):
-    config = recipe(tmp_path, max_steps=100, per_device_train_batch_size=64, report_to=["tensorboard"])
+    config = recipe(tmp_path, max_steps=100, per_device_train_batch_size=128, report_to=["tensorboard"])
     history = run(config)
     rewards = [step["reward"] for step in history]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert first < 0.1
-    assert last > 2 * first + 0.05, (first, last)
+    assert last > 2 * first + 0.1, (first, last)
     logged = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [row["step"] for row in logged] == list(range(1, 101))
     for key in ("reward", "reward_std", "rewards/echo/mean", "frac_reward_zero_std", "entropy",
