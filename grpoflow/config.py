@@ -224,6 +224,79 @@ class TrainingConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class AdapterConfig:
+    """Full fine-tuning or LoRA adapters (through PEFT)."""
+
+    train_type: Literal["full", "lora"] = "full"
+    """Train every parameter, or LoRA adapters only."""
+    lora_rank: int = 8
+    """LoRA rank r."""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_rank)."""
+    lora_dropout: float = 0.05
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names that get adapters; all-linear targets every linear layer but the output head."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full beside the adapters (e.g. embed_tokens)."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "lora_rank", "lora_alpha")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if not self.target_modules:
+            raise ValueError("target_modules must name at least one module (or all-linear)")
+
+
+@dataclass(kw_only=True, slots=True)
+class VLLMConfig:
+    """vLLM as the rollout engine: colocated in the training process or as a server."""
+
+    use_vllm: bool = False
+    """Generate with vLLM instead of the native/hf engines."""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """colocate: vLLM inside the trainer's process; server: a separate `vllm serve` or
+    `grpoflow serve`."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory a colocated vLLM may take."""
+    vllm_max_model_len: int | None = None
+    """vLLM's context length; max_prompt_length + max_completion_length when unset."""
+    vllm_max_num_seqs: int = 256
+    """Most sequences vLLM decodes at once."""
+    vllm_enforce_eager: bool = False
+    """Skip CUDA-graph capture in vLLM."""
+    vllm_enable_prefix_caching: bool = True
+    """Let vLLM share KV cache across requests with a common prefix."""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs per colocated vLLM engine."""
+    sleep_level: Literal[0, 1, 2] = 0
+    """Between rollouts: 0 keeps vLLM's memory, 1 frees its KV cache, 2 also its weights."""
+    vllm_server_host: str | None = None
+    """Host of the rollout server (server mode)."""
+    vllm_server_port: int = 8000
+    """Port of the rollout server."""
+    vllm_server_base_url: str | None = None
+    """Full URL of the rollout server; overrides host and port. Several, comma-separated, split
+    prompts between them."""
+    vllm_server_timeout: float = 240.0
+    """Seconds to wait for the server to come up."""
+
+    def __post_init__(self) -> None:
+        _check_positive(
+            self,
+            "vllm_max_model_len",
+            "vllm_max_num_seqs",
+            "vllm_tensor_parallel_size",
+            "vllm_server_port",
+            "vllm_server_timeout",
+        )
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
 class LogConfig:
     """What gets logged where."""
 
@@ -254,6 +327,8 @@ class GRPOConfig:
     reward_params: RewardConfig = field(default_factory=RewardConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -417,6 +492,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         return [_coerce(key, item, args[0]) for item in items]
     if origin is Literal:
         text = value if not isinstance(value, bool) else str(value).lower()
+        if all(isinstance(arg, int) for arg in args) and isinstance(text, str) and text.isdigit():
+            text = int(text)
         if text not in args:
             raise ValueError(f"{key} must be one of {', '.join(map(str, args))}; got {value!r}")
         return text
