@@ -1,0 +1,270 @@
+"""A whole GRPO step, grpoflow against TRL's GRPOTrainer, on the same GPU in one run.
+
+    python benchmarks/grpo_step.py                  # both systems, the standard workload
+    python benchmarks/grpo_step.py --systems grpoflow --steps 3
+    python benchmarks/grpo_step.py --smoke          # a tiny model on the CPU, to check the script
+
+The standard workload: a random-initialised Qwen2-0.5B-shaped model in bf16, 64 prompts x 8
+generations, prompt 128 tokens, 256 new tokens, beta 0, micro-batch 32, gradient checkpointing, one
+optimizer step per generation batch. Prompts are 128 random characters, which the character
+tokenizer maps to exactly 128 tokens. Each system runs in its own subprocess (clean GPU memory);
+the first `--warmup` steps are left out of the means. Results go to benchmarks/results/ as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+MATMUL_TFLOPS = {"H100": 787.0, "H200": 790.0}
+
+
+def reward_length(completions, **kwargs):
+    """A cheap reward with spread: the completion's length in characters, scaled."""
+    return [len(text) / 256 for text in completions]
+
+
+def write_inputs(directory: Path, smoke: bool, num_prompts: int) -> tuple[Path, Path]:
+    from grpoflow.tiny import build_char_tokenizer, build_preset_model, build_tiny_model
+
+    tokenizer = build_char_tokenizer()
+    if smoke:
+        model = build_tiny_model(len(tokenizer), dtype=torch.bfloat16)
+    else:
+        model = build_preset_model("qwen2-0.5b", len(tokenizer), dtype=torch.bfloat16)
+    model.save_pretrained(directory / "model")
+    tokenizer.save_pretrained(directory / "model")
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    with open(directory / "prompts.jsonl", "w") as handle:
+        for _ in range(num_prompts):
+            handle.write(json.dumps({"prompt": "".join(rng.choice(letters) for _ in range(128))}) + "\n")
+    return directory / "model", directory / "prompts.jsonl"
+
+
+def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
+    from grpoflow.config import load_config
+    from grpoflow.launch import build_trainer
+
+    config = load_config(
+        None,
+        {
+            "model": str(model_dir),
+            "dataset": str(prompts),
+            "reward_funcs": [f"{Path(__file__).resolve()}:reward_length"],
+            "num_generations": 8,
+            "per_device_train_batch_size": args.micro_batch,
+            "gradient_accumulation_steps": 512 // args.micro_batch,
+            "max_prompt_length": 128,
+            "max_completion_length": args.new_tokens,
+            "beta": 0.0,
+            "gradient_checkpointing": True,
+            "learning_rate": 1e-6,
+            "max_steps": args.steps,
+            "rollout_engine": args.engine,
+            "gpu_memory_utilization": 0.35,
+            "output_dir": str(Path(args.workdir) / "grpoflow"),
+            "save_steps": 10_000,
+            "report_to": ["none"],
+            "disable_tqdm": True,
+            "dataset_shuffle": False,
+        },
+    )
+    trainer = build_trainer(config)
+    steps = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        metrics = trainer.step()
+        metrics["time/wall"] = time.perf_counter() - start
+        steps.append(metrics)
+    return {"steps": steps, "peak_gib": _peak_gib()}
+
+
+def run_trl(args, model_dir: Path, prompts: Path) -> dict:
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    class StepTimer(TrainerCallback):
+        """Wall time per optimizer step, split by timing TRL's own generate-and-score and reward
+        methods (rollout = generate-and-score minus rewards; update = the rest)."""
+
+        def __init__(self) -> None:
+            self.steps: list[dict] = []
+            self.seconds = {"generate_and_score": 0.0, "reward": 0.0}
+
+        def wrap(self, trainer, method: str, key: str) -> None:
+            original = getattr(trainer, method)
+
+            def timed(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self.seconds[key] += time.perf_counter() - start
+
+            setattr(trainer, method, timed)
+
+        def on_step_begin(self, *_, **__):
+            self.start = time.perf_counter()
+            self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+        def on_step_end(self, *_, **__):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - self.start
+            generate = self.seconds["generate_and_score"]
+            self.steps.append(
+                {
+                    "time/wall": wall,
+                    "time/rollout": generate - self.seconds["reward"],
+                    "time/reward": self.seconds["reward"],
+                    "time/update": wall - generate,
+                    "completions/mean_length": float(args.new_tokens),
+                }
+            )
+
+    timer = StepTimer()
+    config = GRPOConfig(
+        output_dir=str(Path(args.workdir) / "trl"),
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=512 // args.micro_batch,
+        num_generations=8,
+        max_completion_length=args.new_tokens,
+        beta=0.0,
+        learning_rate=1e-6,
+        gradient_checkpointing=True,
+        bf16=True,
+        max_steps=args.steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=args.smoke,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainer = GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=reward_length,
+        args=config,
+        train_dataset=load_dataset("json", data_files=str(prompts))["train"],
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
+    timer.wrap(trainer, "_generate_and_score_completions", "generate_and_score")
+    timer.wrap(trainer, "_calculate_rewards", "reward")
+    trainer.train()
+    return {"steps": timer.steps, "peak_gib": _peak_gib()}
+
+
+def _peak_gib() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def summarize(name: str, result: dict, warmup: int, num_params: int, tflops: float | None) -> dict:
+    steady = result["steps"][warmup:] or result["steps"]
+
+    def mean(key: str) -> float | None:
+        values = [step[key] for step in steady if step.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    row = {"system": name, "seconds_per_step": mean("time/wall"), "peak_gib": result["peak_gib"]}
+    for phase in ("rollout", "reward", "update", "sync"):
+        row[f"{phase}_s"] = mean(f"time/{phase}")
+    generated = mean("completions/mean_length")
+    if generated is not None and row["rollout_s"]:
+        row["generated_tokens_per_s"] = 512 * generated / row["rollout_s"]
+        trained = 512 * (128 + generated)
+        row["trained_tokens_per_s"] = trained / row["update_s"]
+        if tflops:
+            row["update_mfu"] = 6 * num_params * trained / row["update_s"] / (tflops * 1e12)
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    keys = [
+        "system",
+        "seconds_per_step",
+        "rollout_s",
+        "reward_s",
+        "update_s",
+        "sync_s",
+        "generated_tokens_per_s",
+        "trained_tokens_per_s",
+        "update_mfu",
+        "peak_gib",
+    ]
+    print(" | ".join(keys))
+    for row in rows:
+        cells = []
+        for key in keys:
+            value = row.get(key)
+            cells.append("-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value))
+        print(" | ".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--systems", default="grpoflow,trl")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--engine", default="auto", help="grpoflow's rollout_engine")
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.child:
+        runner = {"grpoflow": run_grpoflow, "trl": run_trl}[args.child]
+        workdir = Path(args.workdir)
+        result = runner(args, workdir / "model", workdir / "prompts.jsonl")
+        (workdir / f"{args.child}.json").write_text(json.dumps(result, default=float))
+        return
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="grpo_step_"))
+    write_inputs(workdir, args.smoke, num_prompts=64 * (args.steps + 1))
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    tflops = next((value for key, value in MATMUL_TFLOPS.items() if key in gpu), None)
+    num_params = sum(
+        p.numel()
+        for p in __import__("transformers")
+        .AutoModelForCausalLM.from_pretrained(workdir / "model")
+        .parameters()
+    )
+    rows = []
+    for system in args.systems.split(","):
+        command = [sys.executable, __file__, "--child", system, "--workdir", str(workdir)]
+        command += [f"--steps={args.steps}", f"--engine={args.engine}", f"--micro-batch={args.micro_batch}"]
+        command += [f"--new-tokens={args.new_tokens}"] + (["--smoke"] if args.smoke else [])
+        subprocess.run(command, check=True)
+        result = json.loads((workdir / f"{system}.json").read_text())
+        rows.append(summarize(system, result, args.warmup, num_params, tflops))
+    if len(rows) == 2 and rows[0]["seconds_per_step"] and rows[1]["seconds_per_step"]:
+        rows.append(
+            {
+                "system": "ratio trl/grpoflow",
+                "seconds_per_step": rows[1]["seconds_per_step"] / rows[0]["seconds_per_step"],
+            }
+        )
+    date = datetime.date.today().isoformat()
+    record = {"gpu": gpu, "date": date, "num_params": num_params, "args": vars(args), "rows": rows}
+    out = Path(args.out) if args.out else RESULTS / f"{date}-grpo-step-{gpu.replace(' ', '_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1, default=float))
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
