@@ -3,6 +3,9 @@
 A checkpoint is written into a hidden temporary directory beside its final place, a `COMPLETE`
 marker goes in last, and one `rename` publishes it: a crash mid-save leaves only a temporary
 directory, which the next save clears, never a half-written `checkpoint-N`.
+
+A checkpoint holds the model (a LoRA run's: the adapter only, PEFT's `save_pretrained`), the
+tokenizer and the trainer state (`trainer_state.pt`, which keeps the run's config).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from grpoflow.adapters import is_peft_model
 
 logger = logging.getLogger("grpoflow.checkpoint")
 
@@ -61,7 +66,12 @@ def save_checkpoint(
     final = output_dir / f"checkpoint-{step}"
     staging = output_dir / f".tmp-checkpoint-{step}-{os.getpid()}"
     staging.mkdir()
-    model.save_pretrained(staging, safe_serialization=True)
+    if is_peft_model(model):
+        # The adapter only. Embeddings are never resized here, so PEFT need not fetch the base
+        # model's config to find out whether to save them.
+        model.save_pretrained(staging, save_embedding_layers=False)
+    else:
+        model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     torch.save(trainer_state, staging / STATE_FILE)
     (staging / MARKER).write_text(str(step))
@@ -100,12 +110,18 @@ def resolve_checkpoint(spec: str, output_dir: str | Path) -> Path:
             raise ValueError(f"resume_from_checkpoint={spec}: no complete checkpoint in {output_dir}")
         return found[-1]
     path = Path(spec)
-    if not (path / MARKER).is_file() or not (path / STATE_FILE).is_file():
+    if not is_checkpoint(path):
         raise ValueError(
             f"resume_from_checkpoint={spec} is not a complete checkpoint directory "
             f"(it needs {MARKER} and {STATE_FILE})"
         )
     return path
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is a complete checkpoint directory."""
+    path = Path(path)
+    return (path / MARKER).is_file() and (path / STATE_FILE).is_file()
 
 
 def load_trainer_state(path: str | Path) -> dict[str, Any]:

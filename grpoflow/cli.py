@@ -1,4 +1,4 @@
-"""`grpoflow train` (and the commands that grow beside it)."""
+"""`grpoflow train`, `grpoflow export` (and the commands that grow beside them)."""
 
 from __future__ import annotations
 
@@ -67,16 +67,43 @@ def train(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train}
+def export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="grpoflow export",
+        description="Write a checkpoint as a standalone model (save_pretrained, with the tokenizer): "
+        "a LoRA checkpoint merged into its base model, a full checkpoint copied as it is.",
+    )
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint-N directory of a run")
+    parser.add_argument("--output", required=True, help="where the model goes (a new or empty directory)")
+    parser.add_argument(
+        "--base",
+        help="the base model of a LoRA checkpoint (directory, hub id, tiny, random:PRESET); "
+        "default: the model of the run that wrote it",
+    )
+    args = parser.parse_args(argv)
+    from grpoflow.launch import export_checkpoint
+
+    try:
+        output = export_checkpoint(args.checkpoint, args.output, base=args.base)
+    except ValueError as error:
+        print(f"grpoflow export: {error}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} to {output}")
+    return 0
+
+
+COMMANDS = {"train": train, "export": export}
+USAGE = (
+    "usage: grpoflow {train} [options]   (grpoflow train --help)\n"
+    "       grpoflow {export} --checkpoint DIR --output OUT [--base MODEL]"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not argv or argv[0] not in COMMANDS:
-        print(
-            f"usage: grpoflow {{{','.join(COMMANDS)}}} [options]   (grpoflow train --help)", file=sys.stderr
-        )
+        print(USAGE, file=sys.stderr)
         return 2
     return COMMANDS[argv[0]](argv[1:])
 

@@ -1,21 +1,30 @@
-"""Assemble a run from its config: model, prompts, engine, rewards, optimizer, trainer."""
+"""Assemble a run from its config: model, prompts, engine, rewards, optimizer, trainer; and export
+a checkpoint as a standalone model."""
 
 from __future__ import annotations
 
 import logging
 import math
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from grpoflow import checkpoint
-from grpoflow.config import GRPOConfig
+from grpoflow import adapters, checkpoint
+from grpoflow.config import GRPOConfig, PolicyConfig
 from grpoflow.data import build_prompt_items, load_rows, read_system_prompt
 from grpoflow.engines import ENGINES, EngineOptions, build_engine
 from grpoflow.metrics import MetricsLogger
-from grpoflow.models import frozen_copy, load_model, load_tokenizer, resolve_device, resolve_dtype
+from grpoflow.models import (
+    load_model,
+    load_tokenizer,
+    local_preset,
+    reference_model,
+    resolve_device,
+    resolve_dtype,
+)
 from grpoflow.rewards import RewardModel, RewardRunner, load_plugins, resolve_reward
 from grpoflow.trainer import GRPOTrainer
 
@@ -70,7 +79,9 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     model = load_model(
         policy.model, policy, vocab_size=len(tokenizer), seed=training.seed, device=device, dtype=dtype
     )
-    ref_model = frozen_copy(model) if config.algorithm.beta != 0 else None
+    if config.adapter.train_type == "lora":
+        model = adapters.add_lora(model, config.adapter)
+    ref_model = reference_model(model) if config.algorithm.beta != 0 else None
     if resume is not None:
         _load_weights(model, resume)
     options = EngineOptions(
@@ -78,7 +89,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         gpu_memory_utilization=config.generation.gpu_memory_utilization,
         logprob_chunk_size=config.algorithm.logprob_chunk_size,
     )
-    engine = build_engine(choose_engine(config), model, tokenizer, options)
+    engine = build_engine(choose_engine(config), adapters.generation_model(model), tokenizer, options)
     optimizer, scheduler = build_optimizer(model, config, len(items))
     trainer = GRPOTrainer(
         config,
@@ -114,6 +125,16 @@ def _prompt_items(config: GRPOConfig, tokenizer):
 def _load_weights(model: torch.nn.Module, directory: Path) -> None:
     from safetensors.torch import load_file
 
+    lora = adapters.is_peft_model(model)
+    if lora != adapters.is_adapter_checkpoint(directory):
+        held, other = ("a full model", "full") if lora else ("a LoRA adapter", "lora")
+        raise ValueError(
+            f"checkpoint {directory} holds {held} but this run has train_type="
+            f"{'lora' if lora else 'full'}: resume with train_type={other} and the run's other settings"
+        )
+    if lora:
+        adapters.load_adapter_weights(model, directory)
+        return
     state = {}
     for path in sorted(directory.glob("*.safetensors")):
         state.update(load_file(str(path), device=str(next(model.parameters()).device)))
@@ -126,6 +147,56 @@ def _load_weights(model: torch.nn.Module, directory: Path) -> None:
         )
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+
+
+def export_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *, base: str | None = None) -> Path:
+    """Write a checkpoint as a standalone model (`save_pretrained`, with the tokenizer) into
+    `output_dir`, loadable by `AutoModelForCausalLM.from_pretrained`.
+
+    An adapter checkpoint is merged into its base model: `base`, or the model of the run that
+    wrote it (from its saved config; `tiny` and `random:*` are rebuilt from the run's seed), in
+    the run's `torch_dtype` (auto: the base model's own). A full checkpoint is copied as it is.
+    """
+    directory, output = Path(checkpoint_dir), Path(output_dir)
+    if not checkpoint.is_checkpoint(directory):
+        raise ValueError(
+            f"{directory} is not a complete checkpoint directory (it needs {checkpoint.MARKER} and "
+            f"{checkpoint.STATE_FILE}): give a checkpoint-N directory of a run's output_dir"
+        )
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ValueError(f"output {output} already exists and is not an empty directory: choose another")
+    if not adapters.is_adapter_checkpoint(directory):
+        if base is not None:
+            logger.warning("--base %s is ignored: %s holds a full model, copied as it is", base, directory)
+        output.mkdir(parents=True, exist_ok=True)
+        for path in directory.iterdir():
+            if path.is_file() and path.name not in {checkpoint.MARKER, checkpoint.STATE_FILE}:
+                shutil.copy2(path, output / path.name)
+        return output
+    run_config = checkpoint.load_trainer_state(directory).get("config", {})
+    source = base or run_config.get("model")
+    if not source:
+        raise ValueError(f"{directory} names no base model in its saved config: pass --base MODEL")
+    policy = PolicyConfig(model=source, trust_remote_code=run_config.get("trust_remote_code", False))
+    dtype_name = run_config.get("torch_dtype", "auto")
+    dtype = (
+        "auto"
+        if dtype_name == "auto" and not local_preset(source)
+        else resolve_dtype(dtype_name, torch.device("cpu"))
+    )
+    tokenizer = load_tokenizer(str(directory))
+    model = load_model(
+        source,
+        policy,
+        vocab_size=len(tokenizer),
+        seed=run_config.get("seed", 42),
+        device=torch.device("cpu"),
+        dtype=dtype,
+    )
+    merged = adapters.merge_adapter_checkpoint(model, directory)
+    merged.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    return output
 
 
 def build_optimizer(model: torch.nn.Module, config: GRPOConfig, num_items: int):

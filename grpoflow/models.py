@@ -5,9 +5,11 @@ from __future__ import annotations
 import copy
 import logging
 from pathlib import Path
+from typing import Literal
 
 import torch
 
+from grpoflow.adapters import WithoutAdapters, is_peft_model
 from grpoflow.config import PolicyConfig
 
 logger = logging.getLogger("grpoflow.models")
@@ -64,13 +66,15 @@ def load_model(
     vocab_size: int,
     seed: int,
     device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype | Literal["auto"],
 ) -> torch.nn.Module:
-    """A causal LM from a directory or hub id, or the tiny local model, on `device` in `dtype`."""
+    """A causal LM from a directory or hub id, or the tiny local model, on `device` in `dtype`
+    ("auto": a stored model's own dtype, float32 for a local preset)."""
     preset = local_preset(source)
     if preset:
         from grpoflow.tiny import build_preset_model
 
+        dtype = torch.float32 if dtype == "auto" else dtype
         model = build_preset_model(preset, vocab_size, seed=seed, dtype=dtype, device=device)
     else:
         from transformers import AutoModelForCausalLM
@@ -93,6 +97,12 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     reference = copy.deepcopy(model).eval()
     reference.requires_grad_(False)
     return reference
+
+
+def reference_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The frozen reference of a policy: a copy of it, or for a LoRA policy the policy itself with
+    its adapters off (the base model, no copy)."""
+    return WithoutAdapters(model) if is_peft_model(model) else frozen_copy(model)
 
 
 def _load_hint(source: str, error: Exception) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from grpoflow import checkpoint
+from grpoflow.adapters import merged_adapters, rollout_weights
 from grpoflow.algo import combine_rewards, group_advantages, overlong_mask, zero_std_groups
 from grpoflow.config import GRPOConfig
 from grpoflow.data import PromptItem, PromptSampler
@@ -129,7 +130,8 @@ class GRPOTrainer:
         timer = Timer()
         with timer("step"):
             self.engine.wake_up()
-            scored = self.rollout_and_score(timer)
+            with merged_adapters(self.model):
+                scored = self.rollout_and_score(timer)
             self.engine.sleep()
             rewards = combine_rewards(scored.rewards, self.rewards.weights.to(scored.rewards.device))
             advantages, reward_metrics = group_advantages(
@@ -149,7 +151,7 @@ class GRPOTrainer:
                     self.ref_model,
                 )
             with timer("sync"):
-                self.engine.update_weights(self.model.named_parameters(), self.step_count + 1)
+                self.engine.update_weights(rollout_weights(self.model, self.engine), self.step_count + 1)
         self.step_count += 1
         self.num_tokens += int(batch.completion_mask.sum() + batch.prompt_mask.sum())
         metrics = {**reward_metrics, **update_metrics}
@@ -246,7 +248,7 @@ class GRPOTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         checkpoint.set_rng_state(state["rng"])
-        self.engine.update_weights(self.model.named_parameters(), self.step_count)
+        self.engine.update_weights(rollout_weights(self.model, self.engine), self.step_count)
 
     def save(self) -> Path:
         training = self.config.training

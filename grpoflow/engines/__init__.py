@@ -17,6 +17,7 @@ from grpoflow.engines.base import (
 
 ENGINES: dict[str, str] = {
     "hf": "grpoflow.engines.hf:build",
+    "native": "grpoflow.engines.native:build",
 }
 
 

@@ -19,12 +19,13 @@ def tiny(model_type: str = "qwen2", device: str = "cpu", dtype=torch.float32, **
     return model.to(device).eval()
 
 
-def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+def hf_greedy(model, prompt: list[int], num_tokens: int, repetition_penalty: float = 1.0) -> list[int]:
     """transformers' greedy continuation of one unpadded prompt, with no stop token."""
     device = next(model.parameters()).device
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id = []  # None falls back to the model config's EOS
     config.max_new_tokens, config.do_sample, config.pad_token_id = num_tokens, False, 0
+    config.repetition_penalty = repetition_penalty
     with torch.no_grad():
         output = model.generate(
             torch.tensor([prompt], device=device),

@@ -157,6 +157,17 @@ def test_filters_reduce_to_thresholds():
     assert logprobs.item() == pytest.approx(scaled.log_softmax(-1)[0, 0].item())
 
 
+@pytest.mark.parametrize("generic", [False, True])
+def test_repetition_penalty_and_top_k_one_match_transformers(generic):
+    model = tiny("qwen2")
+    native = engine(model, force_generic=generic)
+    prompt = PROMPTS[3]
+    penalised = native.generate([prompt], greedy(32, repetition_penalty=1.5))[0][0]
+    assert penalised.token_ids == hf_greedy(model, prompt, 32, repetition_penalty=1.5)
+    top_one = SamplingParams(temperature=1.3, top_k=1, max_tokens=32, ignore_eos=True)
+    assert native.generate([prompt], top_one)[0][0].token_ids == hf_greedy(model, prompt, 32)
+
+
 def test_in_place_optimizer_step_is_seen_by_next_generate():
     model = tiny("qwen2")
     native = engine(model)

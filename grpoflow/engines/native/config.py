@@ -28,8 +28,6 @@ class NativeEngineConfig:
     """Use the Triton kernels on CUDA; False runs the pure-torch reference ops everywhere."""
     force_generic: bool = False
     """Run every model through the generic path (the HF module with its own cache)."""
-    seed: int = 0
-    """Seed of the engine's generator, which seeds requests that bring no seed of their own."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -14,7 +14,6 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -56,7 +55,6 @@ class NativeEngine:
         on_cuda = next(model.parameters()).device.type == "cuda"
         use_triton = on_cuda and config.use_triton and triton_available()
         self.generic = None if self.family else GenericRunner(model, config.max_num_seqs, use_triton)
-        self.rng = np.random.default_rng(config.seed)
         self.weights_signature = self._signature()
 
     @property
@@ -95,7 +93,9 @@ class NativeEngine:
             prompts,
             requests,
             errors,
-            seed=int(self.rng.integers(2**63)),
+            # Unseeded requests draw their streams from torch's global generator, so a training
+            # run that restores its RNG state from a checkpoint samples exactly as before.
+            seed=int(torch.randint(0, 2**62, (1,)).item()),
             max_model_len=self.max_model_len,
             tokenizer=self.tokenizer,
         )
