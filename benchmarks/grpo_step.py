@@ -68,7 +68,7 @@ def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
             "max_prompt_length": 128,
             "max_completion_length": args.new_tokens,
             "beta": 0.0,
-            "gradient_checkpointing": True,
+            "gradient_checkpointing": bool(args.gradient_checkpointing),
             "learning_rate": 1e-6,
             "max_steps": args.steps,
             "rollout_engine": args.engine,
@@ -222,6 +222,7 @@ def main() -> None:
     parser.add_argument("--engine", default="auto", help="grpoflow's rollout_engine")
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--gradient-checkpointing", type=int, default=1, help="grpoflow's; 0 turns it off")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None)
@@ -247,7 +248,11 @@ def main() -> None:
     for system in args.systems.split(","):
         command = [sys.executable, __file__, "--child", system, "--workdir", str(workdir)]
         command += [f"--steps={args.steps}", f"--engine={args.engine}", f"--micro-batch={args.micro_batch}"]
-        command += [f"--new-tokens={args.new_tokens}"] + (["--smoke"] if args.smoke else [])
+        command += [
+            f"--new-tokens={args.new_tokens}",
+            f"--gradient-checkpointing={args.gradient_checkpointing}",
+        ]
+        command += ["--smoke"] if args.smoke else []
         subprocess.run(command, check=True)
         result = json.loads((workdir / f"{system}.json").read_text())
         rows.append(summarize(system, result, args.warmup, num_params, tflops))

@@ -57,6 +57,10 @@ def _reward_name(spec: str) -> str:
 
 def choose_engine(config: GRPOConfig) -> str:
     name = config.generation.rollout_engine
+    if config.vllm.use_vllm:
+        if name != "auto":
+            logger.warning("use_vllm=true: rollout_engine=%s is ignored", name)
+        return "vllm" if config.vllm.vllm_mode == "colocate" else "vllm_server"
     if name != "auto":
         return name
     return "native" if "native" in ENGINES else "hf"
@@ -88,6 +92,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         max_model_len=config.data.max_prompt_length + config.generation.max_completion_length,
         gpu_memory_utilization=config.generation.gpu_memory_utilization,
         logprob_chunk_size=config.algorithm.logprob_chunk_size,
+        vllm=config.vllm,
     )
     engine = build_engine(choose_engine(config), adapters.generation_model(model), tokenizer, options)
     optimizer, scheduler = build_optimizer(model, config, len(items))

@@ -17,6 +17,8 @@ from grpoflow.engines.base import (
 
 ENGINES: dict[str, str] = {
     "hf": "grpoflow.engines.hf:build",
+    "vllm": "grpoflow.engines.vllm:build",
+    "vllm_server": "grpoflow.engines.remote:build",
     "native": "grpoflow.engines.native:build",
 }
 

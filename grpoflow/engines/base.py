@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from grpoflow.config import VLLMConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -130,3 +133,5 @@ class EngineOptions:
     """Tokens per chunk when an engine computes log-probs with a forward pass."""
     max_num_seqs: int = 512
     """Most sequences decoded at once."""
+    vllm: VLLMConfig | None = None
+    """The run's vLLM section, for the vLLM engines (colocated and server)."""

@@ -1,0 +1,295 @@
+"""vLLM colocated with the trainer: a `vllm.LLM` in the training process, fed the policy's weights.
+
+vLLM builds its model from a directory, so the engine starts from the policy's own directory when
+it holds a checkpoint, else from a copy saved to a temporary directory. After each optimizer step
+the trainer's `(hf_name, tensor)` pairs stream into the worker's in-place reload (`reload_weights`
+through `LLM.collective_rpc`). With the engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+set here) the tensors pass by reference, and vLLM processes the model layer by layer as their
+tensors arrive, so at most one layer is buffered: no bucketing is needed.
+
+Log-probs: vLLM is built with `logprobs_mode="processed_logprobs"`, so the log-prob it reports
+for a sampled token is `log_softmax(logits / temperature)`, as the trainer computes it. With
+top_p, top_k, min_p or a repetition penalty active, vLLM reports the log-prob under the
+truncated, renormalised distribution it actually sampled from; the trainer does not truncate.
+
+vLLM is imported only when an engine is built, so this module's helpers (the sampling-field
+mapping, weight buckets) also serve the HTTP client in `remote.py` without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
+
+logger = logging.getLogger("grpoflow.engines.vllm")
+
+LOGPROBS_MODE = "processed_logprobs"
+"""vLLM's log-prob mode giving log_softmax(logits / temperature) of the sampled token."""
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+"""Most bytes of weights in one shard written for a server."""
+
+
+def sampling_fields(params: SamplingParams) -> dict:
+    """Our sampling parameters as vLLM `SamplingParams` keyword arguments (also the JSON fields of
+    vLLM's `/v1/completions`); `logprobs=0` asks for the sampled token's log-prob only."""
+    return dict(
+        n=params.n,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else -1,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        stop_token_ids=list(params.stop_token_ids),
+        stop=list(params.stop),
+        ignore_eos=params.ignore_eos,
+        seed=params.seed,
+        logprobs=0,
+    )
+
+
+def truncates_distribution(params: SamplingParams) -> bool:
+    """Whether vLLM samples from a distribution other than softmax(logits / temperature)."""
+    return params.top_p < 1 or params.top_k > 0 or params.min_p > 0 or params.repetition_penalty != 1
+
+
+def finish_reason(reason: str | None, where: str) -> str:
+    """vLLM's finish reason as ours: 'stop' or 'length'."""
+    if reason in ("stop", "length"):
+        return reason
+    raise RuntimeError(f"{where} ended a completion with finish_reason={reason!r} (aborted?)")
+
+
+def weight_buckets(
+    weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive lists of `(name, tensor)` of at most `max_bytes` each (a larger tensor alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor.detach()))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def model_directory(model: torch.nn.Module, tokenizer) -> tuple[Path, bool]:
+    """A directory vLLM can load the policy from, and whether it is a temporary copy.
+
+    The policy's `name_or_path` is used when it is a local checkpoint (config.json plus
+    safetensors): its weights are the ones the policy was loaded with; the trainer pushes the live
+    weights after a resume, so the directory only has to hold the starting point.
+    """
+    source = Path(getattr(getattr(model, "config", None), "name_or_path", "") or "")
+    if source.name and (source / "config.json").is_file() and any(source.glob("*.safetensors")):
+        return source, False
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(
+            f"the vLLM engine needs a transformers model (save_pretrained) to hand to vLLM; "
+            f"got {type(model).__name__}: use rollout_engine=hf for other modules"
+        )
+    directory = Path(tempfile.mkdtemp(prefix="grpoflow-vllm-model-"))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory, True
+
+
+class VLLMEngine:
+    """Generates with a `vllm.LLM` living in the training process."""
+
+    shares_policy_weights = False
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "auto",
+        max_model_len: int = 1024,
+        gpu_memory_utilization: float = 0.3,
+        max_num_seqs: int = 256,
+        enforce_eager: bool = False,
+        enable_prefix_caching: bool = True,
+        sleep_level: int = 0,
+        seed: int = 0,
+        cleanup_dir: bool = False,
+    ) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise ValueError(
+                "the colocated vLLM engine runs in the training process and passes weights by "
+                "reference: unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0, or use vllm_mode=server"
+            )
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.model_dir, self._cleanup_dir = Path(model_dir), cleanup_dir
+        self.sleep_level = sleep_level
+        self.sleep_supported = current_platform.is_sleep_mode_available()
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_sleep_mode=self.sleep_supported and sleep_level > 0,
+            logprobs_mode=LOGPROBS_MODE,
+            seed=seed,
+        )
+        self.policy_version = 0
+        self.stats = EngineStats()
+        self._asleep = 0
+        self._pending: list[tuple[str, torch.Tensor]] | None = None
+        self._last_weights: list[tuple[str, torch.Tensor]] | None = None
+        self._warned: set[str] = set()
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        for index, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {index} is empty: give at least one token")
+        if truncates_distribution(params):
+            self._warn_once(
+                "truncated",
+                "vLLM reports log-probs under the truncated distribution it samples from "
+                "(top_p/top_k/min_p/repetition_penalty); the trainer's are untruncated",
+            )
+        self.wake_up()
+        start = time.perf_counter()
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(prompt)} for prompt in prompts],
+            VLLMSamplingParams(**sampling_fields(params)),
+            use_tqdm=False,
+        )
+        groups = [[self._completion(sample) for sample in output.outputs] for output in outputs]
+        self.stats = EngineStats(
+            num_prompt_tokens=sum(map(len, prompts)) * params.n,
+            num_generated_tokens=sum(len(c.token_ids) for group in groups for c in group),
+            seconds=time.perf_counter() - start,
+        )
+        return groups
+
+    def _completion(self, sample) -> Completion:
+        token_ids = list(sample.token_ids)
+        # logprobs=0 gives, per position, a dict holding the sampled token's entry
+        logprobs = [step[token].logprob for token, step in zip(token_ids, sample.logprobs or [])]
+        assert len(logprobs) == len(token_ids), "vLLM returned no log-prob for some tokens"
+        return Completion(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=finish_reason(sample.finish_reason, "vLLM"),
+            policy_version=self.policy_version,
+            text=sample.text,
+        )
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load `(hf_name, tensor)` pairs into vLLM's model, or hold them until `wake_up` when
+        vLLM sleeps (its weight memory may be offloaded or discarded)."""
+        weights = [(name, tensor.detach()) for name, tensor in weights]  # references, no copies
+        if self._asleep:
+            self._pending = weights
+        else:
+            self._push(weights)
+        self.policy_version = version
+
+    def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Stream the pairs into vLLM's in-place reload (vLLM processes each layer as soon as all
+        its tensors have arrived, so at most one layer is buffered; in-process nothing is copied)."""
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        except Exception as error:
+            raise RuntimeError(
+                f"loading {len(weights)} tensors ({weights[0][0]!r} .. {weights[-1][0]!r}) into vLLM "
+                f"failed: {error!r}; check that the names are the Hugging Face names of the served model"
+            ) from error
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self._last_weights = weights if self.sleep_level == 2 else None
+
+    def sleep(self, level: int = 1) -> None:
+        """Free vLLM's memory at the configured `sleep_level` (the trainer's `level` is only a
+        request to release memory; the run's vLLM config says how much)."""
+        if self.sleep_level == 0 or self._asleep:
+            return
+        if not self.sleep_supported:
+            self._warn_once(
+                "sleep",
+                f"vLLM has no sleep mode on this platform: sleep_level={self.sleep_level} is "
+                "ignored and vLLM keeps its memory between rollouts",
+            )
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self._asleep = self.sleep_level
+
+    def wake_up(self) -> None:
+        """Take vLLM's memory back; after a level-2 sleep its weights are pushed again (the latest
+        trained ones, never the starting checkpoint on disk unless nothing was pushed yet)."""
+        if not self._asleep:
+            return
+        self.llm.wake_up()
+        level, self._asleep = self._asleep, 0
+        weights = self._pending or (self._last_weights if level == 2 else None)
+        self._pending = None
+        if weights is not None:
+            self._push(weights)
+        elif level == 2:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.model_dir)})
+            self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop vLLM's engine and remove a temporary model copy."""
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
+        if self._cleanup_dir:
+            shutil.rmtree(self.model_dir, ignore_errors=True)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+
+def _dtype_name(model: torch.nn.Module) -> str:
+    dtype = next(model.parameters()).dtype
+    return str(dtype).removeprefix("torch.")
+
+
+def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> VLLMEngine:
+    """Registry factory: a colocated vLLM for the policy `model`."""
+    from grpoflow.config import VLLMConfig
+
+    config = options.vllm or VLLMConfig(use_vllm=True)
+    if config.vllm_tensor_parallel_size != 1:
+        raise ValueError(
+            f"vllm_tensor_parallel_size={config.vllm_tensor_parallel_size}: the colocated vLLM engine "
+            "runs on the training process's device; use vllm_mode=server for tensor parallelism"
+        )
+    directory, temporary = model_directory(model, tokenizer)
+    logger.info("colocated vLLM loads the policy from %s", directory)
+    return VLLMEngine(
+        directory,
+        dtype=_dtype_name(model),
+        max_model_len=config.vllm_max_model_len or options.max_model_len,
+        gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+        max_num_seqs=config.vllm_max_num_seqs,
+        enforce_eager=config.vllm_enforce_eager,
+        enable_prefix_caching=config.vllm_enable_prefix_caching,
+        sleep_level=config.sleep_level,
+        cleanup_dir=temporary,
+    )

@@ -1,0 +1,188 @@
+"""The colocated vLLM engine on the CPU, checked against a transformers forward pass."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from grpoflow.config import VLLMConfig  # noqa: E402
+from grpoflow.engines import EngineOptions, SamplingParams, build_engine  # noqa: E402
+from grpoflow.engines.vllm import VLLMEngine, weight_buckets  # noqa: E402
+from grpoflow.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+
+TINY_SHAPE = dict(
+    hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2, intermediate_size=256
+)
+"""head_dim 64: vLLM's CPU attention rejects the default tiny model's head_dim 16."""
+PROMPTS = [[5, 6, 7, 8], [20, 21], [30, 31, 32]]
+
+
+def reference_logprobs(model, prompt, completion, temperature):
+    """log_softmax(logits / temperature) of each completion token, by a plain transformers forward."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    logps = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return logps.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+
+
+def perturbed(model, scale=0.5, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (name, tensor.detach() + scale * torch.randn(tensor.shape, generator=generator))
+        for name, tensor in model.named_parameters()
+    ]
+
+
+def greedy(engine, prompts=PROMPTS, max_tokens=6):
+    params = SamplingParams(n=1, max_tokens=max_tokens, temperature=0.0)
+    return [group[0] for group in engine.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    tokenizer = build_char_tokenizer()
+    return build_tiny_model(len(tokenizer), **TINY_SHAPE).eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(policy):
+    model, tokenizer = policy
+    options = EngineOptions(max_model_len=128, vllm=VLLMConfig(use_vllm=True, vllm_enforce_eager=True))
+    engine = build_engine("vllm", model, tokenizer, options)
+    yield engine
+    engine.close()
+
+
+def test_generate_returns_n_completions_with_transformers_logprobs(engine, policy):
+    model, _ = policy
+    params = SamplingParams(n=3, max_tokens=8, temperature=0.7, seed=3)
+    groups = engine.generate(PROMPTS, params)
+    assert isinstance(engine, VLLMEngine)
+    assert [len(group) for group in groups] == [3, 3, 3]
+    assert engine.stats.num_generated_tokens == sum(len(c.token_ids) for g in groups for c in g)
+    for prompt, group in zip(PROMPTS, groups):
+        assert len({tuple(c.token_ids) for c in group}) > 1  # n samples, not one repeated
+        for completion in group:
+            assert completion.finish_reason == "length" and len(completion.token_ids) == 8
+            want = reference_logprobs(model, prompt, completion.token_ids, 0.7)
+            torch.testing.assert_close(torch.tensor(completion.logprobs), want, atol=2e-3, rtol=0)
+
+
+def test_a_stop_token_ends_the_completion_with_reason_stop(engine):
+    first = greedy(engine, max_tokens=8)[0]
+    stop = first.token_ids[2]
+    stopped = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop]))
+    completion = stopped[0][0]
+    end = first.token_ids.index(stop) + 1
+    assert completion.token_ids == first.token_ids[:end]
+    assert completion.finish_reason == "stop" and len(completion.logprobs) == end
+
+
+def test_update_weights_changes_outputs_and_restores_them(engine, policy):
+    model, _ = policy
+    before = greedy(engine)
+    engine.update_weights(perturbed(model), version=7)
+    after = greedy(engine)
+    assert engine.policy_version == 7 and after[0].policy_version == 7
+    assert [c.logprobs for c in after] != [c.logprobs for c in before]
+    engine.update_weights(model.named_parameters(), version=8)
+    restored = greedy(engine)
+    assert [c.token_ids for c in restored] == [c.token_ids for c in before]
+    torch.testing.assert_close(restored[0].logprobs, before[0].logprobs, atol=1e-5, rtol=0)
+
+
+def test_weight_buckets_are_bounded():
+    weights = [(f"w{i}", torch.zeros(256)) for i in range(10)]  # 1 KiB each
+    buckets = list(weight_buckets(weights, max_bytes=3 * 1024))
+    assert [len(bucket) for bucket in buckets] == [3, 3, 3, 1]
+    assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in weights]
+
+
+def test_sleep_without_platform_support_warns_once_and_keeps_generating(engine, monkeypatch):
+    monkeypatch.setattr(engine, "sleep_level", 1)
+    monkeypatch.setattr(engine, "_warned", set())
+    before = greedy(engine)
+    with pytest.warns(UserWarning, match="no sleep mode"):
+        engine.sleep()
+    engine.sleep()  # warned once only (pytest would flag a second warning below as an error)
+    engine.wake_up()
+    assert [c.token_ids for c in greedy(engine)] == [c.token_ids for c in before]
+
+
+def test_wake_up_after_level_2_pushes_the_trained_weights(engine, policy, monkeypatch):
+    """Where vLLM can sleep, level 2 discards its weights: wake_up must push the latest trained
+    ones. The CPU has no sleep mode, so a fake sleep scrambles vLLM's weights instead."""
+    model, _ = policy
+    scramble = perturbed(model, scale=3.0, seed=9)
+
+    def fake_sleep(level):
+        engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(scramble)})
+
+    monkeypatch.setattr(engine, "sleep_supported", True)
+    monkeypatch.setattr(engine, "sleep_level", 2)
+    monkeypatch.setattr(engine.llm, "sleep", fake_sleep)
+    monkeypatch.setattr(engine.llm, "wake_up", lambda: True)
+    trained = perturbed(model)
+    engine.update_weights(trained, version=1)
+    expected = greedy(engine)
+    engine.sleep()
+    engine.wake_up()  # nothing new was pushed while asleep: the last pushed weights come back
+    assert [c.logprobs for c in greedy(engine)] == [c.logprobs for c in expected]
+    engine.sleep()
+    engine.update_weights(model.named_parameters(), version=2)  # held until wake_up
+    engine.wake_up()
+    monkeypatch.undo()
+    original = greedy(engine)
+    for completion in original:
+        prompt = PROMPTS[original.index(completion)]
+        want = reference_logprobs(model, prompt, completion.token_ids, 0.0)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), want, atol=2e-3, rtol=0)
+
+
+@pytest.mark.slow
+def test_trainer_runs_with_colocated_vllm_and_syncs_its_weights(tmp_path):
+    from grpoflow.cli import DEFAULT_RECIPE
+    from grpoflow.config import load_config
+    from grpoflow.launch import build_trainer
+
+    tokenizer = build_char_tokenizer()
+    model_dir = tmp_path / "model"
+    build_tiny_model(len(tokenizer), **TINY_SHAPE).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    config = load_config(
+        DEFAULT_RECIPE,
+        {
+            "model": str(model_dir),
+            "use_vllm": True,
+            "vllm_enforce_eager": True,
+            "output_dir": str(tmp_path / "run"),
+            "report_to": ["none"],
+            "disable_tqdm": True,
+            "max_steps": 2,
+            "per_device_train_batch_size": 16,
+            "save_steps": 1000,
+        },
+    )
+    trainer = build_trainer(config)
+    try:
+        assert isinstance(trainer.engine, VLLMEngine)
+        assert trainer.engine.model_dir == model_dir  # the policy's own checkpoint, no copy
+        before = greedy(trainer.engine)
+        history = trainer.train()
+        assert len(history) == 2 and all(torch.isfinite(torch.tensor(step["loss"])) for step in history)
+        assert trainer.engine.policy_version == 2
+        after = greedy(trainer.engine)
+        assert [c.logprobs for c in after] != [c.logprobs for c in before]
+        trainer.model.eval()
+        for prompt, completion in zip(PROMPTS, after):  # vLLM now runs the trained weights
+            want = reference_logprobs(trainer.model, prompt, completion.token_ids, 0.0)
+            torch.testing.assert_close(torch.tensor(completion.logprobs), want, atol=2e-3, rtol=0)
+    finally:
+        trainer.engine.close()
