@@ -52,34 +52,36 @@ def write_inputs(directory: Path, smoke: bool, num_prompts: int) -> tuple[Path, 
     return directory / "model", directory / "prompts.jsonl"
 
 
+def grpoflow_overrides(args, model_dir: Path, prompts: Path) -> dict:
+    """grpoflow's config for the standard workload."""
+    return {
+        "model": str(model_dir),
+        "dataset": str(prompts),
+        "reward_funcs": [f"{Path(__file__).resolve()}:reward_length"],
+        "num_generations": 8,
+        "per_device_train_batch_size": args.micro_batch,
+        "gradient_accumulation_steps": 512 // args.micro_batch,
+        "max_prompt_length": 128,
+        "max_completion_length": args.new_tokens,
+        "beta": 0.0,
+        "gradient_checkpointing": bool(args.gradient_checkpointing),
+        "learning_rate": 1e-6,
+        "max_steps": args.steps,
+        "rollout_engine": args.engine,
+        "gpu_memory_utilization": 0.35,
+        "output_dir": str(Path(args.workdir) / "grpoflow"),
+        "save_steps": 10_000,
+        "report_to": ["none"],
+        "disable_tqdm": True,
+        "dataset_shuffle": False,
+    }
+
+
 def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
     from grpoflow.config import load_config
     from grpoflow.launch import build_trainer
 
-    config = load_config(
-        None,
-        {
-            "model": str(model_dir),
-            "dataset": str(prompts),
-            "reward_funcs": [f"{Path(__file__).resolve()}:reward_length"],
-            "num_generations": 8,
-            "per_device_train_batch_size": args.micro_batch,
-            "gradient_accumulation_steps": 512 // args.micro_batch,
-            "max_prompt_length": 128,
-            "max_completion_length": args.new_tokens,
-            "beta": 0.0,
-            "gradient_checkpointing": bool(args.gradient_checkpointing),
-            "learning_rate": 1e-6,
-            "max_steps": args.steps,
-            "rollout_engine": args.engine,
-            "gpu_memory_utilization": 0.35,
-            "output_dir": str(Path(args.workdir) / "grpoflow"),
-            "save_steps": 10_000,
-            "report_to": ["none"],
-            "disable_tqdm": True,
-            "dataset_shuffle": False,
-        },
-    )
+    config = load_config(None, grpoflow_overrides(args, model_dir, prompts))
     trainer = build_trainer(config)
     steps = []
     for _ in range(args.steps):

@@ -1,6 +1,6 @@
 """Print a table of a run's per-step metrics (time split by phase, throughput, memory).
 
-    python benchmarks/summarize_run.py OUTPUT_DIR/metrics.jsonl
+python benchmarks/summarize_run.py OUTPUT_DIR/metrics.jsonl
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ COLUMNS = [
 
 
 def main(path: str) -> None:
-    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
+    with open(path, encoding="utf-8") as handle:
+        rows = [json.loads(line) for line in handle]
     print(" | ".join(title for _, title, _ in COLUMNS))
     for row in rows:
         cells = [fmt.format(row[key]) if row.get(key) is not None else "-" for key, _, fmt in COLUMNS]

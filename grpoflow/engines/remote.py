@@ -3,7 +3,8 @@
 Start each server yourself, e.g.
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
-        --logprobs-mode processed_logprobs
+        --logprobs-mode processed_logprobs \\
+        --worker-extension-cls grpoflow.engines.vllm.WeightSyncExtension
 
 `generate` splits the prompts across the servers and sends one `/v1/completions` request to
 each at once, with token-id prompts and `return_token_ids`, so no text is re-tokenised.
@@ -14,8 +15,9 @@ Weight updates: vLLM's HTTP weight-transfer endpoints (`/init_weight_transfer_en
 `/update_weights`, ...) need an NCCL or CUDA-IPC backend, so they do not run on CPUs. This
 engine uses a transport that works on any device instead: it writes the weights as safetensors
 to a directory the servers can read (atomically: a finished directory is renamed into place),
-then asks each server to reload them in place through `/collective_rpc` (method
-`reload_weights`), which vLLM exposes with `VLLM_SERVER_DEV_MODE=1`. Set
+then asks each server to reload them in place through `/collective_rpc`, which vLLM exposes with
+`VLLM_SERVER_DEV_MODE=1`: method `grpoflow_reload_weights` of grpoflow's worker extension (it also
+refreshes a CPU server's packed copy of a tied LM head), else vLLM's own `reload_weights`. Set
 `GRPOFLOW_WEIGHT_SYNC_DIR` to a shared filesystem when the servers run on other machines.
 """
 
@@ -110,15 +112,16 @@ class RemoteEngine:
         self._current: Path | None = None
         self.wait_until_ready(startup_timeout)
         self.model_names = self._map(self._model_name)
-        self.dev_mode = self._map(self._check_server)
+        self.reload_methods = self._map(self._check_server)
 
     # -- HTTP ---------------------------------------------------------------------------------
 
     def _request(self, method: str, url: str, path: str, *, timeout: float | None = None, **kwargs):
         import httpx
 
+        timeout = timeout or self.request_timeout
         try:
-            response = self._client.request(method, url + path, timeout=timeout or self.request_timeout, **kwargs)
+            response = self._client.request(method, url + path, timeout=timeout, **kwargs)
         except httpx.TimeoutException as error:
             raise ServerError(f"vLLM server {url}: {method} {path} timed out after {timeout}s") from error
         except httpx.HTTPError as error:
@@ -162,12 +165,13 @@ class RemoteEngine:
             raise ServerError(f"vLLM server {url} serves no model")
         return models[0]["id"]
 
-    def _check_server(self, url: str) -> bool:
-        """Whether the server runs in dev mode; warns when its log-probs are taken before temperature."""
+    def _check_server(self, url: str) -> str | None:
+        """The worker method this server reloads weights with (None without dev mode); warns when
+        its log-probs are taken before temperature or it lacks grpoflow's worker extension."""
         try:
             info = self._request("GET", url, "/server_info", params={"config_format": "json"})
         except ServerError:
-            return False  # /server_info exists only with VLLM_SERVER_DEV_MODE=1
+            return None  # /server_info and /collective_rpc exist only with VLLM_SERVER_DEV_MODE=1
         mode = info.get("vllm_config", {}).get("model_config", {}).get("logprobs_mode")
         if mode != LOGPROBS_MODE:
             warnings.warn(
@@ -175,7 +179,17 @@ class RemoteEngine:
                 f"trainer's when temperature != 1; start it with --logprobs-mode {LOGPROBS_MODE}",
                 stacklevel=3,
             )
-        return True
+        try:
+            self._request("POST", url, "/collective_rpc", json={"method": "grpoflow_weight_sync_ready"})
+            return "grpoflow_reload_weights"
+        except ServerError:
+            warnings.warn(
+                f"vLLM server {url} lacks grpoflow's worker extension: weights are reloaded with vLLM's "
+                f"reload_weights, which on CPU servers leaves a tied LM head stale; start it with "
+                f"--worker-extension-cls grpoflow.engines.vllm.WeightSyncExtension",
+                stacklevel=3,
+            )
+            return "reload_weights"
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -191,8 +205,7 @@ class RemoteEngine:
                 stacklevel=2,
             )
         start = time.perf_counter()
-        ranges = [part for part in split_evenly(len(prompts), len(self.urls))]
-        chunks = [[list(prompts[i]) for i in part] for part in ranges]
+        chunks = [[list(prompts[i]) for i in part] for part in split_evenly(len(prompts), len(self.urls))]
         busy = [(url, name, chunk) for url, name, chunk in zip(self.urls, self.model_names, chunks) if chunk]
         answers = list(self._pool.map(lambda job: self._complete(*job, params), busy))
         groups = [group for answer in answers for group in answer]
@@ -242,14 +255,14 @@ class RemoteEngine:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Write the weights to `sync_dir/policy-v{version}` and have every server reload them."""
-        missing = [url for url, dev in zip(self.urls, self.dev_mode) if not dev]
+        missing = [url for url, method in zip(self.urls, self.reload_methods) if method is None]
         if missing:
             raise ValueError(
                 f"vLLM server(s) {', '.join(missing)} do not expose /collective_rpc, which weight updates "
                 f"use: restart them with VLLM_SERVER_DEV_MODE=1"
             )
         directory = self._write_checkpoint(weights, version)
-        self._map(lambda url: self._reload(url, directory, version))
+        self._map(lambda url, method: self._reload(url, method, directory, version), self.reload_methods)
         previous, self._current = self._current, directory
         if previous is not None and previous != directory:
             shutil.rmtree(previous, ignore_errors=True)
@@ -268,19 +281,19 @@ class RemoteEngine:
                 tensors = {}
                 for name, tensor in bucket:
                     tensors[name] = tensor.to("cpu").contiguous()
+                name = f"{bucket[0][0]} .. {bucket[-1][0]} (shard {index + 1})"
                 save_file(tensors, str(staging / f"model-{index + 1:05d}.safetensors"))
-                name = None
         except Exception as error:
             shutil.rmtree(staging, ignore_errors=True)
-            where = f" at parameter {name!r}" if name else ""
             raise WeightSyncError(
-                f"weight update to version {version}: writing the checkpoint to {staging} failed{where}: {error}"
+                f"weight update to version {version}: writing the checkpoint to {staging} failed at "
+                f"parameter {name!r}: {error}"
             ) from error
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)  # servers only ever see complete directories
         return final
 
-    def _reload(self, url: str, directory: Path, version: int) -> None:
+    def _reload(self, url: str, method: str, directory: Path, version: int) -> None:
         timeout = self.weight_sync_timeout
         steps = [
             ("pause", "/pause", dict(params={"mode": "wait"})),
@@ -289,7 +302,7 @@ class RemoteEngine:
                 "/collective_rpc",
                 dict(
                     json={
-                        "method": "reload_weights",
+                        "method": method,
                         "kwargs": {"weights_path": str(directory)},
                         "timeout": timeout,
                     }

@@ -2,10 +2,11 @@
 
 vLLM builds its model from a directory, so the engine starts from the policy's own directory when
 it holds a checkpoint, else from a copy saved to a temporary directory. After each optimizer step
-the trainer's `(hf_name, tensor)` pairs stream into the worker's in-place reload (`reload_weights`
-through `LLM.collective_rpc`). With the engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
-set here) the tensors pass by reference, and vLLM processes the model layer by layer as their
-tensors arrive, so at most one layer is buffered: no bucketing is needed.
+the trainer's `(hf_name, tensor)` pairs stream into the worker's in-place reload (vLLM's
+`reload_weights`, wrapped by `WeightSyncExtension`, through `LLM.collective_rpc`). With the
+engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here) the tensors pass by reference,
+and vLLM processes the model layer by layer as their tensors arrive, so at most one layer is
+buffered: no bucketing is needed.
 
 Log-probs: vLLM is built with `logprobs_mode="processed_logprobs"`, so the log-prob it reports
 for a sampled token is `log_softmax(logits / temperature)`, as the trainer computes it. With
@@ -87,6 +88,44 @@ def weight_buckets(
         yield bucket
 
 
+class WeightSyncExtension:
+    """Methods grpoflow adds to vLLM's worker (vLLM's `worker_extension_cls`), called by name
+    through `collective_rpc`; servers get them with
+    `--worker-extension-cls grpoflow.engines.vllm.WeightSyncExtension`.
+
+    vLLM's in-place `reload_weights` refreshes the layers whose tensors it receives. On the CPU
+    vLLM also keeps a packed copy of the LM head's weight for its GEMM; with tied embeddings no
+    tensor arrives under the LM head's name, so that copy would keep the old embedding. These
+    methods re-pack it after every reload (a no-op on GPUs, which use the weight directly).
+    """
+
+    def grpoflow_reload_weights(self, weights_iterator=None, weights_path: str | None = None) -> None:
+        """Reload from `(hf_name, tensor)` pairs or a directory of safetensors, then re-pack."""
+        self.reload_weights(weights_iterator=weights_iterator, weights_path=weights_path)
+        repack_lm_heads(self.model_runner.model)
+
+    def grpoflow_weight_sync_ready(self) -> bool:
+        """Lets a client check that the extension is installed."""
+        return True
+
+
+def repack_lm_heads(model: torch.nn.Module) -> int:
+    """Re-run the unquantized LM heads' post-load step from their current weight; returns how many."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+    )
+
+    heads = [
+        module
+        for module in model.modules()
+        if isinstance(module, ParallelLMHead) and isinstance(module.quant_method, UnquantizedEmbeddingMethod)
+    ]
+    for head in heads:
+        head.quant_method.process_weights_after_loading(head)
+    return len(heads)
+
+
 def model_directory(model: torch.nn.Module, tokenizer) -> tuple[Path, bool]:
     """A directory vLLM can load the policy from, and whether it is a temporary copy.
 
@@ -149,6 +188,7 @@ class VLLMEngine:
             enable_prefix_caching=enable_prefix_caching,
             enable_sleep_mode=self.sleep_supported and sleep_level > 0,
             logprobs_mode=LOGPROBS_MODE,
+            worker_extension_cls=f"{__name__}.WeightSyncExtension",
             seed=seed,
         )
         self.policy_version = 0
@@ -212,7 +252,7 @@ class VLLMEngine:
         """Stream the pairs into vLLM's in-place reload (vLLM processes each layer as soon as all
         its tensors have arrived, so at most one layer is buffered; in-process nothing is copied)."""
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            self.llm.collective_rpc("grpoflow_reload_weights", kwargs={"weights_iterator": iter(weights)})
         except Exception as error:
             raise RuntimeError(
                 f"loading {len(weights)} tensors ({weights[0][0]!r} .. {weights[-1][0]!r}) into vLLM "
@@ -248,7 +288,7 @@ class VLLMEngine:
         if weights is not None:
             self._push(weights)
         elif level == 2:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.model_dir)})
+            self.llm.collective_rpc("grpoflow_reload_weights", kwargs={"weights_path": str(self.model_dir)})
             self.llm.reset_prefix_cache()
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -88,10 +89,16 @@ def test_a_stop_token_ends_the_completion_with_reason_stop(engine):
 def test_update_weights_changes_outputs_and_restores_them(engine, policy):
     model, _ = policy
     before = greedy(engine)
-    engine.update_weights(perturbed(model), version=7)
+    weights = perturbed(model)
+    engine.update_weights(weights, version=7)
     after = greedy(engine)
     assert engine.policy_version == 7 and after[0].policy_version == 7
     assert [c.logprobs for c in after] != [c.logprobs for c in before]
+    changed = copy.deepcopy(model)
+    changed.load_state_dict(dict(weights), strict=False)  # the tied LM head follows the embedding
+    for prompt, completion in zip(PROMPTS, after):
+        want = reference_logprobs(changed, prompt, completion.token_ids, 0.0)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), want, atol=2e-3, rtol=0)
     engine.update_weights(model.named_parameters(), version=8)
     restored = greedy(engine)
     assert [c.token_ids for c in restored] == [c.token_ids for c in before]
@@ -123,7 +130,7 @@ def test_wake_up_after_level_2_pushes_the_trained_weights(engine, policy, monkey
     scramble = perturbed(model, scale=3.0, seed=9)
 
     def fake_sleep(level):
-        engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(scramble)})
+        engine.llm.collective_rpc("grpoflow_reload_weights", kwargs={"weights_iterator": iter(scramble)})
 
     monkeypatch.setattr(engine, "sleep_supported", True)
     monkeypatch.setattr(engine, "sleep_level", 2)
