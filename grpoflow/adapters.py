@@ -62,13 +62,16 @@ def add_lora(model: nn.Module, config: AdapterConfig) -> nn.Module:
         modules_to_save=list(config.modules_to_save) or None,
         task_type="CAUSAL_LM",
     )
+    tied = _tied_names(model)
     try:
-        return get_peft_model(model, lora)
+        peft_model = get_peft_model(model, lora)
     except ValueError as error:
         raise ValueError(
-            f"LoRA adapters could not be added: {error}; check target_modules and modules_to_save "
-            "against the model's module names"
+            f"LoRA adapters could not be added ({error}): target_modules and modules_to_save take "
+            "module names of the model (q_proj, model.norm, ...) or all-linear"
         ) from None
+    _refuse_tied(peft_model, tied)
+    return peft_model
 
 
 def generation_model(model: nn.Module) -> nn.Module:
@@ -236,6 +239,32 @@ def _comparable(value):
     if isinstance(value, list | set | tuple):
         return sorted(value)
     return value
+
+
+def _tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """Parameter name -> every name of the same tensor, for tensors under several names."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return {name: group for group in names.values() if len(group) > 1 for name in group}
+
+
+def _refuse_tied(model: nn.Module, tied: dict[str, list[str]]) -> None:
+    """An adapter or a trained copy on a tied weight (lm_head and embed_tokens) breaks the tie:
+    merged for rollouts, a LoRA update of one would change the other too, and a trained copy of
+    one would not reach the other; rollouts and exports would no longer be the trained policy."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    for name, module in model.get_base_model().named_modules():
+        if isinstance(module, LoraLayer | ModulesToSaveWrapper):
+            shared = tied.get(f"{name}.weight")
+            if shared:
+                raise ValueError(
+                    f"{name} shares its weight with {', '.join(n for n in shared if n != f'{name}.weight')} "
+                    "(tied embeddings): leave it out of target_modules and modules_to_save "
+                    "(all-linear leaves the output head out)"
+                )
 
 
 def _adapted_base_weights(model: nn.Module) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from grpoflow.config import VLLMConfig  # noqa: E402
 from grpoflow.engines import EngineOptions, SamplingParams, build_engine  # noqa: E402
-from grpoflow.engines.vllm import VLLMEngine, weight_buckets  # noqa: E402
+from grpoflow.engines.vllm import VLLMEngine  # noqa: E402
 from grpoflow.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 
 TINY_SHAPE = dict(
@@ -79,7 +79,9 @@ def test_generate_returns_n_completions_with_transformers_logprobs(engine, polic
 def test_a_stop_token_ends_the_completion_with_reason_stop(engine):
     first = greedy(engine, max_tokens=8)[0]
     stop = first.token_ids[2]
-    stopped = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop]))
+    stopped = engine.generate(
+        PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop])
+    )
     completion = stopped[0][0]
     end = first.token_ids.index(stop) + 1
     assert completion.token_ids == first.token_ids[:end]
@@ -103,13 +105,6 @@ def test_update_weights_changes_outputs_and_restores_them(engine, policy):
     restored = greedy(engine)
     assert [c.token_ids for c in restored] == [c.token_ids for c in before]
     torch.testing.assert_close(restored[0].logprobs, before[0].logprobs, atol=1e-5, rtol=0)
-
-
-def test_weight_buckets_are_bounded():
-    weights = [(f"w{i}", torch.zeros(256)) for i in range(10)]  # 1 KiB each
-    buckets = list(weight_buckets(weights, max_bytes=3 * 1024))
-    assert [len(bucket) for bucket in buckets] == [3, 3, 3, 1]
-    assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in weights]
 
 
 def test_sleep_without_platform_support_warns_once_and_keeps_generating(engine, monkeypatch):

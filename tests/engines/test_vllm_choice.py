@@ -1,0 +1,37 @@
+"""Choosing the vLLM engines from the config, and the helpers that need no vLLM installed."""
+
+from __future__ import annotations
+
+import torch
+
+from grpoflow.config import load_config
+from grpoflow.engines import ENGINES, SamplingParams
+from grpoflow.engines.vllm import sampling_fields, truncates_distribution, weight_buckets
+from grpoflow.launch import choose_engine
+
+
+def config(**overrides):
+    return load_config(None, {"model": "tiny", "dataset": "echo", "reward_funcs": ["echo"], **overrides})
+
+
+def test_use_vllm_picks_the_colocated_or_server_engine():
+    assert choose_engine(config(use_vllm=True)) == "vllm"
+    assert choose_engine(config(use_vllm=True, vllm_mode="server")) == "vllm_server"
+    assert choose_engine(config(rollout_engine="hf")) == "hf"
+    assert {"vllm", "vllm_server"} <= set(ENGINES)
+
+
+def test_sampling_fields_ask_for_the_sampled_token_logprob():
+    params = SamplingParams(n=4, max_tokens=9, temperature=0.5, top_k=0, stop_token_ids=(1,), seed=3)
+    fields = sampling_fields(params)
+    assert fields["logprobs"] == 0 and fields["top_k"] == -1 and fields["stop_token_ids"] == [1]
+    assert (fields["n"], fields["max_tokens"], fields["temperature"], fields["seed"]) == (4, 9, 0.5, 3)
+    assert not truncates_distribution(params)
+    assert truncates_distribution(SamplingParams(top_p=0.9))
+
+
+def test_weight_buckets_are_bounded():
+    weights = [(f"w{i}", torch.zeros(256)) for i in range(10)]  # 1 KiB each
+    buckets = list(weight_buckets(weights, max_bytes=3 * 1024))
+    assert [len(bucket) for bucket in buckets] == [3, 3, 3, 1]
+    assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in weights]
