@@ -76,6 +76,10 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         else None
     )
     device = resolve_device(policy.device)
+    if device.type == "cuda":
+        # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
+        # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     dtype = resolve_dtype(policy.torch_dtype, device)
     tokenizer = load_tokenizer(policy.model, trust_remote_code=policy.trust_remote_code)
     rewards = build_rewards(config, device)

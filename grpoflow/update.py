@@ -80,7 +80,8 @@ def update_policy(
     ref = frozen_logprobs(ref_model, parts, settings) if ref_model is not None else None
     num_items = batch.completion_mask.sum().clamp(min=1)
     scale = micro_batch_scale(algorithm.loss_type, len(parts))
-    totals: dict[str, float] = defaultdict(float)
+    # Metrics stay on the device until the end: a float() per micro-batch would stall the GPU.
+    totals: dict[str, torch.Tensor | float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     model.train()
     for _ in range(algorithm.num_iterations):
@@ -103,16 +104,16 @@ def update_policy(
                 num_sequences_in_batch=len(batch),
             )
             (loss * scale).backward()
-            mask = part.completion_mask.bool()
             metrics["loss"] = loss.detach() * scale * len(parts)
-            if entropy is not None and mask.any():
-                metrics["entropy"] = entropy[mask].mean()
+            if entropy is not None:
+                mask = part.completion_mask.to(entropy.dtype)
+                metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
             for name, value in metrics.items():
-                totals[name] += float(value)
+                totals[name] = totals[name] + value.detach()
                 counts[name] += 1
-        totals["grad_norm"] += float(_optimizer_step(model, optimizer, scheduler, settings))
+        totals["grad_norm"] += _optimizer_step(model, optimizer, scheduler, settings).detach()
         counts["grad_norm"] += 1
-    return {name: totals[name] / counts[name] for name in totals}
+    return {name: float(totals[name]) / counts[name] for name in totals}
 
 
 def _optimizer_step(model, optimizer, scheduler, settings: UpdateSettings) -> torch.Tensor:

@@ -2,8 +2,10 @@
 
 The vocabulary projection is the memory peak of RL post-training: `(batch * seq, vocab)` float32
 logits are gigabytes for a modern vocabulary. Here the last hidden states are projected a chunk of
-tokens at a time, and under autograd each chunk is checkpointed, so the backward pass saves only
-the hidden chunk and recomputes that chunk's logits.
+tokens at a time. With a linear output head, each chunk runs through `_LinearLogProb`, an autograd
+function that saves only the hidden chunk and one logsumexp per token, and in the backward pass
+recomputes the logits once and turns them into the gradient in place (`d log p_y / d logits =
+onehot(y) - softmax`), with no softmax graph kept. Other heads are checkpointed per chunk.
 
 Positions follow the attention mask (`cumsum(mask) - 1`), as `generate` and vLLM number them, so
 left padding does not shift the positions of a prompt.
@@ -66,6 +68,14 @@ def _concat(pieces: list[Tensor], like: Tensor) -> Tensor:
     return torch.cat(pieces) if pieces else like.new_zeros(0, dtype=torch.float32)
 
 
+def _linear_parameters(lm_head: nn.Linear | Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    if isinstance(lm_head, nn.Linear):
+        if bias is not None:
+            raise ValueError("Pass `bias` only with a weight tensor; an nn.Linear lm_head carries its own.")
+        return lm_head.weight, lm_head.bias
+    return lm_head, bias
+
+
 def _projection(lm_head: nn.Module | Tensor, bias: Tensor | None):
     """A callable `hidden (tokens, hidden) -> logits (tokens, vocab)` and the weight it uses."""
     if isinstance(lm_head, nn.Module):
@@ -104,6 +114,22 @@ def token_logprobs_from_hidden(
         raise ValueError(f"temperature must be > 0, got {temperature}.")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    if isinstance(lm_head, nn.Linear | Tensor):
+        weight, bias = _linear_parameters(lm_head, bias)
+        flat_hidden = hidden.reshape(-1, hidden.size(-1))
+        pieces = [
+            _LinearLogProb.apply(hidden_chunk, weight, bias, target_chunk, temperature, compute_entropy)
+            for hidden_chunk, target_chunk in zip(
+                flat_hidden.split(chunk_size), targets.reshape(-1).split(chunk_size)
+            )
+        ]
+        log_probs = _concat([piece[0] for piece in pieces], flat_hidden).view(targets.shape)
+        entropy = (
+            _concat([piece[1] for piece in pieces], flat_hidden).view(targets.shape)
+            if compute_entropy
+            else None
+        )
+        return log_probs, entropy
     project, weight = _projection(lm_head, bias)
 
     def score_chunk(hidden_chunk: Tensor, target_chunk: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -128,6 +154,42 @@ def token_logprobs_from_hidden(
     log_probs = _concat(log_probs, flat_hidden).view(targets.shape)
     entropy = _concat(entropies, flat_hidden).view(targets.shape) if compute_entropy else None
     return log_probs, entropy
+
+
+class _LinearLogProb(torch.autograd.Function):
+    """`log_softmax(hidden @ weight.T + bias) / T)[target]` for one chunk of tokens, in float32.
+
+    Saves the hidden chunk and the per-token logsumexp; the backward pass recomputes the logits
+    once and overwrites them with the gradient. Entropy (optional) carries no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy):
+        logits = F.linear(hidden, weight, bias).float().div_(temperature)  # (chunk, vocab)
+        logsumexp = torch.logsumexp(logits, dim=-1)
+        log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logsumexp
+        entropy = None
+        if compute_entropy:
+            # H = logsumexp - sum(p * logits), p = exp(logits - logsumexp)
+            weighted = (logits - logsumexp.unsqueeze(-1)).exp_().mul_(logits).sum(-1)
+            entropy = logsumexp - weighted
+            ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, logsumexp)
+        ctx.temperature = temperature
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, _grad_entropy):
+        hidden, weight, bias, targets, logsumexp = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad = F.linear(hidden, weight, bias).float().div_(temperature)
+        grad.sub_(logsumexp.unsqueeze(-1)).exp_().mul_(-grad_log_probs.unsqueeze(-1))
+        grad.scatter_add_(-1, targets.unsqueeze(-1), grad_log_probs.unsqueeze(-1))
+        grad = grad.div_(temperature).to(hidden.dtype)  # d loss / d (hidden @ weight.T + bias)
+        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def _logprobs_from_logits(
