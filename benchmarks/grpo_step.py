@@ -65,6 +65,7 @@ def grpoflow_overrides(args, model_dir: Path, prompts: Path) -> dict:
         "max_completion_length": args.new_tokens,
         "beta": 0.0,
         "gradient_checkpointing": bool(args.gradient_checkpointing),
+        "torch_compile": bool(args.torch_compile),
         "learning_rate": 1e-6,
         "max_steps": args.steps,
         "rollout_engine": args.engine,
@@ -225,6 +226,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--gradient-checkpointing", type=int, default=1, help="grpoflow's; 0 turns it off")
+    parser.add_argument("--torch-compile", type=int, default=0, help="grpoflow's; 1 compiles the layers")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None)
@@ -253,6 +255,7 @@ def main() -> None:
         command += [
             f"--new-tokens={args.new_tokens}",
             f"--gradient-checkpointing={args.gradient_checkpointing}",
+            f"--torch-compile={args.torch_compile}",
         ]
         command += ["--smoke"] if args.smoke else []
         subprocess.run(command, check=True)

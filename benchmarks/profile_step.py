@@ -23,6 +23,7 @@ def main() -> None:
     )
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--gradient-checkpointing", type=int, default=1)
+    parser.add_argument("--torch-compile", type=int, default=0)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--engine", default="auto")
     parser.add_argument("--smoke", action="store_true")

@@ -115,8 +115,9 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     `.base_layer` and the adapter weights are gone, and a module in `modules_to_save` appears
     under its own name with its trained values. An engine loads them as it loads the base model.
     Adapted weights are new tensors, `W + alpha / r * B A` rounded to W's dtype exactly as
-    `merged_adapters` computes them; the others are the policy's own parameters. Nothing in the
-    policy changes. A plain model yields its `named_parameters()`.
+    `merged_adapters` computes them (inside that block: the merged parameters themselves); the
+    others are the policy's own parameters. Nothing in the policy changes. A plain model yields
+    its `named_parameters()`.
     """
     if not is_peft_model(model):
         yield from model.named_parameters()
@@ -257,14 +258,13 @@ def _refuse_tied(model: nn.Module, tied: dict[str, list[str]]) -> None:
     from peft.utils.other import ModulesToSaveWrapper
 
     for name, module in model.get_base_model().named_modules():
-        if isinstance(module, LoraLayer | ModulesToSaveWrapper):
-            shared = tied.get(f"{name}.weight")
-            if shared:
-                raise ValueError(
-                    f"{name} shares its weight with {', '.join(n for n in shared if n != f'{name}.weight')} "
-                    "(tied embeddings): leave it out of target_modules and modules_to_save "
-                    "(all-linear leaves the output head out)"
-                )
+        weight = f"{name}.weight"
+        if isinstance(module, LoraLayer | ModulesToSaveWrapper) and weight in tied:
+            others = ", ".join(other for other in tied[weight] if other != weight)
+            raise ValueError(
+                f"{name} shares its weight with {others} (tied embeddings): leave it out of "
+                "target_modules and modules_to_save (all-linear leaves the output head out)"
+            )
 
 
 def _adapted_base_weights(model: nn.Module) -> list[torch.Tensor]:

@@ -73,10 +73,15 @@ def export(argv: list[str]) -> int:
         description="Write a checkpoint as a standalone model (save_pretrained, with the tokenizer): "
         "a LoRA checkpoint merged into its base model, a full checkpoint copied as it is.",
     )
-    parser.add_argument("--checkpoint", required=True, help="a checkpoint-N directory of a run")
-    parser.add_argument("--output", required=True, help="where the model goes (a new or empty directory)")
+    parser.add_argument(
+        "--checkpoint", required=True, metavar="DIR", help="a checkpoint-N directory of a run"
+    )
+    parser.add_argument(
+        "--output", required=True, metavar="OUT", help="where the model goes (a new or empty directory)"
+    )
     parser.add_argument(
         "--base",
+        metavar="MODEL",
         help="the base model of a LoRA checkpoint (directory, hub id, tiny, random:PRESET); "
         "default: the model of the run that wrote it",
     )

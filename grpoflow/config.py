@@ -45,6 +45,9 @@ class PolicyConfig:
     """Where to train; auto picks CUDA when available."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    torch_compile: bool = False
+    """Compile each decoder layer with torch.compile for the update phase (fuses the norms,
+    rotary embeddings and activations); generation engines are unaffected."""
     trust_remote_code: bool = False
     """Allow model code from the hub."""
 

@@ -20,7 +20,6 @@ from grpoflow.metrics import MetricsLogger
 from grpoflow.models import (
     load_model,
     load_tokenizer,
-    local_preset,
     reference_model,
     resolve_device,
     resolve_dtype,
@@ -182,30 +181,29 @@ def export_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *, bas
             if path.is_file() and path.name not in {checkpoint.MARKER, checkpoint.STATE_FILE}:
                 shutil.copy2(path, output / path.name)
         return output
+    tokenizer = load_tokenizer(str(directory))
+    model = _export_base(directory, base, vocab_size=len(tokenizer))
+    adapters.merge_adapter_checkpoint(model, directory).save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    return output
+
+
+def _export_base(directory: Path, base: str | None, *, vocab_size: int) -> torch.nn.Module:
+    """The base model of an adapter checkpoint, on the CPU, as its run loaded it."""
     run_config = checkpoint.load_trainer_state(directory).get("config", {})
     source = base or run_config.get("model")
     if not source:
         raise ValueError(f"{directory} names no base model in its saved config: pass --base MODEL")
-    policy = PolicyConfig(model=source, trust_remote_code=run_config.get("trust_remote_code", False))
     dtype_name = run_config.get("torch_dtype", "auto")
-    dtype = (
-        "auto"
-        if dtype_name == "auto" and not local_preset(source)
-        else resolve_dtype(dtype_name, torch.device("cpu"))
-    )
-    tokenizer = load_tokenizer(str(directory))
-    model = load_model(
+    cpu = torch.device("cpu")
+    return load_model(
         source,
-        policy,
-        vocab_size=len(tokenizer),
+        PolicyConfig(model=source, trust_remote_code=run_config.get("trust_remote_code", False)),
+        vocab_size=vocab_size,
         seed=run_config.get("seed", 42),
-        device=torch.device("cpu"),
-        dtype=dtype,
+        device=cpu,
+        dtype="auto" if dtype_name == "auto" else resolve_dtype(dtype_name, cpu),
     )
-    merged = adapters.merge_adapter_checkpoint(model, directory)
-    merged.save_pretrained(output)
-    tokenizer.save_pretrained(output)
-    return output
 
 
 def build_optimizer(model: torch.nn.Module, config: GRPOConfig, num_items: int):

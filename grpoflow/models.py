@@ -86,10 +86,21 @@ def load_model(
         except OSError as error:
             raise ValueError(_load_hint(source, error)) from None
     model.to(device)
+    if config.torch_compile:
+        compile_layers(model)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """torch.compile every decoder layer in place (dynamic shapes: micro-batches vary in length)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError("torch_compile needs a model with model.layers (Llama-style decoders)")
+    for layer in layers:
+        layer.compile(dynamic=True)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

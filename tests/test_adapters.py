@@ -32,6 +32,15 @@ those frozen its logits stay within about +-1.3: LoRA on the linear layers alone
 policy far. Training the final norm's 64 gains beside the adapters lifts that bound."""
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model's matrices gain nothing from threads, which stall on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def recipe(tmp_path, **overrides):
     values = {
         "output_dir": str(tmp_path / "run"),
@@ -74,9 +83,7 @@ def logits(model, ids, mask) -> torch.Tensor:
 
 
 def test_lora_run_learns_the_echo_task_and_trains_only_the_adapters(tmp_path):
-    config = recipe(
-        tmp_path, max_steps=100, per_device_train_batch_size=128, learning_rate=0.2, lora_alpha=8
-    )
+    config = recipe(tmp_path, max_steps=100, per_device_train_batch_size=128, learning_rate=0.2, lora_alpha=8)
     trainer = build_trainer(config)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainable = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
@@ -97,11 +104,11 @@ def test_merged_adapters_give_the_adapted_logits_and_restore_the_base_bit_for_bi
     ids, mask = token_batch()
     adapted = logits(model, ids, mask)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    merged = dict(merged_weights(model))
     with merged_adapters(model):
         inner = generation_model(model)
         torch.testing.assert_close(logits(inner, ids, mask), adapted, rtol=1e-5, atol=1e-5)
-        merged = dict(merged_weights(model))
-        for name, tensor in generation_model(model).named_parameters():
+        for name, tensor in inner.named_parameters():
             if ".base_layer." in name:  # merged in place, as merged_weights computes it
                 assert torch.equal(merged[name.replace(".base_layer", "")], tensor), name
     assert not any(getattr(m, "merged", False) for m in model.modules())
@@ -192,6 +199,7 @@ def test_resume_refuses_a_checkpoint_of_other_training_settings(tmp_path):
         build_trainer(recipe(tmp_path, max_steps=2, train_type="full", resume_from_checkpoint=saved))
 
 
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
 def test_add_lora_refuses_what_would_break_merged_rollouts():
     tokenizer = build_char_tokenizer()
     with pytest.raises(ValueError, match="lm_head shares its weight with model.embed_tokens.weight"):
@@ -209,7 +217,10 @@ def test_export_merges_the_adapter_into_a_standalone_model(tmp_path, capsys):
     trainer = build_trainer(config)
     run(config, trainer)
     output = tmp_path / "exported"
-    assert cli.main(["export", "--checkpoint", str(tmp_path / "run" / "checkpoint-3"), "--output", str(output)]) == 0
+    assert (
+        cli.main(["export", "--checkpoint", str(tmp_path / "run" / "checkpoint-3"), "--output", str(output)])
+        == 0
+    )
     exported = AutoModelForCausalLM.from_pretrained(output).eval()
     assert AutoTokenizer.from_pretrained(output).decode([5, 6]) == trainer.tokenizer.decode([5, 6])
     policy = trainer.model.eval()
@@ -228,11 +239,16 @@ def test_export_of_a_full_checkpoint_copies_the_model(tmp_path):
     trainer = build_trainer(config)
     run(config, trainer)
     output = tmp_path / "exported"
-    assert cli.main(["export", "--checkpoint", str(tmp_path / "run" / "checkpoint-1"), "--output", str(output)]) == 0
+    assert (
+        cli.main(["export", "--checkpoint", str(tmp_path / "run" / "checkpoint-1"), "--output", str(output)])
+        == 0
+    )
     assert not (output / "trainer_state.pt").exists()
     ids, mask = token_batch()
     exported = AutoModelForCausalLM.from_pretrained(output).eval()
-    torch.testing.assert_close(logits(exported, ids, mask), logits(trainer.model.eval(), ids, mask), rtol=0, atol=0)
+    torch.testing.assert_close(
+        logits(exported, ids, mask), logits(trainer.model.eval(), ids, mask), rtol=0, atol=0
+    )
 
 
 def test_export_errors_are_usage_errors(tmp_path, capsys):

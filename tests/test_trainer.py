@@ -41,10 +41,25 @@ def test_reward_rises_on_the_embedded_default(tmp_path):
     assert last > 2 * first + 0.1, (first, last)
     logged = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [row["step"] for row in logged] == list(range(1, 101))
-    for key in ("reward", "reward_std", "rewards/echo/mean", "frac_reward_zero_std", "entropy",
-                "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean",
-                "clip_ratio/high_mean", "time/rollout", "time/reward", "time/update", "time/sync",
-                "tokens_per_second/rollout", "loss", "grad_norm", "learning_rate"):
+    for key in (
+        "reward",
+        "reward_std",
+        "rewards/echo/mean",
+        "frac_reward_zero_std",
+        "entropy",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "time/rollout",
+        "time/reward",
+        "time/update",
+        "time/sync",
+        "tokens_per_second/rollout",
+        "loss",
+        "grad_norm",
+        "learning_rate",
+    ):
         assert key in logged[-1], key
     assert list((tmp_path / "run" / "runs").glob("events.out.tfevents.*"))
     assert [path.name for path in list_checkpoints(tmp_path / "run")] == ["checkpoint-100"]
@@ -171,8 +186,6 @@ def test_reward_model_and_plugin_rewards_are_weighted_into_the_run(tmp_path):
     assert step["rewards/short/mean"] < 0
     assert math.isfinite(step["rewards/reward_model/mean"])
     weighted = (
-        step["rewards/echo/mean"]
-        + 0.5 * step["rewards/short/mean"]
-        + 0.1 * step["rewards/reward_model/mean"]
+        step["rewards/echo/mean"] + 0.5 * step["rewards/short/mean"] + 0.1 * step["rewards/reward_model/mean"]
     )
     assert step["reward"] == pytest.approx(weighted, abs=1e-5)
