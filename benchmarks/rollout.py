@@ -23,31 +23,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+from transformers import GenerationConfig
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
-
-QWEN2_0_5B = dict(
-    hidden_size=896,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=2048,
-)
-SMOKE = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=512,
-    tie_word_embeddings=True,
-    max_position_embeddings=2048,
-)
+from grpoflow.tiny import build_preset_model
 
 
 @dataclass
@@ -188,17 +168,15 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/...)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    shape = SMOKE if args.smoke else QWEN2_0_5B
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=dtype).eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    preset = "tiny" if args.smoke else "qwen2-0.5b"
+    model = build_preset_model(preset, 512, max_position_embeddings=2048, dtype=dtype, device=device).eval()
+    config_ = model.config
+    head_dim = config_.hidden_size // config_.num_attention_heads
     kv_bytes_per_token = (
-        shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * 64 * model.dtype.itemsize
+        config_.num_hidden_layers * 2 * config_.num_key_value_heads * head_dim * model.dtype.itemsize
     )
-    if args.smoke:
-        kv_bytes_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * 16 * 4
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth(device)
     config = NativeEngineConfig(
         max_num_seqs=64 if args.smoke else 512,
@@ -206,7 +184,9 @@ def main() -> None:
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
     engine = NativeEngine(model, config=config)
-    workloads = build_workloads(shape["vocab_size"], 0.05 if args.smoke else 1.0, np.random.default_rng(0))
+    workloads = build_workloads(
+        model.config.vocab_size, 0.05 if args.smoke else 1.0, np.random.default_rng(0)
+    )
     results = []
     for workload in workloads:
         native = run_native(engine, workload, device)
