@@ -5,7 +5,9 @@ marker goes in last, and one `rename` publishes it: a crash mid-save leaves only
 directory, which the next save clears, never a half-written `checkpoint-N`.
 
 A checkpoint holds the model (a LoRA run's: the adapter only, PEFT's `save_pretrained`), the
-tokenizer and the trainer state (`trainer_state.pt`, which keeps the run's config).
+tokenizer and the trainer state (`trainer_state.pt`, which keeps the run's config and, for a run
+over several processes, every rank's RNG state). Rank 0 writes it; the weights, optimizer and data
+position are the same on every rank.
 """
 
 from __future__ import annotations
@@ -47,6 +49,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rank_rng_state(trainer_state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """The RNG state rank `rank` resumes with: its own when the checkpoint's run had as many ranks
+    (`rng_per_rank`), else rank 0's."""
+    per_rank = trainer_state.get("rng_per_rank") or [trainer_state["rng"]]
+    if len(per_rank) == world_size:
+        return per_rank[rank]
+    if rank == 0:
+        logger.warning(
+            "the checkpoint was written by %d processes and is resumed by %d: every rank restarts "
+            "from rank 0's RNG state, and the run does not replay the uninterrupted one step for step",
+            len(per_rank),
+            world_size,
+        )
+    return per_rank[0]
 
 
 def save_checkpoint(

@@ -1,10 +1,11 @@
-"""`grpoflow train`, `grpoflow export` (and the commands that grow beside them)."""
+"""`grpoflow train`, `grpoflow export`, `grpoflow serve` (and the commands that grow beside them)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -43,23 +44,33 @@ def describe_options() -> str:
 def train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="grpoflow train",
-        description="Run GRPO. With no arguments, the embedded default (tiny model, echo task, CPU).",
+        description="Run GRPO. With no arguments, the embedded default (tiny model, echo task, CPU). "
+        "With NPROC_PER_NODE set (and NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT for several "
+        "nodes), runs itself under torchrun: data-parallel over that many processes per node.",
         epilog="Options (YAML keys or --key value):" + describe_options(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", help="a YAML recipe, or the name of a packaged recipe")
     known, rest = parser.parse_known_args(argv)
+    from grpoflow import distributed
     from grpoflow.launch import build_trainer, run
 
     try:
         overrides = parse_overrides(rest)
         config = load_config(resolve_recipe(known.config, overrides), overrides)
+        if distributed.wants_launch(os.environ):
+            return distributed.launch(argv, os.environ)
+        if os.environ.get("RANK", "0") != "0":  # rank 0 speaks for the run
+            logging.getLogger().setLevel(logging.WARNING)
         trainer = build_trainer(config)
     except ValueError as error:
         print(f"grpoflow train: {error}", file=sys.stderr)
         return 2
-    history = run(config, trainer)
-    if history:
+    try:
+        history = run(config, trainer)
+    finally:
+        trainer.distributed.close()
+    if history and trainer.distributed.is_main:
         first, last = history[0].get("reward"), history[-1].get("reward")
         print(
             f"done: {len(history)} steps, reward {first:.3f} -> {last:.3f}, output in {config.training.output_dir}"
@@ -97,10 +108,54 @@ def export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "export": export}
+def serve(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="grpoflow serve",
+        description="Serve a model for rollouts over vLLM's HTTP protocol (/v1/completions, "
+        "/v1/chat/completions, weight updates) on grpoflow's engines, for trainers in vllm_mode "
+        "server and for TRL's VLLMClient.",
+    )
+    parser.add_argument("--model", required=True, help="a local directory, hub id, tiny or random:PRESET")
+    parser.add_argument("--engine", default="native", help="native (default) or hf")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
+    parser.add_argument("--served-model-name", help="model name clients send; default: --model")
+    parser.add_argument("--max-model-len", type=int, help="prompt plus completion, in tokens")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded at once")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--seed", type=int, default=42, help="initialisation seed of a random model")
+    parser.add_argument("--batch-window-ms", type=float, default=5.0, help="wait for requests to batch")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    try:
+        from grpoflow.server import ServeConfig
+        from grpoflow.server import serve as run_server
+    except ImportError as error:
+        print(
+            f"grpoflow serve: {error}; install the server extra: pip install 'grpoflow[server]'",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        config = ServeConfig(**vars(args))
+        run_server(config)
+    except ValueError as error:
+        print(f"grpoflow serve: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+COMMANDS = {"train": train, "export": export, "serve": serve}
 USAGE = (
     "usage: grpoflow {train} [options]   (grpoflow train --help)\n"
-    "       grpoflow {export} --checkpoint DIR --output OUT [--base MODEL]"
+    "       grpoflow {export} --checkpoint DIR --output OUT [--base MODEL]\n"
+    "       grpoflow {serve} --model MODEL [--engine native|hf] [--port 8000] ...   (grpoflow serve --help)"
 )
 
 

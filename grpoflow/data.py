@@ -232,6 +232,12 @@ class PromptSampler:
             self.position += 1
         return indices
 
+    def take_shard(self, count: int, rank: int, world_size: int) -> list[int]:
+        """Rank `rank`'s `count` indices out of the next `count * world_size`: every rank walks the
+        same order and takes its own slice, so `world_size` ranks consume the prompts one process
+        taking `count * world_size` would, in the same order."""
+        return self.take(count * world_size)[rank * count : (rank + 1) * count]
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 

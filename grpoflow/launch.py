@@ -15,6 +15,7 @@ import torch
 from grpoflow import adapters, checkpoint
 from grpoflow.config import GRPOConfig, PolicyConfig
 from grpoflow.data import build_prompt_items, load_rows, read_system_prompt
+from grpoflow.distributed import init_distributed, run_steps
 from grpoflow.engines import ENGINES, EngineOptions, build_engine
 from grpoflow.metrics import MetricsLogger
 from grpoflow.models import (
@@ -74,7 +75,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         if training.resume_from_checkpoint
         else None
     )
-    device = resolve_device(policy.device)
+    distributed, device = init_distributed(resolve_device(policy.device))
     if device.type == "cuda":
         # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
         # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
@@ -91,14 +92,16 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     ref_model = reference_model(model) if config.algorithm.beta != 0 else None
     if resume is not None:
         _load_weights(model, resume)
+    distributed.broadcast_parameters(model)
     options = EngineOptions(
         max_model_len=config.data.max_prompt_length + config.generation.max_completion_length,
         gpu_memory_utilization=config.generation.gpu_memory_utilization,
         logprob_chunk_size=config.algorithm.logprob_chunk_size,
         vllm=config.vllm,
     )
-    engine = build_engine(choose_engine(config), adapters.generation_model(model), tokenizer, options)
-    optimizer, scheduler = build_optimizer(model, config, len(items))
+    engine_name = choose_engine(config)
+    engine = build_engine(engine_name, adapters.generation_model(model), tokenizer, options)
+    optimizer, scheduler = build_optimizer(model, config, len(items), distributed.world_size)
     trainer = GRPOTrainer(
         config,
         model=model,
@@ -109,6 +112,8 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         optimizer=optimizer,
         scheduler=scheduler,
         ref_model=ref_model,
+        distributed=distributed,
+        per_prompt_seeds=engine_name == "native",
     )
     if resume is not None:
         trainer.load_state_dict(checkpoint.load_trainer_state(resume))
@@ -206,7 +211,7 @@ def _export_base(directory: Path, base: str | None, *, vocab_size: int) -> torch
     )
 
 
-def build_optimizer(model: torch.nn.Module, config: GRPOConfig, num_items: int):
+def build_optimizer(model: torch.nn.Module, config: GRPOConfig, num_items: int, world_size: int = 1):
     from transformers import get_scheduler
 
     training = config.training
@@ -216,7 +221,7 @@ def build_optimizer(model: torch.nn.Module, config: GRPOConfig, num_items: int):
         betas=(training.adam_beta1, training.adam_beta2),
         weight_decay=training.weight_decay,
     )
-    optimizer_steps = config.total_steps(num_items) * config.algorithm.num_iterations
+    optimizer_steps = run_steps(config, num_items, world_size) * config.algorithm.num_iterations
     scheduler = get_scheduler(
         training.lr_scheduler_type,
         optimizer,
@@ -229,16 +234,19 @@ def build_optimizer(model: torch.nn.Module, config: GRPOConfig, num_items: int):
 def run(config: GRPOConfig, trainer: GRPOTrainer | None = None) -> list[dict[str, float]]:
     """Train (building the trainer unless given); the metrics of every step."""
     trainer = trainer or build_trainer(config)
-    metrics_logger = MetricsLogger(
-        config.training.output_dir,
-        report_to=[sink for sink in config.log.report_to if sink != "none"],
-        total_steps=trainer.total_steps,
-        start_step=trainer.step_count,
-        show_progress=not config.log.disable_tqdm,
-        run_config=config.to_flat_dict(),
-    )
+    metrics_logger = None
+    if trainer.distributed.is_main:  # rank 0 logs the metrics averaged over ranks
+        metrics_logger = MetricsLogger(
+            config.training.output_dir,
+            report_to=[sink for sink in config.log.report_to if sink != "none"],
+            total_steps=trainer.total_steps,
+            start_step=trainer.step_count,
+            show_progress=not config.log.disable_tqdm,
+            run_config=config.to_flat_dict(),
+        )
     try:
         return trainer.train(metrics_logger)
     finally:
-        metrics_logger.close()
+        if metrics_logger is not None:
+            metrics_logger.close()
         trainer.rewards.close()

@@ -3,10 +3,18 @@
 The trainer receives its parts (model, engine, rewards, prompts, logger) ready-made; `launch.py`
 builds them from a config. One `step` is one generation batch and `num_iterations` optimizer
 steps on it.
+
+Over several ranks (`grpoflow.distributed`), each rank rolls out, scores and updates on its own
+slice of the global generation batch; groups stay whole on one rank, so group advantages need no
+communication. The rewards and lengths of every completion (a few numbers each) are gathered so
+that batch-wide statistics (`scale_rewards: batch`, the logged means and spreads) are those of the
+global batch. Sampling seeds are drawn per prompt of the global batch from the run's own
+generator, so a prompt's completions do not depend on how the batch is split over ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -23,6 +31,7 @@ from grpoflow.adapters import merged_adapters, rollout_weights
 from grpoflow.algo import combine_rewards, group_advantages, overlong_mask, zero_std_groups
 from grpoflow.config import GRPOConfig
 from grpoflow.data import PromptItem, PromptSampler
+from grpoflow.distributed import DistributedContext, run_steps
 from grpoflow.engines import RolloutEngine, SamplingParams
 from grpoflow.metrics import MetricsLogger
 from grpoflow.rewards import RewardRunner
@@ -74,7 +83,11 @@ class GRPOTrainer:
         optimizer: torch.optim.Optimizer,
         scheduler,
         ref_model: torch.nn.Module | None = None,
+        distributed: DistributedContext | None = None,
+        per_prompt_seeds: bool = False,
     ) -> None:
+        """`per_prompt_seeds`: the engine takes one SamplingParams per prompt (the native engine),
+        so each prompt is sampled from its own seed; otherwise one seed per call and rank."""
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.engine, self.rewards, self.items = engine, rewards, items
         self.optimizer, self.scheduler, self.ref_model = optimizer, scheduler, ref_model
@@ -82,8 +95,11 @@ class GRPOTrainer:
         self.sampler = PromptSampler(
             len(items), seed=config.training.seed, shuffle=config.data.dataset_shuffle
         )
+        self.distributed = distributed or DistributedContext()
+        self.per_prompt_seeds = per_prompt_seeds
+        self.seed_generator = torch.Generator().manual_seed(config.training.seed)
         self.num_prompts = config.generation_batch_size // config.generation.num_generations
-        self.total_steps = config.total_steps(len(items))
+        self.total_steps = run_steps(config, len(items), self.distributed.world_size)
         self.step_count = 0
         self.num_tokens = 0
         self.sampling = self._sampling_params()
@@ -133,13 +149,13 @@ class GRPOTrainer:
             with merged_adapters(self.model):
                 scored = self.rollout_and_score(timer)
             self.engine.sleep()
-            rewards = combine_rewards(scored.rewards, self.rewards.weights.to(scored.rewards.device))
-            advantages, reward_metrics = group_advantages(
-                rewards, self.config.generation.num_generations, self.config.algorithm.scale_rewards
-            )
             batch = collate(scored.groups, self.tokenizer.pad_token_id, self.device)
             if self.config.algorithm.mask_truncated_completions:
                 batch.completion_mask = overlong_mask(batch.completion_mask, batch.truncated)
+            # One row per completion of the global batch, rank after rank.
+            all_rewards = self.distributed.all_gather(scored.rewards)
+            all_lengths = self.distributed.all_gather(_length_columns(batch))
+            advantages, reward_metrics = self._advantages(all_rewards)
             with timer("update"):
                 update_metrics = update_policy(
                     self.model,
@@ -149,29 +165,60 @@ class GRPOTrainer:
                     advantages.to(self.device),
                     self.update_settings,
                     self.ref_model,
+                    self.distributed,
                 )
             with timer("sync"):
                 self.engine.update_weights(rollout_weights(self.model, self.engine), self.step_count + 1)
         self.step_count += 1
-        self.num_tokens += int(batch.completion_mask.sum() + batch.prompt_mask.sum())
-        metrics = {**reward_metrics, **update_metrics}
-        metrics.update(self._rollout_metrics(scored, batch, timer))
-        if metrics_logger is not None and self.config.log.log_completions:
-            metrics_logger.log_completions(self.step_count, self._completion_rows(scored, advantages))
+        self.num_tokens += int(all_lengths[:, 0].sum() + all_lengths[:, 2].sum())
+        metrics = self.distributed.reduce_metrics(
+            {**update_metrics, **self._rank_metrics(scored, batch, timer)}
+        )
+        metrics.update({name: float(value) for name, value in reward_metrics.items()})
+        metrics.update(self._batch_metrics(scored, all_rewards, all_lengths))
+        if self.config.log.log_completions:
+            rows = self.distributed.gather_objects(self._completion_rows(scored, advantages))
+            if metrics_logger is not None and rows is not None:
+                metrics_logger.log_completions(self.step_count, [row for part in rows for row in part])
         return metrics
+
+    def _advantages(self, all_rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This rank's advantages (batch,) and the reward metrics, from the rewards of the global
+        batch (global_batch, num_rewards)."""
+        rewards = combine_rewards(all_rewards, self.rewards.weights.to(all_rewards.device))
+        advantages, metrics = group_advantages(
+            rewards, self.config.generation.num_generations, self.config.algorithm.scale_rewards
+        )
+        size, rank = len(rewards) // self.distributed.world_size, self.distributed.rank
+        return advantages[rank * size : (rank + 1) * size], metrics
 
     def rollout_and_score(self, timer: Timer) -> ScoredGroups:
         """Generate and score; under dynamic_sample, resample prompts to replace groups whose
-        rewards have zero spread, up to max_resample_times rounds."""
+        rewards have zero spread, up to max_resample_times rounds.
+
+        Over several ranks, each resampling round every rank takes the largest number of prompts
+        any rank still lacks (so all ranks run the same rounds and walk the prompt order together);
+        a rank that lacks fewer generates only those and skips the rest of its share.
+        """
         algorithm, g = self.config.algorithm, self.config.generation.num_generations
         rounds = 1 + (algorithm.max_resample_times if algorithm.dynamic_sample else 0)
         kept: list[ScoredGroups] = []
         spare: list[ScoredGroups] = []
+        rounds_run = 0
         for round_index in range(rounds):
             missing = self.num_prompts - sum(len(part.groups) for part in kept)
-            items = [self.items[index] for index in self.sampler.take(missing)]
+            share = missing if round_index == 0 else self.distributed.max_int(missing)
+            if share == 0:
+                break
+            rounds_run += 1
+            indices, seeds = self._take_prompts(share)
+            if missing == 0:
+                continue
+            items = [self.items[index] for index in indices[:missing]]
             with timer("rollout"):
-                groups = generate_groups(self.engine, self.tokenizer, items, self.sampling)
+                groups = generate_groups(
+                    self.engine, self.tokenizer, items, self._sampling_for(seeds[:missing])
+                )
             with timer("reward"):
                 result = self.rewards.score(*reward_inputs(groups))
             scored = ScoredGroups(groups, result.values, list(result.errors), round_index + 1)
@@ -181,37 +228,62 @@ class GRPOTrainer:
             flat_mask = zero_std_groups(flat, g)
             kept.append(_subset(scored, ~flat_mask, g))
             spare.append(_subset(scored, flat_mask, g))
-            if sum(len(part.groups) for part in kept) >= self.num_prompts:
-                break
         merged = _merge(kept + spare, self.num_prompts)
-        merged.rounds = round_index + 1
+        merged.rounds = rounds_run
         return merged
 
-    def _rollout_metrics(self, scored: ScoredGroups, batch, timer: Timer) -> dict[str, float]:
-        lengths = batch.completion_mask.sum(1).float()
-        terminated = lengths[~batch.truncated]
+    def _take_prompts(self, count: int) -> tuple[list[int], list[int]]:
+        """This rank's next `count` prompt indices and a sampling seed for each, both sliced out
+        of the global batch's (`count * world_size`), so neither depends on the number of ranks."""
+        rank, world_size = self.distributed.rank, self.distributed.world_size
+        indices = self.sampler.take_shard(count, rank, world_size)
+        seeds = torch.randint(0, 2**62, (count * world_size,), generator=self.seed_generator)
+        return indices, seeds[rank * count : (rank + 1) * count].tolist()
+
+    def _sampling_for(self, seeds: list[int]) -> SamplingParams | list[SamplingParams]:
+        if self.per_prompt_seeds:
+            return [dataclasses.replace(self.sampling, seed=seed) for seed in seeds]
+        if self.distributed.world_size > 1:
+            # Without a seed every rank's engine would draw the same random numbers.
+            return dataclasses.replace(self.sampling, seed=seeds[0])
+        return self.sampling
+
+    def _rank_metrics(self, scored: ScoredGroups, batch, timer: Timer) -> dict[str, float]:
+        """This rank's share of the metrics, to be summed, maxed or averaged over ranks."""
         rollout_seconds = max(timer.seconds["rollout"], 1e-9)
         metrics = {
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": batch.truncated.float().mean().item(),
-            "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
-            "num_tokens": float(self.num_tokens),
-            "learning_rate": self.scheduler.get_last_lr()[0],
             "rewards/num_errors": float(len(scored.errors)),
-            "dynamic_sample/rounds": float(scored.rounds),
-            "tokens_per_second/rollout": lengths.sum().item() / rollout_seconds,
+            "tokens_per_second/rollout": batch.completion_mask.sum().item() / rollout_seconds,
         }
-        for index, name in enumerate(self.rewards.names):
-            column = scored.rewards[:, index]
-            valid = column[~column.isnan()]
-            metrics[f"rewards/{name}/mean"] = valid.mean().item() if len(valid) else float("nan")
-            metrics[f"rewards/{name}/std"] = valid.std().item() if len(valid) > 1 else 0.0
         if self.device.type == "cuda":
             metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         for phase, seconds in timer.seconds.items():
             metrics[f"time/{phase}"] = seconds
+        return metrics
+
+    def _batch_metrics(
+        self, scored: ScoredGroups, all_rewards: torch.Tensor, all_lengths: torch.Tensor
+    ) -> dict[str, float]:
+        """Metrics of the global batch: all_rewards (global_batch, num_rewards), all_lengths
+        (global_batch, 3) as `_length_columns` lays them out."""
+        lengths = all_lengths[:, 0].float()
+        truncated = all_lengths[:, 1].bool()
+        terminated = lengths[~truncated]
+        metrics = {
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
+            "num_tokens": float(self.num_tokens),
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "dynamic_sample/rounds": float(scored.rounds),
+        }
+        for index, name in enumerate(self.rewards.names):
+            column = all_rewards[:, index]
+            valid = column[~column.isnan()]
+            metrics[f"rewards/{name}/mean"] = valid.mean().item() if len(valid) else float("nan")
+            metrics[f"rewards/{name}/std"] = valid.std().item() if len(valid) > 1 else 0.0
         return metrics
 
     def _completion_rows(self, scored: ScoredGroups, advantages: torch.Tensor) -> list[dict]:
@@ -238,6 +310,7 @@ class GRPOTrainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
+            "seed_generator": self.seed_generator.get_state(),
             "rng": checkpoint.rng_state(),
             "config": self.config.to_flat_dict(),
         }
@@ -247,19 +320,40 @@ class GRPOTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
-        checkpoint.set_rng_state(state["rng"])
+        if "seed_generator" in state:
+            self.seed_generator.set_state(state["seed_generator"])
+        else:
+            logger.warning(
+                "the checkpoint holds no sampling-seed state: sampling restarts from the run's seed"
+            )
+        distributed = self.distributed
+        checkpoint.set_rng_state(checkpoint.rank_rng_state(state, distributed.rank, distributed.world_size))
         self.engine.update_weights(rollout_weights(self.model, self.engine), self.step_count)
 
     def save(self) -> Path:
+        """Write a checkpoint (rank 0 writes, holding every rank's RNG state; the others wait)."""
         training = self.config.training
-        return checkpoint.save_checkpoint(
-            training.output_dir,
-            self.step_count,
-            model=self.model,
-            tokenizer=self.tokenizer,
-            trainer_state=self.state_dict(),
-            save_total_limit=training.save_total_limit,
-        )
+        state = self.state_dict()
+        per_rank = self.distributed.gather_objects(state["rng"])
+        path = Path(training.output_dir) / f"checkpoint-{self.step_count}"
+        if self.distributed.is_main:
+            path = checkpoint.save_checkpoint(
+                training.output_dir,
+                self.step_count,
+                model=self.model,
+                tokenizer=self.tokenizer,
+                trainer_state={**state, "rng_per_rank": per_rank},
+                save_total_limit=training.save_total_limit,
+            )
+        self.distributed.barrier()
+        return path
+
+
+def _length_columns(batch) -> torch.Tensor:
+    """(batch, 3) long: completion length (masked), truncated (0/1), prompt length per row."""
+    return torch.stack(
+        [batch.completion_mask.sum(1), batch.truncated.long(), batch.prompt_mask.sum(1)], dim=1
+    ).long()
 
 
 def _subset(scored: ScoredGroups, keep: torch.Tensor, num_generations: int) -> ScoredGroups:

@@ -1,4 +1,10 @@
-"""The policy-update phase: old and reference log-probs, micro-batched loss, optimizer steps."""
+"""The policy-update phase: old and reference log-probs, micro-batched loss, optimizer steps.
+
+Over several ranks, each runs its own micro-batches and the gradients are summed over ranks before
+clipping; the loss is normalised by the global batch's totals (dapo's completion tokens, dr_grpo's
+completions; grpo and bnpo average over the micro-batches of every rank), so the summed gradient
+equals one process's on the whole batch split into the same micro-batches.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import torch
 
 from grpoflow.algo import micro_batch_scale, policy_loss, sequence_logprobs
 from grpoflow.config import AlgorithmConfig
+from grpoflow.distributed import DistributedContext
 from grpoflow.rollout import RolloutBatch
 
 
@@ -65,12 +72,16 @@ def update_policy(
     advantages: torch.Tensor,
     settings: UpdateSettings,
     ref_model: torch.nn.Module | None = None,
+    distributed: DistributedContext | None = None,
 ) -> dict[str, float]:
     """Run `num_iterations` optimizer steps on one generation batch; return averaged metrics.
 
     advantages: (batch,). Completions masked out (e.g. truncated under overlong filtering) must
-    already have zeros in `batch.completion_mask`.
+    already have zeros in `batch.completion_mask`. Under `distributed`, `batch` is this rank's
+    slice (every rank holds equally many rows) and the metrics are this rank's, to be averaged
+    over ranks.
     """
+    distributed = distributed or DistributedContext()
     algorithm = settings.algorithm
     parts = micro_batches(batch, settings.micro_batch_size)
     starts = [0]
@@ -78,8 +89,9 @@ def update_policy(
         starts.append(starts[-1] + len(part))
     old = frozen_logprobs(model, parts, settings) if algorithm.num_iterations > 1 else None
     ref = frozen_logprobs(ref_model, parts, settings) if ref_model is not None else None
-    num_items = batch.completion_mask.sum().clamp(min=1)
-    scale = micro_batch_scale(algorithm.loss_type, len(parts))
+    num_items = distributed.all_reduce(batch.completion_mask.sum()).clamp(min=1)
+    num_micro_batches = len(parts) * distributed.world_size
+    scale = micro_batch_scale(algorithm.loss_type, num_micro_batches)
     # Metrics stay on the device until the end: a float() per micro-batch would stall the GPU.
     totals: dict[str, torch.Tensor | float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
@@ -101,23 +113,29 @@ def update_policy(
                 importance_sampling_level=algorithm.importance_sampling_level,
                 max_completion_length=settings.max_completion_length,
                 num_items_in_batch=num_items,
-                num_sequences_in_batch=len(batch),
+                num_sequences_in_batch=len(batch) * distributed.world_size,
             )
             (loss * scale).backward()
-            metrics["loss"] = loss.detach() * scale * len(parts)
+            # The whole batch's loss as this micro-batch estimates it; the mean over micro-batches
+            # and ranks is the whole batch's loss.
+            metrics["loss"] = loss.detach() * scale * num_micro_batches
             if entropy is not None:
                 mask = part.completion_mask.to(entropy.dtype)
                 metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
             for name, value in metrics.items():
                 totals[name] = totals[name] + value.detach()
                 counts[name] += 1
-        totals["grad_norm"] += _optimizer_step(model, optimizer, scheduler, settings).detach()
+        grad_norm = _optimizer_step(model, optimizer, scheduler, settings, distributed)
+        totals["grad_norm"] += grad_norm.detach()
         counts["grad_norm"] += 1
     return {name: float(totals[name]) / counts[name] for name in totals}
 
 
-def _optimizer_step(model, optimizer, scheduler, settings: UpdateSettings) -> torch.Tensor:
+def _optimizer_step(
+    model, optimizer, scheduler, settings: UpdateSettings, distributed: DistributedContext
+) -> torch.Tensor:
     parameters = [p for p in model.parameters() if p.requires_grad]
+    distributed.all_reduce_gradients(parameters)
     max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     optimizer.step()

@@ -1,0 +1,234 @@
+"""The FastAPI app of `grpoflow serve`: vLLM's OpenAI-compatible protocol on an in-process engine.
+
+Endpoints (vLLM's names and shapes, so vLLM clients such as TRL's VLLMClient and grpoflow's
+RemoteEngine drive it unchanged):
+
+- /health, /ping, /version, /v1/models, /server_info, /get_world_size: what is served.
+- /v1/completions (token-id or text prompts) and /v1/chat/completions (rendered by the chat
+  template): batched across concurrent requests (see batcher.py).
+- /pause, /resume, /is_paused, /reset_prefix_cache, /sleep, /wake_up, /is_sleeping: control.py.
+- /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update,
+  /update_weight_version, /weight_info, /collective_rpc: weight updates over HTTP, weights.py.
+
+With an API key every endpoint but /health, /ping and /version needs `Authorization: Bearer KEY`
+(vLLM guards only /v1/...; here the weight and control endpoints are guarded too, since they
+change what the server generates). Errors are `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+from importlib import metadata
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from grpoflow.server import control, weights
+from grpoflow.server.errors import RequestError
+from grpoflow.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_max_tokens,
+    chat_prompt,
+    check_prompts,
+    completion_max_tokens,
+    completion_prompts,
+    parse,
+    sampling_params,
+)
+from grpoflow.server.responses import chat_response, completion_response
+from grpoflow.server.service import ClientGone, Service, read_json, service_of
+
+logger = logging.getLogger("grpoflow.server")
+
+OPEN_PATHS = ("/health", "/ping", "/version")
+"""Paths answered without an API key (load balancers and clients probe them)."""
+CLIENT_CLOSED = 499
+"""Status logged for a request whose client left (nobody reads the answer)."""
+
+
+def build_app(service: Service) -> FastAPI:
+    """The app serving `service`; its batcher starts and stops with the app."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="grpoflow serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service = service
+    if service.config.api_key:
+        app.add_middleware(BearerAuth, api_key=service.config.api_key)
+    app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ClientGone, _client_gone)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    app.add_api_route("/version", version, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/server_info", server_info, methods=["GET"])
+    app.add_api_route("/get_world_size", world_size, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.include_router(control.router)
+    app.include_router(weights.router)
+    return app
+
+
+class BearerAuth:
+    """Refuses (401) requests without `Authorization: Bearer KEY`, except on OPEN_PATHS."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and scope["path"] not in OPEN_PATHS:
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected):
+                error = RequestError("missing or wrong API key: send 'Authorization: Bearer KEY'", 401)
+                response = JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _request_error(request: Request, error: RequestError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    return await _request_error(request, RequestError(f"invalid request: {error.errors()[:5]}"))
+
+
+async def _client_gone(request: Request, error: ClientGone) -> Response:
+    return Response(status_code=CLIENT_CLOSED)
+
+
+# -- what is served ---------------------------------------------------------------------------
+
+
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+async def version() -> dict:
+    try:
+        return {"version": metadata.version("grpoflow")}
+    except metadata.PackageNotFoundError:
+        return {"version": "unknown"}
+
+
+async def models(request: Request) -> dict:
+    service = service_of(request)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": service.limits.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "grpoflow",
+                "root": service.config.model,
+                "parent": None,
+                "max_model_len": service.limits.max_model_len,
+                "permission": [],
+            }
+        ],
+    }
+
+
+async def server_info(request: Request) -> dict:
+    """vLLM's shape (`vllm_config` with the sections clients read) plus a `grpoflow` section."""
+    service = service_of(request)
+    config, limits = service.config, service.limits
+    parameter = next(service.model.parameters())
+    vllm_config = {
+        "model_config": {
+            "model": config.model,
+            "served_model_name": limits.model_name,
+            "max_model_len": limits.max_model_len,
+            "dtype": str(parameter.dtype).removeprefix("torch."),
+            "vocab_size": limits.vocab_size,
+            "logprobs_mode": "processed_logprobs",
+        },
+        "parallel_config": {
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "data_parallel_size": 1,
+            "world_size": 1,
+        },
+        "scheduler_config": {"max_num_seqs": config.max_num_seqs},
+        "cache_config": {"gpu_memory_utilization": config.gpu_memory_utilization},
+        "weight_transfer_config": None,  # no NCCL/IPC transport: TRL's NCCL client stops at once
+    }
+    batcher = service.batcher
+    return {
+        "vllm_config": vllm_config
+        if request.query_params.get("config_format") == "json"
+        else str(vllm_config),
+        "grpoflow": {
+            "engine": config.engine,
+            "device": str(parameter.device),
+            "weight_version": service.weight_version,
+            "weight_transfer": {"backend": "http", "update_open": service.update_open},
+            "is_paused": batcher.paused,
+            "batching": {
+                "window_ms": config.batch_window_ms,
+                "per_prompt_params": batcher.per_prompt,
+                "num_batches": batcher.num_batches,
+                "num_engine_calls": batcher.num_engine_calls,
+            },
+        },
+    }
+
+
+async def world_size(request: Request) -> dict:
+    return {"world_size": 1}
+
+
+# -- generation -------------------------------------------------------------------------------
+
+
+async def completions(request: Request) -> dict:
+    service = service_of(request)
+    limits = service.limits
+    body = parse(CompletionRequest, await read_json(request), limits)
+    if body.logprobs not in (None, 0):
+        raise RequestError(
+            f"logprobs={body.logprobs}: grpoflow serve reports the sampled token's log-prob only; "
+            f"send logprobs=0 (or leave it out)",
+            400,
+            "logprobs",
+        )
+    prompts = completion_prompts(body, service.tokenizer)
+    params = sampling_params(body, completion_max_tokens(body), limits)
+    check_prompts(prompts, params.max_tokens, params.n, limits)
+    groups = await service.generate(request, prompts, params)
+    return completion_response(body, limits.model_name, prompts, groups, service.tokenizer)
+
+
+async def chat_completions(request: Request) -> dict:
+    service = service_of(request)
+    limits = service.limits
+    body = parse(ChatCompletionRequest, await read_json(request), limits)
+    if body.logprobs and body.top_logprobs:
+        raise RequestError(
+            f"top_logprobs={body.top_logprobs}: grpoflow serve reports the sampled token's log-prob "
+            f"only; send top_logprobs=0",
+            400,
+            "top_logprobs",
+        )
+    prompt = chat_prompt(body, service.tokenizer)
+    params = sampling_params(body, chat_max_tokens(body, prompt, limits), limits)
+    check_prompts([prompt], params.max_tokens, params.n, limits)
+    (group,) = await service.generate(request, [prompt], params)
+    return chat_response(body, limits.model_name, prompt, group, service.tokenizer)

@@ -1,0 +1,79 @@
+"""Build a rollout server from its settings, and run it."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from grpoflow.config import PolicyConfig
+from grpoflow.engines import EngineOptions, build_engine
+from grpoflow.models import load_model, load_tokenizer, resolve_device
+from grpoflow.server.config import ServeConfig
+from grpoflow.server.protocol import Limits
+from grpoflow.server.service import Service
+
+logger = logging.getLogger("grpoflow.server")
+
+DEFAULT_MAX_MODEL_LEN = 2048
+"""Context of a model that states none (no max_position_embeddings)."""
+
+
+def build_service(config: ServeConfig) -> Service:
+    """Load the model and tokenizer and build the engine that serves them."""
+    device = resolve_device(config.device)
+    dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
+    tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
+    policy = PolicyConfig(model=config.model, trust_remote_code=config.trust_remote_code)
+    model = load_model(
+        config.model, policy, vocab_size=len(tokenizer), seed=config.seed, device=device, dtype=dtype
+    )
+    model.eval().requires_grad_(False)
+    max_model_len = config.max_model_len or _model_context(model)
+    options = EngineOptions(
+        max_model_len=max_model_len,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_num_seqs=config.max_num_seqs,
+    )
+    engine = build_engine(config.engine, model, tokenizer, options)
+    limits = Limits(
+        model_name=config.model_name,
+        max_model_len=max_model_len,
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        max_sequences=config.max_sequences_per_request,
+    )
+    logger.info(
+        "serving %s as %r with the %s engine on %s, max_model_len %d",
+        config.model,
+        limits.model_name,
+        config.engine,
+        device,
+        max_model_len,
+    )
+    return Service(config=config, engine=engine, model=model, tokenizer=tokenizer, limits=limits)
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
+    """The tokenizer's EOS and the model's generation-config EOS ids, in that order, once each."""
+    ids = [tokenizer.eos_token_id]
+    generation = getattr(model, "generation_config", None)
+    configured = getattr(generation, "eos_token_id", None)
+    ids += configured if isinstance(configured, list) else [configured]
+    return tuple(dict.fromkeys(int(token) for token in ids if token is not None))
+
+
+def _model_context(model: torch.nn.Module) -> int:
+    config = model.config
+    stated = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return stated or DEFAULT_MAX_MODEL_LEN
+
+
+def serve(config: ServeConfig) -> None:
+    """Build the server and answer requests until interrupted."""
+    import uvicorn
+
+    from grpoflow.server.app import build_app
+
+    app = build_app(build_service(config))
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info")

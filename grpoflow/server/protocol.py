@@ -1,0 +1,277 @@
+"""Requests of the OpenAI-compatible endpoints, read the way vLLM reads them, checked, and turned
+into prompts (token ids) and our SamplingParams.
+
+Fields this server does not implement (penalties on frequency or presence, logit bias, beam
+search, structured outputs, prompt log-probs, top-N log-probs, streaming) are refused with a 400
+naming the field when they are set to anything but their neutral value, rather than ignored; other
+unknown fields are ignored, as vLLM ignores them. Defaults are OpenAI's (temperature 1, top_p 1,
+max_tokens 16 for completions, the rest of the context for chat), not the model's
+generation_config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from grpoflow.engines.base import SamplingParams
+from grpoflow.server.errors import RequestError
+
+INT64 = 2**63
+NEUTRAL = (None, False, 0, "", [], {})
+UNSUPPORTED = (
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "min_tokens",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "prompt_logprobs",
+    "logprob_token_ids",
+    "use_beam_search",
+    "include_stop_str_in_output",
+    "suffix",
+    "prompt_embeds",
+    "echo",
+    "stream",
+)
+"""Request fields refused unless neutral (unset, false, zero or empty)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the served model allows."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    """Ids that end a completion unless ignore_eos (the tokenizer's and the model's EOS)."""
+    max_sequences: int = 16384
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool | None = False
+    return_tokens_as_token_ids: bool | None = False
+    add_special_tokens: bool | None = None
+    best_of: int | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: list[int] | list[list[int]] | str | list[str]
+    logprobs: int | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[dict[str, Any]]
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+def parse(model: type[BaseModel], body: Any, limits: Limits):
+    """The request `body` (parsed JSON) as `model`, checked against what this server serves."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    for name in UNSUPPORTED:
+        if body.get(name) not in NEUTRAL:
+            raise RequestError(
+                f"{name}={body[name]!r} is not supported by grpoflow serve; leave it out", 400, name
+            )
+    if body.get("best_of") not in (None, 1):
+        raise RequestError("best_of is not supported by grpoflow serve; use n", 400, "best_of")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as error:
+        raise RequestError(_describe(error)) from None
+    if request.model not in (None, "", limits.model_name):
+        raise RequestError(
+            f"the model {request.model!r} is not served here; this server serves {limits.model_name!r}",
+            404,
+            "model",
+        )
+    return request
+
+
+def _describe(error: ValidationError) -> str:
+    problems = []
+    for item in error.errors()[:5]:
+        where = ".".join(str(part) for part in item["loc"]) or "body"
+        problems.append(f"{where}: {item['msg']}")
+    return "invalid request: " + "; ".join(problems)
+
+
+# -- prompts ----------------------------------------------------------------------------------
+
+
+def completion_prompts(request: CompletionRequest, tokenizer) -> list[list[int]]:
+    """The prompts of a /v1/completions request as token ids (text is tokenised here)."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [list(prompt)]
+    if not prompt:
+        return [[]]
+    add_special = True if request.add_special_tokens is None else request.add_special_tokens
+    return [
+        tokenizer(item, add_special_tokens=add_special)["input_ids"] if isinstance(item, str) else list(item)
+        for item in prompt
+    ]
+
+
+def chat_prompt(request: ChatCompletionRequest, tokenizer) -> list[int]:
+    """The conversation rendered by the chat template (the request's, else the tokenizer's)."""
+    if not request.messages:
+        raise RequestError("messages is empty: give at least one message", 400, "messages")
+    if request.chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise RequestError(
+            "the tokenizer has no chat template: send one as chat_template, or use /v1/completions",
+            400,
+            "chat_template",
+        )
+    messages = [_plain_message(index, message) for index, message in enumerate(request.messages)]
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template=request.chat_template,
+            tools=request.tools,
+            **(request.chat_template_kwargs or {}),
+        )
+    except Exception as error:  # a template is user code: any failure is the request's
+        raise RequestError(f"the chat template failed on these messages: {error}", 400, "messages") from None
+    add_special = bool(request.add_special_tokens)
+    return tokenizer(text, add_special_tokens=add_special)["input_ids"]
+
+
+def _plain_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
+    if "role" not in message:
+        raise RequestError(f"messages[{index}] has no role", 400, "messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(
+                    f"messages[{index}] has a {kind!r} part: grpoflow serve takes text only", 400, "messages"
+                )
+            texts.append(str(part.get("text", "")))
+        content = "".join(texts)
+    return {**message, "content": content}
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+
+def check_prompts(prompts: list[list[int]], max_tokens: int, n: int, limits: Limits) -> None:
+    """Refuse prompts the engine could not serve, naming the prompt and the fix."""
+    if len(prompts) * n > limits.max_sequences:
+        raise RequestError(
+            f"{len(prompts)} prompts x n={n} is {len(prompts) * n} sequences, over this server's "
+            f"limit of {limits.max_sequences} per request: split the request",
+            400,
+            "n",
+        )
+    for index, prompt in enumerate(prompts):
+        if not prompt:
+            raise RequestError(f"prompt {index} is empty: give at least one token", 400, "prompt")
+        if min(prompt) < 0 or max(prompt) >= limits.vocab_size:
+            raise RequestError(
+                f"prompt {index} has token ids outside [0, {limits.vocab_size})", 400, "prompt"
+            )
+        if len(prompt) + max_tokens > limits.max_model_len:
+            raise RequestError(
+                f"prompt {index} has {len(prompt)} tokens and max_tokens is {max_tokens}: "
+                f"{len(prompt) + max_tokens} tokens exceed this model's context of "
+                f"{limits.max_model_len} (max_model_len); shorten the prompt or lower max_tokens",
+                400,
+                "max_tokens",
+            )
+
+
+def completion_max_tokens(request: CompletionRequest) -> int:
+    return 16 if request.max_tokens is None else request.max_tokens
+
+
+def chat_max_tokens(request: ChatCompletionRequest, prompt: list[int], limits: Limits) -> int:
+    """max_completion_tokens, else max_tokens, else what the context leaves after the prompt."""
+    for value in (request.max_completion_tokens, request.max_tokens):
+        if value is not None:
+            return value
+    room = limits.max_model_len - len(prompt)
+    if room < 1:
+        raise RequestError(
+            f"the rendered conversation has {len(prompt)} tokens, which leaves no room for a completion "
+            f"within this model's context of {limits.max_model_len} (max_model_len); shorten it",
+            400,
+            "messages",
+        )
+    return room
+
+
+def sampling_params(request: SamplingRequest, max_tokens: int, limits: Limits) -> SamplingParams:
+    """Our SamplingParams for the request; out-of-range values are a 400 naming the field."""
+    if max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", 400, "max_tokens")
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        value = getattr(request, name)
+        if value is not None and not math.isfinite(value):
+            raise RequestError(f"{name} must be a finite number, got {value}", 400, name)
+    top_k = -1 if request.top_k in (None, 0) else request.top_k
+    if top_k < -1:
+        raise RequestError(f"top_k must be -1 or 0 (all tokens) or positive, got {top_k}", 400, "top_k")
+    stop_ids = list(request.stop_token_ids or [])
+    if any(not 0 <= token < limits.vocab_size for token in stop_ids):
+        raise RequestError(f"stop_token_ids must lie in [0, {limits.vocab_size})", 400, "stop_token_ids")
+    stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    try:
+        return SamplingParams(
+            n=request.n,
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=top_k,
+            min_p=0.0 if request.min_p is None else request.min_p,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            stop_token_ids=list(dict.fromkeys(stop_ids + list(limits.eos_token_ids))),
+            stop=[stop for stop in stops if stop],
+            ignore_eos=request.ignore_eos,
+            seed=request.seed,
+        )
+    except ValueError as error:
+        message = str(error).replace("SamplingParams.", "")
+        raise RequestError(message, 400, message.split(" ", 1)[0]) from None

@@ -1,0 +1,139 @@
+"""Response bodies of /v1/completions and /v1/chat/completions, in vLLM's shape.
+
+The fields RL clients read: each choice's `token_ids` and `prompt_token_ids` (when the request set
+`return_token_ids`), the chat response's top-level `prompt_token_ids`, and the sampled tokens'
+log-probs (`logprobs.token_logprobs` for completions, `logprobs.content[i].logprob` for chat),
+which are log_softmax(logits / temperature) of the sampled token, as vLLM reports them with
+`--logprobs-mode processed_logprobs`. With `return_tokens_as_token_ids` tokens are written
+`token_id:ID`, as vLLM writes them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from grpoflow.engines.base import Completion
+from grpoflow.server.protocol import ChatCompletionRequest, CompletionRequest
+
+LOGPROB_FLOOR = -9999.0
+"""JSON has no -inf: log-probs are floored here, as OpenAI and vLLM do."""
+
+
+def completion_response(
+    request: CompletionRequest,
+    model: str,
+    prompts: list[list[int]],
+    groups: list[list[Completion]],
+    tokenizer,
+) -> dict:
+    choices = []
+    for prompt, group in zip(prompts, groups):
+        for completion in group:
+            choice = {
+                "index": len(choices),
+                "text": _text(completion, tokenizer, request.skip_special_tokens),
+                "logprobs": None,
+                "finish_reason": completion.finish_reason,
+                "stop_reason": None,
+            }
+            if request.logprobs is not None:
+                choice["logprobs"] = _completion_logprobs(completion, tokenizer, request)
+            if request.return_token_ids:
+                choice["prompt_token_ids"] = prompt
+                choice["token_ids"] = completion.token_ids
+            choices.append(choice)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": _usage(prompts, groups),
+    }
+
+
+def chat_response(
+    request: ChatCompletionRequest, model: str, prompt: list[int], group: list[Completion], tokenizer
+) -> dict:
+    choices = []
+    for index, completion in enumerate(group):
+        choice = {
+            "index": index,
+            "message": {
+                "role": "assistant",
+                "content": _text(completion, tokenizer, request.skip_special_tokens),
+                "tool_calls": [],
+            },
+            "logprobs": {"content": _chat_logprobs(completion, tokenizer, request)}
+            if request.logprobs
+            else None,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": None,
+        }
+        if request.return_token_ids:
+            choice["token_ids"] = completion.token_ids
+        choices.append(choice)
+    response = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": _usage([prompt], [group]),
+    }
+    if request.return_token_ids:
+        response["prompt_token_ids"] = prompt
+    return response
+
+
+def _text(completion: Completion, tokenizer, skip_special_tokens: bool) -> str:
+    if completion.text is not None and skip_special_tokens:
+        return completion.text  # the engine's decode, already cut at a stop string
+    return tokenizer.decode(completion.token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def _token(token_id: int, tokenizer, as_id: bool) -> str:
+    return f"token_id:{token_id}" if as_id else tokenizer.decode([token_id])
+
+
+def _completion_logprobs(completion: Completion, tokenizer, request: CompletionRequest) -> dict:
+    tokens = [
+        _token(token, tokenizer, bool(request.return_tokens_as_token_ids)) for token in completion.token_ids
+    ]
+    values = [max(value, LOGPROB_FLOOR) for value in completion.logprobs]
+    offsets, position = [], 0
+    for token in tokens:
+        offsets.append(position)
+        position += len(token)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": values,
+        "tokens": tokens,
+        "top_logprobs": [{token: value} for token, value in zip(tokens, values)],
+    }
+
+
+def _chat_logprobs(completion: Completion, tokenizer, request: ChatCompletionRequest) -> list[dict]:
+    entries = []
+    for token_id, value in zip(completion.token_ids, completion.logprobs):
+        token = _token(token_id, tokenizer, bool(request.return_tokens_as_token_ids))
+        entries.append(
+            {
+                "token": token,
+                "logprob": max(value, LOGPROB_FLOOR),
+                "bytes": list(token.encode("utf-8")),
+                "top_logprobs": [],
+            }
+        )
+    return entries
+
+
+def _usage(prompts: list[list[int]], groups: list[list[Completion]]) -> dict:
+    prompt_tokens = sum(len(prompt) for prompt in prompts)
+    completion_tokens = sum(len(completion.token_ids) for group in groups for completion in group)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

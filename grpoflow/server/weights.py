@@ -1,0 +1,209 @@
+"""Weight updates over HTTP, for trainers on any device (vLLM's NCCL and IPC transports need GPUs).
+
+Two ways in, both applied between generation batches (requests that arrive meanwhile wait):
+
+1. Checkpoint reload, as grpoflow's RemoteEngine drives a vLLM server: /pause, then
+   POST /collective_rpc {"method": "reload_weights" (or "grpoflow_reload_weights"),
+   "kwargs": {"weights_path": DIR}} reads every *.safetensors file in DIR (or the one file named),
+   then /reset_prefix_cache, /update_weight_version {"new_version": V}, /resume.
+2. vLLM's weight-transfer sequence with an HTTP backend: /init_weight_transfer_engine
+   {"init_info": {}}, /start_weight_update (holds generation), any number of /update_weights
+   carrying the tensors as a safetensors file in the body (Content-Type: application/octet-stream)
+   or {"update_info": {"weights_path": PATH}}, then /finish_weight_update {"weight_version": V}
+   (releases generation). An /update_weights outside start/finish holds generation for itself.
+
+Tensors use Hugging Face parameter names. Every call checks all names and shapes before it writes
+any tensor, so a bad update changes nothing. The NCCL form of these endpoints (TRL's VLLMClient:
+init_info with a master address, update_info with names/dtypes/shapes and no data) is refused
+with a message naming the HTTP form.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import APIRouter
+from starlette.requests import Request
+
+from grpoflow.server.errors import RequestError
+from grpoflow.server.service import Service, read_json, service_of
+
+router = APIRouter()
+
+SAFETENSORS_TYPES = ("application/octet-stream", "application/x-safetensors", "application/safetensors")
+RELOAD_METHODS = ("reload_weights", "grpoflow_reload_weights")
+READY_METHOD = "grpoflow_weight_sync_ready"
+HTTP_FORM = (
+    "POST the tensors as a safetensors file to /update_weights (Content-Type: application/octet-stream), "
+    "or name a safetensors file or directory in update_info.weights_path"
+)
+
+
+# -- loading and applying ---------------------------------------------------------------------
+
+
+def load_path(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, or of every *.safetensors file in a directory."""
+    from safetensors.torch import load_file
+
+    location = Path(path)
+    files = sorted(location.glob("*.safetensors")) if location.is_dir() else [location]
+    if not location.exists() or not files:
+        raise RequestError(f"weights_path {path!r}: no safetensors file there (on the server's disk)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(str(file)))
+        except Exception as error:
+            raise RequestError(
+                f"weights_path {path!r}: {file.name} is not a readable safetensors file: {error}"
+            ) from None
+    return tensors
+
+
+def load_bytes(data: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    try:
+        return load(data)
+    except Exception as error:
+        raise RequestError(f"the body is not a safetensors file ({error}); {HTTP_FORM}") from None
+
+
+def check_weights(tensors: dict[str, torch.Tensor], parameters: dict[str, torch.Tensor]) -> None:
+    """Refuse the update unless every tensor names a parameter of the model and has its shape."""
+    if not tensors:
+        raise RequestError("the update holds no tensors")
+    unknown = [name for name in tensors if name not in parameters]
+    if unknown:
+        example = next(iter(parameters))
+        raise RequestError(
+            f"the model has no parameter named {', '.join(map(repr, unknown[:5]))}"
+            f"{f' (and {len(unknown) - 5} more)' if len(unknown) > 5 else ''}; use Hugging Face "
+            f"parameter names such as {example!r}"
+        )
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(parameters[name].shape):
+            raise RequestError(
+                f"{name} has shape {tuple(tensor.shape)}, the model's has {tuple(parameters[name].shape)}"
+            )
+        if not tensor.is_floating_point():
+            raise RequestError(f"{name} has dtype {tensor.dtype}: weights must be floating point")
+
+
+async def apply(service: Service, tensors: dict[str, torch.Tensor]) -> int:
+    """Check, then write the tensors into the model between batches; returns how many."""
+    parameters = dict(service.model.named_parameters(remove_duplicate=False))
+    check_weights(tensors, parameters)
+    engine = service.engine
+    await service.batcher.exclusive(engine.update_weights, list(tensors.items()), engine.policy_version)
+    return len(tensors)
+
+
+# -- vLLM's weight-transfer endpoints, HTTP backend ---------------------------------------------
+
+
+@router.post("/init_weight_transfer_engine")
+async def init_weight_transfer_engine(request: Request) -> dict:
+    service = service_of(request)
+    body = await read_json(request, required=False)
+    info = body.get("init_info") or {} if isinstance(body, dict) else None
+    if not isinstance(info, dict):
+        raise RequestError("init_info must be a JSON object", 400, "init_info")
+    if "master_address" in info or info.get("backend") not in (None, "http"):
+        raise RequestError(
+            "grpoflow serve has no NCCL or IPC weight transfer (those need GPUs and vLLM's workers); "
+            f"its backend is 'http': {HTTP_FORM}",
+            400,
+            "init_info",
+        )
+    service.transfer_backend = "http"
+    return {"message": "Weight transfer initialized", "backend": "http"}
+
+
+@router.post("/start_weight_update")
+async def start_weight_update(request: Request) -> dict:
+    service = service_of(request)
+    if service.update_open:
+        raise RequestError("a weight update is already open: POST /finish_weight_update first", 409)
+    await service.batcher.hold()
+    service.update_open = True
+    return {"message": "Weight update started"}
+
+
+@router.post("/update_weights")
+async def update_weights(request: Request) -> dict:
+    service = service_of(request)
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type in SAFETENSORS_TYPES:
+        tensors = load_bytes(await request.body())
+    else:
+        body = await read_json(request)
+        info = body.get("update_info") if isinstance(body, dict) else None
+        if not isinstance(info, dict):
+            raise RequestError(f"update_info is missing; {HTTP_FORM}", 400, "update_info")
+        if not info.get("weights_path"):
+            raise RequestError(
+                f"update_info carries no weights (this server has no NCCL transport): {HTTP_FORM}",
+                400,
+                "update_info",
+            )
+        tensors = load_path(str(info["weights_path"]))
+    count = await apply(service, tensors)
+    return {"message": "Weights updated", "num_tensors": count}
+
+
+@router.post("/finish_weight_update")
+async def finish_weight_update(request: Request) -> dict:
+    service = service_of(request)
+    body = await read_json(request, required=False)
+    version = body.get("weight_version") if isinstance(body, dict) else None
+    if version is not None:
+        service.set_version(version)
+    if service.update_open:
+        service.update_open = False
+        await service.batcher.release()
+    return {"message": "Weight update finished", "weight_version": service.weight_version}
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(request: Request) -> dict:
+    service = service_of(request)
+    body = await read_json(request)
+    version = body.get("new_version") if isinstance(body, dict) else None
+    if version is None or isinstance(version, dict | list):
+        raise RequestError("send {'new_version': VERSION}", 400, "new_version")
+    service.set_version(version)
+    return {"success": True, "new_version": service.weight_version}
+
+
+@router.get("/weight_info")
+async def weight_info(request: Request) -> dict:
+    return {"weight_version": service_of(request).weight_version}
+
+
+# -- /collective_rpc: the checkpoint reload RemoteEngine uses ---------------------------------
+
+
+@router.post("/collective_rpc")
+async def collective_rpc(request: Request) -> dict:
+    service = service_of(request)
+    body = await read_json(request)
+    method = body.get("method") if isinstance(body, dict) else None
+    if method == READY_METHOD:
+        return {"results": [True]}
+    if method in RELOAD_METHODS:
+        kwargs: dict[str, Any] = body.get("kwargs") or {}
+        if not isinstance(kwargs, dict) or not kwargs.get("weights_path"):
+            raise RequestError(
+                f"{method} over HTTP takes kwargs {{'weights_path': DIR}} (a safetensors checkpoint "
+                f"on the server's disk)",
+                400,
+                "kwargs",
+            )
+        await apply(service, load_path(str(kwargs["weights_path"])))
+        return {"results": [None]}
+    known = ", ".join((*RELOAD_METHODS, READY_METHOD))
+    raise RequestError(f"unknown collective_rpc method {method!r}; this server knows: {known}", 400, "method")

@@ -1,0 +1,263 @@
+"""Data-parallel runs over several processes on the CPU (gloo), against one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from grpoflow import distributed
+from grpoflow.cli import DEFAULT_RECIPE
+from grpoflow.config import load_config
+from grpoflow.distributed import DistributedContext, torchrun_command, wants_launch
+from grpoflow.launch import run
+
+RUN = {
+    "report_to": ["none"],
+    "disable_tqdm": True,
+    "max_steps": 4,
+    "save_steps": 2,
+    "per_device_train_batch_size": 16,
+    "num_iterations": 2,
+    "beta": 0.05,
+    "log_completions": True,
+}
+"""A run small enough for two CPU processes: 4 steps of 2 prompts x 8 completions per rank."""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without torchrun's and the launch variables, plus `extra`."""
+    dropped = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", *distributed.LAUNCH_VARIABLES}
+    env = {key: value for key, value in os.environ.items() if key not in dropped}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def recipe_values(output_dir, **overrides) -> dict:
+    """The embedded default recipe with RUN and `overrides` on top."""
+    default = yaml.safe_load(DEFAULT_RECIPE.read_text())
+    return {**default, **RUN, "output_dir": str(output_dir), **overrides}
+
+
+def write_config(tmp_path, name: str, **overrides) -> tuple:
+    output_dir = tmp_path / name
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe_values(output_dir, **overrides)))
+    return path, output_dir
+
+
+def grpoflow_train(config_path, env: dict[str, str], *, torchrun: bool = False, timeout: int = 120):
+    command = [sys.executable, "-m", "grpoflow.cli", "train", "--config", str(config_path)]
+    if torchrun:
+        command[1:3] = ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        command[5:5] = ["--master_port", str(free_port()), "-m", "grpoflow.cli"]
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ), timeout
+
+
+def finish(started) -> str:
+    process, timeout = started
+    output, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def weights(checkpoint_dir) -> dict[str, torch.Tensor]:
+    return load_file(str(checkpoint_dir / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    """4 steps on 2 ranks of 16 completions each, checkpoints at steps 2 and 4."""
+    tmp_path = tmp_path_factory.mktemp("two")
+    config_path, output_dir = write_config(tmp_path, "run")
+    finish(grpoflow_train(config_path, clean_env(), torchrun=True))
+    return output_dir
+
+
+def test_two_processes_equal_one_process_with_twice_the_batch(two_process_run, tmp_path):
+    # One process with the global batch split into the same two micro-batches: the same prompts,
+    # completions, rewards, losses and weights.
+    config = load_config(None, recipe_values(tmp_path / "run", gradient_accumulation_steps=2))
+    history = run(config)
+    logged = read_jsonl(two_process_run / "metrics.jsonl")
+    assert [row["step"] for row in logged] == [1, 2, 3, 4]
+    for expected, got in zip(history, logged, strict=True):
+        for key in ("reward", "reward_std", "loss", "kl", "grad_norm", "completions/mean_length"):
+            assert got[key] == pytest.approx(expected[key], abs=1e-6), key
+    single_rows = read_jsonl(tmp_path / "run" / "completions.jsonl")
+    two_rows = read_jsonl(two_process_run / "completions.jsonl")
+    assert [row["completion"] for row in two_rows] == [row["completion"] for row in single_rows]
+    assert [row["advantage"] for row in two_rows] == pytest.approx(
+        [row["advantage"] for row in single_rows], abs=1e-6
+    )
+    single, two = weights(tmp_path / "run" / "checkpoint-4"), weights(two_process_run / "checkpoint-4")
+    assert single.keys() == two.keys()
+    for name in single:
+        torch.testing.assert_close(two[name], single[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_two_processes_match_one_process_with_one_micro_batch_of_twice_the_size(two_process_run, tmp_path):
+    # One micro-batch of 32 rows instead of two of 16: the same samples and losses, and weights
+    # apart only by float rounding (the matmuls see other shapes; Adam magnifies the rounding of
+    # near-zero gradients to ~1e-5 over these 8 optimizer steps at learning rate 3e-3).
+    history = run(load_config(None, recipe_values(tmp_path / "run", per_device_train_batch_size=32)))
+    logged = read_jsonl(two_process_run / "metrics.jsonl")
+    for expected, got in zip(history, logged, strict=True):
+        assert got["reward"] == expected["reward"]
+        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+    single, two = weights(tmp_path / "run" / "checkpoint-4"), weights(two_process_run / "checkpoint-4")
+    for name in single:
+        torch.testing.assert_close(two[name], single[name], atol=1e-4, rtol=0, msg=name)
+
+
+def test_resume_on_two_processes_continues_exactly(two_process_run, tmp_path):
+    config_path, output_dir = write_config(
+        tmp_path, "resumed", resume_from_checkpoint=str(two_process_run / "checkpoint-2")
+    )
+    finish(grpoflow_train(config_path, clean_env(), torchrun=True))
+    straight, resumed = (
+        read_jsonl(two_process_run / "metrics.jsonl"),
+        read_jsonl(output_dir / "metrics.jsonl"),
+    )
+    assert [row["step"] for row in resumed] == [3, 4]
+    for expected, got in zip(straight[2:], resumed, strict=True):
+        assert got["reward"] == expected["reward"]
+        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-7)
+    want, got = weights(two_process_run / "checkpoint-4"), weights(output_dir / "checkpoint-4")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)
+
+
+def test_nproc_per_node_relaunches_under_torchrun(tmp_path):
+    # Dynamic sampling, with prompts for letters a-d scoring 0 (zero spread): the ranks need
+    # different numbers of resampling rounds and must agree on how many they run.
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(
+        "from grpoflow.tasks.echo import echo_reward\n"
+        "def half(completions, letter, **kwargs):\n"
+        "    scores = echo_reward(completions, letter)\n"
+        "    return [s + 1.0 if l in 'efgh' else 0.0 for s, l in zip(scores, letter)]\n"
+    )
+    config_path, output_dir = write_config(
+        tmp_path,
+        "run",
+        max_steps=2,
+        log_completions=False,
+        reward_funcs=[f"{plugin}:half"],
+        dynamic_sample=True,
+    )
+    env = clean_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    output = finish(grpoflow_train(config_path, env))
+    assert "launching under torchrun" in output
+    assert output.count("done: 2 steps") == 1  # rank 0 only
+    logged = read_jsonl(output_dir / "metrics.jsonl")
+    assert [row["step"] for row in logged] == [1, 2]
+    assert max(row["dynamic_sample/rounds"] for row in logged) > 1
+    assert (output_dir / "checkpoint-2").is_dir()
+
+
+def test_two_nodes_of_one_process_meet_at_the_master(tmp_path):
+    port = str(free_port())
+    config_path, output_dir = write_config(tmp_path, "run", max_steps=2, log_completions=False)
+    nodes = [
+        grpoflow_train(
+            config_path,
+            clean_env(
+                NPROC_PER_NODE="1", NNODES="2", NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+            ),
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [finish(node) for node in nodes]
+    assert "done: 2 steps" in outputs[0] and "done:" not in outputs[1]
+    assert [row["step"] for row in read_jsonl(output_dir / "metrics.jsonl")] == [1, 2]
+
+
+def test_torchrun_command_passes_the_launch_variables_and_arguments():
+    env = {
+        "NPROC_PER_NODE": "8",
+        "NNODES": "2",
+        "NODE_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29600",
+    }
+    command = torchrun_command(["--config", "r.yaml", "--max_steps", "3"], env)
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert " ".join(command[3:]) == (
+        "--nproc_per_node 8 --nnodes 2 --node_rank 1 --master_addr 10.0.0.1 --master_port 29600 "
+        "-m grpoflow.cli train --config r.yaml --max_steps 3"
+    )
+    defaults = torchrun_command([], {"NPROC_PER_NODE": "2"})
+    assert " ".join(defaults[3:13]) == (
+        "--nproc_per_node 2 --nnodes 1 --node_rank 0 --master_addr 127.0.0.1 --master_port 29500"
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"NPROC_PER_NODE": "two"}, "NPROC_PER_NODE must be a positive integer, got 'two'"),
+        ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE must be a positive integer, got '0'"),
+        ({"NPROC_PER_NODE": "2", "NNODES": "-1"}, "NNODES must be a positive integer"),
+        (
+            {"NPROC_PER_NODE": "2", "NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h"},
+            "NODE_RANK must be in 0 .. ",
+        ),
+        ({"NPROC_PER_NODE": "2", "NNODES": "2"}, "set MASTER_ADDR to the address of node 0"),
+        ({"NPROC_PER_NODE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT must be a TCP port"),
+        ({"NNODES": "2"}, "NPROC_PER_NODE is not"),
+    ],
+)
+def test_impossible_launch_layouts_are_refused(env, message):
+    with pytest.raises(ValueError, match=message):
+        torchrun_command([], env)
+
+
+def test_impossible_layout_is_a_usage_error_before_launching(capsys, monkeypatch):
+    from grpoflow import cli
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NPROC_PER_NODE", "x")
+    assert cli.main(["train", "--max_steps", "1"]) == 2
+    assert "NPROC_PER_NODE must be a positive integer" in capsys.readouterr().err
+
+
+def test_launch_only_outside_torchrun():
+    assert wants_launch({"NPROC_PER_NODE": "2"})
+    assert not wants_launch({"NPROC_PER_NODE": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "2"})
+    assert not wants_launch({})
+
+
+def test_groups_must_stay_whole_on_a_rank(tmp_path):
+    with pytest.raises(ValueError, match="must be divisible by num_generations"):
+        load_config(None, recipe_values(tmp_path, per_device_train_batch_size=12))
+
+
+def test_one_process_context_leaves_everything_as_it_is():
+    context = DistributedContext()
+    parameter = torch.nn.Parameter(torch.ones(3))
+    parameter.grad = torch.full((3,), 2.0)
+    context.all_reduce_gradients([parameter])
+    assert parameter.grad.tolist() == [2.0, 2.0, 2.0]
+    assert context.reduce_metrics({"loss": 1.5}) == {"loss": 1.5}
+    assert context.gather_objects("x") == ["x"]
+    assert context.max_int(3) == 3
