@@ -11,6 +11,8 @@ import torch
 
 pytest.importorskip("peft")
 
+import support  # noqa: E402
+
 from grpoflow import cli  # noqa: E402
 from grpoflow.adapters import (  # noqa: E402
     WithoutAdapters,
@@ -20,7 +22,7 @@ from grpoflow.adapters import (  # noqa: E402
     merged_weights,
 )
 from grpoflow.algo import sequence_logprobs  # noqa: E402
-from grpoflow.config import AdapterConfig, load_config  # noqa: E402
+from grpoflow.config import AdapterConfig  # noqa: E402
 from grpoflow.engines import ENGINES, EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.launch import build_trainer, run  # noqa: E402
 from grpoflow.models import reference_model  # noqa: E402
@@ -42,17 +44,7 @@ def one_thread():
 
 
 def recipe(tmp_path, **overrides):
-    values = {
-        "output_dir": str(tmp_path / "run"),
-        "report_to": ["none"],
-        "disable_tqdm": True,
-        "max_steps": 4,
-        "per_device_train_batch_size": 16,
-        "save_steps": 1000,
-        **LORA,
-        **overrides,
-    }
-    return load_config(cli.DEFAULT_RECIPE, values)
+    return support.recipe(tmp_path, **{**LORA, **overrides})
 
 
 def lora_model(*, seed: int = 0, **adapter) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from support import write_plugin
 
 from grpoflow import distributed
 from grpoflow.cli import DEFAULT_RECIPE
@@ -149,13 +150,7 @@ def test_resume_on_two_processes_continues_exactly(two_process_run, tmp_path):
 def test_nproc_per_node_relaunches_under_torchrun(tmp_path):
     # Dynamic sampling, with prompts for letters a-d scoring 0 (zero spread): the ranks need
     # different numbers of resampling rounds and must agree on how many they run.
-    plugin = tmp_path / "plugin.py"
-    plugin.write_text(
-        "from grpoflow.tasks.echo import echo_reward\n"
-        "def half(completions, letter, **kwargs):\n"
-        "    scores = echo_reward(completions, letter)\n"
-        "    return [s + 1.0 if l in 'efgh' else 0.0 for s, l in zip(scores, letter)]\n"
-    )
+    plugin = write_plugin(tmp_path)
     config_path, output_dir = write_config(
         tmp_path,
         "run",

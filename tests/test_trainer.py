@@ -7,24 +7,10 @@ import math
 
 import pytest
 import torch
+from support import recipe, write_plugin
 
 from grpoflow.checkpoint import list_checkpoints
-from grpoflow.cli import DEFAULT_RECIPE
-from grpoflow.config import load_config
 from grpoflow.launch import build_trainer, run
-
-
-def recipe(tmp_path, **overrides):
-    values = {
-        "output_dir": str(tmp_path / "run"),
-        "report_to": ["none"],
-        "disable_tqdm": True,
-        "max_steps": 4,
-        "per_device_train_batch_size": 16,
-        "save_steps": 1000,
-        **overrides,
-    }
-    return load_config(DEFAULT_RECIPE, values)
 
 
 def read_jsonl(path):
@@ -126,14 +112,7 @@ def test_a_raising_reward_is_reported_and_the_run_goes_on(tmp_path):
 
 
 def test_dynamic_sampling_replaces_groups_without_reward_spread(tmp_path):
-    plugin = tmp_path / "plugin.py"
-    # Prompts for letters a-d always score 0 (zero spread); e-h score by the echo rule.
-    plugin.write_text(
-        "from grpoflow.tasks.echo import echo_reward\n"
-        "def half(completions, letter, **kwargs):\n"
-        "    scores = echo_reward(completions, letter)\n"
-        "    return [s + 1.0 if l in 'efgh' else 0.0 for s, l in zip(scores, letter)]\n"
-    )
+    plugin = write_plugin(tmp_path)
     config = recipe(
         tmp_path,
         max_steps=2,
