@@ -10,8 +10,15 @@ def test_no_command_prints_usage(capsys):
 
 
 def test_unknown_command_prints_usage(capsys):
+    assert cli.main(["frobnicate"]) == 2
+    usage = capsys.readouterr().err
+    assert "usage: grpoflow {train}" in usage
+    assert "grpoflow {export}" in usage and "grpoflow {serve}" in usage
+
+
+def test_serve_without_a_model_prints_usage(capsys):
     assert cli.main(["serve"]) == 2
-    assert "usage: grpoflow {train}" in capsys.readouterr().err
+    assert "grpoflow {serve} --model MODEL" in capsys.readouterr().err
 
 
 def test_unknown_key_is_a_usage_error(capsys):

@@ -109,6 +109,8 @@ class Batcher:
                 continue
             try:
                 outcomes = await asyncio.to_thread(self._run, jobs)
+            except Exception as error:  # a bug here must not stop the loop: fail this batch only
+                outcomes = [_as_request_error(error)] * len(jobs)
             finally:
                 async with self._gate:
                     self._running = False
