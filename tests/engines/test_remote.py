@@ -14,6 +14,8 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
+import support  # noqa: E402
+
 from grpoflow.config import VLLMConfig  # noqa: E402
 from grpoflow.engines import EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.engines.remote import (  # noqa: E402
@@ -137,25 +139,16 @@ def test_failures_name_the_server_and_step(engine, policy):
 
 @pytest.mark.slow
 def test_trainer_drives_the_server_and_syncs_its_weights(server, policy, tmp_path):
-    from grpoflow.cli import DEFAULT_RECIPE
-    from grpoflow.config import load_config
     from grpoflow.launch import build_trainer
 
     _, directory = policy
-    config = load_config(
-        DEFAULT_RECIPE,
-        {
-            "model": str(directory),
-            "use_vllm": True,
-            "vllm_mode": "server",
-            "vllm_server_base_url": server,
-            "output_dir": str(tmp_path / "run"),
-            "report_to": ["none"],
-            "disable_tqdm": True,
-            "max_steps": 2,
-            "per_device_train_batch_size": 16,
-            "save_steps": 1000,
-        },
+    config = support.recipe(
+        tmp_path,
+        model=str(directory),
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server,
+        max_steps=2,
     )
     trainer = build_trainer(config)
     try:

@@ -12,6 +12,8 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+import support  # noqa: E402
+
 from grpoflow.config import VLLMConfig  # noqa: E402
 from grpoflow.engines import EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.engines.vllm import VLLMEngine  # noqa: E402
@@ -150,27 +152,14 @@ def test_wake_up_after_level_2_pushes_the_trained_weights(engine, policy, monkey
 
 @pytest.mark.slow
 def test_trainer_runs_with_colocated_vllm_and_syncs_its_weights(tmp_path):
-    from grpoflow.cli import DEFAULT_RECIPE
-    from grpoflow.config import load_config
     from grpoflow.launch import build_trainer
 
     tokenizer = build_char_tokenizer()
     model_dir = tmp_path / "model"
     build_tiny_model(len(tokenizer), **TINY_SHAPE).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    config = load_config(
-        DEFAULT_RECIPE,
-        {
-            "model": str(model_dir),
-            "use_vllm": True,
-            "vllm_enforce_eager": True,
-            "output_dir": str(tmp_path / "run"),
-            "report_to": ["none"],
-            "disable_tqdm": True,
-            "max_steps": 2,
-            "per_device_train_batch_size": 16,
-            "save_steps": 1000,
-        },
+    config = support.recipe(
+        tmp_path, model=str(model_dir), use_vllm=True, vllm_enforce_eager=True, max_steps=2
     )
     trainer = build_trainer(config)
     try:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import support
 import torch
 
-from grpoflow.cli import DEFAULT_RECIPE
-from grpoflow.config import load_config
 from grpoflow.launch import build_trainer, run
 
 
@@ -53,19 +52,8 @@ def test_trls_vllm_client_generates_and_chats(trl_client, live, chat_template):
 
 
 def test_the_trainer_runs_against_the_server(fresh, tmp_path):
-    config = load_config(
-        DEFAULT_RECIPE,
-        {
-            "output_dir": str(tmp_path / "run"),
-            "report_to": ["none"],
-            "disable_tqdm": True,
-            "max_steps": 2,
-            "per_device_train_batch_size": 16,
-            "save_steps": 1000,
-            "use_vllm": True,
-            "vllm_mode": "server",
-            "vllm_server_base_url": fresh.url,
-        },
+    config = support.recipe(
+        tmp_path, max_steps=2, use_vllm=True, vllm_mode="server", vllm_server_base_url=fresh.url
     )
     trainer = build_trainer(config)
     try:
