@@ -283,6 +283,11 @@ class VLLMConfig:
     prompts between them."""
     vllm_server_timeout: float = 240.0
     """Seconds to wait for the server to come up."""
+    weight_sync_check: bool = True
+    """After each sync to an engine that copies weights, compare its log-probs on a probe prompt
+    with the trainer's and stop the run on a mismatch (cost logged as time/sync_check)."""
+    weight_sync_check_tolerance: float = 0.5
+    """Largest mean log-prob gap (nats per token) the check accepts."""
 
     def __post_init__(self) -> None:
         _check_positive(
@@ -292,6 +297,7 @@ class VLLMConfig:
             "vllm_tensor_parallel_size",
             "vllm_server_port",
             "vllm_server_timeout",
+            "weight_sync_check_tolerance",
         )
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(

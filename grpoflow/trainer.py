@@ -36,6 +36,7 @@ from grpoflow.engines import RolloutEngine, SamplingParams
 from grpoflow.metrics import MetricsLogger
 from grpoflow.rewards import RewardRunner
 from grpoflow.rollout import Group, collate, generate_groups, reward_inputs
+from grpoflow.sync_check import SyncCheck
 from grpoflow.update import UpdateSettings, update_policy
 
 logger = logging.getLogger("grpoflow")
@@ -103,6 +104,12 @@ class GRPOTrainer:
         self.step_count = 0
         self.num_tokens = 0
         self.sampling = self._sampling_params()
+        check = config.vllm.weight_sync_check and not engine.shares_policy_weights
+        self.sync_check = (
+            SyncCheck(items[0].prompt_ids[-32:], tolerance=config.vllm.weight_sync_check_tolerance)
+            if check
+            else None
+        )
         self.update_settings = UpdateSettings(
             algorithm=config.algorithm,
             micro_batch_size=config.training.per_device_train_batch_size,
@@ -169,10 +176,14 @@ class GRPOTrainer:
                 )
             with timer("sync"):
                 self.engine.update_weights(rollout_weights(self.model, self.engine), self.step_count + 1)
+            check_metrics = {}
+            if self.sync_check is not None:
+                with timer("sync_check"):
+                    check_metrics = self.sync_check(self.engine, self.model, step=self.step_count + 1)
         self.step_count += 1
         self.num_tokens += int(all_lengths[:, 0].sum() + all_lengths[:, 2].sum())
         metrics = self.distributed.reduce_metrics(
-            {**update_metrics, **self._rank_metrics(scored, batch, timer)}
+            {**update_metrics, **check_metrics, **self._rank_metrics(scored, batch, timer)}
         )
         metrics.update({name: float(value) for name, value in reward_metrics.items()})
         metrics.update(self._batch_metrics(scored, all_rewards, all_lengths))

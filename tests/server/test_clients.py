@@ -61,6 +61,8 @@ def test_the_trainer_runs_against_the_server(fresh, tmp_path):
     finally:
         trainer.engine.close()
     assert len(history) == 2
+    # The post-sync check ran against the server and found the trained weights there.
+    assert all(step["sync/check_logprob_gap"] < 1e-3 for step in history)
     assert all(step["completions/mean_length"] > 0 for step in history)
     assert fresh.service.weight_version == "2"
     served = dict(fresh.service.model.named_parameters())
