@@ -28,7 +28,7 @@ import torch
 
 from grpoflow import checkpoint
 from grpoflow.adapters import merged_adapters, rollout_weights
-from grpoflow.algo import combine_rewards, group_advantages, overlong_mask, zero_std_groups
+from grpoflow.algo import combine_rewards, group_advantages, overlong_mask, select_groups, zero_std_groups
 from grpoflow.config import GRPOConfig
 from grpoflow.data import PromptItem, PromptSampler
 from grpoflow.distributed import DistributedContext, run_steps
@@ -215,6 +215,7 @@ class GRPOTrainer:
         rounds = 1 + (algorithm.max_resample_times if algorithm.dynamic_sample else 0)
         kept: list[ScoredGroups] = []
         spare: list[ScoredGroups] = []
+        errors: list = []
         rounds_run = 0
         for round_index in range(rounds):
             missing = self.num_prompts - sum(len(part.groups) for part in kept)
@@ -235,13 +236,12 @@ class GRPOTrainer:
             scored = ScoredGroups(groups, result.values, list(result.errors), round_index + 1)
             if not algorithm.dynamic_sample:
                 return scored
+            errors.extend(scored.errors)
             flat = combine_rewards(scored.rewards, self.rewards.weights)
             flat_mask = zero_std_groups(flat, g)
             kept.append(_subset(scored, ~flat_mask, g))
             spare.append(_subset(scored, flat_mask, g))
-        merged = _merge(kept + spare, self.num_prompts)
-        merged.rounds = rounds_run
-        return merged
+        return _merge(kept + spare, self.num_prompts, errors, rounds_run)
 
     def _take_prompts(self, count: int) -> tuple[list[int], list[int]]:
         """This rank's next `count` prompt indices and a sampling seed for each, both sliced out
@@ -368,23 +368,18 @@ def _length_columns(batch) -> torch.Tensor:
 
 
 def _subset(scored: ScoredGroups, keep: torch.Tensor, num_generations: int) -> ScoredGroups:
-    """The groups where `keep` (num_groups,) is true, with their reward rows."""
-    indices = keep.nonzero().flatten().tolist()
-    rows = torch.tensor(
-        [i * num_generations + j for i in indices for j in range(num_generations)], dtype=torch.long
-    )
+    """The groups where `keep` (num_groups,) is true, with their reward rows (errors stay with
+    the caller, which collects them once per round)."""
     return ScoredGroups(
-        [scored.groups[i] for i in indices],
-        scored.rewards[rows] if len(rows) else scored.rewards[:0],
-        scored.errors,
-        scored.rounds,
+        select_groups(scored.groups, keep, 1),
+        select_groups(scored.rewards, keep, num_generations),
+        rounds=scored.rounds,
     )
 
 
-def _merge(parts: list[ScoredGroups], num_groups: int) -> ScoredGroups:
+def _merge(parts: list[ScoredGroups], num_groups: int, errors: list, rounds: int) -> ScoredGroups:
     """The first `num_groups` groups over `parts`, in order."""
     groups = [group for part in parts for group in part.groups][:num_groups]
     size = sum(len(group.completions) for group in groups)
     rewards = torch.cat([part.rewards for part in parts])[:size]
-    errors = [error for part in {id(p.errors): p for p in parts}.values() for error in part.errors]
-    return ScoredGroups(groups, rewards, errors)
+    return ScoredGroups(groups, rewards, errors, rounds)
