@@ -25,7 +25,7 @@ from grpoflow.models import (
     resolve_device,
     resolve_dtype,
 )
-from grpoflow.rewards import RewardModel, RewardRunner, load_plugins, resolve_reward
+from grpoflow.rewards import RewardModel, RewardRunner, load_plugins, resolve_reward, reward_name
 from grpoflow.trainer import GRPOTrainer
 
 logger = logging.getLogger("grpoflow")
@@ -40,7 +40,7 @@ def seed_everything(seed: int) -> None:
 def build_rewards(config: GRPOConfig, device: torch.device) -> RewardRunner:
     selection, params = config.rewards, config.reward_params
     load_plugins(selection.external_plugins)
-    funcs = [(_reward_name(spec), resolve_reward(spec, params)) for spec in selection.reward_funcs]
+    funcs = [(reward_name(spec), resolve_reward(spec, params)) for spec in selection.reward_funcs]
     if selection.reward_model:
         funcs.append(("reward_model", RewardModel(selection.reward_model, device=device)))
     return RewardRunner(
@@ -49,10 +49,6 @@ def build_rewards(config: GRPOConfig, device: torch.device) -> RewardRunner:
         timeout=params.reward_timeout,
         num_workers=params.reward_num_workers,
     )
-
-
-def _reward_name(spec: str) -> str:
-    return spec.replace("\\", "/").split("/")[-1].split(":")[-1].split(".")[-1]
 
 
 def choose_engine(config: GRPOConfig) -> str:

@@ -16,7 +16,7 @@ from grpoflow.rewards import builtin as _builtin  # noqa: F401  (registers the b
 from grpoflow.rewards.config import RewardConfig
 from grpoflow.rewards.plugins import load_plugins, resolve_reward
 from grpoflow.rewards.registry import ORM, REWARD_REGISTRY, get_reward, orms, register_reward
-from grpoflow.rewards.runner import RewardBatch, RewardError, RewardRunner
+from grpoflow.rewards.runner import RewardBatch, RewardError, RewardRunner, reward_name
 
 if TYPE_CHECKING:
     from grpoflow.rewards.model import RewardModel
@@ -34,6 +34,7 @@ __all__ = [
     "orms",
     "register_reward",
     "resolve_reward",
+    "reward_name",
 ]
 
 

@@ -138,7 +138,7 @@ class RewardRunner:
         weights: Sequence[float] | None = None,
     ) -> RewardRunner:
         """A runner for reward specs (names, import paths or callables; see `resolve_reward`)."""
-        funcs = [(_spec_name(spec), resolve_reward(spec, config)) for spec in specs]
+        funcs = [(reward_name(spec), resolve_reward(spec, config)) for spec in specs]
         return cls(funcs, weights, timeout=config.reward_timeout, num_workers=config.reward_num_workers)
 
     def score(
@@ -377,9 +377,11 @@ def _failure_message(error: Exception, kind: str) -> str:
     return message
 
 
-def _spec_name(spec: str | Callable[..., Any]) -> str:
+def reward_name(spec: str | Callable[..., Any]) -> str:
+    """The name a reward's metrics carry: a registered name as is, the function's name for an
+    import path (`pkg.module:fn`, `dir/file.py:fn`, `pkg.module.fn`) or a callable."""
     if isinstance(spec, str):
-        return spec
+        return spec.replace("\\", "/").split("/")[-1].split(":")[-1].split(".")[-1]
     return getattr(spec, "__name__", type(spec).__name__)
 
 
