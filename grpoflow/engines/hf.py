@@ -8,7 +8,8 @@ sequences, taken on logits divided by the temperature, as the trainer takes them
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -182,24 +183,15 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.
     return ids.to(device), mask.to(device)
 
 
-class _seeded:
-    """Seed the global generators for one call and restore them afterwards."""
-
-    def __init__(self, seed: int | None, device: torch.device) -> None:
-        self.seed, self.device = seed, device
-
-    def __enter__(self):
-        if self.seed is None:
-            return None
-        devices = [self.device] if self.device.type == "cuda" else []
-        self._fork = torch.random.fork_rng(devices=devices)
-        self._fork.__enter__()
-        torch.manual_seed(self.seed)
-        return None
-
-    def __exit__(self, *exc) -> None:
-        if self.seed is not None:
-            self._fork.__exit__(*exc)
+@contextmanager
+def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Seed the global generators for one call and restore them afterwards (no-op without a seed)."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> HFEngine:
