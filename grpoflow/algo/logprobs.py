@@ -5,13 +5,17 @@ logits are gigabytes for a modern vocabulary. Here the last hidden states are pr
 tokens at a time. With a linear output head, each chunk runs through `_LinearLogProb`, an autograd
 function that saves only the hidden chunk and one logsumexp per token, and in the backward pass
 recomputes the logits once and turns them into the gradient in place (`d log p_y / d logits =
-onehot(y) - softmax`), with no softmax graph kept. Other heads are checkpointed per chunk.
+onehot(y) - softmax`), with no softmax graph kept. On CUDA both passes over the logits run as
+Triton kernels that read the bf16 logits once (`logprob_kernels.py`). Other heads are
+checkpointed per chunk.
 
 Positions follow the attention mask (`cumsum(mask) - 1`), as `generate` and vLLM number them, so
 left padding does not shift the positions of a prompt.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -165,14 +169,22 @@ class _LinearLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy):
-        logits = F.linear(hidden, weight, bias).float().div_(temperature)  # (chunk, vocab)
-        logsumexp = torch.logsumexp(logits, dim=-1)
-        log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logsumexp
-        entropy = None
-        if compute_entropy:
-            # H = logsumexp - sum(p * logits), p = exp(logits - logsumexp)
-            weighted = (logits - logsumexp.unsqueeze(-1)).exp_().mul_(logits).sum(-1)
-            entropy = logsumexp - weighted
+        logits = F.linear(hidden, weight, bias)  # (chunk, vocab)
+        kernels = _fused_kernels(logits)
+        if kernels is not None:
+            log_probs, logsumexp, entropy = kernels.fused_log_softmax_forward(
+                logits, targets, temperature, compute_entropy
+            )
+        else:
+            logits = logits.float().div_(temperature)
+            logsumexp = torch.logsumexp(logits, dim=-1)
+            log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logsumexp
+            entropy = None
+            if compute_entropy:
+                # H = logsumexp - sum(p * logits), p = exp(logits - logsumexp)
+                weighted = (logits - logsumexp.unsqueeze(-1)).exp_().mul_(logits).sum(-1)
+                entropy = logsumexp - weighted
+        if entropy is not None:
             ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(hidden, weight, bias, targets, logsumexp)
         ctx.temperature = temperature
@@ -182,14 +194,40 @@ class _LinearLogProb(torch.autograd.Function):
     def backward(ctx, grad_log_probs, _grad_entropy):
         hidden, weight, bias, targets, logsumexp = ctx.saved_tensors
         temperature = ctx.temperature
-        grad = F.linear(hidden, weight, bias).float().div_(temperature)
-        grad.sub_(logsumexp.unsqueeze(-1)).exp_().mul_(-grad_log_probs.unsqueeze(-1))
-        grad.scatter_add_(-1, targets.unsqueeze(-1), grad_log_probs.unsqueeze(-1))
-        grad = grad.div_(temperature).to(hidden.dtype)  # d loss / d (hidden @ weight.T + bias)
+        grad = F.linear(hidden, weight, bias)
+        kernels = _fused_kernels(grad)
+        if kernels is not None:
+            kernels.fused_log_softmax_backward_(grad, targets, logsumexp, grad_log_probs, temperature)
+        else:
+            grad = grad.float().div_(temperature)
+            grad.sub_(logsumexp.unsqueeze(-1)).exp_().mul_(-grad_log_probs.unsqueeze(-1))
+            grad.scatter_add_(-1, targets.unsqueeze(-1), grad_log_probs.unsqueeze(-1))
+            grad = grad.div_(temperature).to(hidden.dtype)
+        # grad: d loss / d (hidden @ weight.T + bias), (chunk, vocab)
         grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+FUSED_LOG_SOFTMAX = True
+"""Use the Triton log-softmax kernels on CUDA (False: the eager float32 path everywhere)."""
+
+
+def _fused_kernels(logits: Tensor):
+    """The Triton log-softmax kernels when `logits` live on CUDA and Triton imports, else None."""
+    if not (FUSED_LOG_SOFTMAX and logits.is_cuda and logits.stride(-1) == 1):
+        return None
+    return _load_kernels()
+
+
+@functools.cache
+def _load_kernels():
+    try:
+        from grpoflow.algo import logprob_kernels
+    except ImportError:  # no Triton: the eager path
+        return None
+    return logprob_kernels
 
 
 def _logprobs_from_logits(
