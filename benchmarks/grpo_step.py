@@ -75,7 +75,21 @@ def grpoflow_overrides(args, model_dir: Path, prompts: Path) -> dict:
         "report_to": ["none"],
         "disable_tqdm": True,
         "dataset_shuffle": False,
+        **extra_overrides(getattr(args, "set", None)),
     }
+
+
+def extra_overrides(items: list[str] | None) -> dict:
+    """`--set KEY=VALUE` pairs (VALUE read as YAML) for grpoflow's config."""
+    import yaml
+
+    overrides = {}
+    for item in items or []:
+        key, separator, value = item.partition("=")
+        if not separator:
+            raise SystemExit(f"--set {item!r}: write KEY=VALUE, e.g. --set logprob_chunk_size=4096")
+        overrides[key] = yaml.safe_load(value)
+    return overrides
 
 
 def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
@@ -227,6 +241,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--gradient-checkpointing", type=int, default=1, help="grpoflow's; 0 turns it off")
     parser.add_argument("--torch-compile", type=int, default=0, help="grpoflow's; 1 compiles the layers")
+    parser.add_argument("--set", action="append", default=[], help="grpoflow config KEY=VALUE")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None)
@@ -258,6 +273,7 @@ def main() -> None:
             f"--torch-compile={args.torch_compile}",
         ]
         command += ["--smoke"] if args.smoke else []
+        command += [f"--set={item}" for item in args.set]
         subprocess.run(command, check=True)
         result = json.loads((workdir / f"{system}.json").read_text())
         rows.append(summarize(system, result, args.warmup, num_params, tflops))

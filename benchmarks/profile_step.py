@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--torch-compile", type=int, default=0)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--engine", default="auto")
+    parser.add_argument("--set", action="append", default=[], help="grpoflow config KEY=VALUE")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--trace", default=None, help="write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=25)

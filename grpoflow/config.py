@@ -306,6 +306,42 @@ class VLLMConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class OffPolicyConfig:
+    """Asynchronous generation, and the importance-sampling correction of rollouts that the
+    trainer's policy did not sample itself (TRL's and ms-swift's names)."""
+
+    async_generate: bool = False
+    """Generate the next step's batch while training on this one (server mode): the batch is
+    sampled by the policy one sync older."""
+    max_staleness: int = 1
+    """Most policy versions a batch's sampling policy may lag the trainer's at its update."""
+    vllm_importance_sampling_correction: bool = True
+    """Reweight the loss by pi_trainer / pi_sampler on engines that hold their own weights
+    (vllm, vllm_server) and under async_generate."""
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "sequence_mask"
+    """Ratio per token or per sequence; truncated into, or zeroed outside, the clip range."""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """Upper bound of the importance ratio (None: open)."""
+    vllm_importance_sampling_clip_min: float | None = None
+    """Lower bound of the importance ratio (None: open)."""
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 1:
+            raise ValueError(
+                f"max_staleness must be >= 1 (a batch generated during the previous update is one "
+                f"version old), got {self.max_staleness}"
+            )
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min ({low}) must not exceed "
+                f"vllm_importance_sampling_clip_max ({high})"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
 class LogConfig:
     """What gets logged where."""
 
@@ -338,6 +374,7 @@ class GRPOConfig:
     log: LogConfig = field(default_factory=LogConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
 
     def __post_init__(self) -> None:
         self.validate()

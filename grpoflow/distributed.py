@@ -33,7 +33,8 @@ LAUNCH_VARIABLES = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MAS
 BUCKET_NUMEL = 2**25
 """Gradient elements per all-reduce call (128 MiB in float32)."""
 SUM_METRICS = ("rewards/num_errors", "tokens_per_second/")
-"""Metric names (or prefixes) summed over ranks; `MAX_METRICS` take the largest; others the mean."""
+"""Metric names (or prefixes) summed over ranks; `MAX_METRICS` and names ending in /max take the
+largest, names ending in /min the smallest; others the mean."""
 MAX_METRICS = ("time/", "memory/")
 
 
@@ -128,12 +129,15 @@ class DistributedContext:
         values = torch.tensor([float(metrics[name]) for name in names], dtype=torch.float64)
         summed = self.all_reduce(values, "sum").tolist()
         largest = self.all_reduce(values, "max").tolist()
+        smallest_negated = self.all_reduce(-values, "max").tolist()
         reduced = {}
         for index, name in enumerate(names):
             if name.startswith(SUM_METRICS):
                 reduced[name] = summed[index]
-            elif name.startswith(MAX_METRICS):
+            elif name.startswith(MAX_METRICS) or name.endswith("/max"):
                 reduced[name] = largest[index]
+            elif name.endswith("/min"):
+                reduced[name] = -smallest_negated[index]
             else:
                 reduced[name] = summed[index] / self.world_size
         return reduced

@@ -96,6 +96,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         vllm=config.vllm,
     )
     engine_name = choose_engine(config)
+    _check_async(config, engine_name, distributed.world_size)
     engine = build_engine(engine_name, adapters.generation_model(model), tokenizer, options)
     optimizer, scheduler = build_optimizer(model, config, len(items), distributed.world_size)
     trainer = GRPOTrainer(
@@ -115,6 +116,22 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         trainer.load_state_dict(checkpoint.load_trainer_state(resume))
         logger.info("resumed from %s at step %d", resume, trainer.step_count)
     return trainer
+
+
+def _check_async(config: GRPOConfig, engine_name: str, world_size: int) -> None:
+    if not config.off_policy.async_generate:
+        return
+    if engine_name != "vllm_server":
+        raise ValueError(
+            f"async_generate needs a rollout server to generate while the policy trains: set "
+            f"use_vllm: true and vllm_mode: server (e.g. against `grpoflow serve`); the {engine_name} "
+            f"engine runs in the training process"
+        )
+    if config.algorithm.dynamic_sample and world_size > 1:
+        raise ValueError(
+            "async_generate with dynamic_sample needs one process: its resampling rounds agree across "
+            "ranks through collectives, which cannot run beside the update's; turn one of them off"
+        )
 
 
 def _prompt_items(config: GRPOConfig, tokenizer):

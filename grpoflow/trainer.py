@@ -34,10 +34,11 @@ from grpoflow.data import PromptItem, PromptSampler
 from grpoflow.distributed import DistributedContext, run_steps
 from grpoflow.engines import RolloutEngine, SamplingParams
 from grpoflow.metrics import MetricsLogger
+from grpoflow.prefetch import RolloutPrefetcher
 from grpoflow.rewards import RewardRunner
 from grpoflow.rollout import Group, collate, generate_groups, reward_inputs
 from grpoflow.sync_check import SyncCheck
-from grpoflow.update import UpdateSettings, update_policy
+from grpoflow.update import SamplingCorrection, UpdateSettings, update_policy
 
 logger = logging.getLogger("grpoflow")
 
@@ -53,10 +54,12 @@ class ScoredGroups:
 
 
 class Timer:
-    """Wall-clock seconds per phase of a step."""
+    """Wall-clock seconds per phase of a step; `synchronize` waits for the GPU at each phase's end
+    (off in a background thread, where it would wait for the trainer's kernels too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, synchronize: bool = True) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.synchronize = synchronize and torch.cuda.is_available()
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
@@ -64,7 +67,7 @@ class Timer:
         try:
             yield
         finally:
-            if torch.cuda.is_available():
+            if self.synchronize:
                 torch.cuda.synchronize()
             self.seconds[phase] += time.perf_counter() - start
 
@@ -110,12 +113,30 @@ class GRPOTrainer:
             if check
             else None
         )
+        off_policy = config.off_policy
+        correct = off_policy.vllm_importance_sampling_correction and not engine.shares_policy_weights
         self.update_settings = UpdateSettings(
             algorithm=config.algorithm,
             micro_batch_size=config.training.per_device_train_batch_size,
             temperature=config.generation.temperature,
             max_completion_length=config.generation.max_completion_length,
             max_grad_norm=config.training.max_grad_norm,
+            sampling_correction=SamplingCorrection(
+                off_policy.vllm_importance_sampling_mode,
+                off_policy.vllm_importance_sampling_clip_min,
+                off_policy.vllm_importance_sampling_clip_max,
+            )
+            if correct
+            else None,
+        )
+        if off_policy.async_generate and engine.shares_policy_weights:
+            raise ValueError(
+                "async_generate needs a rollout engine with its own copy of the weights (use_vllm: true, "
+                "vllm_mode: server, e.g. against `grpoflow serve`): this engine generates from the very "
+                "parameters being trained"
+            )
+        self.prefetcher: RolloutPrefetcher[ScoredGroups] | None = (
+            RolloutPrefetcher() if off_policy.async_generate else None
         )
 
     def _sampling_params(self) -> SamplingParams:
@@ -137,26 +158,29 @@ class GRPOTrainer:
         """Run to `total_steps`, logging and checkpointing; returns each step's metrics."""
         history = []
         training = self.config.training
-        while self.step_count < self.total_steps:
-            metrics = self.step(metrics_logger)
-            history.append(metrics)
-            if metrics_logger is not None:
-                if self.step_count % self.config.log.logging_steps == 0:
-                    metrics_logger.log(self.step_count, metrics)
-                metrics_logger.advance(self.step_count, metrics)
-            if self.step_count % training.save_steps == 0 or self.step_count == self.total_steps:
-                self.save()
+        try:
+            while self.step_count < self.total_steps:
+                metrics = self.step(metrics_logger)
+                history.append(metrics)
+                if metrics_logger is not None:
+                    if self.step_count % self.config.log.logging_steps == 0:
+                        metrics_logger.log(self.step_count, metrics)
+                    metrics_logger.advance(self.step_count, metrics)
+                if self.step_count % training.save_steps == 0 or self.step_count == self.total_steps:
+                    self.save()
+        finally:
+            if self.prefetcher is not None:
+                self.prefetcher.close()
         return history
 
     def step(self, metrics_logger: MetricsLogger | None = None) -> dict[str, float]:
         """One generation batch: roll out, score, compute advantages, update, sync."""
         timer = Timer()
         with timer("step"):
-            self.engine.wake_up()
-            with merged_adapters(self.model):
-                scored = self.rollout_and_score(timer)
-            self.engine.sleep()
+            scored, staleness = self._rollout(timer)
             batch = collate(scored.groups, self.tokenizer.pad_token_id, self.device)
+            if self.prefetcher is not None and self.step_count + 1 < self.total_steps:
+                self._launch_prefetch()
             if self.config.algorithm.mask_truncated_completions:
                 batch.completion_mask = overlong_mask(batch.completion_mask, batch.truncated)
             # One row per completion of the global batch, rank after rank.
@@ -174,6 +198,9 @@ class GRPOTrainer:
                     self.ref_model,
                     self.distributed,
                 )
+            if self.prefetcher is not None:
+                with timer("rollout_wait"):
+                    self.prefetcher.wait()  # weights never change under a running generation
             with timer("sync"):
                 self.engine.update_weights(rollout_weights(self.model, self.engine), self.step_count + 1)
             check_metrics = {}
@@ -187,11 +214,52 @@ class GRPOTrainer:
         )
         metrics.update({name: float(value) for name, value in reward_metrics.items()})
         metrics.update(self._batch_metrics(scored, all_rewards, all_lengths))
+        if self.prefetcher is not None:
+            metrics["async/staleness"] = float(staleness)
         if self.config.log.log_completions:
             rows = self.distributed.gather_objects(self._completion_rows(scored, advantages))
             if metrics_logger is not None and rows is not None:
                 metrics_logger.log_completions(self.step_count, [row for part in rows for row in part])
         return metrics
+
+    def _rollout(self, timer: Timer) -> tuple[ScoredGroups, int]:
+        """This step's scored groups, prefetched or generated now, and their staleness: policy
+        versions between the weights that sampled them and the policy they update."""
+        if self.prefetcher is not None and self.prefetcher.pending:
+            with timer("rollout_wait"):
+                prefetched = self.prefetcher.take()
+            staleness = self.step_count - min(
+                c.policy_version for group in prefetched.value.groups for c in group.completions
+            )
+            if staleness <= self.config.off_policy.max_staleness:
+                for phase, seconds in prefetched.seconds.items():
+                    timer.seconds[phase] += seconds
+                return prefetched.value, staleness
+            logger.warning(
+                "step %d: the prefetched batch is %d policy versions old (max_staleness %d); "
+                "generating a new one",
+                self.step_count,
+                staleness,
+                self.config.off_policy.max_staleness,
+            )
+        self.engine.wake_up()
+        with merged_adapters(self.model):
+            scored = self.rollout_and_score(timer)
+        self.engine.sleep()
+        return scored, self.step_count - self.engine.policy_version
+
+    def _launch_prefetch(self) -> None:
+        """Start generating the next step's batch in the background."""
+
+        def produce() -> tuple[ScoredGroups, dict[str, float]]:
+            timer = Timer(synchronize=False)
+            return self.rollout_and_score(timer), dict(timer.seconds)
+
+        assert self.prefetcher is not None
+        self.prefetcher.launch(produce, self._sampling_state())
+
+    def _sampling_state(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "seed_generator": self.seed_generator.get_state()}
 
     def _advantages(self, all_rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This rank's advantages (batch,) and the reward metrics, from the rewards of the global
@@ -315,13 +383,14 @@ class GRPOTrainer:
         return rows
 
     def state_dict(self) -> dict:
+        # A batch generated ahead is not in the checkpoint: resuming generates it again.
+        sampling = (self.prefetcher and self.prefetcher.resume_state) or self._sampling_state()
         return {
             "step": self.step_count,
             "num_tokens": self.num_tokens,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "seed_generator": self.seed_generator.get_state(),
+            **sampling,
             "rng": checkpoint.rng_state(),
             "config": self.config.to_flat_dict(),
         }

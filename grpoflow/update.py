@@ -13,10 +13,19 @@ from dataclasses import dataclass
 
 import torch
 
-from grpoflow.algo import micro_batch_scale, policy_loss, sequence_logprobs
+from grpoflow.algo import micro_batch_scale, policy_loss, sampling_correction, sequence_logprobs
 from grpoflow.config import AlgorithmConfig
 from grpoflow.distributed import DistributedContext
 from grpoflow.rollout import RolloutBatch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingCorrection:
+    """How to reweight the loss by pi_trainer / pi_sampler (`algo.sampling_correction`)."""
+
+    mode: str = "sequence_mask"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,6 +37,8 @@ class UpdateSettings:
     temperature: float
     max_completion_length: int
     max_grad_norm: float
+    sampling_correction: SamplingCorrection | None = None
+    """Importance-sampling correction against the engine's log-probs; None trusts them."""
 
 
 def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
@@ -95,10 +106,17 @@ def update_policy(
     # Metrics stay on the device until the end: a float() per micro-batch would stall the GPU.
     totals: dict[str, torch.Tensor | float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
+    is_weights: list[torch.Tensor | None] = [None] * len(parts)
     model.train()
     for _ in range(algorithm.num_iterations):
         for index, part in enumerate(parts):
             logps, entropy = batch_logprobs(model, part, settings, entropy=True)
+            correction_metrics = {}
+            if settings.sampling_correction is not None and is_weights[index] is None:
+                # Before the first optimizer step the policy's own log-probs are the old ones.
+                is_weights[index], correction_metrics = _correction_weights(
+                    old[index] if old is not None else logps.detach(), part, settings.sampling_correction
+                )
             loss, metrics = policy_loss(
                 logps,
                 old[index] if old is not None else None,
@@ -114,7 +132,9 @@ def update_policy(
                 max_completion_length=settings.max_completion_length,
                 num_items_in_batch=num_items,
                 num_sequences_in_batch=len(batch) * distributed.world_size,
+                is_weights=is_weights[index],
             )
+            metrics.update(correction_metrics)
             (loss * scale).backward()
             # The whole batch's loss as this micro-batch estimates it; the mean over micro-batches
             # and ranks is the whole batch's loss.
@@ -123,12 +143,35 @@ def update_policy(
                 mask = part.completion_mask.to(entropy.dtype)
                 metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
             for name, value in metrics.items():
-                totals[name] = totals[name] + value.detach()
-                counts[name] += 1
+                _accumulate(totals, counts, name, value.detach())
         grad_norm = _optimizer_step(model, optimizer, scheduler, settings, distributed)
         totals["grad_norm"] += grad_norm.detach()
         counts["grad_norm"] += 1
     return {name: float(totals[name]) / counts[name] for name in totals}
+
+
+def _accumulate(totals: dict, counts: dict, name: str, value: torch.Tensor) -> None:
+    """Add a micro-batch's metric: extremes (`.../min`, `.../max`) are kept as such, others are
+    averaged."""
+    if name.endswith(("/min", "/max")) and counts[name]:
+        extreme = torch.minimum if name.endswith("/min") else torch.maximum
+        totals[name] = extreme(totals[name], value)
+        return
+    totals[name] = totals[name] + value
+    counts[name] += 1
+
+
+def _correction_weights(
+    trainer_logps: torch.Tensor, part: RolloutBatch, correction: SamplingCorrection
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return sampling_correction(
+        trainer_logps,
+        part.sampling_logps,
+        part.completion_mask,
+        correction.mode,
+        correction.clip_min,
+        correction.clip_max,
+    )
 
 
 def _optimizer_step(

@@ -2,6 +2,7 @@
 
 from grpoflow.algo.advantages import SCALE_MODES, combine_rewards, group_advantages, group_reward_std
 from grpoflow.algo.filters import overlong_mask, select_groups, zero_std_groups
+from grpoflow.algo.importance import SAMPLING_CORRECTION_MODES, sampling_correction
 from grpoflow.algo.kl import k3_kl
 from grpoflow.algo.logprobs import (
     position_ids_from_mask,
@@ -19,6 +20,7 @@ from grpoflow.algo.losses import (
 __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_REDUCTIONS",
+    "SAMPLING_CORRECTION_MODES",
     "SCALE_MODES",
     "combine_rewards",
     "group_advantages",
@@ -28,6 +30,7 @@ __all__ = [
     "overlong_mask",
     "policy_loss",
     "position_ids_from_mask",
+    "sampling_correction",
     "select_groups",
     "selective_log_softmax",
     "sequence_logprobs",
