@@ -43,7 +43,7 @@ def main() -> None:
     with profile(activities=activities) as profiler:
         metrics = trainer.step()
     print({key: round(value, 3) for key, value in metrics.items() if key.startswith("time/")})
-    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(profiler.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=60))
     print(
         profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)

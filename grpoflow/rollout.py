@@ -70,6 +70,9 @@ class RolloutBatch:
     """(batch, completion_len) the engine's log-probs of the sampled tokens."""
     truncated: torch.Tensor
     """(batch,) bool: the completion hit max_completion_length."""
+    left_padded: bool = True
+    """Some prompt is left-padded. When none is, the causal mask alone hides every padding
+    token (completions are padded on the right), so the model runs without an attention mask."""
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -87,6 +90,7 @@ class RolloutBatch:
             completion_mask=completion_mask[:, :last],
             sampling_logps=self.sampling_logps[start:stop, :last],
             truncated=self.truncated[start:stop],
+            left_padded=self.left_padded and not bool(prompt_mask[:, first:].all()),
         )
 
 
@@ -117,4 +121,5 @@ def collate(groups: Sequence[Group], pad_token_id: int, device: torch.device) ->
         completion_mask=completion_mask.to(device),
         sampling_logps=sampling_logps.to(device),
         truncated=truncated.to(device),
+        left_padded=len({len(prompt) for prompt, _ in pairs}) > 1,
     )

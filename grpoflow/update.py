@@ -50,7 +50,9 @@ def batch_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (batch, completion_len) of the completion tokens under `model`."""
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
-    attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+    attention_mask = (
+        torch.cat([batch.prompt_mask, batch.completion_mask], dim=1) if batch.left_padded else None
+    )
     return sequence_logprobs(
         model,
         input_ids,

@@ -147,3 +147,25 @@ def test_generate_groups_pairs_items_with_their_completions():
     assert [g.item for g in groups] == items
     assert [[c.token_ids for c in g.completions] for g in groups] == [[[4, 1], [5, 1]], [[11, 1], [12, 1]]]
     assert [g.texts for g in groups] == [["4", "5"], ["11", "12"]]  # special tokens skipped
+
+
+def test_left_padding_is_recorded_for_the_batch_and_its_rows():
+    same = [
+        Group(
+            item=PromptItem(prompt="ab", prompt_ids=[1, 2]),
+            completions=[Completion([3], [0.0], "stop")] * 2,
+            texts=["c", "c"],
+        )
+    ]
+    assert not collate(same, 0, torch.device("cpu")).left_padded
+    mixed = same + [
+        Group(
+            item=PromptItem(prompt="a", prompt_ids=[1]),
+            completions=[Completion([3], [0.0], "stop")] * 2,
+            texts=["c", "c"],
+        )
+    ]
+    batch = collate(mixed, 0, torch.device("cpu"))
+    assert batch.left_padded
+    assert not batch.rows(0, 2).left_padded and batch.rows(1, 3).left_padded
+    assert not batch.rows(2, 4).left_padded  # one prompt length: the padding column is cut away

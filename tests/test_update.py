@@ -71,3 +71,23 @@ def test_token_ratios_scale_the_update_and_masked_ones_drop_it():
     # A sequence ratio of 2^6 is outside the range: every sequence is masked, nothing moves.
     masked, _ = _train(SamplingCorrection("sequence_mask", None, 3.0), math.log(2))
     assert all(torch.count_nonzero(delta) == 0 for delta in masked.values())
+
+
+def test_batches_without_left_padding_skip_the_mask_and_score_the_same():
+    model = build_tiny_model(VOCAB, seed=0)
+    settings = UpdateSettings(
+        algorithm=AlgorithmConfig(),
+        micro_batch_size=4,
+        temperature=0.8,
+        max_completion_length=6,
+        max_grad_norm=0.0,
+    )
+    batch = _batch(model, settings)
+    batch.completion_mask[1, 3:] = 0  # right padding: hidden by the causal mask alone
+    batch.completion_mask[2, 1:] = 0
+    batch.left_padded = False
+    unmasked = batch_logprobs(model, batch, settings)[0]
+    batch.left_padded = True
+    masked = batch_logprobs(model, batch, settings)[0]
+    mask = batch.completion_mask.bool()
+    torch.testing.assert_close(unmasked[mask], masked[mask], rtol=1e-5, atol=1e-5)

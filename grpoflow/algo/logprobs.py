@@ -271,7 +271,7 @@ def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 def sequence_logprobs(
     model: nn.Module,
     input_ids: Tensor,
-    attention_mask: Tensor,
+    attention_mask: Tensor | None,
     logits_to_keep: int,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -287,7 +287,8 @@ def sequence_logprobs(
     Args:
         model: a causal LM (transformers `PreTrainedModel` or alike).
         input_ids: `(batch, seq)` prompt then completion tokens, prompts left-padded.
-        attention_mask: `(batch, seq)`, 1 on real tokens.
+        attention_mask: `(batch, seq)`, 1 on real tokens; None when no row has padding before
+            a scored token (right padding only), which lets attention run on its causal fast path.
         logits_to_keep: number of completion tokens at the end of each row to score.
         temperature, chunk_size, compute_entropy: as in `token_logprobs_from_hidden`.
 
@@ -301,7 +302,10 @@ def sequence_logprobs(
             f"{logits_to_keep} for seq {input_ids.size(1)}."
         )
     targets = input_ids[:, -logits_to_keep:]
-    position_ids = position_ids_from_mask(attention_mask)
+    if attention_mask is None:
+        position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+    else:
+        position_ids = position_ids_from_mask(attention_mask)
     parts = _decoder_and_head(model)
     if parts is None:
         outputs = model(
