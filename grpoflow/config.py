@@ -283,6 +283,13 @@ class VLLMConfig:
     prompts between them."""
     vllm_server_timeout: float = 240.0
     """Seconds to wait for the server to come up."""
+    vllm_weight_transfer: Literal["auto", "collective", "checkpoint"] = "auto"
+    """How weights reach rollout servers: collective (packed broadcasts over an NCCL or gloo group;
+    `grpoflow serve` only), checkpoint (a safetensors directory each server reloads), auto
+    (collective when every server offers it)."""
+    weight_sync_interval: int = 1
+    """Send the weights to an engine that keeps its own copy every this many steps (rollouts in
+    between use weights up to k-1 steps old)."""
     weight_sync_check: bool = True
     """After each sync to an engine that copies weights, compare its log-probs on a probe prompt
     with the trainer's and stop the run on a mismatch (cost logged as time/sync_check)."""
@@ -297,6 +304,7 @@ class VLLMConfig:
             "vllm_tensor_parallel_size",
             "vllm_server_port",
             "vllm_server_timeout",
+            "weight_sync_interval",
             "weight_sync_check_tolerance",
         )
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
