@@ -1,14 +1,14 @@
 """The server's side of the collective weight transfer (grpoflow.sync.collective).
 
 /init_weight_transfer_engine with `{"init_info": {"backend": "gloo" | "nccl", "master_address",
-"master_port", "rank_offset", "world_size", "timeout"}}` joins the trainer's group as rank
+"master_port", "rank_offset", "world_size", "timeout", "group_id"}}` joins the trainer's group as rank
 `rank_offset` (TRL's and vLLM's field names; a missing backend means NCCL on a CUDA server, gloo on
 a CPU one). The join runs in a worker thread and gives up after `timeout` seconds (default 120), so
 the event loop keeps serving. A new init replaces the old group; /shutdown_weight_transfer_engine
 (vLLM's name) closes it.
 
 /update_weights with `{"update_info": {"names", "dtype_names", "shapes", "packed": true, "buckets",
-"update_id", "weight_version", "timeout"}}` checks every name and shape against the model before
+"update_id", "group_id", "weight_version", "timeout"}}` checks every name and shape against the model before
 anything is received (a bad update is refused with a 400 and changes nothing), then, between
 generation batches, answers the trainer's handshake and receives the buckets straight into the
 parameters. A stalled broadcast fails after `timeout` seconds (default 600) with a 504: the group
@@ -77,7 +77,15 @@ async def init_group(service: Service, info: dict) -> dict:
 
     def join() -> WeightGroup:
         store = collective.connect_store(address, port, timeout)
-        return WeightGroup(store, backend=backend, rank=rank, world_size=world_size, device=device, timeout=timeout)
+        return WeightGroup(
+            store,
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            timeout=timeout,
+            group_id=str(info.get("group_id") or ""),
+        )
 
     try:
         group = await asyncio.wait_for(asyncio.to_thread(join), timeout + 10)
@@ -107,6 +115,13 @@ async def receive_update(service: Service, info: dict) -> dict:
         raise RequestError(
             "no weight-transfer group: POST /init_weight_transfer_engine with the trainer's "
             "master_address and master_port first (or send the weights over HTTP)",
+            409,
+            "update_info",
+        )
+    if str(info.get("group_id") or "") != group.group_id:
+        raise RequestError(
+            f"update_info.group_id {info.get('group_id')!r} is not this server's group "
+            f"({group.group_id!r}): another trainer initialised it since; init again",
             409,
             "update_info",
         )

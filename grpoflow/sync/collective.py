@@ -34,6 +34,10 @@ DEFAULT_BUCKET_BYTES = 512 * 2**20
 POLL_S = 1e-4
 """How often a wait checks its work, its deadline and the caller's `poll` hook."""
 READY, REFUSED, SEND, CANCEL = b"ready", b"refused", b"send", b"cancel"
+_ABANDONED: list = []
+"""Closed groups with a broadcast still in flight. Destroying such a gloo group blocks until the
+broadcast times out, on whichever thread drops the last reference (a server's event loop, say),
+so they are kept instead; only failed transfers leave one here."""
 
 
 class TransferTimeout(TimeoutError):
@@ -196,6 +200,7 @@ class WeightGroup:
         world_size: int,
         device: torch.device,
         timeout: float,
+        group_id: str = "",
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"weight-transfer backend {backend!r}; known: {', '.join(BACKENDS)}")
@@ -216,6 +221,10 @@ class WeightGroup:
         else:
             self.process_group = dist.ProcessGroupGloo(prefix, rank, world_size, limit)
         self.broken = False
+        self._in_flight: dist.Work | None = None
+        self.group_id = group_id
+        """Chosen by the trainer; every update names it, so a server whose group another trainer
+        replaced refuses the update instead of waiting on the wrong store."""
 
     def broadcast(self, tensor: torch.Tensor, *, deadline: float, what: str, poll: Callable[[], None]) -> None:
         """Broadcast `tensor` from rank 0 (a receiver's is overwritten) and wait for it; raises
@@ -223,7 +232,7 @@ class WeightGroup:
         marking the group broken (it cannot be used again)."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        work = self.process_group.broadcast([tensor], options)
+        work = self._in_flight = self.process_group.broadcast([tensor], options)
         try:
             while not work.is_completed():
                 poll()
@@ -242,6 +251,8 @@ class WeightGroup:
             self.process_group.abort()
         except RuntimeError:  # already torn down
             pass
+        if self._in_flight is not None and not self._in_flight.is_completed():
+            _ABANDONED.append(self.process_group)
 
 
 

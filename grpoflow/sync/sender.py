@@ -17,6 +17,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlsplit
@@ -71,6 +72,7 @@ class CollectiveSender:
         info = {
             **plan.to_json(),
             "update_id": self.update_id,
+            "group_id": group.group_id,
             "weight_version": str(version),
             "timeout": self.timeout,
         }
@@ -102,7 +104,9 @@ class CollectiveSender:
         backend = collective.backend_for(device, self.devices)
         store = collective.host_store(self.init_timeout)
         world_size = len(self.urls) + 1
+        group_id = uuid.uuid4().hex
         base = {
+            "group_id": group_id,
             "backend": backend,
             "master_address": reaching_address(self.urls[0]),
             "master_port": store.port,
@@ -123,6 +127,7 @@ class CollectiveSender:
                         world_size=world_size,
                         device=device,
                         timeout=self.init_timeout,
+                        group_id=group_id,
                     )
                 )
             except BaseException as error:
