@@ -66,7 +66,7 @@ def time_transport(
     """Warm-up and timed full syncs on one transport; returns the result and the next version."""
     device = next(model.parameters()).device
     times = []
-    for repetition in range(args.warmup + args.repeats):
+    for _ in range(args.warmup + args.repeats):
         synchronize(device)
         start = time.perf_counter()
         engine.update_weights(model.named_parameters(), version)
@@ -156,7 +156,9 @@ def free_port() -> int:
 def print_table(report: dict) -> None:
     gib = report["num_bytes"] / 2**30
     print(f"\n{report['model']} {report['dtype']}: {gib:.2f} GiB, on {report['device']}, {report['date']}")
-    print(f"{'transport':<12} {'median ms':>10} {'min ms':>10} {'first ms':>10} {'GB/s':>8} {'logprob gap':>12}")
+    print(
+        f"{'transport':<12} {'median ms':>10} {'min ms':>10} {'first ms':>10} {'GB/s':>8} {'logprob gap':>12}"
+    )
     for result in report["results"]:
         name = result["transport"] + (f" ({result['backend']})" if "backend" in result else "")
         rate = report["num_bytes"] / 1e9 / (result["median_ms"] / 1000)
@@ -181,7 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
     args.model = args.model or ("qwen2-0.5b" if args.device == "cuda" else "tiny")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.device == "cuda" and torch.cuda.device_count() < 2 and args.server_gpu != 0:
-        raise SystemExit("--device cuda needs 2 GPUs (or --server-gpu 0 to share one); --device cpu runs anywhere")
+        raise SystemExit(
+            "--device cuda needs 2 GPUs (or --server-gpu 0 to share one); --device cpu runs anywhere"
+        )
     report = run(args)
     print_table(report)
     name = f"weight-sync-{report['device'].replace(' ', '_')}-{report['date']}.json"

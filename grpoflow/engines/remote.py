@@ -41,8 +41,6 @@ from pathlib import Path
 import torch
 
 from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
-from grpoflow.sync import WEIGHT_TRANSFERS, WeightSyncError
-from grpoflow.sync.sender import CollectiveSender
 from grpoflow.engines.vllm import (
     DEFAULT_BUCKET_BYTES,
     LOGPROBS_MODE,
@@ -51,6 +49,8 @@ from grpoflow.engines.vllm import (
     truncates_distribution,
     weight_buckets,
 )
+from grpoflow.sync import WEIGHT_TRANSFERS, WeightSyncError
+from grpoflow.sync.sender import CollectiveSender
 
 logger = logging.getLogger("grpoflow.engines.remote")
 

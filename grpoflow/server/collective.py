@@ -72,7 +72,9 @@ async def init_group(service: Service, info: dict) -> dict:
             "init_info",
         ) from None
     if not 1 <= rank < world_size:
-        raise RequestError(f"rank_offset {rank} must be in 1..world_size-1 ({world_size - 1})", 400, "init_info")
+        raise RequestError(
+            f"rank_offset {rank} must be in 1..world_size-1 ({world_size - 1})", 400, "init_info"
+        )
     close_group(service)
 
     def join() -> WeightGroup:
@@ -97,7 +99,14 @@ async def init_group(service: Service, info: dict) -> dict:
             "init_info",
         ) from None
     service.weight_group, service.transfer_backend = group, backend
-    logger.info("joined the %s weight-transfer group at %s:%d as rank %d of %d", backend, address, port, rank, world_size)
+    logger.info(
+        "joined the %s weight-transfer group at %s:%d as rank %d of %d",
+        backend,
+        address,
+        port,
+        rank,
+        world_size,
+    )
     return {"message": "Weight transfer initialized", "backend": backend, "rank": rank}
 
 

@@ -226,7 +226,9 @@ class WeightGroup:
         """Chosen by the trainer; every update names it, so a server whose group another trainer
         replaced refuses the update instead of waiting on the wrong store."""
 
-    def broadcast(self, tensor: torch.Tensor, *, deadline: float, what: str, poll: Callable[[], None]) -> None:
+    def broadcast(
+        self, tensor: torch.Tensor, *, deadline: float, what: str, poll: Callable[[], None]
+    ) -> None:
         """Broadcast `tensor` from rank 0 (a receiver's is overwritten) and wait for it; raises
         TransferTimeout past `deadline` (time.monotonic), and whatever `poll` raises, after
         marking the group broken (it cannot be used again)."""
@@ -247,13 +249,10 @@ class WeightGroup:
     def close(self) -> None:
         """Abort the group: pending broadcasts fail, the peers' time out."""
         self.broken = True
-        try:
+        with contextlib.suppress(RuntimeError):  # already torn down
             self.process_group.abort()
-        except RuntimeError:  # already torn down
-            pass
         if self._in_flight is not None and not self._in_flight.is_completed():
             _ABANDONED.append(self.process_group)
-
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ the protocol) it stopped at; the group is then rebuilt on the next call.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -24,8 +25,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from grpoflow.sync import WeightSyncError
-from grpoflow.sync import collective
+from grpoflow.sync import WeightSyncError, collective
 from grpoflow.sync.collective import DEFAULT_BUCKET_BYTES, TransferTimeout, WeightGroup
 
 Request = Callable[..., object]
@@ -171,10 +171,8 @@ class CollectiveSender:
         if self.group is not None:
             self.group.close()
             for answer in self._post_all("/shutdown_weight_transfer_engine", [{}] * len(self.urls), 10):
-                try:
+                with contextlib.suppress(Exception):  # the server is gone: nothing to close there
                     answer.result(timeout=15)
-                except Exception:  # the server is gone: nothing to close there
-                    pass
             self.group = None
         self._pool.shutdown(wait=False)
 

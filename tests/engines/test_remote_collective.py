@@ -139,7 +139,10 @@ def test_weight_sync_interval_skips_syncs(tmp_path):
         trainer = build_trainer(config)
         versions = []
         send = trainer.engine.update_weights
-        trainer.engine.update_weights = lambda weights, version: (versions.append(version), send(weights, version))
+        trainer.engine.update_weights = lambda weights, version: (
+            versions.append(version),
+            send(weights, version),
+        )
         try:
             history = trainer.train()
             assert versions == [2]  # steps 1 and 3 skip the sync

@@ -39,11 +39,23 @@ def join(url: str, *, group_id: str = "g1", timeout: float = 30.0) -> WeightGrou
         "group_id": group_id,
     }
     with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(httpx.post, url + "/init_weight_transfer_engine", json={"init_info": init_info}, timeout=60)
-        group = WeightGroup(
-            store, backend="gloo", rank=0, world_size=2, device=torch.device("cpu"), timeout=timeout, group_id=group_id
+        answer = pool.submit(
+            httpx.post, url + "/init_weight_transfer_engine", json={"init_info": init_info}, timeout=60
         )
-        assert answer.result().json() == {"message": "Weight transfer initialized", "backend": "gloo", "rank": 1}
+        group = WeightGroup(
+            store,
+            backend="gloo",
+            rank=0,
+            world_size=2,
+            device=torch.device("cpu"),
+            timeout=timeout,
+            group_id=group_id,
+        )
+        assert answer.result().json() == {
+            "message": "Weight transfer initialized",
+            "backend": "gloo",
+            "rank": 1,
+        }
     return group
 
 
@@ -65,7 +77,13 @@ def test_server_info_offers_gloo_on_the_cpu(url):
             "rank_offset 2 must be in 1..world_size-1",
         ),
         (
-            {"backend": "nccl", "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2},
+            {
+                "backend": "nccl",
+                "master_address": "127.0.0.1",
+                "master_port": 1,
+                "rank_offset": 1,
+                "world_size": 2,
+            },
             "backend 'nccl' is not offered by this server on cpu",
         ),
         (
@@ -83,7 +101,9 @@ def test_a_trainer_that_never_joins_times_out_and_generation_goes_on(url):
     store = collective.host_store(30)  # a store, but no rank 0 ever joins the group
     init_info = {"master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2}
     start = time.monotonic()
-    answer = httpx.post(url + "/init_weight_transfer_engine", json={"init_info": {**init_info, "timeout": 2}}, timeout=60)
+    answer = httpx.post(
+        url + "/init_weight_transfer_engine", json={"init_info": {**init_info, "timeout": 2}}, timeout=60
+    )
     assert answer.status_code == 504 and "could not join the weight-transfer group" in error(answer)
     assert time.monotonic() - start < 30
     assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=60).status_code == 200
@@ -103,13 +123,16 @@ def test_a_stalled_broadcast_times_out_and_generation_goes_on(url):
         "timeout": 1.5,
     }
     with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(httpx.post, url + "/update_weights", json={"update_info": update_info}, timeout=60)
+        answer = pool.submit(
+            httpx.post, url + "/update_weights", json={"update_info": update_info}, timeout=60
+        )
         assert collective.await_ready(group, 1, deadline=time.monotonic() + 30, poll=lambda: None) == []
         collective.decide(group, 1, go=True)  # ... and then never broadcast
         stalled = answer.result()
     assert stalled.status_code == 504
-    assert "bucket 1/1 (float32, model.embed_tokens.weight .. model.embed_tokens.weight) did not arrive" in error(
-        stalled
+    assert (
+        "bucket 1/1 (float32, model.embed_tokens.weight .. model.embed_tokens.weight) did not arrive"
+        in error(stalled)
     )
     assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=60).status_code == 200
     again = httpx.post(url + "/update_weights", json={"update_info": update_info}, timeout=60)
@@ -119,11 +142,18 @@ def test_a_stalled_broadcast_times_out_and_generation_goes_on(url):
 
 def test_a_replaced_or_closed_group_refuses_updates(url):
     old, new = join(url, group_id="old"), join(url, group_id="new")
-    update_info = {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[1]], "group_id": "old"}
+    update_info = {
+        "names": ["lm_head.weight"],
+        "dtype_names": ["float32"],
+        "shapes": [[1]],
+        "group_id": "old",
+    }
     stale = httpx.post(url + "/update_weights", json={"update_info": update_info}, timeout=60)
     assert stale.status_code == 409 and "another trainer initialised it since" in error(stale)
     assert httpx.post(url + "/shutdown_weight_transfer_engine", timeout=30).status_code == 200
-    closed = httpx.post(url + "/update_weights", json={"update_info": {**update_info, "group_id": "new"}}, timeout=60)
+    closed = httpx.post(
+        url + "/update_weights", json={"update_info": {**update_info, "group_id": "new"}}, timeout=60
+    )
     assert closed.status_code == 409 and "no weight-transfer group" in error(closed)
     old.close(), new.close()
 

@@ -90,7 +90,9 @@ def test_the_weight_transfer_sequence_over_http_holds_generation(fresh, tmp_path
         assert_served(service, original)  # a refused update writes nothing
         metadata = {"names": names, "dtype_names": ["float32"] * len(names), "shapes": [[1]] * len(names)}
         no_group = client.post("/update_weights", json={"update_info": metadata})
-        assert no_group.status_code == 409 and "no weight-transfer group" in no_group.json()["error"]["message"]
+        assert (
+            no_group.status_code == 409 and "no weight-transfer group" in no_group.json()["error"]["message"]
+        )
         garbage = client.post("/update_weights", content=b"not safetensors", headers=SAFETENSORS)
         assert garbage.status_code == 400
 

@@ -71,7 +71,9 @@ def pair(timeout: float = 20.0) -> tuple[WeightGroup, WeightGroup]:
             rank_store, backend="gloo", rank=rank, world_size=2, device=torch.device("cpu"), timeout=timeout
         )
 
-    other = threading.Thread(target=join, args=(1, collective.connect_store("127.0.0.1", store.port, timeout)))
+    other = threading.Thread(
+        target=join, args=(1, collective.connect_store("127.0.0.1", store.port, timeout))
+    )
     other.start()
     join(0, store)
     other.join()
@@ -83,7 +85,9 @@ def test_send_and_receive_unpack_every_tensor_into_its_target():
     plan, tensors = plan_update(weights(), bucket_bytes=256)
     targets = {name: torch.zeros_like(tensor).float() for name, tensor in weights()}  # any dtype
     deadline = time.monotonic() + 20
-    thread = threading.Thread(target=collective.receive, args=(receiver, plan, targets), kwargs={"deadline": deadline})
+    thread = threading.Thread(
+        target=collective.receive, args=(receiver, plan, targets), kwargs={"deadline": deadline}
+    )
     thread.start()
     collective.send(sender, plan, tensors, deadline=deadline)
     thread.join()
