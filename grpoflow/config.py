@@ -283,6 +283,13 @@ class VLLMConfig:
     prompts between them."""
     vllm_server_timeout: float = 240.0
     """Seconds to wait for the server to come up."""
+    vllm_weight_transfer: Literal["auto", "collective", "checkpoint"] = "auto"
+    """How weights reach rollout servers: collective (packed broadcasts over an NCCL or gloo group;
+    `grpoflow serve` only), checkpoint (a safetensors directory each server reloads), auto
+    (collective when every server offers it)."""
+    weight_sync_interval: int = 1
+    """Send the weights to an engine that keeps its own copy every this many steps (rollouts in
+    between use weights up to k-1 steps old)."""
     weight_sync_check: bool = True
     """After each sync to an engine that copies weights, compare its log-probs on a probe prompt
     with the trainer's and stop the run on a mismatch (cost logged as time/sync_check)."""
@@ -297,6 +304,7 @@ class VLLMConfig:
             "vllm_tensor_parallel_size",
             "vllm_server_port",
             "vllm_server_timeout",
+            "weight_sync_interval",
             "weight_sync_check_tolerance",
         )
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
@@ -407,6 +415,12 @@ class GRPOConfig:
             raise ValueError(
                 f"per_device_train_batch_size x gradient_accumulation_steps = {batch} completions "
                 f"per step must be divisible by num_generations = {g}"
+            )
+        interval, staleness = self.vllm.weight_sync_interval, self.off_policy.max_staleness
+        if self.off_policy.async_generate and interval > staleness:
+            raise ValueError(
+                f"async_generate with weight_sync_interval={interval} samples batches up to {interval} "
+                f"policy versions old: raise max_staleness (now {staleness}) to at least {interval}"
             )
         num_rewards = len(self.rewards.reward_funcs) + bool(self.rewards.reward_model)
         weights = self.rewards.reward_weights

@@ -201,10 +201,12 @@ class GRPOTrainer:
             if self.prefetcher is not None:
                 with timer("rollout_wait"):
                     self.prefetcher.wait()  # weights never change under a running generation
+            syncs = (self.step_count + 1) % self.config.vllm.weight_sync_interval == 0
             with timer("sync"):
-                self.engine.update_weights(rollout_weights(self.model, self.engine), self.step_count + 1)
+                if syncs:
+                    self.engine.update_weights(rollout_weights(self.model, self.engine), self.step_count + 1)
             check_metrics = {}
-            if self.sync_check is not None:
+            if self.sync_check is not None and syncs:
                 with timer("sync_check"):
                     check_metrics = self.sync_check(self.engine, self.model, step=self.step_count + 1)
         self.step_count += 1

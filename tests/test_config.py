@@ -357,3 +357,13 @@ def test_flat_dict_round_trip():
     assert again is not config
     # and through YAML, as a run's saved config would travel
     assert GRPOConfig.from_flat_dict(yaml.safe_load(yaml.safe_dump(flat))) == config
+
+
+def test_async_generation_must_allow_the_staleness_of_spaced_syncs():
+    base = {"model": "tiny", "dataset": ["echo"], "reward_funcs": ["format"], "async_generate": True}
+    with pytest.raises(ValueError, match="max_staleness"):
+        load_config(None, {**base, "weight_sync_interval": 2})
+    assert (
+        load_config(None, {**base, "weight_sync_interval": 2, "max_staleness": 2}).off_policy.max_staleness
+        == 2
+    )

@@ -11,7 +11,12 @@ each at once, with token-id prompts and `return_token_ids`, so no text is re-tok
 `--logprobs-mode processed_logprobs` makes the servers report log_softmax(logits / temperature)
 of each sampled token, as the trainer computes it (vLLM's default reports it before temperature).
 
-Weight updates: vLLM's HTTP weight-transfer endpoints (`/init_weight_transfer_engine`,
+Weight updates (`weight_transfer`): `collective` broadcasts the weights in packed buckets over a
+process group of the trainer and every server (NCCL between GPUs, gloo otherwise; grpoflow.sync),
+which `grpoflow serve` offers; `checkpoint` works with any vLLM server; `auto` takes collective
+when every server offers it and the trainer is a single process.
+
+The checkpoint transport: vLLM's HTTP weight-transfer endpoints (`/init_weight_transfer_engine`,
 `/update_weights`, ...) need an NCCL or CUDA-IPC backend, so they do not run on CPUs. This
 engine uses a transport that works on any device instead: it writes the weights as safetensors
 to a directory the servers can read (atomically: a finished directory is renamed into place),
@@ -44,6 +49,8 @@ from grpoflow.engines.vllm import (
     truncates_distribution,
     weight_buckets,
 )
+from grpoflow.sync import WEIGHT_TRANSFERS, WeightSyncError
+from grpoflow.sync.sender import CollectiveSender
 
 logger = logging.getLogger("grpoflow.engines.remote")
 
@@ -53,10 +60,6 @@ SYNC_DIR_ENV = "GRPOFLOW_WEIGHT_SYNC_DIR"
 
 class ServerError(RuntimeError):
     """A rollout server failed or answered badly; the message names the server."""
-
-
-class WeightSyncError(RuntimeError):
-    """A weight update failed; the message names the server, the step and the parameter."""
 
 
 def server_urls(base_url: str | None, host: str | None, port: int) -> list[str]:
@@ -92,11 +95,14 @@ class RemoteEngine:
         weight_sync_timeout: float = 600.0,
         sync_dir: str | Path | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        weight_transfer: str = "auto",
     ) -> None:
         import httpx
 
         if not urls:
             raise ValueError("RemoteEngine needs at least one server URL")
+        if weight_transfer not in WEIGHT_TRANSFERS:
+            raise ValueError(f"weight_transfer {weight_transfer!r}; known: {', '.join(WEIGHT_TRANSFERS)}")
         self.urls = list(urls)
         self.request_timeout, self.weight_sync_timeout = request_timeout, weight_sync_timeout
         self.bucket_bytes = bucket_bytes
@@ -112,7 +118,21 @@ class RemoteEngine:
         self._current: Path | None = None
         self.wait_until_ready(startup_timeout)
         self.model_names = self._map(self._model_name)
-        self.reload_methods = self._map(self._check_server)
+        infos = self._map(self._server_info)
+        self.reload_methods = self._map(self._check_server, infos)
+        self.weight_transfer = self._choose_transfer(weight_transfer, infos)
+        self._sender = (
+            CollectiveSender(
+                self.urls,
+                [info["grpoflow"]["device"] for info in infos],
+                self._request,
+                bucket_bytes=bucket_bytes,
+                timeout=weight_sync_timeout,
+                init_timeout=startup_timeout,
+            )
+            if self.weight_transfer == "collective"
+            else None
+        )
 
     # -- HTTP ---------------------------------------------------------------------------------
 
@@ -165,13 +185,17 @@ class RemoteEngine:
             raise ServerError(f"vLLM server {url} serves no model")
         return models[0]["id"]
 
-    def _check_server(self, url: str) -> str | None:
-        """The worker method this server reloads weights with (None without dev mode); warns when
-        its log-probs are taken before temperature or it lacks grpoflow's worker extension."""
+    def _server_info(self, url: str) -> dict | None:
         try:
-            info = self._request("GET", url, "/server_info", params={"config_format": "json"})
+            return self._request("GET", url, "/server_info", params={"config_format": "json"})
         except ServerError:
             return None  # /server_info and /collective_rpc exist only with VLLM_SERVER_DEV_MODE=1
+
+    def _check_server(self, url: str, info: dict | None) -> str | None:
+        """The worker method this server reloads weights with (None without dev mode); warns when
+        its log-probs are taken before temperature or it lacks grpoflow's worker extension."""
+        if info is None:
+            return None
         mode = info.get("vllm_config", {}).get("model_config", {}).get("logprobs_mode")
         if mode != LOGPROBS_MODE:
             warnings.warn(
@@ -190,6 +214,30 @@ class RemoteEngine:
                 stacklevel=3,
             )
             return "reload_weights"
+
+    def _choose_transfer(self, choice: str, infos: list[dict | None]) -> str:
+        """collective or checkpoint, from the choice and what every server offers."""
+        offered = [
+            "gloo" in ((info or {}).get("grpoflow") or {}).get("weight_transfer", {}).get("backends", [])
+            for info in infos
+        ]
+        several_trainers = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if choice == "collective":
+            lacking = [url for url, ok in zip(self.urls, offered) if not ok]
+            if lacking:
+                raise ValueError(
+                    f"vllm_weight_transfer=collective: server(s) {', '.join(lacking)} offer no collective "
+                    f"weight transfer (grpoflow serve does; vLLM's own server does not): use checkpoint or auto"
+                )
+            if several_trainers:
+                raise ValueError(
+                    "vllm_weight_transfer=collective works from a single trainer process; under torchrun "
+                    "use checkpoint or auto"
+                )
+            return "collective"
+        if choice == "auto" and all(offered) and not several_trainers:
+            return "collective"
+        return "checkpoint"
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -254,7 +302,12 @@ class RemoteEngine:
     # -- weights ------------------------------------------------------------------------------
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Write the weights to `sync_dir/policy-v{version}` and have every server reload them."""
+        """Broadcast the weights to every server (collective), or write them to
+        `sync_dir/policy-v{version}` and have every server reload them (checkpoint)."""
+        if self._sender is not None:
+            self._sender.send(weights, version)
+            self.policy_version = version
+            return
         missing = [url for url, method in zip(self.urls, self.reload_methods) if method is None]
         if missing:
             raise ValueError(
@@ -337,6 +390,8 @@ class RemoteEngine:
         return None
 
     def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
         self._client.close()
         self._pool.shutdown(wait=False)
         if self._own_sync_dir:
@@ -354,4 +409,5 @@ def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> RemoteEn
         urls,
         startup_timeout=config.vllm_server_timeout,
         weight_sync_timeout=max(config.vllm_server_timeout, 600.0),
+        weight_transfer=config.vllm_weight_transfer,
     )

@@ -8,7 +8,8 @@ RemoteEngine drive it unchanged):
   template): batched across concurrent requests (see batcher.py).
 - /pause, /resume, /is_paused, /reset_prefix_cache, /sleep, /wake_up, /is_sleeping: control.py.
 - /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update,
-  /update_weight_version, /weight_info, /collective_rpc: weight updates over HTTP, weights.py.
+  /shutdown_weight_transfer_engine, /update_weight_version, /weight_info, /collective_rpc: weight
+  updates over HTTP (weights.py) or broadcast over a gloo/NCCL group (collective.py).
 
 With an API key every endpoint but /health, /ping and /version needs `Authorization: Bearer KEY`
 (vLLM guards only /v1/...; here the weight and control endpoints are guarded too, since they
@@ -29,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from grpoflow.server import control, weights
+from grpoflow.server import collective, control, weights
 from grpoflow.server.errors import RequestError
 from grpoflow.server.protocol import (
     ChatCompletionRequest,
@@ -168,7 +169,7 @@ async def server_info(request: Request) -> dict:
         },
         "scheduler_config": {"max_num_seqs": config.max_num_seqs},
         "cache_config": {"gpu_memory_utilization": config.gpu_memory_utilization},
-        "weight_transfer_config": None,  # no NCCL/IPC transport: TRL's NCCL client stops at once
+        "weight_transfer_config": None,  # vLLM's PyNccl wire format is not spoken: TRL's client stops
     }
     batcher = service.batcher
     return {
@@ -179,7 +180,11 @@ async def server_info(request: Request) -> dict:
             "engine": config.engine,
             "device": str(parameter.device),
             "weight_version": service.weight_version,
-            "weight_transfer": {"backend": "http", "update_open": service.update_open},
+            "weight_transfer": {
+                "backend": service.transfer_backend or "http",
+                "backends": ["http", *collective.offered_backends(service)],
+                "update_open": service.update_open,
+            },
             "is_paused": batcher.paused,
             "batching": {
                 "window_ms": config.batch_window_ms,

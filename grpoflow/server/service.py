@@ -16,6 +16,7 @@ from grpoflow.server.batcher import Batcher
 from grpoflow.server.config import ServeConfig
 from grpoflow.server.errors import RequestError
 from grpoflow.server.protocol import Limits
+from grpoflow.sync.collective import WeightGroup
 
 MAX_JSON_BYTES = 64 * 2**20
 """Largest JSON body the server reads; weights travel as safetensors bodies, not JSON."""
@@ -40,7 +41,9 @@ class Service:
     update_open: bool = False
     """Between /start_weight_update and /finish_weight_update (generation held)."""
     transfer_backend: str | None = None
-    """Set by /init_weight_transfer_engine."""
+    """Set by /init_weight_transfer_engine: http, gloo or nccl."""
+    weight_group: WeightGroup | None = None
+    """The collective weight-transfer group joined through /init_weight_transfer_engine."""
     sleeping: bool = False
     batcher: Batcher | None = field(default=None)
 
@@ -52,6 +55,8 @@ class Service:
     async def stop(self) -> None:
         if self.batcher is not None:
             await self.batcher.stop()
+        if self.weight_group is not None:
+            self.weight_group.close()
 
     async def generate(
         self, request: Request, prompts: list[list[int]], params: SamplingParams

@@ -12,10 +12,12 @@ Two ways in, both applied between generation batches (requests that arrive meanw
    or {"update_info": {"weights_path": PATH}}, then /finish_weight_update {"weight_version": V}
    (releases generation). An /update_weights outside start/finish holds generation for itself.
 
+3. The same endpoints with a collective backend (gloo, or NCCL between GPUs): init_info with the
+   trainer's master_address and master_port, update_info with names/dtype_names/shapes and no
+   data; the weights arrive as packed broadcasts (server/collective.py, grpoflow/sync/).
+
 Tensors use Hugging Face parameter names. Every call checks all names and shapes before it writes
-any tensor, so a bad update changes nothing. The NCCL form of these endpoints (TRL's VLLMClient:
-init_info with a master address, update_info with names/dtypes/shapes and no data) is refused
-with a message naming the HTTP form.
+any tensor, so a bad update changes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from fastapi import APIRouter
 from starlette.requests import Request
 
+from grpoflow.server import collective
 from grpoflow.server.errors import RequestError
 from grpoflow.server.service import Service, read_json, service_of
 
@@ -113,14 +116,18 @@ async def init_weight_transfer_engine(request: Request) -> dict:
     if not isinstance(info, dict):
         raise RequestError("init_info must be a JSON object", 400, "init_info")
     if "master_address" in info or info.get("backend") not in (None, "http"):
-        raise RequestError(
-            "grpoflow serve has no NCCL or IPC weight transfer (those need GPUs and vLLM's workers); "
-            f"its backend is 'http': {HTTP_FORM}",
-            400,
-            "init_info",
-        )
+        return await collective.init_group(service, info)
+    collective.close_group(service)
     service.transfer_backend = "http"
     return {"message": "Weight transfer initialized", "backend": "http"}
+
+
+@router.post("/shutdown_weight_transfer_engine")
+async def shutdown_weight_transfer_engine(request: Request) -> dict:
+    service = service_of(request)
+    collective.close_group(service)
+    service.transfer_backend = None
+    return {"message": "Weight transfer shut down"}
 
 
 @router.post("/start_weight_update")
@@ -145,11 +152,9 @@ async def update_weights(request: Request) -> dict:
         if not isinstance(info, dict):
             raise RequestError(f"update_info is missing; {HTTP_FORM}", 400, "update_info")
         if not info.get("weights_path"):
-            raise RequestError(
-                f"update_info carries no weights (this server has no NCCL transport): {HTTP_FORM}",
-                400,
-                "update_info",
-            )
+            if "names" in info:
+                return await collective.receive_update(service, info)
+            raise RequestError(f"update_info carries no weights: {HTTP_FORM}", 400, "update_info")
         tensors = load_path(str(info["weights_path"]))
     count = await apply(service, tensors)
     return {"message": "Weights updated", "num_tensors": count}

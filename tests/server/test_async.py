@@ -47,8 +47,10 @@ def test_async_training_keeps_staleness_in_bound_and_logs_the_correction(fresh, 
 def test_a_checkpoint_taken_while_a_batch_is_prefetched_resumes_before_it(fresh, tmp_path):
     """The prefetched batch's prompts are not in the checkpoint: resuming generates them again, so
     the prompt order is the synchronous run's."""
-    asynchronous = build_trainer(_config(tmp_path / "a", fresh.url, max_steps=4, async_generate=True))
-    synchronous = build_trainer(_config(tmp_path / "s", fresh.url, max_steps=4))
+    # Two trainers take turns on one server: checkpoint syncs (a collective group has one trainer).
+    shared = {"max_steps": 4, "vllm_weight_transfer": "checkpoint"}
+    asynchronous = build_trainer(_config(tmp_path / "a", fresh.url, async_generate=True, **shared))
+    synchronous = build_trainer(_config(tmp_path / "s", fresh.url, **shared))
     try:
         for _ in range(2):
             asynchronous.step()

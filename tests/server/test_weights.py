@@ -58,9 +58,15 @@ def test_the_weight_transfer_sequence_over_http_holds_generation(fresh, tmp_path
     original, new = served_weights(service), other_weights(service, seed=9)
     names = list(new)
     with httpx.Client(base_url=url, timeout=60) as client:
-        nccl = {"master_address": "10.0.0.1", "master_port": 51216, "rank_offset": 1, "world_size": 2}
+        nccl = {
+            "backend": "nccl",
+            "master_address": "10.0.0.1",
+            "master_port": 51216,
+            "rank_offset": 1,
+            "world_size": 2,
+        }
         refused = client.post("/init_weight_transfer_engine", json={"init_info": nccl})
-        assert refused.status_code == 400 and "'http'" in refused.json()["error"]["message"]
+        assert refused.status_code == 400 and "use one of gloo" in refused.json()["error"]["message"]
         assert client.post("/init_weight_transfer_engine", json={"init_info": {}}).status_code == 200
         assert client.post("/start_weight_update", json={}).status_code == 200
         assert client.post("/start_weight_update", json={}).status_code == 409
@@ -83,8 +89,10 @@ def test_the_weight_transfer_sequence_over_http_holds_generation(fresh, tmp_path
         assert client.post("/update_weights", content=save(shape), headers=SAFETENSORS).status_code == 400
         assert_served(service, original)  # a refused update writes nothing
         metadata = {"names": names, "dtype_names": ["float32"] * len(names), "shapes": [[1]] * len(names)}
-        no_data = client.post("/update_weights", json={"update_info": metadata})
-        assert no_data.status_code == 400 and "NCCL" in no_data.json()["error"]["message"]
+        no_group = client.post("/update_weights", json={"update_info": metadata})
+        assert (
+            no_group.status_code == 409 and "no weight-transfer group" in no_group.json()["error"]["message"]
+        )
         garbage = client.post("/update_weights", content=b"not safetensors", headers=SAFETENSORS)
         assert garbage.status_code == 400
 

@@ -1,0 +1,381 @@
+"""Weights broadcast from the trainer to rollout servers over a process group of their own.
+
+The trainer (rank 0) and each server (ranks 1..N) form a group through a TCPStore that the trainer
+hosts, with `ProcessGroupNCCL` (both sides on CUDA) or `ProcessGroupGloo` built directly on that
+store: torch.distributed's default group is never created or touched, so a trainer running under
+torchrun keeps its own.
+
+An update moves the weights in buckets: tensors of one dtype concatenated into a flat buffer of at
+most `bucket_bytes` (a larger tensor alone), one broadcast per bucket, never one per tensor. The
+layout (`UpdatePlan`: names, dtypes, shapes, tensors per bucket) travels first as JSON, so a
+receiver checks every name and shape before anything arrives and then unpacks each bucket straight
+into its parameters.
+
+Before the first bucket, a handshake over the store: each receiver writes `ready` or `refused`
+under the update's id, then the trainer writes `send` or `cancel`. A receiver that refuses an
+update therefore leaves no other rank blocked in a broadcast that will never complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+"""Most bytes of weights in one broadcast."""
+POLL_S = 1e-4
+"""How often a wait checks its work, its deadline and the caller's `poll` hook."""
+READY, REFUSED, SEND, CANCEL = b"ready", b"refused", b"send", b"cancel"
+_ABANDONED: list = []
+"""Closed groups with a broadcast still in flight. Destroying such a gloo group blocks until the
+broadcast times out, on whichever thread drops the last reference (a server's event loop, say),
+so they are kept instead; only failed transfers leave one here."""
+
+
+class TransferTimeout(TimeoutError):
+    """A rendezvous, handshake or broadcast did not finish in time."""
+
+
+class TransferCancelled(RuntimeError):
+    """The trainer cancelled an update (another receiver refused it)."""
+
+
+def backend_for(trainer_device: torch.device, receiver_devices: Sequence[str]) -> str:
+    """NCCL when the trainer and every receiver are on CUDA, else gloo."""
+    on_cuda = trainer_device.type == "cuda" and all(d.startswith("cuda") for d in receiver_devices)
+    return "nccl" if on_cuda and dist.is_nccl_available() else "gloo"
+
+
+def transfer_device(backend: str, device: torch.device) -> torch.device:
+    """Where the flat buffers live: the CUDA device for NCCL, the CPU for gloo."""
+    return device if backend == "nccl" else torch.device("cpu")
+
+
+# -- the layout -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class UpdatePlan:
+    """What one update carries, in order: bucket i holds the next `buckets[i]` tensors of `names`,
+    all of one dtype, packed back to back in a flat buffer."""
+
+    names: list[str]
+    dtype_names: list[str]
+    """torch dtype names without the prefix: "bfloat16", "float32", ..."""
+    shapes: list[list[int]]
+    buckets: list[int]
+
+    def to_json(self) -> dict:
+        """The fields of vLLM's NCCL update_info plus `packed` and `buckets`."""
+        return {
+            "names": self.names,
+            "dtype_names": self.dtype_names,
+            "shapes": self.shapes,
+            "packed": True,
+            "buckets": self.buckets,
+        }
+
+    @classmethod
+    def from_json(cls, info: dict) -> UpdatePlan:
+        """Parse and check an update_info; ValueError names the field at fault."""
+        names, dtype_names, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise ValueError("update_info.names must be a non-empty list of parameter names")
+        if not isinstance(dtype_names, list) or len(dtype_names) != len(names):
+            raise ValueError(f"update_info.dtype_names must list one dtype per name ({len(names)})")
+        if not isinstance(shapes, list) or len(shapes) != len(names):
+            raise ValueError(f"update_info.shapes must list one shape per name ({len(names)})")
+        for name, shape in zip(names, shapes):
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ValueError(f"update_info.shapes: {name} has shape {shape!r}, not a list of sizes")
+        for name, dtype_name in zip(names, dtype_names):
+            dtype = getattr(torch, str(dtype_name), None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(f"update_info.dtype_names: {name} has {dtype_name!r}, not a float dtype")
+        buckets = info.get("buckets", [len(names)])
+        if not isinstance(buckets, list) or not all(isinstance(b, int) and b > 0 for b in buckets):
+            raise ValueError("update_info.buckets must be a list of tensor counts > 0")
+        if sum(buckets) != len(names):
+            raise ValueError(f"update_info.buckets count {sum(buckets)} tensors, names {len(names)}")
+        plan = cls(list(names), [str(d) for d in dtype_names], [list(s) for s in shapes], list(buckets))
+        for index, members in enumerate(plan.bucket_members()):
+            kinds = {plan.dtype_names[i] for i in members}
+            if len(kinds) > 1:
+                raise ValueError(f"update_info.buckets: bucket {index + 1} mixes dtypes {sorted(kinds)}")
+        return plan
+
+    def bucket_members(self) -> Iterator[range]:
+        """The indices into `names` of each bucket, in order."""
+        start = 0
+        for count in self.buckets:
+            yield range(start, start + count)
+            start += count
+
+    def dtype(self, index: int) -> torch.dtype:
+        return getattr(torch, self.dtype_names[index])
+
+    @property
+    def num_bytes(self) -> int:
+        sizes = (_numel(shape) * self.dtype(i).itemsize for i, shape in enumerate(self.shapes))
+        return sum(sizes)
+
+
+def plan_update(
+    weights: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> tuple[UpdatePlan, list[torch.Tensor]]:
+    """Group the weights by dtype (first-seen order) and cut each group into buckets of at most
+    `bucket_bytes`; returns the plan and the tensors in the plan's order."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in weights:
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} has dtype {tensor.dtype}: only floating-point weights are sent")
+        by_dtype.setdefault(tensor.dtype, []).append((name, tensor.detach()))
+    plan = UpdatePlan([], [], [], [])
+    ordered: list[torch.Tensor] = []
+    for dtype, members in by_dtype.items():
+        size = 0
+        for name, tensor in members:
+            nbytes = tensor.numel() * tensor.element_size()
+            if not plan.buckets or size == 0 or size + nbytes > bucket_bytes or _new_dtype(plan, dtype):
+                plan.buckets.append(0)
+                size = 0
+            plan.buckets[-1] += 1
+            size += nbytes
+            plan.names.append(name)
+            plan.dtype_names.append(str(dtype).removeprefix("torch."))
+            plan.shapes.append(list(tensor.shape))
+            ordered.append(tensor)
+    return plan, ordered
+
+
+def _new_dtype(plan: UpdatePlan, dtype: torch.dtype) -> bool:
+    return plan.dtype_names[-1] != str(dtype).removeprefix("torch.")
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+# -- the group ------------------------------------------------------------------------------------
+
+
+def host_store(timeout: float, port: int = 0) -> dist.TCPStore:
+    """The trainer's store, listening on `port` (0: a free one, then read `store.port`)."""
+    return dist.TCPStore(
+        "0.0.0.0", port, None, True, datetime.timedelta(seconds=timeout), wait_for_workers=False
+    )
+
+
+def connect_store(address: str, port: int, timeout: float) -> dist.TCPStore:
+    """A receiver's connection to the trainer's store."""
+    return dist.TCPStore(address, port, None, False, datetime.timedelta(seconds=timeout))
+
+
+class WeightGroup:
+    """This process's rank in a weight-transfer group (rank 0 sends), built on `store`.
+
+    Constructing it is the rendezvous: it blocks until every rank of `world_size` has joined, or
+    raises after `timeout` seconds.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        backend: str,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout: float,
+        group_id: str = "",
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"weight-transfer backend {backend!r}; known: {', '.join(BACKENDS)}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
+        self.store, self.backend, self.rank, self.world_size = store, backend, rank, world_size
+        self.device = transfer_device(backend, device)
+        prefix = dist.PrefixStore("grpoflow-weights/", store)
+        limit = datetime.timedelta(seconds=timeout)
+        if backend == "nccl":
+            if self.device.type != "cuda":
+                raise ValueError(f"the nccl backend needs a CUDA device, got {device}; use gloo")
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = limit
+            with _nccl_errors_raise():
+                self.process_group = dist.ProcessGroupNCCL(prefix, rank, world_size, options)
+            self.process_group.eager_connect_single_device(self.device)
+        else:
+            self.process_group = dist.ProcessGroupGloo(prefix, rank, world_size, limit)
+        self.broken = False
+        self._in_flight: dist.Work | None = None
+        self.group_id = group_id
+        """Chosen by the trainer; every update names it, so a server whose group another trainer
+        replaced refuses the update instead of waiting on the wrong store."""
+
+    def broadcast(
+        self, tensor: torch.Tensor, *, deadline: float, what: str, poll: Callable[[], None]
+    ) -> None:
+        """Broadcast `tensor` from rank 0 (a receiver's is overwritten) and wait for it; raises
+        TransferTimeout past `deadline` (time.monotonic), and whatever `poll` raises, after
+        marking the group broken (it cannot be used again)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        work = self._in_flight = self.process_group.broadcast([tensor], options)
+        try:
+            while not work.is_completed():
+                poll()
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(f"{what} did not arrive in time")
+                time.sleep(POLL_S)
+            work.wait()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Abort the group: pending broadcasts fail, the peers' time out."""
+        self.broken = True
+        with contextlib.suppress(RuntimeError):  # already torn down
+            self.process_group.abort()
+        if self._in_flight is not None and not self._in_flight.is_completed():
+            _ABANDONED.append(self.process_group)
+
+
+@contextlib.contextmanager
+def _nccl_errors_raise() -> Iterator[None]:
+    """Build an NCCL group whose timeouts raise instead of killing the process: PyTorch's
+    default error handling tears the whole process down, and a server must outlive a stalled
+    trainer. The setting is read when the group is built, so other groups keep theirs."""
+    name = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    before = os.environ.get(name)
+    os.environ[name] = "2"  # CleanUpOnly: abort the communicator, raise, keep the process
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+# -- one update -----------------------------------------------------------------------------------
+
+
+def ready_key(update_id: int, rank: int) -> str:
+    return f"grpoflow-update/{update_id}/ready/{rank}"
+
+
+def go_key(update_id: int) -> str:
+    return f"grpoflow-update/{update_id}/go"
+
+
+def answer(group: WeightGroup, update_id: int, *, accepted: bool) -> None:
+    """Receiver: tell the trainer whether it takes part in update `update_id`."""
+    group.store.set(ready_key(update_id, group.rank), READY if accepted else REFUSED)
+
+
+def await_go(group: WeightGroup, update_id: int, *, deadline: float) -> None:
+    """Receiver: wait for the trainer's decision; TransferCancelled on `cancel`."""
+    remaining = max(deadline - time.monotonic(), 0.001)
+    try:
+        group.store.wait([go_key(update_id)], datetime.timedelta(seconds=remaining))
+    except RuntimeError as error:  # the store's wait raises a plain error on timeout
+        raise TransferTimeout(f"the trainer did not start update {update_id} in time ({error})") from None
+    if group.store.get(go_key(update_id)) == CANCEL:
+        raise TransferCancelled(f"the trainer cancelled update {update_id}: another server refused it")
+
+
+def await_ready(
+    group: WeightGroup, update_id: int, *, deadline: float, poll: Callable[[], None]
+) -> list[int]:
+    """Trainer: wait until every receiver has answered; returns the ranks that refused."""
+    pending = {rank: ready_key(update_id, rank) for rank in range(1, group.world_size)}
+    refused = []
+    while pending:
+        for rank, key in list(pending.items()):
+            if group.store.check([key]):
+                if group.store.get(key) == REFUSED:
+                    refused.append(rank)
+                del pending[rank]
+        if pending:
+            poll()
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"rank(s) {sorted(pending)} did not answer update {update_id} in time")
+            time.sleep(POLL_S)
+    return refused
+
+
+def decide(group: WeightGroup, update_id: int, *, go: bool) -> None:
+    """Trainer: start (`go`) or cancel update `update_id` on every receiver."""
+    group.store.set(go_key(update_id), SEND if go else CANCEL)
+
+
+def send(
+    group: WeightGroup,
+    plan: UpdatePlan,
+    tensors: Sequence[torch.Tensor],
+    *,
+    deadline: float,
+    poll: Callable[[], None] = lambda: None,
+) -> None:
+    """Rank 0: broadcast the tensors bucket by bucket. A failure names the bucket and its first
+    and last parameter; `poll` runs while waiting (raise from it to stop)."""
+    for index, members in enumerate(plan.bucket_members()):
+        what = _bucket_name(plan, index, members, len(plan.buckets))
+        flat = torch.cat([tensors[i].reshape(-1) for i in members]).to(group.device)
+        group.broadcast(flat, deadline=deadline, what=what, poll=poll)
+
+
+def receive(
+    group: WeightGroup, plan: UpdatePlan, targets: dict[str, torch.Tensor], *, deadline: float
+) -> None:
+    """Rank > 0: receive every bucket and copy each tensor into `targets[name]` (its dtype and
+    device may differ from the sent one). Check the plan with `check_plan` first."""
+    for index, members in enumerate(plan.bucket_members()):
+        what = _bucket_name(plan, index, members, len(plan.buckets))
+        numel = sum(_numel(plan.shapes[i]) for i in members)
+        flat = torch.empty(numel, dtype=plan.dtype(members[0]), device=group.device)
+        group.broadcast(flat, deadline=deadline, what=what, poll=lambda: None)
+        offset = 0
+        for i in members:
+            size = _numel(plan.shapes[i])
+            target = targets[plan.names[i]]
+            target.data.copy_(flat[offset : offset + size].view(plan.shapes[i]), non_blocking=True)
+            offset += size
+    if group.device.type == "cuda":
+        torch.cuda.current_stream(group.device).synchronize()
+
+
+def check_plan(plan: UpdatePlan, targets: dict[str, torch.Tensor]) -> None:
+    """ValueError unless every name is a target with the same shape."""
+    unknown = [name for name in plan.names if name not in targets]
+    if unknown:
+        more = f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""
+        raise ValueError(
+            f"the model has no parameter named {', '.join(map(repr, unknown[:5]))}{more}; use "
+            f"Hugging Face parameter names such as {next(iter(targets))!r}"
+        )
+    for name, shape in zip(plan.names, plan.shapes):
+        if list(targets[name].shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(shape)}, the model's has {tuple(targets[name].shape)}")
+
+
+def _bucket_name(plan: UpdatePlan, index: int, members: range, count: int) -> str:
+    return (
+        f"bucket {index + 1}/{count} ({plan.dtype_names[members[0]]}, "
+        f"{plan.names[members[0]]} .. {plan.names[members[-1]]})"
+    )
