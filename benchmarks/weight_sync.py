@@ -2,6 +2,7 @@
 
     python benchmarks/weight_sync.py                 # 2 GPUs: server on GPU 1, trainer on GPU 0
     python benchmarks/weight_sync.py --device cpu    # a tiny model and gloo, to check the script
+    python benchmarks/weight_sync.py --deployments   # then step times: colocate, server, async
 
 On CUDA the server runs the random Qwen2-0.5B-shaped model in bf16 (`--model random:qwen2-0.5b`)
 with the native engine, in its own process that sees only `--server-gpu`; the trainer holds a
@@ -179,6 +180,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS))
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/...)")
+    parser.add_argument(
+        "--deployments",
+        action="store_true",
+        help="then the step time of colocate, server and async mode (benchmarks/deployments.py)",
+    )
     args = parser.parse_args(argv)
     args.model = args.model or ("qwen2-0.5b" if args.device == "cuda" else "tiny")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -196,6 +202,10 @@ def main(argv: list[str] | None = None) -> dict:
     failed = [r["transport"] for r in report["results"] if r["check_logprob_gap"] > CHECK_TOLERANCE]
     if failed:
         raise SystemExit(f"the server's log-probs disagree with the trainer's after {', '.join(failed)}")
+    if args.deployments:
+        command = [sys.executable, str(Path(__file__).with_name("deployments.py"))]
+        command += [f"--server-gpu={args.server_gpu}"] + (["--smoke"] if args.device == "cpu" else [])
+        subprocess.run(command, check=True)
     return report
 
 
