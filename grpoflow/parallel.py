@@ -162,6 +162,7 @@ def shard_model(
     # calls a layer directly.
     with torch.no_grad():
         root(lambda: None)
+    root.reshard()
     where = Placement(device=device, root=root)
     attach(model, where)
     return where
@@ -173,7 +174,12 @@ def sharded_forward(model: nn.Module, function: Callable[[], Any]) -> Any:
     where = placement(model)
     if where is None or where.root is None:
         return function()
-    return where.root(function)
+    result = where.root(function)
+    if not torch.is_grad_enabled():
+        # The root keeps its gathered parameters after forward for the backward pass; without
+        # one they would stay gathered, and registered in place of the shards the optimizer holds.
+        where.root.reshard()
+    return result
 
 
 def clip_gradients(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -282,7 +288,14 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Tied weights come gathered into separate tensors: keep the first name only, as
+    # `save_pretrained` does for the tensors of a whole model that share storage.
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    aliases = {name for group in names.values() for name in group[1:]}
+    return {name: tensor for name, tensor in state.items() if name not in aliases}
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

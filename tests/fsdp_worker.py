@@ -64,6 +64,11 @@ def main() -> None:
         sharded = copy.deepcopy(whole)
         parallel.shard_model(sharded, CPU, world_size=world_size, offload_params=offload_params)
         what = f"lora={lora} offload_params={offload_params}"
+        optimizers = []  # built straight after sharding, as launch does
+        for model in (whole, sharded):
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            optimizers.append(torch.optim.AdamW(trainable, lr=1e-2))
+        parallel.full_optimizer_state(optimizers[1])
         want = {name: tensor.clone() for name, tensor in adapters.merged_weights(whole)}
         check_close(dict(parallel.rollout_weights(sharded, CopyingEngine())), want, f"rollout_weights {what}")
         with parallel.full_parameters(sharded), torch.no_grad():
@@ -74,11 +79,6 @@ def main() -> None:
         torch.testing.assert_close(got, want_logits, atol=1e-5, rtol=0, msg=f"forward {what}")
         assert all(hasattr(p, "full_tensor") for p in inner.parameters()), "sharded again after the block"
 
-        optimizers = []
-        for model in (whole, sharded):
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            optimizers.append(torch.optim.AdamW(trainable, lr=1e-2))
-        parallel.full_optimizer_state(optimizers[1])
         for _ in range(2):
             for model, optimizer in zip((whole, sharded), optimizers):
                 train_step(model, optimizer, ids)
