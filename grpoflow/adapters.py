@@ -286,12 +286,41 @@ def _has_adapter(module: nn.Module) -> bool:
     return any(isinstance(child, BaseTunerLayer | AuxiliaryTrainingWrapper) for child in module.modules())
 
 
-def _plain_parameters(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
+def module_weights(
+    module: nn.Module, prefix: str = "", seen: set[int] | None = None, skip: tuple[nn.Module, ...] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`merged_weights` of a part of the policy: `module`'s parameters named `prefix + name` as the
+    model without PEFT names them, adapters merged, leaving out the subtrees `skip` and the
+    parameters whose ids are in `seen` (which it extends: tied weights come once over calls)."""
+    seen = set() if seen is None else seen
+    if "peft" not in sys.modules:
+        for name, parameter in _walk(module, prefix, skip):
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                yield name, parameter
+        return
+    yield from _plain_parameters(module, prefix, seen, skip)
+
+
+def _walk(module: nn.Module, prefix: str, skip: tuple[nn.Module, ...]) -> Iterator[tuple[str, nn.Parameter]]:
+    if any(module is other for other in skip):
+        return
+    for name, parameter in module.named_parameters(recurse=False):
+        yield prefix + name, parameter
+    for name, child in module.named_children():
+        yield from _walk(child, f"{prefix}{name}.", skip)
+
+
+def _plain_parameters(
+    module: nn.Module, prefix: str, seen: set[int], skip: tuple[nn.Module, ...] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
     """`module`'s parameters as the model without PEFT names them, adapters merged (pre-order, as
     `named_parameters` walks); `seen` holds the ids of parameters already given (tied weights)."""
     from peft.tuners.lora import LoraLayer
     from peft.utils.other import ModulesToSaveWrapper
 
+    if any(module is other for other in skip):
+        return
     if isinstance(module, LoraLayer):
         base_layer = module.get_base_layer()
         for name, parameter in base_layer.named_parameters(recurse=False):
@@ -303,14 +332,16 @@ def _plain_parameters(module: nn.Module, prefix: str, seen: set[int]) -> Iterato
     if isinstance(module, ModulesToSaveWrapper):
         active = [name for name in module.active_adapters if name in module.modules_to_save]
         trained = module.modules_to_save[active[0]] if active and not module.disable_adapters else None
-        yield from _plain_parameters(module.original_module if trained is None else trained, prefix, seen)
+        yield from _plain_parameters(
+            module.original_module if trained is None else trained, prefix, seen, skip
+        )
         return
     for name, parameter in module.named_parameters(recurse=False):
         if id(parameter) not in seen:
             seen.add(id(parameter))
             yield prefix + name, parameter
     for name, child in module.named_children():
-        yield from _plain_parameters(child, f"{prefix}{name}.", seen)
+        yield from _plain_parameters(child, f"{prefix}{name}.", seen, skip)
 
 
 def _merged_weight(layer, weight: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ directory, which the next save clears, never a half-written `checkpoint-N`.
 A checkpoint holds the model (a LoRA run's: the adapter only, PEFT's `save_pretrained`), the
 tokenizer and the trainer state (`trainer_state.pt`, which keeps the run's config and, for a run
 over several processes, every rank's RNG state). Rank 0 writes it; the weights, optimizer and data
-position are the same on every rank.
+position are the same on every rank (under FSDP, gathered from every rank's shards first).
 """
 
 from __future__ import annotations
@@ -75,8 +75,12 @@ def save_checkpoint(
     tokenizer,
     trainer_state: dict[str, Any],
     save_total_limit: int | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write `output_dir/checkpoint-{step}` atomically, then drop the oldest beyond the limit."""
+    """Write `output_dir/checkpoint-{step}` atomically, then drop the oldest beyond the limit.
+
+    `state_dict`: the model's full weights when the model itself holds only shards (FSDP); the
+    files written are the same as for a whole model."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     for stale in output_dir.glob(".tmp-checkpoint-*"):
@@ -87,9 +91,9 @@ def save_checkpoint(
     if is_peft_model(model):
         # The adapter only. Embeddings are never resized here, so PEFT need not fetch the base
         # model's config to find out whether to save them.
-        model.save_pretrained(staging, save_embedding_layers=False)
+        model.save_pretrained(staging, save_embedding_layers=False, state_dict=state_dict)
     else:
-        model.save_pretrained(staging, safe_serialization=True)
+        model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(staging)
     torch.save(trainer_state, staging / STATE_FILE)
     (staging / MARKER).write_text(str(step))

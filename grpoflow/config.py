@@ -209,6 +209,24 @@ class TrainingConfig:
     """Keep at most this many checkpoints (oldest deleted)."""
     resume_from_checkpoint: str | None = None
     """A checkpoint directory, or `latest` for the newest in output_dir."""
+    fsdp: bool = False
+    """Over several processes, shard parameters, gradients and optimizer state with PyTorch FSDP2
+    (one unit per decoder layer); off, every rank holds a full copy and gradients are summed over
+    ranks (as DDP)."""
+    fsdp_offload_params: bool = False
+    """Under fsdp: keep the sharded parameters, gradients and optimizer state on the CPU (the
+    optimizer steps there); each unit comes to the GPU for its forward and backward."""
+    fsdp_mixed_precision: Literal["auto", "bf16", "no"] = "auto"
+    """Under fsdp: bf16 gathers float32 weights in bfloat16 for forward and backward and reduces
+    gradients in float32 (sharded weights and optimizer state keep their dtype); auto is bf16 on
+    a GPU, no on the CPU; no computes and reduces in the weights' dtype."""
+    offload_model: bool = False
+    """Keep the policy's weights on the CPU while an engine with its own copy (vLLM) generates,
+    and a reference model copy on the CPU except for its log-prob pass (replicated training)."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state on the CPU between optimizer steps (replicated training)."""
+    gc_collect_after_offload: bool = False
+    """Collect garbage and empty the CUDA cache after each offload."""
 
     def __post_init__(self) -> None:
         _check_positive(
@@ -224,6 +242,15 @@ class TrainingConfig:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ValueError(f"max_steps must be > 0, or -1 to use num_train_epochs; got {self.max_steps}")
+        if self.fsdp_offload_params and not self.fsdp:
+            raise ValueError("fsdp_offload_params needs fsdp=true (it offloads FSDP's shards)")
+        for name in ("offload_model", "offload_optimizer"):
+            if self.fsdp and getattr(self, name):
+                raise ValueError(
+                    f"{name} moves a replicated model's memory and does not apply under fsdp: "
+                    "use fsdp_offload_params=true (sharded parameters, gradients and optimizer state "
+                    "on the CPU), or fsdp=false"
+                )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -7,6 +7,9 @@ decoder directly): after the backward passes of an optimizer step, `all_reduce_g
 gradients of every rank in a few flat buckets, and the losses are normalised by global totals, so
 that the summed gradient is the gradient one process would get on the whole global batch.
 
+Under `fsdp` the model is sharded instead (`grpoflow.parallel`) and FSDP reduce-scatters the
+gradients itself.
+
 A single process gets `DistributedContext()` (world size 1), whose collectives do nothing; the loop
 reads the same either way.
 """

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grpoflow import adapters, checkpoint
+from grpoflow import adapters, checkpoint, parallel
 from grpoflow.config import GRPOConfig, PolicyConfig
 from grpoflow.data import build_prompt_items, load_rows, read_system_prompt
 from grpoflow.distributed import init_distributed, run_steps
@@ -25,6 +25,7 @@ from grpoflow.models import (
     resolve_device,
     resolve_dtype,
 )
+from grpoflow.offload import OptimizerOffload
 from grpoflow.rewards import RewardModel, RewardRunner, load_plugins, resolve_reward, reward_name
 from grpoflow.trainer import GRPOTrainer
 
@@ -98,7 +99,19 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     engine_name = choose_engine(config)
     _check_async(config, engine_name, distributed.world_size)
     engine = build_engine(engine_name, adapters.generation_model(model), tokenizer, options)
+    parallel.place_models(
+        model,
+        ref_model,
+        training,
+        device,
+        world_size=distributed.world_size,
+        engine_shares_weights=engine.shares_policy_weights,
+    )
     optimizer, scheduler = build_optimizer(model, config, len(items), distributed.world_size)
+    if parallel.is_sharded(model):
+        parallel.full_optimizer_state(optimizer)
+    if training.offload_optimizer:
+        OptimizerOffload(optimizer, gc_collect=training.gc_collect_after_offload)
     trainer = GRPOTrainer(
         config,
         model=model,

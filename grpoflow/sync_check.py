@@ -17,6 +17,7 @@ import torch
 
 from grpoflow.algo import sequence_logprobs
 from grpoflow.engines import RolloutEngine, SamplingParams
+from grpoflow.parallel import compute_device, sharded_forward
 
 
 class WeightSyncCheckError(RuntimeError):
@@ -49,13 +50,17 @@ class SyncCheck:
     def _gap(self, model: torch.nn.Module, token_ids: list[int], engine_logprobs: list[float]) -> float:
         if not token_ids:
             return 0.0
-        device = next(model.parameters()).device
-        ids = torch.tensor([self.probe_ids + list(token_ids)], device=device)
+        ids = torch.tensor([self.probe_ids + list(token_ids)], device=compute_device(model))
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
-                logps, _ = sequence_logprobs(model, ids, torch.ones_like(ids), logits_to_keep=len(token_ids))
+                logps, _ = sharded_forward(
+                    model,
+                    lambda: sequence_logprobs(
+                        model, ids, torch.ones_like(ids), logits_to_keep=len(token_ids)
+                    ),
+                )
         finally:
             model.train(was_training)
         engine = torch.tensor(engine_logprobs, dtype=torch.float32)

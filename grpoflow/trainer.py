@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 
 from grpoflow import checkpoint
-from grpoflow.adapters import merged_adapters, rollout_weights
 from grpoflow.algo import combine_rewards, group_advantages, overlong_mask, select_groups, zero_std_groups
 from grpoflow.config import GRPOConfig
 from grpoflow.data import PromptItem, PromptSampler
 from grpoflow.distributed import DistributedContext, run_steps
 from grpoflow.engines import RolloutEngine, SamplingParams
 from grpoflow.metrics import MetricsLogger
+from grpoflow.parallel import compute_device, full_state_dict, rollout_context, rollout_weights
 from grpoflow.prefetch import RolloutPrefetcher
 from grpoflow.rewards import RewardRunner
 from grpoflow.rollout import Group, collate, generate_groups, reward_inputs
@@ -95,7 +95,7 @@ class GRPOTrainer:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.engine, self.rewards, self.items = engine, rewards, items
         self.optimizer, self.scheduler, self.ref_model = optimizer, scheduler, ref_model
-        self.device = next(model.parameters()).device
+        self.device = compute_device(model)
         self.sampler = PromptSampler(
             len(items), seed=config.training.seed, shuffle=config.data.dataset_shuffle
         )
@@ -245,7 +245,7 @@ class GRPOTrainer:
                 self.config.off_policy.max_staleness,
             )
         self.engine.wake_up()
-        with merged_adapters(self.model):
+        with rollout_context(self.model, self.engine):
             scored = self.rollout_and_score(timer)
         self.engine.sleep()
         return scored, self.step_count - self.engine.policy_version
@@ -417,6 +417,7 @@ class GRPOTrainer:
         training = self.config.training
         state = self.state_dict()
         per_rank = self.distributed.gather_objects(state["rng"])
+        weights = full_state_dict(self.model)  # every rank takes part in gathering FSDP's shards
         path = Path(training.output_dir) / f"checkpoint-{self.step_count}"
         if self.distributed.is_main:
             path = checkpoint.save_checkpoint(
@@ -426,6 +427,7 @@ class GRPOTrainer:
                 tokenizer=self.tokenizer,
                 trainer_state={**state, "rng_per_rank": per_rank},
                 save_total_limit=training.save_total_limit,
+                state_dict=weights,
             )
         self.distributed.barrier()
         return path

@@ -1,7 +1,8 @@
 """The policy-update phase: old and reference log-probs, micro-batched loss, optimizer steps.
 
 Over several ranks, each runs its own micro-batches and the gradients are summed over ranks before
-clipping; the loss is normalised by the global batch's totals (dapo's completion tokens, dr_grpo's
+clipping (by `all_reduce_gradients` for a replicated model, by FSDP's reduce-scatter for a sharded
+one, whose forward passes run inside its root: `grpoflow.parallel`); the loss is normalised by the global batch's totals (dapo's completion tokens, dr_grpo's
 completions; grpo and bnpo average over the micro-batches of every rank), so the summed gradient
 equals one process's on the whole batch split into the same micro-batches.
 """
@@ -16,6 +17,7 @@ import torch
 from grpoflow.algo import micro_batch_scale, policy_loss, sampling_correction, sequence_logprobs
 from grpoflow.config import AlgorithmConfig
 from grpoflow.distributed import DistributedContext
+from grpoflow.parallel import clip_gradients, in_use, is_sharded, sharded_forward
 from grpoflow.rollout import RolloutBatch
 
 
@@ -53,14 +55,17 @@ def batch_logprobs(
     attention_mask = (
         torch.cat([batch.prompt_mask, batch.completion_mask], dim=1) if batch.left_padded else None
     )
-    return sequence_logprobs(
+    return sharded_forward(
         model,
-        input_ids,
-        attention_mask,
-        logits_to_keep=batch.completion_ids.shape[1],
-        temperature=settings.temperature,
-        chunk_size=settings.algorithm.logprob_chunk_size,
-        compute_entropy=entropy,
+        lambda: sequence_logprobs(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep=batch.completion_ids.shape[1],
+            temperature=settings.temperature,
+            chunk_size=settings.algorithm.logprob_chunk_size,
+            compute_entropy=entropy,
+        ),
     )
 
 
@@ -101,7 +106,8 @@ def update_policy(
     for part in parts:
         starts.append(starts[-1] + len(part))
     old = frozen_logprobs(model, parts, settings) if algorithm.num_iterations > 1 else None
-    ref = frozen_logprobs(ref_model, parts, settings) if ref_model is not None else None
+    with in_use(ref_model):
+        ref = frozen_logprobs(ref_model, parts, settings) if ref_model is not None else None
     num_items = distributed.all_reduce(batch.completion_mask.sum()).clamp(min=1)
     num_micro_batches = len(parts) * distributed.world_size
     scale = micro_batch_scale(algorithm.loss_type, num_micro_batches)
@@ -180,9 +186,10 @@ def _optimizer_step(
     model, optimizer, scheduler, settings: UpdateSettings, distributed: DistributedContext
 ) -> torch.Tensor:
     parameters = [p for p in model.parameters() if p.requires_grad]
-    distributed.all_reduce_gradients(parameters)
+    if not is_sharded(model):  # FSDP reduce-scatters in the backward pass
+        distributed.all_reduce_gradients(parameters)
     max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    grad_norm = clip_gradients(parameters, max_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)

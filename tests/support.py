@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -11,7 +12,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+import yaml
+from safetensors.torch import load_file
+
 import grpoflow
+from grpoflow import distributed
 from grpoflow.cli import DEFAULT_RECIPE
 from grpoflow.config import GRPOConfig, load_config
 
@@ -81,3 +87,67 @@ def serve_in_subprocess(log_dir: Path, *flags: str, timeout: float = 120.0) -> I
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+RUN = {
+    "report_to": ["none"],
+    "disable_tqdm": True,
+    "max_steps": 4,
+    "save_steps": 2,
+    "per_device_train_batch_size": 16,
+    "num_iterations": 2,
+    "beta": 0.05,
+    "log_completions": True,
+}
+"""A run small enough for two CPU processes: 4 steps of 2 prompts x 8 completions per rank."""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without torchrun's and the launch variables, plus `extra`."""
+    dropped = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", *distributed.LAUNCH_VARIABLES}
+    env = {key: value for key, value in os.environ.items() if key not in dropped}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def recipe_values(output_dir, **overrides) -> dict:
+    """The embedded default recipe with RUN and `overrides` on top."""
+    default = yaml.safe_load(DEFAULT_RECIPE.read_text())
+    return {**default, **RUN, "output_dir": str(output_dir), **overrides}
+
+
+def write_config(tmp_path, name: str, **overrides) -> tuple:
+    output_dir = tmp_path / name
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe_values(output_dir, **overrides)))
+    return path, output_dir
+
+
+def grpoflow_train(config_path, env: dict[str, str], *, torchrun: bool = False, timeout: int = 240):
+    command = [sys.executable, "-m", "grpoflow.cli", "train", "--config", str(config_path)]
+    if torchrun:
+        command[1:3] = ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        command[5:5] = ["--master_port", str(free_port()), "-m", "grpoflow.cli"]
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ), timeout
+
+
+def finish(started) -> str:
+    process, timeout = started
+    output, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def weights(checkpoint_dir) -> dict[str, torch.Tensor]:
+    return load_file(str(checkpoint_dir / "model.safetensors"))

@@ -1,0 +1,178 @@
+"""Weak scaling of a GRPO step over 1 and 2 GPUs, and the memory options, in one run.
+
+    python benchmarks/scaling.py                          # a 2-GPU machine, the standard workload
+    python benchmarks/scaling.py --variants 1gpu,2gpu-fsdp --steps 4
+    python benchmarks/scaling.py --device cpu --model tiny   # two CPU processes, to check the script
+
+The standard workload of benchmarks/grpo_step.py per GPU (a random Qwen2-0.5B-shaped model in bf16,
+64 prompts x 8 generations, prompt 128 tokens, 256 new tokens, beta 0, native engine), so 2 GPUs
+generate and train on twice the batch of 1 (weak scaling). Each variant is one `grpoflow train`
+under torchrun in its own subprocess; its numbers come from the run's metrics.jsonl (step time of
+the slowest rank, peak memory of the fullest GPU) over the steps after `--warmup`. Scaling
+efficiency is generated tokens per second per GPU over the whole step, against the 1-GPU run.
+Results go to benchmarks/results/ as JSON, with the GPU name and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from grpo_step import grpoflow_overrides, write_inputs  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+VARIANTS: dict[str, tuple[int, dict]] = {
+    "1gpu": (1, {}),
+    "2gpu-ddp": (2, {}),
+    "2gpu-fsdp": (2, {"fsdp": True}),
+    "1gpu-lora": (1, {"train_type": "lora", "learning_rate": 1e-5}),
+    "1gpu-offload-optimizer": (1, {"offload_optimizer": True, "gc_collect_after_offload": True}),
+}
+"""Variant name -> (processes, config keys on top of the standard workload)."""
+
+
+def variant_config(args, name: str, model_dir: Path, prompts: Path, workdir: Path) -> dict:
+    """The run's config: grpo_step.py's workload per rank, the variant's keys, the device."""
+    settings = argparse.Namespace(
+        micro_batch=args.micro_batch,
+        new_tokens=args.new_tokens,
+        gradient_checkpointing=1,
+        torch_compile=0,
+        steps=args.steps,
+        engine="native",
+        workdir=str(workdir / name),
+    )
+    config = {**grpoflow_overrides(settings, model_dir, prompts), **VARIANTS[name][1], "device": args.device}
+    if args.model == "tiny":  # small enough for two CPU processes
+        config.update(
+            per_device_train_batch_size=16, gradient_accumulation_steps=2, gpu_memory_utilization=0.1
+        )
+    return config
+
+
+def run_variant(args, name: str, model_dir: Path, prompts: Path, workdir: Path) -> list[dict]:
+    """Train the variant under torchrun; its metrics.jsonl rows."""
+    config = variant_config(args, name, model_dir, prompts, workdir)
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    nproc = VARIANTS[name][0]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    command += ["--master_port", str(_free_port()), "-m", "grpoflow.cli", "train", "--config", str(path)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NPROC_PER_NODE", "NNODES"):
+        env.pop(key, None)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"variant {name} failed:\n{(result.stdout + result.stderr)[-6000:]}")
+    metrics = Path(config["output_dir"]) / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def summarize(name: str, rows: list[dict], warmup: int, generations_per_rank: int) -> dict:
+    nproc = VARIANTS[name][0]
+    steady = rows[warmup:] or rows
+
+    def mean(key: str) -> float | None:
+        values = [row[key] for row in steady if row.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    step_s, mean_length = mean("time/step"), mean("completions/mean_length")
+    generated = nproc * generations_per_rank * mean_length
+    return {
+        "variant": name,
+        "gpus": nproc,
+        "seconds_per_step": step_s,
+        "rollout_s": mean("time/rollout"),
+        "update_s": mean("time/update"),
+        "generated_tokens_per_s_per_gpu": generated / step_s / nproc,
+        "rollout_tokens_per_s_per_gpu": mean("tokens_per_second/rollout") / nproc,
+        "peak_gib_per_gpu": mean("memory/max_allocated_gib"),
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for row in rows:
+        cells = [f"{row[key]:.3g}" if isinstance(row[key], float) else str(row[key] or "-") for key in keys]
+        print(" | ".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--model", choices=("qwen2-0.5b", "tiny"), default="qwen2-0.5b")
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default: benchmarks/results/DATE-scaling-GPU.json)"
+    )
+    args = parser.parse_args()
+    names = [name for name in args.variants.split(",") if name]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    if args.device == "cuda":
+        visible = torch.cuda.device_count()
+        skipped = [name for name in names if VARIANTS[name][0] > visible]
+        if skipped:
+            print(f"skipping {skipped}: {visible} GPU(s) visible")
+        names = [name for name in names if name not in skipped]
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    num_prompts = 64 if args.model == "qwen2-0.5b" else 4
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        model_dir, prompts = write_inputs(
+            workdir, args.model == "tiny", num_prompts=num_prompts * 2 * args.steps
+        )
+        results = {}
+        for name in names:
+            print(f"running {name} ...", flush=True)
+            results[name] = run_variant(args, name, model_dir, prompts, workdir)
+    generations_per_rank = 512 if args.model == "qwen2-0.5b" else 32
+    rows = [summarize(name, results[name], args.warmup, generations_per_rank) for name in names]
+    base = next((row for row in rows if row["variant"] == "1gpu"), None)
+    for row in rows:
+        scaled = base is not None and row["gpus"] > 1
+        per_gpu = row["generated_tokens_per_s_per_gpu"]
+        row["scaling_efficiency"] = per_gpu / base["generated_tokens_per_s_per_gpu"] if scaled else None
+    today = datetime.date.today().isoformat()
+    out = Path(args.out) if args.out else RESULTS / f"{today}-scaling-{device_name.replace(' ', '_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "date": today,
+        "device": device_name,
+        "torch": torch.__version__,
+        "args": vars(args),
+        "rows": rows,
+    }
+    record["steps"] = results
+    out.write_text(json.dumps(record, indent=1))
+    print_table(rows)
+    print(f"wrote {out}")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()
