@@ -310,6 +310,9 @@ class VLLMConfig:
     prompts between them."""
     vllm_server_timeout: float = 240.0
     """Seconds to wait for the server to come up."""
+    num_infer_workers: int = 0
+    """Rollout GPUs per node beside the NPROC_PER_NODE training ones: the run starts a
+    `grpoflow serve` on each and trains against them in server mode (0: none)."""
     vllm_weight_transfer: Literal["auto", "collective", "checkpoint"] = "auto"
     """How weights reach rollout servers: collective (packed broadcasts over an NCCL or gloo group;
     `grpoflow serve` only), checkpoint (a safetensors directory each server reloads), auto
@@ -337,6 +340,14 @@ class VLLMConfig:
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(
                 f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}"
+            )
+        if self.num_infer_workers < 0:
+            raise ValueError(f"num_infer_workers must be >= 0, got {self.num_infer_workers}")
+        if self.num_infer_workers and (self.use_vllm or self.vllm_server_base_url):
+            raise ValueError(
+                "num_infer_workers starts grpoflow's own rollout servers: leave use_vllm and "
+                "vllm_server_base_url unset (for vLLM servers, start them yourself and set "
+                "use_vllm: true, vllm_mode: server, vllm_server_base_url)"
             )
 
 

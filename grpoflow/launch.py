@@ -3,8 +3,10 @@ a checkpoint as a standalone model."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import os
 import random
 import shutil
 from pathlib import Path
@@ -28,6 +30,7 @@ from grpoflow.models import (
 from grpoflow.offload import OptimizerOffload
 from grpoflow.rewards import RewardModel, RewardRunner, load_plugins, resolve_reward, reward_name
 from grpoflow.trainer import GRPOTrainer
+from grpoflow.workers import InferWorkers, worker_gpus
 
 logger = logging.getLogger("grpoflow")
 
@@ -54,6 +57,8 @@ def build_rewards(config: GRPOConfig, device: torch.device) -> RewardRunner:
 
 def choose_engine(config: GRPOConfig) -> str:
     name = config.generation.rollout_engine
+    if config.vllm.num_infer_workers:
+        return "vllm_server"
     if config.vllm.use_vllm:
         if name != "auto":
             logger.warning("use_vllm=true: rollout_engine=%s is ignored", name)
@@ -90,15 +95,22 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     if resume is not None:
         _load_weights(model, resume)
     distributed.broadcast_parameters(model)
+    workers = _start_workers(config, distributed, dtype)
     options = EngineOptions(
         max_model_len=config.data.max_prompt_length + config.generation.max_completion_length,
         gpu_memory_utilization=config.generation.gpu_memory_utilization,
         logprob_chunk_size=config.algorithm.logprob_chunk_size,
-        vllm=config.vllm,
+        vllm=_server_settings(config, workers),
     )
     engine_name = choose_engine(config)
     _check_async(config, engine_name, distributed.world_size)
-    engine = build_engine(engine_name, adapters.generation_model(model), tokenizer, options)
+    try:
+        engine = build_engine(engine_name, adapters.generation_model(model), tokenizer, options)
+    except Exception:
+        if workers:
+            workers.check_alive()  # a server that died says why
+            workers.close()
+        raise
     parallel.place_models(
         model,
         ref_model,
@@ -125,10 +137,40 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         distributed=distributed,
         per_prompt_seeds=engine_name == "native",
     )
+    if workers:
+        trainer.add_cleanup(workers.close)
+        if resume is None:  # the servers start from the model's files; the policy may differ
+            engine.update_weights(parallel.rollout_weights(trainer.model, engine), 0)
     if resume is not None:
         trainer.load_state_dict(checkpoint.load_trainer_state(resume))
         logger.info("resumed from %s at step %d", resume, trainer.step_count)
     return trainer
+
+
+def _server_settings(config: GRPOConfig, workers: InferWorkers | None):
+    """The vLLM section the engine gets: the run's, or one that points at the run's servers."""
+    if workers is None:
+        return config.vllm
+    return dataclasses.replace(config.vllm, vllm_server_base_url=",".join(workers.urls), num_infer_workers=0)
+
+
+def _start_workers(config: GRPOConfig, distributed, dtype: torch.dtype) -> InferWorkers | None:
+    """The run's `num_infer_workers` rollout servers for this training process, or None."""
+    count = config.vllm.num_infer_workers
+    if not count:
+        return None
+    policy = config.policy
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    on_gpu = distributed.device.type == "cuda" or resolve_device(policy.device).type == "cuda"
+    gpus = worker_gpus(
+        count, distributed.local_rank, local_world_size, torch.cuda.device_count() if on_gpu else None
+    )
+    max_len = config.data.max_prompt_length + config.generation.max_completion_length
+    flags = ["--model", policy.model, "--dtype", str(dtype).removeprefix("torch."), "--seed"]
+    flags += [str(config.training.seed), "--max-model-len", str(max_len)]
+    flags += ["--max-num-seqs", str(max(config.vllm.vllm_max_num_seqs, config.generation_batch_size))]
+    flags += ["--trust-remote-code"] if policy.trust_remote_code else []
+    return InferWorkers(flags, gpus, Path(config.training.output_dir) / "infer_workers")
 
 
 def _check_async(config: GRPOConfig, engine_name: str, world_size: int) -> None:
@@ -275,4 +317,4 @@ def run(config: GRPOConfig, trainer: GRPOTrainer | None = None) -> list[dict[str
     finally:
         if metrics_logger is not None:
             metrics_logger.close()
-        trainer.rewards.close()
+        trainer.close()

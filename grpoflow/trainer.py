@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,6 +135,7 @@ class GRPOTrainer:
                 "vllm_mode: server, e.g. against `grpoflow serve`): this engine generates from the very "
                 "parameters being trained"
             )
+        self._cleanups: list[Callable[[], None]] = []
         self.prefetcher: RolloutPrefetcher[ScoredGroups] | None = (
             RolloutPrefetcher() if off_policy.async_generate else None
         )
@@ -383,6 +384,19 @@ class GRPOTrainer:
                 }
             )
         return rows
+
+    def add_cleanup(self, function: Callable[[], None]) -> None:
+        """Call `function` in `close()` (e.g. to stop rollout servers the run started)."""
+        self._cleanups.append(function)
+
+    def close(self) -> None:
+        """Release what the run holds: reward workers, the rollout thread, the run's servers."""
+        self.rewards.close()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        for function in reversed(self._cleanups):
+            function()
+        self._cleanups.clear()
 
     def state_dict(self) -> dict:
         # A batch generated ahead is not in the checkpoint: resuming generates it again.

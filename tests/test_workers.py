@@ -1,0 +1,41 @@
+"""num_infer_workers: rollout servers the run starts beside its training processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpoflow.launch import build_trainer, run
+from grpoflow.workers import worker_gpus
+from tests import support
+
+
+def test_servers_take_the_gpus_after_the_training_processes_split_evenly():
+    assert worker_gpus(2, 0, 1, 4) == [1, 2]
+    assert worker_gpus(4, 0, 2, 8) == [2, 3] and worker_gpus(4, 1, 2, 8) == [4, 5]
+    assert worker_gpus(2, 1, 2, None) == [None]  # CPU servers
+
+
+def test_impossible_layouts_are_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="multiple of 2"):
+        worker_gpus(3, 0, 2, 8)
+    with pytest.raises(ValueError, match="need 16 GPUs, but this node has 8"):
+        worker_gpus(8, 0, 8, 8)
+    with pytest.raises(ValueError, match="leave use_vllm"):
+        support.recipe(support.Path("/tmp"), num_infer_workers=1, use_vllm=True)
+
+
+def test_a_run_starts_trains_against_and_stops_its_rollout_server(tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    config = support.recipe(
+        tmp_path, max_steps=3, num_infer_workers=1, async_generate=True, learning_rate=3e-3
+    )
+    trainer = build_trainer(config)
+    (url,) = trainer.engine.urls
+    history = run(config, trainer)
+    assert [step["async/staleness"] for step in history] == [0.0, 1.0, 1.0]
+    # The server holds the trained weights after every sync.
+    assert all(step["sync/check_logprob_gap"] < 1e-3 for step in history)
+    assert (tmp_path / "run" / "infer_workers").is_dir()
+    with pytest.raises(httpx.HTTPError):  # stopped with the run
+        httpx.get(url + "/health", timeout=2)
