@@ -101,6 +101,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         gpu_memory_utilization=config.generation.gpu_memory_utilization,
         logprob_chunk_size=config.algorithm.logprob_chunk_size,
         vllm=_server_settings(config, workers),
+        exclusive_servers=workers is not None,
     )
     engine_name = choose_engine(config)
     _check_async(config, engine_name, distributed.world_size)

@@ -39,3 +39,19 @@ def test_a_run_starts_trains_against_and_stops_its_rollout_server(tmp_path):
     assert (tmp_path / "run" / "infer_workers").is_dir()
     with pytest.raises(httpx.HTTPError):  # stopped with the run
         httpx.get(url + "/health", timeout=2)
+
+
+@pytest.mark.slow
+def test_two_training_processes_drive_one_server_each(tmp_path):
+    pytest.importorskip("fastapi")
+    config_path, output_dir = support.write_config(
+        tmp_path, "run", num_infer_workers=2, async_generate=True, num_iterations=1, beta=0.0
+    )
+    support.finish(support.grpoflow_train(config_path, support.clean_env(), torchrun=True))
+    logged = support.read_jsonl(output_dir / "metrics.jsonl")
+    assert [row["async/staleness"] for row in logged] == [0.0, 1.0, 1.0, 1.0]
+    # Every rank's server took the collective updates: the post-sync check held on both.
+    assert all(row["sync/check_logprob_gap"] < 1e-3 for row in logged)
+    logs = list((output_dir / "infer_workers").glob("server-*.log"))
+    assert len(logs) == 2
+    assert all("POST /init_weight_transfer_engine" in log.read_text() for log in logs)  # collective

@@ -135,3 +135,5 @@ class EngineOptions:
     """Most sequences decoded at once."""
     vllm: VLLMConfig | None = None
     """The run's vLLM section, for the vLLM engines (colocated and server)."""
+    exclusive_servers: bool = False
+    """The rollout servers serve this training process alone (the run started them)."""

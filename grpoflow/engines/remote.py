@@ -96,7 +96,10 @@ class RemoteEngine:
         sync_dir: str | Path | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_transfer: str = "auto",
+        exclusive_servers: bool = False,
     ) -> None:
+        """`exclusive_servers`: every server has this trainer alone (servers the run started), so
+        the collective transport is open to it under torchrun too."""
         import httpx
 
         if not urls:
@@ -104,6 +107,7 @@ class RemoteEngine:
         if weight_transfer not in WEIGHT_TRANSFERS:
             raise ValueError(f"weight_transfer {weight_transfer!r}; known: {', '.join(WEIGHT_TRANSFERS)}")
         self.urls = list(urls)
+        self.exclusive_servers = exclusive_servers
         self.request_timeout, self.weight_sync_timeout = request_timeout, weight_sync_timeout
         self.bucket_bytes = bucket_bytes
         self._own_sync_dir = sync_dir is None and not os.environ.get(SYNC_DIR_ENV)
@@ -221,7 +225,7 @@ class RemoteEngine:
             "gloo" in ((info or {}).get("grpoflow") or {}).get("weight_transfer", {}).get("backends", [])
             for info in infos
         ]
-        several_trainers = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        several_trainers = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not self.exclusive_servers
         if choice == "collective":
             lacking = [url for url, ok in zip(self.urls, offered) if not ok]
             if lacking:
@@ -410,4 +414,5 @@ def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> RemoteEn
         startup_timeout=config.vllm_server_timeout,
         weight_sync_timeout=max(config.vllm_server_timeout, 600.0),
         weight_transfer=config.vllm_weight_transfer,
+        exclusive_servers=options.exclusive_servers,
     )
