@@ -15,6 +15,12 @@ from grpoflow.update import SamplingCorrection, UpdateSettings, batch_logprobs, 
 VOCAB = 40
 
 
+def _settings(**overrides) -> UpdateSettings:
+    return UpdateSettings(
+        **{"algorithm": AlgorithmConfig(), "max_completion_length": 6, "max_grad_norm": 0.0, **overrides}
+    )
+
+
 def _batch(model, settings) -> RolloutBatch:
     generator = torch.Generator().manual_seed(0)
     batch = RolloutBatch(
@@ -34,14 +40,7 @@ def _train(correction: SamplingCorrection | None, shift: float) -> tuple[dict, d
     """Parameters after one update on a fixed batch whose engine log-probs are the policy's minus
     `shift` nats per token, and the update's metrics."""
     model = build_tiny_model(VOCAB, seed=0)
-    settings = UpdateSettings(
-        algorithm=AlgorithmConfig(),
-        micro_batch_size=2,
-        temperature=1.0,
-        max_completion_length=6,
-        max_grad_norm=0.0,
-        sampling_correction=correction,
-    )
+    settings = _settings(micro_batch_size=2, temperature=1.0, sampling_correction=correction)
     batch = _batch(model, settings)
     batch.sampling_logps = batch.sampling_logps - shift
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -75,13 +74,7 @@ def test_token_ratios_scale_the_update_and_masked_ones_drop_it():
 
 def test_batches_without_left_padding_skip_the_mask_and_score_the_same():
     model = build_tiny_model(VOCAB, seed=0)
-    settings = UpdateSettings(
-        algorithm=AlgorithmConfig(),
-        micro_batch_size=4,
-        temperature=0.8,
-        max_completion_length=6,
-        max_grad_norm=0.0,
-    )
+    settings = _settings(micro_batch_size=4, temperature=0.8)
     batch = _batch(model, settings)
     batch.completion_mask[1, 3:] = 0  # right padding: hidden by the causal mask alone
     batch.completion_mask[2, 1:] = 0
