@@ -38,6 +38,8 @@ VARIANTS: dict[str, tuple[int, dict]] = {
     "2gpu-fsdp": (2, {"fsdp": True}),
     "1gpu-lora": (1, {"train_type": "lora", "learning_rate": 1e-5}),
     "1gpu-offload-optimizer": (1, {"offload_optimizer": True, "gc_collect_after_offload": True}),
+    "1gpu-kl": (1, {"beta": 0.04}),
+    "1gpu-kl-offload-model": (1, {"beta": 0.04, "offload_model": True, "gc_collect_after_offload": True}),
 }
 """Variant name -> (processes, config keys on top of the standard workload)."""
 
