@@ -93,7 +93,7 @@ def extra_overrides(items: list[str] | None) -> dict:
 
 
 def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
-    from grpoflow.config import load_config
+    from grpoflow.config_loader import load_config
     from grpoflow.launch import build_trainer
 
     config = load_config(None, grpoflow_overrides(args, model_dir, prompts))

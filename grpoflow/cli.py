@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from grpoflow.config import GRPOConfig, load_config, parse_overrides
+from grpoflow.config import GRPOConfig
+from grpoflow.config_loader import load_config, parse_overrides
 
 RECIPES = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES / "default.yaml"

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 import grpoflow
 from grpoflow import distributed
 from grpoflow.cli import DEFAULT_RECIPE
-from grpoflow.config import GRPOConfig, load_config
+from grpoflow.config import GRPOConfig
+from grpoflow.config_loader import load_config
 
 QUICK = {
     "report_to": ["none"],

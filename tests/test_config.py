@@ -3,7 +3,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpoflow.config import GRPOConfig, load_config, parse_overrides
+from grpoflow.config import GRPOConfig
+from grpoflow.config_loader import load_config, parse_overrides
 
 PACKAGED_RECIPE = Path(__file__).parents[1] / "grpoflow" / "recipes" / "default.yaml"
 REPO_RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))

@@ -16,7 +16,7 @@ from support import (
     write_plugin,
 )
 
-from grpoflow.config import load_config
+from grpoflow.config_loader import load_config
 from grpoflow.distributed import DistributedContext, torchrun_command, wants_launch
 from grpoflow.launch import run
 

@@ -20,7 +20,7 @@ from support import (
 )
 
 from grpoflow import parallel
-from grpoflow.config import load_config
+from grpoflow.config_loader import load_config
 from grpoflow.launch import build_trainer, run
 from grpoflow.offload import CPU, OptimizerOffload, module_offloaded
 from grpoflow.tiny import build_char_tokenizer, build_preset_model

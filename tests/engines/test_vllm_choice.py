@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from grpoflow.config import load_config
+from grpoflow.config_loader import load_config
 from grpoflow.engines import ENGINES, SamplingParams
 from grpoflow.engines.vllm import sampling_fields, truncates_distribution, weight_buckets
 from grpoflow.launch import choose_engine
