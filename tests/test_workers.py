@@ -55,3 +55,27 @@ def test_two_training_processes_drive_one_server_each(tmp_path):
     logs = list((output_dir / "infer_workers").glob("server-*.log"))
     assert len(logs) == 2
     assert all("POST /init_weight_transfer_engine" in log.read_text() for log in logs)  # collective
+
+
+@pytest.mark.slow
+def test_two_nodes_each_start_their_own_rollout_server(tmp_path):
+    """The README's multi-node async command, as 2 "nodes" of 1 training process + 1 server."""
+    pytest.importorskip("fastapi")
+    port = str(support.free_port())
+    config_path, output_dir = support.write_config(
+        tmp_path, "run", max_steps=2, num_infer_workers=1, async_generate=True, log_completions=False
+    )
+    nodes = [
+        support.grpoflow_train(
+            config_path,
+            support.clean_env(
+                NPROC_PER_NODE="1", NNODES="2", NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+            ),
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [support.finish(node) for node in nodes]
+    assert "done: 2 steps" in outputs[0]
+    logged = support.read_jsonl(output_dir / "metrics.jsonl")
+    assert [row["async/staleness"] for row in logged] == [0.0, 1.0]
+    assert len(list((output_dir / "infer_workers").glob("server-*.log"))) == 2
