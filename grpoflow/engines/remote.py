@@ -275,6 +275,8 @@ class RemoteEngine:
             "prompt": prompts,
             **sampling_fields(params),
             "return_token_ids": True,
+            # Token strings would be decoded one token at a time on the server; ids are enough.
+            "return_tokens_as_token_ids": True,
             "skip_special_tokens": True,
         }
         answer = self._request("POST", url, "/v1/completions", json=body)
