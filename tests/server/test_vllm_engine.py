@@ -146,6 +146,8 @@ def test_the_server_runs_vllm_and_generates_n_completions_with_logprobs(server):
                 torch.tensor(logprobs), reference_logprobs(reference, prompt, ids, 0.8), atol=2e-3, rtol=0
             )
     assert_same(served_greedy(server.url), local_greedy(reference))
+    assert httpx.post(server.url + "/reset_prefix_cache").json() == {"success": True}
+    assert_same(served_greedy(server.url), local_greedy(reference))
 
 
 def reference_logprobs(policy, prompt, completion, temperature) -> torch.Tensor:
