@@ -117,7 +117,7 @@ def serve(argv: list[str]) -> int:
         "server and for TRL's VLLMClient.",
     )
     parser.add_argument("--model", required=True, help="a local directory, hub id, tiny or random:PRESET")
-    parser.add_argument("--engine", default="native", help="native (default) or hf")
+    parser.add_argument("--engine", default="native", help="native (default), hf or vllm")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
@@ -126,6 +126,7 @@ def serve(argv: list[str]) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded at once")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--enforce-eager", action="store_true", help="vllm engine: no compilation")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--seed", type=int, default=42, help="initialisation seed of a random model")
     parser.add_argument("--batch-window-ms", type=float, default=5.0, help="wait for requests to batch")
@@ -156,7 +157,7 @@ COMMANDS = {"train": train, "export": export, "serve": serve}
 USAGE = (
     "usage: grpoflow {train} [options]   (grpoflow train --help)\n"
     "       grpoflow {export} --checkpoint DIR --output OUT [--base MODEL]\n"
-    "       grpoflow {serve} --model MODEL [--engine native|hf] [--port 8000] ...   (grpoflow serve --help)"
+    "       grpoflow {serve} --model MODEL [--engine native|hf|vllm] [--port 8000] ...   (grpoflow serve --help)"
 )
 
 

@@ -261,6 +261,10 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self._last_weights = weights if self.sleep_level == 2 else None
 
+    def reset_prefix_cache(self) -> None:
+        """Drop vLLM's cached KV blocks (done after every weight update too)."""
+        self.llm.reset_prefix_cache()
+
     def sleep(self, level: int = 1) -> None:
         """Free vLLM's memory at the configured `sleep_level` (the trainer's `level` is only a
         request to release memory; the run's vLLM config says how much)."""

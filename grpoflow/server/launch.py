@@ -7,7 +7,7 @@ import logging
 import torch
 
 from grpoflow.config import PolicyConfig
-from grpoflow.engines import EngineOptions, build_engine
+from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
 from grpoflow.models import load_model, load_tokenizer, resolve_device
 from grpoflow.server.config import ServeConfig
 from grpoflow.server.protocol import Limits
@@ -20,22 +20,12 @@ DEFAULT_MAX_MODEL_LEN = 2048
 
 
 def build_service(config: ServeConfig) -> Service:
-    """Load the model and tokenizer and build the engine that serves them."""
-    device = resolve_device(config.device)
-    dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
+    """Load the tokenizer and the model and build the engine that serves them."""
     tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
-    policy = PolicyConfig(model=config.model, trust_remote_code=config.trust_remote_code)
-    model = load_model(
-        config.model, policy, vocab_size=len(tokenizer), seed=config.seed, device=device, dtype=dtype
-    )
-    model.eval().requires_grad_(False)
-    max_model_len = config.max_model_len or _model_context(model)
-    options = EngineOptions(
-        max_model_len=max_model_len,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        max_num_seqs=config.max_num_seqs,
-    )
-    engine = build_engine(config.engine, model, tokenizer, options)
+    if config.engine == "vllm":
+        model, engine, device, max_model_len = _vllm_parts(config, tokenizer)
+    else:
+        model, engine, device, max_model_len = _in_process_parts(config, tokenizer)
     limits = Limits(
         model_name=config.model_name,
         max_model_len=max_model_len,
@@ -51,7 +41,39 @@ def build_service(config: ServeConfig) -> Service:
         device,
         max_model_len,
     )
-    return Service(config=config, engine=engine, model=model, tokenizer=tokenizer, limits=limits)
+    return Service(
+        config=config, engine=engine, model=model, device=device, tokenizer=tokenizer, limits=limits
+    )
+
+
+def _in_process_parts(
+    config: ServeConfig, tokenizer
+) -> tuple[torch.nn.Module, RolloutEngine, torch.device, int]:
+    """The native or hf engine around the model it generates from, loaded on the server's device."""
+    device = resolve_device(config.device)
+    dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
+    policy = PolicyConfig(model=config.model, trust_remote_code=config.trust_remote_code)
+    model = load_model(
+        config.model, policy, vocab_size=len(tokenizer), seed=config.seed, device=device, dtype=dtype
+    )
+    model.eval().requires_grad_(False)
+    max_model_len = config.max_model_len or model_context(model)
+    options = EngineOptions(
+        max_model_len=max_model_len,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_num_seqs=config.max_num_seqs,
+    )
+    return model, build_engine(config.engine, model, tokenizer, options), device, max_model_len
+
+
+def _vllm_parts(config: ServeConfig, tokenizer) -> tuple[torch.nn.Module, RolloutEngine, torch.device, int]:
+    """vLLM's engine, which holds the weights, and the model's meta module for checking updates."""
+    from grpoflow.server import vllm_backend
+
+    source = vllm_backend.prepare(config, tokenizer)
+    max_model_len = config.max_model_len or model_context(source.module)
+    engine = vllm_backend.build_vllm_engine(config, source, max_model_len)
+    return source.module, engine, source.device, max_model_len
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
@@ -63,7 +85,8 @@ def eos_token_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(token) for token in ids if token is not None))
 
 
-def _model_context(model: torch.nn.Module) -> int:
+def model_context(model: torch.nn.Module) -> int:
+    """The model's stated context (max_position_embeddings), else DEFAULT_MAX_MODEL_LEN."""
     config = model.config
     stated = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     return stated or DEFAULT_MAX_MODEL_LEN

@@ -16,7 +16,8 @@ from grpoflow.server.batcher import Batcher
 from grpoflow.server.config import ServeConfig
 from grpoflow.server.errors import RequestError
 from grpoflow.server.protocol import Limits
-from grpoflow.sync.collective import WeightGroup
+from grpoflow.sync import collective
+from grpoflow.sync.collective import UpdatePlan, WeightGroup
 
 MAX_JSON_BYTES = 64 * 2**20
 """Largest JSON body the server reads; weights travel as safetensors bodies, not JSON."""
@@ -35,6 +36,11 @@ class Service:
     config: ServeConfig
     engine: RolloutEngine
     model: torch.nn.Module
+    """The served model's module: the one the engine generates from (native, hf), or, when the
+    engine holds its own copy of the weights (vllm), a module on the meta device that only names
+    the parameters and gives their shapes and dtype."""
+    device: torch.device
+    """Where the engine generates (and collective transfers land)."""
     tokenizer: Any
     limits: Limits
     weight_version: str = "0"
@@ -44,6 +50,9 @@ class Service:
     """Set by /init_weight_transfer_engine: http, gloo or nccl."""
     weight_group: WeightGroup | None = None
     """The collective weight-transfer group joined through /init_weight_transfer_engine."""
+    pending_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Tensors of the open update kept for /finish_weight_update, for engines that reload whole
+    layers (vllm: a fused layer loaded from part of its tensors would lose the rest)."""
     sleeping: bool = False
     batcher: Batcher | None = field(default=None)
 
@@ -57,6 +66,9 @@ class Service:
             await self.batcher.stop()
         if self.weight_group is not None:
             self.weight_group.close()
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
 
     async def generate(
         self, request: Request, prompts: list[list[int]], params: SamplingParams
@@ -72,6 +84,23 @@ class Service:
                     raise ClientGone
         finally:
             future.cancel()  # a no-op once answered
+
+    def parameter_shapes(self) -> dict[str, torch.Size]:
+        """Every parameter's Hugging Face name (tied names too) and shape: what updates may hold."""
+        return {name: p.shape for name, p in self.model.named_parameters(remove_duplicate=False)}
+
+    def receive_weights(self, group: WeightGroup, plan: UpdatePlan, *, deadline: float) -> None:
+        """Receive a checked update: straight into the parameters when the engine generates from
+        the module, else into buffers handed to the engine's `update_weights` in one call (vLLM
+        reloads a layer once all its tensors arrived, so the update is not split)."""
+        if self.engine.shares_policy_weights:
+            targets = dict(self.model.named_parameters(remove_duplicate=False))
+            collective.receive(group, plan, targets, deadline=deadline)
+            return
+        pairs = [
+            pair for bucket in collective.receive_buckets(group, plan, deadline=deadline) for pair in bucket
+        ]
+        self.engine.update_weights(pairs, self.engine.policy_version)
 
     def set_version(self, version: str) -> None:
         """Record the weight version; engines number completions with it when it is an integer."""

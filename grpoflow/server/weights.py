@@ -1,6 +1,6 @@
 """Weight updates over HTTP, for trainers on any device (vLLM's NCCL and IPC transports need GPUs).
 
-Two ways in, both applied between generation batches (requests that arrive meanwhile wait):
+Three ways in, all applied between generation batches (requests that arrive meanwhile wait):
 
 1. Checkpoint reload, as grpoflow's RemoteEngine drives a vLLM server: /pause, then
    POST /collective_rpc {"method": "reload_weights" (or "grpoflow_reload_weights"),
@@ -11,6 +11,9 @@ Two ways in, both applied between generation batches (requests that arrive meanw
    carrying the tensors as a safetensors file in the body (Content-Type: application/octet-stream)
    or {"update_info": {"weights_path": PATH}}, then /finish_weight_update {"weight_version": V}
    (releases generation). An /update_weights outside start/finish holds generation for itself.
+   With --engine vllm the tensors of one open update are loaded together at finish, since vLLM
+   rebuilds each (fused) layer from one load; an /update_weights outside start/finish must then
+   carry whole layers (q, k and v projections together, gate and up together).
 
 3. The same endpoints with a collective backend (gloo, or NCCL between GPUs): init_info with the
    trainer's master_address and master_port, update_info with names/dtype_names/shapes and no
@@ -75,34 +78,44 @@ def load_bytes(data: bytes) -> dict[str, torch.Tensor]:
         raise RequestError(f"the body is not a safetensors file ({error}); {HTTP_FORM}") from None
 
 
-def check_weights(tensors: dict[str, torch.Tensor], parameters: dict[str, torch.Tensor]) -> None:
-    """Refuse the update unless every tensor names a parameter of the model and has its shape."""
+def check_weights(tensors: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> None:
+    """Refuse the update unless every tensor names a parameter of the model (`shapes`, by Hugging
+    Face name) and has its shape."""
     if not tensors:
         raise RequestError("the update holds no tensors")
-    unknown = [name for name in tensors if name not in parameters]
+    unknown = [name for name in tensors if name not in shapes]
     if unknown:
-        example = next(iter(parameters))
+        example = next(iter(shapes))
         raise RequestError(
             f"the model has no parameter named {', '.join(map(repr, unknown[:5]))}"
             f"{f' (and {len(unknown) - 5} more)' if len(unknown) > 5 else ''}; use Hugging Face "
             f"parameter names such as {example!r}"
         )
     for name, tensor in tensors.items():
-        if tuple(tensor.shape) != tuple(parameters[name].shape):
+        if tuple(tensor.shape) != tuple(shapes[name]):
             raise RequestError(
-                f"{name} has shape {tuple(tensor.shape)}, the model's has {tuple(parameters[name].shape)}"
+                f"{name} has shape {tuple(tensor.shape)}, the model's has {tuple(shapes[name])}"
             )
         if not tensor.is_floating_point():
             raise RequestError(f"{name} has dtype {tensor.dtype}: weights must be floating point")
 
 
 async def apply(service: Service, tensors: dict[str, torch.Tensor]) -> int:
-    """Check, then write the tensors into the model between batches; returns how many."""
-    parameters = dict(service.model.named_parameters(remove_duplicate=False))
-    check_weights(tensors, parameters)
+    """Check, then hand the tensors to the engine between batches (native and hf copy them into
+    the model they generate from, vllm loads them into its own); returns how many. Within an open
+    update (/start_weight_update) an engine with its own weights gets them all at once, at
+    /finish_weight_update: vLLM rebuilds each layer from the tensors of one load."""
+    check_weights(tensors, service.parameter_shapes())
+    if service.update_open and not service.engine.shares_policy_weights:
+        service.pending_weights.update(tensors)
+        return len(tensors)
+    await load(service, tensors)
+    return len(tensors)
+
+
+async def load(service: Service, tensors: dict[str, torch.Tensor]) -> None:
     engine = service.engine
     await service.batcher.exclusive(engine.update_weights, list(tensors.items()), engine.policy_version)
-    return len(tensors)
 
 
 # -- vLLM's weight-transfer endpoints, HTTP backend ---------------------------------------------
@@ -165,6 +178,9 @@ async def finish_weight_update(request: Request) -> dict:
     service = service_of(request)
     body = await read_json(request, required=False)
     version = body.get("weight_version") if isinstance(body, dict) else None
+    if service.pending_weights:
+        pending, service.pending_weights = service.pending_weights, {}
+        await load(service, pending)
     if version is not None:
         service.set_version(version)
     if service.update_open:

