@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import support
 
 from grpoflow.launch import build_trainer, run
 from grpoflow.workers import worker_gpus
-from tests import support
 
 
 def test_servers_take_the_gpus_after_the_training_processes_split_evenly():

@@ -18,6 +18,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import httpx  # noqa: E402
+import support  # noqa: E402
 from safetensors.torch import save  # noqa: E402
 
 from grpoflow.engines import EngineOptions, SamplingParams, build_engine  # noqa: E402
@@ -25,7 +26,6 @@ from grpoflow.engines.remote import RemoteEngine, WeightSyncError  # noqa: E402
 from grpoflow.engines.vllm import VLLMEngine  # noqa: E402
 from grpoflow.server import ServeConfig, build_service, vllm_backend  # noqa: E402
 from grpoflow.tiny import build_char_tokenizer, build_tiny_model, save_tiny_checkpoint  # noqa: E402
-from tests import support  # noqa: E402
 
 TINY_SHAPE = dict(
     hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2, intermediate_size=256
