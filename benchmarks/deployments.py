@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from pathlib import Path
 import grpo_step
 import torch
 
+from grpoflow.workers import RolloutServers
+
 MODES = {
     "colocate": [],
     "server": ["use_vllm=true", "vllm_mode=server"],
@@ -37,39 +38,22 @@ MODES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(args, model_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(
-            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
-        ),
-    )
-    device = "cpu" if args.smoke else "cuda"
-    if not args.smoke:
-        env["CUDA_VISIBLE_DEVICES"] = str(args.server_gpu)
-    command = [
-        sys.executable, "-m", "grpoflow.cli", "serve", "--model", str(model_dir), "--device", device,
-        "--dtype", "float32" if args.smoke else "bfloat16", "--host", "127.0.0.1", "--port", str(port),
+def start_server(args, model_dir: Path, log_dir: Path) -> RolloutServers:
+    """`grpoflow serve` on the server GPU (the CPU under --smoke) for the standard workload."""
+    flags = [
+        "--model", str(model_dir), "--dtype", "float32" if args.smoke else "bfloat16",
         "--max-model-len", str(128 + args.new_tokens + 8), "--max-num-seqs", "512",
         "--gpu-memory-utilization", "0.5", "--batch-window-ms", "1",
     ]  # fmt: skip
-    with open(log_path, "w") as log:
-        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return RolloutServers(flags, [None if args.smoke else args.server_gpu], log_dir)
 
 
 def run_mode(args, mode: str, workdir: Path) -> dict:
     settings = list(MODES[mode]) + list(args.set)
     server = None
     if mode != "colocate":
-        port = free_port()
-        server = start_server(args, workdir / "model", port, workdir / f"server-{mode}.log")
-        settings.append(f"vllm_server_base_url=http://127.0.0.1:{port}")
+        server = start_server(args, workdir / "model", workdir / f"servers-{mode}")
+        settings.append(f"vllm_server_base_url={server.urls[0]}")
     env = dict(os.environ)
     if not args.smoke:
         env["CUDA_VISIBLE_DEVICES"] = str(args.trainer_gpu)
@@ -82,8 +66,7 @@ def run_mode(args, mode: str, workdir: Path) -> dict:
         subprocess.run(command, check=True, env=env)
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(timeout=60)
+            server.close()
     return json.loads((workdir / "grpoflow.json").read_text())
 
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +30,7 @@ import torch
 from grpoflow.engines.remote import RemoteEngine
 from grpoflow.sync_check import SyncCheck
 from grpoflow.tiny import build_char_tokenizer, build_preset_model
+from grpoflow.workers import RolloutServers
 
 TRANSPORTS = ("collective", "checkpoint")
 CHECK_TOLERANCE = 0.1
@@ -39,21 +38,13 @@ CHECK_TOLERANCE = 0.1
 stale weights far above."""
 
 
-def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, log_dir: Path) -> RolloutServers:
     """`grpoflow serve` in a process of its own; on CUDA it sees only the server GPU."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    device = "cpu"
-    if args.device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = str(args.server_gpu)
-        device = "cuda"
-    command = [
-        sys.executable, "-m", "grpoflow.cli", "serve", "--model", f"random:{args.model}",
-        "--dtype", args.dtype, "--device", device, "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "512", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.5",
+    flags = [
+        "--model", f"random:{args.model}", "--dtype", args.dtype, "--max-model-len", "512",
+        "--max-num-seqs", "16", "--gpu-memory-utilization", "0.5",
     ]  # fmt: skip
-    with open(log_path, "w") as log:
-        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return RolloutServers(flags, [args.server_gpu if args.device == "cuda" else None], log_dir)
 
 
 def synchronize(device: torch.device) -> None:
@@ -102,16 +93,14 @@ def run(args: argparse.Namespace) -> dict:
     model = build_preset_model(args.model, len(build_char_tokenizer()), seed=1, dtype=dtype, device=device)
     model.eval().requires_grad_(False)
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="grpoflow-bench-") as directory:
-        log_path = Path(directory) / "server.log"
-        server = start_server(args, port, log_path)
+        server = start_server(args, Path(directory) / "server")
         results, version = [], 1
         try:
             for transport in args.transports:
                 change_weights(model)
                 engine = RemoteEngine(
-                    [f"http://127.0.0.1:{port}"],
+                    server.urls,
                     startup_timeout=600,
                     weight_sync_timeout=120,
                     weight_transfer=transport,
@@ -126,11 +115,10 @@ def run(args: argparse.Namespace) -> dict:
                     result["backend"] = "nccl" if device.type == "cuda" else "gloo"
                 results.append(result)
         except Exception:
-            print(log_path.read_text()[-4000:], file=sys.stderr)
+            print(server.log_tail(0, 4000), file=sys.stderr)
             raise
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            server.close()
     return {
         "benchmark": "weight_sync",
         "date": datetime.date.today().isoformat(),
@@ -146,12 +134,6 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "results": results,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def print_table(report: dict) -> None:

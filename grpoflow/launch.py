@@ -30,7 +30,7 @@ from grpoflow.models import (
 from grpoflow.offload import OptimizerOffload
 from grpoflow.rewards import RewardModel, RewardRunner, load_plugins, resolve_reward, reward_name
 from grpoflow.trainer import GRPOTrainer
-from grpoflow.workers import InferWorkers, worker_gpus
+from grpoflow.workers import RolloutServers, worker_gpus
 
 logger = logging.getLogger("grpoflow")
 
@@ -148,14 +148,14 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     return trainer
 
 
-def _server_settings(config: GRPOConfig, workers: InferWorkers | None):
+def _server_settings(config: GRPOConfig, workers: RolloutServers | None):
     """The vLLM section the engine gets: the run's, or one that points at the run's servers."""
     if workers is None:
         return config.vllm
     return dataclasses.replace(config.vllm, vllm_server_base_url=",".join(workers.urls), num_infer_workers=0)
 
 
-def _start_workers(config: GRPOConfig, distributed, dtype: torch.dtype) -> InferWorkers | None:
+def _start_workers(config: GRPOConfig, distributed, dtype: torch.dtype) -> RolloutServers | None:
     """The run's `num_infer_workers` rollout servers for this training process, or None."""
     count = config.vllm.num_infer_workers
     if not count:
@@ -171,7 +171,7 @@ def _start_workers(config: GRPOConfig, distributed, dtype: torch.dtype) -> Infer
     flags += [str(config.training.seed), "--max-model-len", str(max_len)]
     flags += ["--max-num-seqs", str(max(config.vllm.vllm_max_num_seqs, config.generation_batch_size))]
     flags += ["--trust-remote-code"] if policy.trust_remote_code else []
-    return InferWorkers(flags, gpus, Path(config.training.output_dir) / "infer_workers")
+    return RolloutServers(flags, gpus, Path(config.training.output_dir) / "infer_workers")
 
 
 def _check_async(config: GRPOConfig, engine_name: str, world_size: int) -> None:

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -56,18 +57,20 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-class InferWorkers:
-    """The `grpoflow serve` processes of one training process; `close()` stops them (also at
-    interpreter exit)."""
+class RolloutServers:
+    """`grpoflow serve` processes on this machine, one per entry of `gpus`, each seeing only its
+    GPU (None: a CPU server); `close()` stops them (also at interpreter exit, and when used as a
+    context manager)."""
 
     def __init__(
         self, serve_flags: Sequence[str], gpus: Sequence[int | None], log_dir: str | Path | None = None
     ):
         """Start one server per entry of `gpus` with `grpoflow serve FLAGS`; returns at once
-        (the engine waits for /health)."""
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="grpoflow-infer-workers-"))
+        (`wait_until_healthy`, or the engine, waits for /health)."""
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="grpoflow-servers-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.urls: list[str] = []
+        self.log_paths: list[Path] = []
         self.processes: list[subprocess.Popen] = []
         root = str(Path(__file__).resolve().parents[1])
         for gpu in gpus:
@@ -93,21 +96,51 @@ class InferWorkers:
                     subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
                 )
             self.urls.append(f"http://127.0.0.1:{port}")
-            logger.info(
-                "rollout server on %s at %s (log %s)",
-                device if gpu is None else f"GPU {gpu}",
-                self.urls[-1],
-                log_path,
-            )
+            self.log_paths.append(log_path)
+            where = device if gpu is None else f"GPU {gpu}"
+            logger.info("rollout server on %s at %s (log %s)", where, self.urls[-1], log_path)
         atexit.register(self.close)
+
+    def __enter__(self) -> RolloutServers:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def log_tail(self, index: int, size: int = 3000) -> str:
+        path = self.log_paths[index]
+        return path.read_text()[-size:] if path.exists() else ""
 
     def check_alive(self) -> None:
         """Raise naming the server and its log when one has exited."""
-        for url, process in zip(self.urls, self.processes):
+        for index, (url, process) in enumerate(zip(self.urls, self.processes)):
             if process.poll() is not None:
-                log = self.log_dir / f"server-{url.rsplit(':', 1)[1]}.log"
-                tail = log.read_text()[-2000:] if log.exists() else ""
-                raise RuntimeError(f"rollout server {url} exited with code {process.returncode}:\n{tail}")
+                raise RuntimeError(
+                    f"rollout server {url} exited with code {process.returncode}:\n{self.log_tail(index)}"
+                )
+
+    def wait_until_healthy(self, timeout: float) -> None:
+        """Poll every server's /health until all answer 200; raise with the log of one that
+        exited or is still down after `timeout` seconds."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(self.urls))
+        while pending:
+            for index, url in list(pending.items()):
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        del pending[index]
+                except httpx.HTTPError:
+                    pass
+            self.check_alive()
+            if pending and time.monotonic() > deadline:
+                index = next(iter(pending))
+                raise RuntimeError(
+                    f"rollout server {pending[index]} not healthy after {timeout:.0f}s:\n{self.log_tail(index)}"
+                )
+            if pending:
+                time.sleep(0.2)
 
     def close(self) -> None:
         """Stop every server (terminate, then kill after 30 s)."""

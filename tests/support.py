@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,11 +15,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import grpoflow
 from grpoflow import distributed
 from grpoflow.cli import DEFAULT_RECIPE
 from grpoflow.config import GRPOConfig
 from grpoflow.config_loader import load_config
+from grpoflow.workers import RolloutServers
 
 QUICK = {
     "report_to": ["none"],
@@ -55,39 +54,10 @@ def write_plugin(directory: Path, text: str = HALF_ECHO_PLUGIN) -> Path:
 @contextlib.contextmanager
 def serve_in_subprocess(log_dir: Path, *flags: str, timeout: float = 120.0) -> Iterator[str]:
     """`grpoflow serve --model tiny --device cpu FLAGS` in a process of its own on a free port;
-    yields its URL once /health answers (the log is log_dir/server.log)."""
-    import httpx
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "grpoflow.cli", "serve", "--model", "tiny", "--device", "cpu"]
-    command += ["--host", "127.0.0.1", "--port", str(port), *flags]
-    log_path = log_dir / "server.log"
-    root = str(Path(grpoflow.__file__).resolve().parents[1])  # this checkout's grpoflow, not another
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"grpoflow serve did not come up:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    yields its URL once /health answers (the log is in log_dir)."""
+    with RolloutServers(["--model", "tiny", *flags], [None], log_dir) as servers:
+        servers.wait_until_healthy(timeout)
+        yield servers.urls[0]
 
 
 RUN = {
