@@ -131,8 +131,9 @@ class DistributedContext:
         names = sorted(metrics)
         values = torch.tensor([float(metrics[name]) for name in names], dtype=torch.float64)
         summed = self.all_reduce(values, "sum").tolist()
-        largest = self.all_reduce(values, "max").tolist()
-        smallest_negated = self.all_reduce(-values, "max").tolist()
+        # One max-reduction gives both extremes: the max of -x is -min(x).
+        extremes = self.all_reduce(torch.cat([values, -values]), "max").tolist()
+        largest, smallest_negated = extremes[: len(names)], extremes[len(names) :]
         reduced = {}
         for index, name in enumerate(names):
             if name.startswith(SUM_METRICS):

@@ -193,3 +193,36 @@ def test_one_process_context_leaves_everything_as_it_is():
     assert context.reduce_metrics({"loss": 1.5}) == {"loss": 1.5}
     assert context.gather_objects("x") == ["x"]
     assert context.max_int(3) == 3
+
+
+def _reduce_on_rank(rank: int, init_file: str, results) -> None:
+    import torch.distributed as torch_dist
+
+    torch_dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        context = DistributedContext(rank=rank, world_size=2)
+        metrics = {
+            "loss": [1.0, 3.0][rank],
+            "time/update": [2.0, 5.0][rank],
+            "tokens_per_second/rollout": [10.0, 20.0][rank],
+            "sampling/importance_sampling_ratio/max": [1.5, 1.2][rank],
+            "sampling/importance_sampling_ratio/min": [0.7, 0.9][rank],
+        }
+        results[rank] = context.reduce_metrics(metrics)
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_metrics_are_averaged_summed_or_take_their_extremes_over_ranks(tmp_path):
+    import torch.multiprocessing as multiprocessing
+
+    results = multiprocessing.Manager().dict()
+    multiprocessing.spawn(_reduce_on_rank, args=(str(tmp_path / "init"), results), nprocs=2)
+    expected = {
+        "loss": 2.0,
+        "time/update": 5.0,
+        "tokens_per_second/rollout": 30.0,
+        "sampling/importance_sampling_ratio/max": 1.5,
+        "sampling/importance_sampling_ratio/min": 0.7,
+    }
+    assert results[0] == pytest.approx(expected) and results[1] == pytest.approx(expected)
