@@ -95,9 +95,10 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     if resume is not None:
         _load_weights(model, resume)
     distributed.broadcast_parameters(model)
-    workers = _start_workers(config, distributed, dtype)
+    max_model_len = config.data.max_prompt_length + config.generation.max_completion_length
+    workers = _start_workers(config, distributed, dtype, max_model_len)
     options = EngineOptions(
-        max_model_len=config.data.max_prompt_length + config.generation.max_completion_length,
+        max_model_len=max_model_len,
         gpu_memory_utilization=config.generation.gpu_memory_utilization,
         logprob_chunk_size=config.algorithm.logprob_chunk_size,
         vllm=_server_settings(config, workers),
@@ -155,7 +156,9 @@ def _server_settings(config: GRPOConfig, workers: RolloutServers | None):
     return dataclasses.replace(config.vllm, vllm_server_base_url=",".join(workers.urls), num_infer_workers=0)
 
 
-def _start_workers(config: GRPOConfig, distributed, dtype: torch.dtype) -> RolloutServers | None:
+def _start_workers(
+    config: GRPOConfig, distributed, dtype: torch.dtype, max_model_len: int
+) -> RolloutServers | None:
     """The run's `num_infer_workers` rollout servers for this training process, or None."""
     count = config.vllm.num_infer_workers
     if not count:
@@ -166,9 +169,8 @@ def _start_workers(config: GRPOConfig, distributed, dtype: torch.dtype) -> Rollo
     gpus = worker_gpus(
         count, distributed.local_rank, local_world_size, torch.cuda.device_count() if on_gpu else None
     )
-    max_len = config.data.max_prompt_length + config.generation.max_completion_length
     flags = ["--model", policy.model, "--dtype", str(dtype).removeprefix("torch."), "--seed"]
-    flags += [str(config.training.seed), "--max-model-len", str(max_len)]
+    flags += [str(config.training.seed), "--max-model-len", str(max_model_len)]
     flags += ["--max-num-seqs", str(max(config.vllm.vllm_max_num_seqs, config.generation_batch_size))]
     flags += ["--trust-remote-code"] if policy.trust_remote_code else []
     return RolloutServers(flags, gpus, Path(config.training.output_dir) / "infer_workers")

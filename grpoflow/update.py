@@ -2,9 +2,10 @@
 
 Over several ranks, each runs its own micro-batches and the gradients are summed over ranks before
 clipping (by `all_reduce_gradients` for a replicated model, by FSDP's reduce-scatter for a sharded
-one, whose forward passes run inside its root: `grpoflow.parallel`); the loss is normalised by the global batch's totals (dapo's completion tokens, dr_grpo's
-completions; grpo and bnpo average over the micro-batches of every rank), so the summed gradient
-equals one process's on the whole batch split into the same micro-batches.
+one, whose forward passes run inside its root: `grpoflow.parallel`); the loss is normalised by the
+global batch's totals (dapo's completion tokens, dr_grpo's completions; grpo and bnpo average over
+the micro-batches of every rank), so the summed gradient equals one process's on the whole batch
+split into the same micro-batches.
 """
 
 from __future__ import annotations
