@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_step import grpoflow_overrides, write_inputs  # noqa: E402
+
+from grpoflow.workers import free_port  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS: dict[str, tuple[int, dict]] = {
@@ -70,7 +71,7 @@ def run_variant(args, name: str, model_dir: Path, prompts: Path, workdir: Path) 
     path.write_text(yaml.safe_dump(config))
     nproc = VARIANTS[name][0]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    command += ["--master_port", str(_free_port()), "-m", "grpoflow.cli", "train", "--config", str(path)]
+    command += ["--master_port", str(free_port()), "-m", "grpoflow.cli", "train", "--config", str(path)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NPROC_PER_NODE", "NNODES"):
         env.pop(key, None)
@@ -168,12 +169,6 @@ def main() -> None:
     out.write_text(json.dumps(record, indent=1))
     print_table(rows)
     print(f"wrote {out}")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 if __name__ == "__main__":

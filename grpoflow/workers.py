@@ -51,7 +51,8 @@ def worker_gpus(
     return [local_world_size + first + index for index in range(per_rank)]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a server or a rendezvous)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -74,7 +75,7 @@ class RolloutServers:
         self.processes: list[subprocess.Popen] = []
         root = str(Path(__file__).resolve().parents[1])
         for gpu in gpus:
-            port = _free_port()
+            port = free_port()
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
             for name in (
                 "RANK",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from grpoflow import distributed
 from grpoflow.cli import DEFAULT_RECIPE
 from grpoflow.config import GRPOConfig
 from grpoflow.config_loader import load_config
-from grpoflow.workers import RolloutServers
+from grpoflow.workers import RolloutServers, free_port  # noqa: F401 (tests import free_port from here)
 
 QUICK = {
     "report_to": ["none"],
@@ -71,12 +70,6 @@ RUN = {
     "log_completions": True,
 }
 """A run small enough for two CPU processes: 4 steps of 2 prompts x 8 completions per rank."""
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import subprocess
 import sys
 
@@ -28,12 +27,6 @@ from grpoflow.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from .test_vllm import PROMPTS, TINY_SHAPE, greedy, perturbed, reference_logprobs  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     tokenizer = build_char_tokenizer()
@@ -48,7 +41,7 @@ def policy(tmp_path_factory):
 def server(policy, tmp_path_factory):
     """A vLLM server in dev mode with grpoflow's worker extension; yields its URL."""
     _, directory = policy
-    port = free_port()
+    port = support.free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w")  # noqa: SIM115
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
