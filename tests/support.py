@@ -29,6 +29,11 @@ QUICK = {
 }
 """A few small steps of the embedded default, no sinks but metrics.jsonl."""
 
+VLLM_TINY_SHAPE = dict(
+    hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2, intermediate_size=256
+)
+"""A tiny model vLLM's CPU attention takes (head_dim 64; it rejects the `tiny` preset's 16)."""
+
 HALF_ECHO_PLUGIN = (
     "from grpoflow.tasks.echo import echo_reward\n"
     "def half(completions, letter, **kwargs):\n"

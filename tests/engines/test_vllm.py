@@ -19,10 +19,7 @@ from grpoflow.engines import EngineOptions, SamplingParams, build_engine  # noqa
 from grpoflow.engines.vllm import VLLMEngine  # noqa: E402
 from grpoflow.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 
-TINY_SHAPE = dict(
-    hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2, intermediate_size=256
-)
-"""head_dim 64: vLLM's CPU attention rejects the default tiny model's head_dim 16."""
+TINY_SHAPE = support.VLLM_TINY_SHAPE
 PROMPTS = [[5, 6, 7, 8], [20, 21], [30, 31, 32]]
 
 

@@ -27,10 +27,7 @@ from grpoflow.engines.vllm import VLLMEngine  # noqa: E402
 from grpoflow.server import ServeConfig, build_service, vllm_backend  # noqa: E402
 from grpoflow.tiny import build_char_tokenizer, build_tiny_model, save_tiny_checkpoint  # noqa: E402
 
-TINY_SHAPE = dict(
-    hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2, intermediate_size=256
-)
-"""head_dim 64, as vLLM's CPU attention needs."""
+TINY_SHAPE = support.VLLM_TINY_SHAPE
 PROMPTS = [[5, 6, 7, 8], [20, 21], [30, 31, 32]]
 GREEDY = SamplingParams(n=1, max_tokens=8, temperature=0.0, ignore_eos=True)
 LOGPROB_TOLERANCE = 2e-3
