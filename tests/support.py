@@ -120,3 +120,18 @@ def read_jsonl(path):
 
 def weights(checkpoint_dir) -> dict[str, torch.Tensor]:
     return load_file(str(checkpoint_dir / "model.safetensors"))
+
+
+def assert_resumed_run_replays(straight_dir: Path, resumed_dir: Path) -> None:
+    """The run resumed from straight_dir's checkpoint-2 logged steps 3 and 4 as the straight run
+    did and ended on bit-identical weights."""
+    import pytest
+
+    straight, resumed = read_jsonl(straight_dir / "metrics.jsonl"), read_jsonl(resumed_dir / "metrics.jsonl")
+    assert [row["step"] for row in resumed] == [3, 4]
+    for expected, got in zip(straight[2:], resumed, strict=True):
+        assert got["reward"] == expected["reward"]
+        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-7)
+    want, got = weights(straight_dir / "checkpoint-4"), weights(resumed_dir / "checkpoint-4")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)

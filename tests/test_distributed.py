@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support import (
+    assert_resumed_run_replays,
     clean_env,
     finish,
     free_port,
@@ -71,17 +72,7 @@ def test_resume_on_two_processes_continues_exactly(two_process_run, tmp_path):
         tmp_path, "resumed", resume_from_checkpoint=str(two_process_run / "checkpoint-2")
     )
     finish(grpoflow_train(config_path, clean_env(), torchrun=True))
-    straight, resumed = (
-        read_jsonl(two_process_run / "metrics.jsonl"),
-        read_jsonl(output_dir / "metrics.jsonl"),
-    )
-    assert [row["step"] for row in resumed] == [3, 4]
-    for expected, got in zip(straight[2:], resumed, strict=True):
-        assert got["reward"] == expected["reward"]
-        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-7)
-    want, got = weights(two_process_run / "checkpoint-4"), weights(output_dir / "checkpoint-4")
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)
+    assert_resumed_run_replays(two_process_run, output_dir)
 
 
 def test_nproc_per_node_relaunches_under_torchrun(tmp_path):

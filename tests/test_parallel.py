@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from support import (
+    assert_resumed_run_replays,
     clean_env,
     finish,
     free_port,
@@ -63,14 +64,7 @@ def test_fsdp_resume_replays_the_run_exactly(fsdp_run, tmp_path):
         tmp_path, "resumed", fsdp=True, resume_from_checkpoint=str(fsdp_run / "checkpoint-2")
     )
     finish(grpoflow_train(config_path, clean_env(), torchrun=True))
-    straight, resumed = read_jsonl(fsdp_run / "metrics.jsonl"), read_jsonl(output_dir / "metrics.jsonl")
-    assert [row["step"] for row in resumed] == [3, 4]
-    for expected, got in zip(straight[2:], resumed, strict=True):
-        assert got["reward"] == expected["reward"]
-        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-7)
-    want, got = weights(fsdp_run / "checkpoint-4"), weights(output_dir / "checkpoint-4")
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)
+    assert_resumed_run_replays(fsdp_run, output_dir)
 
 
 def test_fsdp_with_lora_trains_only_the_adapters_as_one_process_does(tmp_path):
