@@ -49,9 +49,13 @@ def test_rms_norm(kernels, dtype):
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_and_store(kernels, dtype, qk_norm):
     tokens, num_heads, num_kv_heads, head_dim, blocks, block_size = 23, 14, 2, 64, 9, 16
-    q = torch.randn(tokens, num_heads, head_dim, device="cuda", dtype=dtype)
-    k = torch.randn(tokens, num_kv_heads, head_dim, device="cuda", dtype=dtype)
-    v = torch.randn(tokens, num_kv_heads, head_dim, device="cuda", dtype=dtype)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, device="cuda", dtype=dtype)
+
+    def views(fused):  # q, k, v as views of one fused product, as the engine has them
+        q, k, v = fused.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+        heads = (num_heads, num_kv_heads, num_kv_heads)
+        return [t.view(tokens, h, head_dim) for t, h in zip((q, k, v), heads)]
+
     half_angles = torch.rand(100, head_dim // 2, device="cuda") * 6
     angles = torch.cat((half_angles, half_angles), dim=-1)  # rotary tables repeat their halves
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
@@ -68,7 +72,7 @@ def test_rope_and_store(kernels, dtype, qk_norm):
     results = []
     for ops in (kernels, TorchOps):
         caches = torch.full((2, blocks, num_kv_heads, block_size, head_dim), 7.0, device="cuda", dtype=dtype)
-        q_out, k_out = q.clone(), k.clone()
+        q_out, k_out, v = views(qkv.clone())
         ops.rope_and_store(q_out, k_out, v, cos, sin, positions, slots, caches[0], caches[1], norm)
         results.append((q_out, k_out, caches))
     (q1, k1, c1), (q2, k2, c2) = results
@@ -80,6 +84,8 @@ def test_rope_and_store(kernels, dtype, qk_norm):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(kernels, dtype):
     gate, up = torch.randn(2, 33, 4864, device="cuda", dtype=dtype).unbind(0)
+    assert relative_error(kernels.silu_mul(gate, up), TorchOps.silu_mul(gate, up)) < TOLERANCE[dtype]
+    gate, up = torch.randn(33, 2 * 4864, device="cuda", dtype=dtype).split(4864, dim=-1)  # one fused product
     assert relative_error(kernels.silu_mul(gate, up), TorchOps.silu_mul(gate, up)) < TOLERANCE[dtype]
 
 

@@ -26,6 +26,9 @@ class NativeEngineConfig:
     """Capture decode steps as CUDA graphs, one per batch-size bucket (CUDA with Triton only)."""
     use_triton: bool = True
     """Use the Triton kernels on CUDA; False runs the pure-torch reference ops everywhere."""
+    fuse_projections: bool = True
+    """Lay each layer's q/k/v and gate/up weights back to back in one buffer (the parameters keep
+    their identity; done once, when the engine is built) so that each group runs as one product."""
     force_generic: bool = False
     """Run every model through the generic path (the HF module with its own cache)."""
 

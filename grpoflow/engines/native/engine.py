@@ -51,6 +51,8 @@ class NativeEngine:
         )
         self.max_model_len = config.max_model_len or model_limit or 2048
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        if self.family is not None and config.fuse_projections:
+            self.family.fuse_projections()
         self.runner = Runner(self.family, config, self.max_model_len) if self.family else None
         on_cuda = next(model.parameters()).device.type == "cuda"
         use_triton = on_cuda and config.use_triton and triton_available()
@@ -115,6 +117,7 @@ class NativeEngine:
         signature = self._signature()
         if signature != self.weights_signature:
             runner.graphs.clear()  # parameters moved: graphs hold the old addresses
+            self.family.refresh_fused()
             self.weights_signature = signature
         scheduler = Scheduler(
             book,

@@ -40,58 +40,61 @@ def _rope_store_kernel(
     q_weight_ptr, k_weight_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
     stride_cb, stride_ch, stride_cs,
-    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
+    # One program per token: the query heads then the key heads as rows of one tile.
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     dtype = q_ptr.dtype.element_ty
-    d = tl.arange(0, HALF_PAD)
+    d = tl.arange(0, HALF_PAD)[None, :]
+    head = tl.arange(0, HEADS_PAD)[:, None]
     dmask = d < HALF
+    is_query = (head < NUM_Q_HEADS) & dmask
+    kv_head = head - NUM_Q_HEADS
+    is_key = (head >= NUM_Q_HEADS) & (kv_head < NUM_KV_HEADS) & dmask
     position = tl.load(positions_ptr + token)
     cos = tl.load(cos_ptr + position * stride_table + d, mask=dmask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + position * stride_table + d, mask=dmask, other=0.0).to(tl.float32)
-    is_key = head >= NUM_Q_HEADS
-    kv_head = head - NUM_Q_HEADS
-    if is_key:
-        base = k_ptr + token * stride_kt + kv_head * stride_kh
-        weight_ptr = k_weight_ptr
-    else:
-        base = q_ptr + token * stride_qt + head * stride_qh
-        weight_ptr = q_weight_ptr
-    x1 = tl.load(base + d, mask=dmask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    q_base = q_ptr + token * stride_qt + head * stride_qh + d
+    k_base = k_ptr + token * stride_kt + kv_head * stride_kh + d
+    x1 = tl.load(q_base, mask=is_query, other=0.0).to(tl.float32)
+    x1 += tl.load(k_base, mask=is_key, other=0.0).to(tl.float32)
+    x2 = tl.load(q_base + HALF, mask=is_query, other=0.0).to(tl.float32)
+    x2 += tl.load(k_base + HALF, mask=is_key, other=0.0).to(tl.float32)
     if HAS_NORM:
-        inverse = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
-        w1 = tl.load(weight_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-        w2 = tl.load(weight_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        inverse = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        q_w1 = tl.load(q_weight_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+        q_w2 = tl.load(q_weight_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        k_w1 = tl.load(k_weight_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+        k_w2 = tl.load(k_weight_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        w1 = tl.where(head < NUM_Q_HEADS, q_w1, k_w1)
+        w2 = tl.where(head < NUM_Q_HEADS, q_w2, k_w2)
         x1 = (w1 * (x1 * inverse).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x2 = (w2 * (x2 * inverse).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     out1 = ((x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)).to(dtype)
     out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
-    tl.store(base + d, out1, mask=dmask)
-    tl.store(base + HALF + d, out2, mask=dmask)
-    if is_key:
-        slot = tl.load(slots_ptr + token)
-        if slot >= 0:
-            offset = (slot // BLOCK_SIZE) * stride_cb + kv_head * stride_ch + (slot % BLOCK_SIZE) * stride_cs
-            tl.store(k_cache_ptr + offset + d, out1, mask=dmask)
-            tl.store(k_cache_ptr + offset + HALF + d, out2, mask=dmask)
-            v_base = v_ptr + token * stride_vt + kv_head * stride_vh
-            v1 = tl.load(v_base + d, mask=dmask, other=0.0)
-            v2 = tl.load(v_base + HALF + d, mask=dmask, other=0.0)
-            tl.store(v_cache_ptr + offset + d, v1, mask=dmask)
-            tl.store(v_cache_ptr + offset + HALF + d, v2, mask=dmask)
+    tl.store(q_base, out1, mask=is_query)
+    tl.store(q_base + HALF, out2, mask=is_query)
+    tl.store(k_base, out1, mask=is_key)
+    tl.store(k_base + HALF, out2, mask=is_key)
+    slot = tl.load(slots_ptr + token)
+    if slot >= 0:
+        offset = (slot // BLOCK_SIZE) * stride_cb + kv_head * stride_ch + (slot % BLOCK_SIZE) * stride_cs + d
+        tl.store(k_cache_ptr + offset, out1, mask=is_key)
+        tl.store(k_cache_ptr + offset + HALF, out2, mask=is_key)
+        v_base = v_ptr + token * stride_vt + kv_head * stride_vh + d
+        tl.store(v_cache_ptr + offset, tl.load(v_base, mask=is_key, other=0.0), mask=is_key)
+        tl.store(v_cache_ptr + offset + HALF, tl.load(v_base + HALF, mask=is_key, other=0.0), mask=is_key)
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, num_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, num_cols, stride_gate, stride_up, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
     dtype = gate_ptr.dtype.element_ty
-    gate = tl.load(gate_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * num_cols + cols, (activated * up).to(dtype), mask=mask)
 
@@ -159,11 +162,23 @@ def _hash32(x):
 
 
 @triton.jit
+def _log2_approx(x):
+    # One MUFU instruction; tl.log becomes libdevice's exact logf, several times the cost.
+    return tl.inline_asm_elementwise(
+        "lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
 def _race_kernel(
     logits_ptr, stride_row, keys_ptr, thresholds_ptr, tokens_ptr, logprobs_ptr, vocab_size, inverse_temperature,
     GREEDY: tl.constexpr, HAS_THRESHOLD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # Each lane keeps its own running max, sum, best score and index; one reduction at the end.
+    # argmax(x + Gumbel) = argmax(exp(x - m) / E) with E = -log(u) ~ Exp(1) (here -log2(u): a common
+    # factor changes no argmax). Each lane keeps its running max m, its softmax sum and its best
+    # candidate's weight exp(x - m) and E; of the two exponentials an online update needs, one is
+    # exp(0), so one exp and one log per token, and candidates compare as cross products (no
+    # division). One reduction at the end.
     row = tl.program_id(0).to(tl.int64)
     key = tl.load(keys_ptr + row).to(tl.uint32)
     threshold = float("-inf")
@@ -172,36 +187,51 @@ def _race_kernel(
     lanes = tl.arange(0, BLOCK)
     lane_max = tl.full([BLOCK], -1e30, tl.float32)
     lane_sum = tl.zeros([BLOCK], tl.float32)
-    lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
-    lane_index = tl.zeros([BLOCK], tl.int32)
+    if GREEDY:
+        lane_weight = tl.full([BLOCK], float("-inf"), tl.float32)  # the best x itself
+    else:
+        lane_weight = tl.zeros([BLOCK], tl.float32)  # exp(x_best - lane_max)
+    lane_race = tl.full([BLOCK], 1.0, tl.float32)
+    lane_index = tl.full([BLOCK], 2147483647, tl.int32)
     lane_logit = tl.zeros([BLOCK], tl.float32)
     for first in range(0, vocab_size, BLOCK):
         offs = first + lanes
         mask = offs < vocab_size
         x = tl.load(logits_ptr + row * stride_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
         x = x * inverse_temperature
-        new_max = tl.maximum(lane_max, x)
-        lane_sum = lane_sum * tl.exp(lane_max - new_max) + tl.exp(x - new_max)
-        lane_max = new_max
+        delta = x - lane_max
+        rises = delta > 0
+        shrink = tl.exp(-tl.abs(delta))  # exp(old max - x) when x is the new max, else exp(x - max)
+        lane_sum = tl.where(rises, lane_sum * shrink + 1.0, lane_sum + shrink)
+        lane_max = tl.maximum(lane_max, x)
+        allowed = mask
+        if HAS_THRESHOLD:
+            allowed = allowed & (x >= threshold)
         if GREEDY:
-            score = x
+            better = allowed & (x > lane_weight)
+            lane_weight = tl.where(better, x, lane_weight)
         else:
+            lane_weight = tl.where(rises, lane_weight * shrink, lane_weight)
+            weight = tl.where(rises, 1.0, shrink)
             bits = _hash32(offs.to(tl.uint32) * tl.full([], 0x9E3779B1, tl.uint32) + key)
             uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            score = x - tl.log(-tl.log(uniform))
-        if HAS_THRESHOLD:
-            score = tl.where(x >= threshold, score, float("-inf"))
-        better = mask & (score > lane_best)
-        lane_best = tl.where(better, score, lane_best)
+            race = -_log2_approx(uniform)
+            better = allowed & (weight * lane_race > lane_weight * race)
+            lane_weight = tl.where(better, weight, lane_weight)
+            lane_race = tl.where(better, race, lane_race)
         lane_index = tl.where(better, offs, lane_index)
         lane_logit = tl.where(better, x, lane_logit)
     row_max = tl.max(lane_max, axis=0)
-    total = tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0)
-    best = tl.max(lane_best, axis=0)
-    token = tl.min(tl.where(lane_best == best, lane_index, 2147483647), axis=0)  # first index, as argmax
-    logit = tl.sum(tl.where((lane_index == token) & (lane_best == best), lane_logit, 0.0), axis=0)
+    lane_scale = tl.exp(lane_max - row_max)
+    if GREEDY:
+        score = lane_weight
+    else:
+        score = tl.where(lane_index < 2147483647, lane_weight * lane_scale / lane_race, -1.0)
+    best = tl.max(score, axis=0)
+    token = tl.min(tl.where(score == best, lane_index, 2147483647), axis=0)  # first index, as argmax
+    logit = tl.sum(tl.where(lane_index == token, lane_logit, 0.0), axis=0)
     tl.store(tokens_ptr + row, token.to(tl.int64))
-    tl.store(logprobs_ptr + row, logit - row_max - tl.log(total))
+    tl.store(logprobs_ptr + row, logit - row_max - tl.log(tl.sum(lane_sum * lane_scale, axis=0)))
 
 
 def race(
@@ -215,7 +245,7 @@ def race(
     rows, vocab_size = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    block = min(4096, triton.next_power_of_2(vocab_size))
+    block = min(2048, triton.next_power_of_2(vocab_size))
     _race_kernel[(rows,)](
         logits, logits.stride(0), keys, thresholds if thresholds is not None else keys, tokens, logprobs,
         vocab_size, inverse_temperature,
@@ -247,20 +277,27 @@ class TritonOps(TorchOps):
         tokens, num_q_heads, head_dim = q.shape
         half = head_dim // 2
         q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
-        _rope_store_kernel[(tokens, num_q_heads + k.shape[1])](
+        num_kv_heads = k.shape[1]
+        _rope_store_kernel[(tokens,)](
             q, k, v, cos, sin, positions, slots, k_cache, v_cache, q_weight, k_weight, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            NUM_Q_HEADS=num_q_heads, HALF=half, HALF_PAD=triton.next_power_of_2(half),
-            BLOCK_SIZE=k_cache.shape[2], HAS_NORM=qk_norm is not None, num_warps=1,
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
+            HEADS_PAD=triton.next_power_of_2(num_q_heads + num_kv_heads), HALF=half,
+            HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[2], HAS_NORM=qk_norm is not None,
+            num_warps=2,
         )  # fmt: skip
 
     @staticmethod
     def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate and up (T, I) may be row-strided views (halves of one fused product)."""
         rows, cols = gate.shape
-        out = torch.empty_like(gate)
+        assert gate.stride(1) == 1 and up.stride(1) == 1, "silu_mul needs unit column stride"
+        out = torch.empty((rows, cols), dtype=gate.dtype, device=gate.device)
         block = 1024
-        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, out, cols, BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](
+            gate, up, out, cols, gate.stride(0), up.stride(0), BLOCK=block, num_warps=4
+        )
         return out
 
     @staticmethod

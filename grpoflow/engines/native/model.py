@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpoflow.engines.native.fusion import alias_rows, rows_view
 from grpoflow.engines.native.ops import TorchOps
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -23,6 +24,15 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # attend(layer_index, q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D)) -> (T, Hq, D)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class Fused:
+    """A layer's fused projections, views over the policy's parameters (None: run them apart)."""
+
+    qkv_weight: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
+    gate_up_weight: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -68,6 +78,7 @@ class FamilyModel:
         self.has_qk_norm = hasattr(attention, "q_norm")
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
+        self.fused = [Fused() for _ in self.layers]
 
     @staticmethod
     def from_hf(hf_model: nn.Module) -> FamilyModel | None:
@@ -87,6 +98,34 @@ class FamilyModel:
         if not hasattr(hf_model, "lm_head"):
             return None
         return FamilyModel(hf_model)
+
+    def fuse_projections(self) -> None:
+        """Lay each layer's q/k/v weights (and biases) and gate/up weights back to back in memory
+        (see `fusion`), then find the fused views."""
+        for layer in self.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+            biases = [module.bias for module in projections]
+            no_bias = all(bias is None for bias in biases)
+            if no_bias or (all(bias is not None for bias in biases) and alias_rows(biases)):
+                alias_rows([module.weight for module in projections])
+            alias_rows([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.refresh_fused()
+
+    def refresh_fused(self) -> None:
+        """Find each layer's fused views again (after parameters may have moved)."""
+        for index, layer in enumerate(self.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+            biases = [module.bias for module in projections]
+            fused = Fused(gate_up_weight=rows_view([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            qkv_weight = rows_view([module.weight for module in projections])
+            if all(bias is None for bias in biases):
+                fused.qkv_weight = qkv_weight
+            elif all(bias is not None for bias in biases):
+                fused.qkv_bias = rows_view(biases)
+                fused.qkv_weight = qkv_weight if fused.qkv_bias is not None else None
+            self.fused[index] = fused
 
     @property
     def device(self) -> torch.device:
@@ -132,9 +171,7 @@ class FamilyModel:
             normed, residual = ops.rms_norm(
                 hidden, layer.input_layernorm.weight, _eps(layer.input_layernorm), residual
             )
-            q = _linear(normed, attention.q_proj).view(num_tokens, shape.num_heads, shape.head_dim)
-            k = _linear(normed, attention.k_proj).view(num_tokens, shape.num_kv_heads, shape.head_dim)
-            v = _linear(normed, attention.v_proj).view(num_tokens, shape.num_kv_heads, shape.head_dim)
+            q, k, v = self._qkv(normed, attention, self.fused[index])
             qk_norm = None
             if self.has_qk_norm:
                 qk_norm = (attention.q_norm.weight, attention.k_norm.weight, _eps(attention.q_norm))
@@ -146,13 +183,33 @@ class FamilyModel:
             normed, residual = ops.rms_norm(
                 hidden, layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm), residual
             )
-            hidden = _linear(
-                ops.silu_mul(_linear(normed, mlp.gate_proj), _linear(normed, mlp.up_proj)), mlp.down_proj
-            )
+            gate_up_weight = self.fused[index].gate_up_weight
+            if gate_up_weight is not None:
+                gate, up = F.linear(normed, gate_up_weight).split(shape.intermediate_size, dim=-1)
+            else:
+                gate, up = _linear(normed, mlp.gate_proj), _linear(normed, mlp.up_proj)
+            hidden = _linear(ops.silu_mul(gate, up), mlp.down_proj)
         normed, _ = ops.rms_norm(hidden, self.norm.weight, _eps(self.norm), residual)
         if last_index is not None:
             normed = normed[last_index]
         return _linear(normed, self.lm_head)
+
+    def _qkv(
+        self, normed: torch.Tensor, attention: nn.Module, fused: Fused
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (T, Hq, D), k and v (T, Hkv, D): views of one product when the weights are fused."""
+        shape, num_tokens = self.shape, normed.shape[0]
+        q_size = shape.num_heads * shape.head_dim
+        kv_size = shape.num_kv_heads * shape.head_dim
+        if fused.qkv_weight is not None:
+            q, k, v = F.linear(normed, fused.qkv_weight, fused.qkv_bias).split([q_size, kv_size, kv_size], -1)
+        else:
+            q, k, v = (_linear(normed, m) for m in (attention.q_proj, attention.k_proj, attention.v_proj))
+        return (
+            q.view(num_tokens, shape.num_heads, shape.head_dim),
+            k.view(num_tokens, shape.num_kv_heads, shape.head_dim),
+            v.view(num_tokens, shape.num_kv_heads, shape.head_dim),
+        )
 
 
 def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
