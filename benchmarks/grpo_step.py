@@ -3,6 +3,10 @@
     python benchmarks/grpo_step.py                  # both systems, the standard workload
     python benchmarks/grpo_step.py --systems grpoflow --steps 3
     python benchmarks/grpo_step.py --smoke          # a tiny model on the CPU, to check the script
+    python benchmarks/grpo_step.py --systems grpoflow,trl,trl-fp32
+
+`trl-fp32` gives TRL the same weights saved in float32, which it then trains as the Hugging Face
+Trainer does mixed precision (float32 master weights, bf16 autocast) and samples from in float32.
 
 The standard workload: a random-initialised Qwen2-0.5B-shaped model in bf16, 64 prompts x 8
 generations, prompt 128 tokens, 256 new tokens, beta 0, micro-batch 32, gradient checkpointing, one
@@ -34,7 +38,9 @@ def reward_length(completions, **kwargs):
     return [len(text) / 256 for text in completions]
 
 
-def write_inputs(directory: Path, smoke: bool, num_prompts: int) -> tuple[Path, Path]:
+def write_inputs(
+    directory: Path, smoke: bool, num_prompts: int, float32_copy: bool = False
+) -> tuple[Path, Path]:
     from grpoflow.tiny import build_char_tokenizer, build_preset_model, build_tiny_model
 
     tokenizer = build_char_tokenizer()
@@ -44,6 +50,9 @@ def write_inputs(directory: Path, smoke: bool, num_prompts: int) -> tuple[Path, 
         model = build_preset_model("qwen2-0.5b", len(tokenizer), dtype=torch.bfloat16)
     model.save_pretrained(directory / "model")
     tokenizer.save_pretrained(directory / "model")
+    if float32_copy:
+        model.float().save_pretrained(directory / "model-fp32")
+        tokenizer.save_pretrained(directory / "model-fp32")
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
     with open(directory / "prompts.jsonl", "w") as handle:
@@ -248,13 +257,15 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.child:
-        runner = {"grpoflow": run_grpoflow, "trl": run_trl}[args.child]
+        runner = {"grpoflow": run_grpoflow, "trl": run_trl, "trl-fp32": run_trl}[args.child]
         workdir = Path(args.workdir)
-        result = runner(args, workdir / "model", workdir / "prompts.jsonl")
+        model_dir = workdir / ("model-fp32" if args.child == "trl-fp32" else "model")
+        result = runner(args, model_dir, workdir / "prompts.jsonl")
         (workdir / f"{args.child}.json").write_text(json.dumps(result, default=float))
         return
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="grpo_step_"))
-    write_inputs(workdir, args.smoke, num_prompts=64 * (args.steps + 1))
+    systems = args.systems.split(",")
+    write_inputs(workdir, args.smoke, num_prompts=64 * (args.steps + 1), float32_copy="trl-fp32" in systems)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     tflops = next((value for key, value in MATMUL_TFLOPS.items() if key in gpu), None)
     num_params = sum(
@@ -264,7 +275,7 @@ def main() -> None:
         .parameters()
     )
     rows = []
-    for system in args.systems.split(","):
+    for system in systems:
         command = [sys.executable, __file__, "--child", system, "--workdir", str(workdir)]
         command += [f"--steps={args.steps}", f"--engine={args.engine}", f"--micro-batch={args.micro_batch}"]
         command += [
@@ -277,13 +288,11 @@ def main() -> None:
         subprocess.run(command, check=True)
         result = json.loads((workdir / f"{system}.json").read_text())
         rows.append(summarize(system, result, args.warmup, num_params, tflops))
-    if len(rows) == 2 and rows[0]["seconds_per_step"] and rows[1]["seconds_per_step"]:
-        rows.append(
-            {
-                "system": "ratio trl/grpoflow",
-                "seconds_per_step": rows[1]["seconds_per_step"] / rows[0]["seconds_per_step"],
-            }
-        )
+    ours = next((row for row in rows if row["system"] == "grpoflow"), None)
+    for row in list(rows):
+        if row["system"].startswith("trl") and ours and ours["seconds_per_step"] and row["seconds_per_step"]:
+            ratio = row["seconds_per_step"] / ours["seconds_per_step"]
+            rows.append({"system": f"ratio {row['system']}/grpoflow", "seconds_per_step": ratio})
     date = datetime.date.today().isoformat()
     record = {"gpu": gpu, "date": date, "num_params": num_params, "args": vars(args), "rows": rows}
     out = Path(args.out) if args.out else RESULTS / f"{date}-grpo-step-{gpu.replace(' ', '_')}.json"
