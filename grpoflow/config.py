@@ -289,7 +289,7 @@ class VLLMConfig:
     vllm_enable_prefix_caching: bool = True
     """Let vLLM share KV cache across requests with a common prefix."""
     vllm_tensor_parallel_size: int = 1
-    """GPUs per colocated vLLM engine."""
+    """GPUs (training ranks) per colocated vLLM engine; must divide the number of processes."""
     sleep_level: Literal[0, 1, 2] = 0
     """Between rollouts: 0 keeps vLLM's memory, 1 frees its KV cache, 2 also its weights."""
     vllm_server_host: str | None = None

@@ -8,6 +8,12 @@ engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here) the tensors pas
 and vLLM processes the model layer by layer as their tensors arrive, so at most one layer is
 buffered: no bucketing is needed.
 
+Under torchrun every rank builds its own engine on vLLM's `external_launcher` executor, which joins
+the run's process group instead of starting its own; `vllm_tensor_parallel_size` ranks may share
+one engine sharded over their devices (`grpoflow.engines.colocate` says how the ranks of a group
+pool their prompts). Each rank pushes the full weights to its engine; vLLM's weight loaders keep
+the rank's shard.
+
 Log-probs: vLLM is built with `logprobs_mode="processed_logprobs"`, so the log-prob it reports
 for a sampled token is `log_softmax(logits / temperature)`, as the trainer computes it. With
 top_p, top_k, min_p or a repetition penalty active, vLLM reports the log-prob under the
@@ -31,6 +37,7 @@ from pathlib import Path
 import torch
 
 from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
+from grpoflow.engines.colocate import ColocateLayout, EngineGroup, merge_shares, own_share
 
 logger = logging.getLogger("grpoflow.engines.vllm")
 
@@ -148,7 +155,12 @@ def model_directory(model: torch.nn.Module, tokenizer) -> tuple[Path, bool]:
 
 
 class VLLMEngine:
-    """Generates with a `vllm.LLM` living in the training process."""
+    """Generates with a `vllm.LLM` living in the training process.
+
+    `layout`: this rank's place among the colocated engines of a torchrun run (one engine per
+    `tensor_parallel_size` ranks, on vLLM's `external_launcher` executor); the default is a single
+    process. `seed` is the engine's own seed (the layout's `engine_seed`).
+    """
 
     shares_policy_weights = False
 
@@ -164,6 +176,7 @@ class VLLMEngine:
         enable_prefix_caching: bool = True,
         sleep_level: int = 0,
         seed: int = 0,
+        layout: ColocateLayout | None = None,
         cleanup_dir: bool = False,
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -178,6 +191,8 @@ class VLLMEngine:
         self.model_dir, self._cleanup_dir = Path(model_dir), cleanup_dir
         self.sleep_level = sleep_level
         self.sleep_supported = current_platform.is_sleep_mode_available()
+        self.layout = layout or ColocateLayout()
+        self.group = EngineGroup(self.layout)
         self.llm = LLM(
             model=str(model_dir),
             dtype=dtype,
@@ -190,6 +205,7 @@ class VLLMEngine:
             logprobs_mode=LOGPROBS_MODE,
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
             seed=seed,
+            **_launcher_arguments(self.layout),
         )
         self.policy_version = 0
         self.stats = EngineStats()
@@ -212,11 +228,20 @@ class VLLMEngine:
             )
         self.wake_up()
         start = time.perf_counter()
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(prompt)} for prompt in prompts],
-            VLLMSamplingParams(**sampling_fields(params)),
-            use_tqdm=False,
+        # The ranks sharing this engine run it in lock step: all submit the group's prompts, each
+        # with its own rank's sampling parameters, and keep the completions of their own.
+        shares = self.group.gather([(list(prompt), sampling_fields(params)) for prompt in prompts])
+        requests, sizes = merge_shares(shares)
+        outputs = (
+            self.llm.generate(
+                [{"prompt_token_ids": prompt} for prompt, _ in requests],
+                [VLLMSamplingParams(**fields) for _, fields in requests],
+                use_tqdm=False,
+            )
+            if requests
+            else []
         )
+        outputs = own_share(outputs, sizes, self.layout.rank_in_group)
         groups = [[self._completion(sample) for sample in output.outputs] for output in outputs]
         self.stats = EngineStats(
             num_prompt_tokens=sum(map(len, prompts)) * params.n,
@@ -240,7 +265,8 @@ class VLLMEngine:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load `(hf_name, tensor)` pairs into vLLM's model, or hold them until `wake_up` when
-        vLLM sleeps (its weight memory may be offloaded or discarded)."""
+        vLLM sleeps (its weight memory may be offloaded or discarded). Every rank pushes the full
+        weights; under tensor parallelism vLLM keeps the rank's shard."""
         weights = [(name, tensor.detach()) for name, tensor in weights]  # references, no copies
         if self._asleep:
             self._pending = weights
@@ -300,6 +326,7 @@ class VLLMEngine:
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
+        self.group.close()
         if self._cleanup_dir:
             shutil.rmtree(self.model_dir, ignore_errors=True)
 
@@ -307,6 +334,18 @@ class VLLMEngine:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, stacklevel=3)
+
+
+def _launcher_arguments(layout: ColocateLayout) -> dict:
+    """`vllm.LLM` arguments for this rank's place: under torchrun, vLLM's external_launcher
+    executor, which joins the run's process group (RANK and LOCAL_RANK from torchrun) instead of
+    starting its own, with the layout's tensor parallelism."""
+    if layout.world_size == 1:
+        return {}
+    return dict(
+        distributed_executor_backend="external_launcher",
+        tensor_parallel_size=layout.tensor_parallel_size,
+    )
 
 
 def _dtype_name(model: torch.nn.Module) -> str:
@@ -319,13 +358,19 @@ def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> VLLMEngi
     from grpoflow.config import VLLMConfig
 
     config = options.vllm or VLLMConfig(use_vllm=True)
-    if config.vllm_tensor_parallel_size != 1:
-        raise ValueError(
-            f"vllm_tensor_parallel_size={config.vllm_tensor_parallel_size}: the colocated vLLM engine "
-            "runs on the training process's device; use vllm_mode=server for tensor parallelism"
-        )
+    layout = ColocateLayout(
+        rank=options.rank,
+        world_size=options.world_size,
+        tensor_parallel_size=config.vllm_tensor_parallel_size,
+    )
     directory, temporary = model_directory(model, tokenizer)
-    logger.info("colocated vLLM loads the policy from %s", directory)
+    logger.info(
+        "colocated vLLM %d of %d (ranks %s) loads the policy from %s",
+        layout.engine_index + 1,
+        layout.num_engines,
+        layout.group_ranks()[layout.engine_index],
+        directory,
+    )
     return VLLMEngine(
         directory,
         dtype=_dtype_name(model),
@@ -335,5 +380,7 @@ def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> VLLMEngi
         enforce_eager=config.vllm_enforce_eager,
         enable_prefix_caching=config.vllm_enable_prefix_caching,
         sleep_level=config.sleep_level,
+        seed=layout.engine_seed(options.seed),
+        layout=layout,
         cleanup_dir=temporary,
     )
