@@ -289,7 +289,10 @@ class VLLMConfig:
     vllm_enable_prefix_caching: bool = True
     """Let vLLM share KV cache across requests with a common prefix."""
     vllm_tensor_parallel_size: int = 1
-    """GPUs per colocated vLLM engine."""
+    """GPUs (training ranks) per colocated vLLM engine; must divide the number of processes."""
+    move_model_batches: int | None = None
+    """Push the weights to a colocated vLLM in this many reloads of whole decoder layers, each
+    released before the next (bounds the memory of merged or gathered weights); None: one."""
     sleep_level: Literal[0, 1, 2] = 0
     """Between rollouts: 0 keeps vLLM's memory, 1 frees its KV cache, 2 also its weights."""
     vllm_server_host: str | None = None
@@ -331,6 +334,10 @@ class VLLMConfig:
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(
                 f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}"
+            )
+        if self.move_model_batches is not None and self.move_model_batches < 1:
+            raise ValueError(
+                f"move_model_batches must be >= 1 (or null for a single push), got {self.move_model_batches}"
             )
         if self.num_infer_workers < 0:
             raise ValueError(f"num_infer_workers must be >= 0, got {self.num_infer_workers}")

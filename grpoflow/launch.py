@@ -19,6 +19,7 @@ from grpoflow.config import GRPOConfig, PolicyConfig
 from grpoflow.data import build_prompt_items, load_rows, read_system_prompt
 from grpoflow.distributed import init_distributed, run_steps
 from grpoflow.engines import ENGINES, EngineOptions, build_engine
+from grpoflow.engines.colocate import ColocateLayout
 from grpoflow.metrics import MetricsLogger
 from grpoflow.models import (
     load_model,
@@ -78,6 +79,14 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         else None
     )
     distributed, device = init_distributed(resolve_device(policy.device))
+    engine_name = choose_engine(config)
+    _check_async(config, engine_name, distributed.world_size)
+    if engine_name == "vllm":  # a layout that does not fit the world is refused before any work
+        ColocateLayout(
+            rank=distributed.rank,
+            world_size=distributed.world_size,
+            tensor_parallel_size=config.vllm.vllm_tensor_parallel_size,
+        )
     if device.type == "cuda":
         # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
         # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
@@ -103,9 +112,10 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         logprob_chunk_size=config.algorithm.logprob_chunk_size,
         vllm=_server_settings(config, workers),
         exclusive_servers=workers is not None,
+        seed=training.seed,
+        rank=distributed.rank,
+        world_size=distributed.world_size,
     )
-    engine_name = choose_engine(config)
-    _check_async(config, engine_name, distributed.world_size)
     try:
         engine = build_engine(engine_name, adapters.generation_model(model), tokenizer, options)
     except Exception:

@@ -280,7 +280,9 @@ class GRPOTrainer:
 
         Over several ranks, each resampling round every rank takes the largest number of prompts
         any rank still lacks (so all ranks run the same rounds and walk the prompt order together);
-        a rank that lacks fewer generates only those and skips the rest of its share.
+        a rank that lacks fewer generates only those and skips the rest of its share. A rank that
+        lacks none still calls the engine, with no prompts: ranks sharing an engine (colocated
+        vLLM with tensor parallelism) generate together.
         """
         algorithm, g = self.config.algorithm, self.config.generation.num_generations
         rounds = 1 + (algorithm.max_resample_times if algorithm.dynamic_sample else 0)
@@ -295,13 +297,13 @@ class GRPOTrainer:
                 break
             rounds_run += 1
             indices, seeds = self._take_prompts(share)
-            if missing == 0:
-                continue
             items = [self.items[index] for index in indices[:missing]]
             with timer("rollout"):
                 groups = generate_groups(
                     self.engine, self.tokenizer, items, self._sampling_for(seeds[:missing])
                 )
+            if missing == 0:
+                continue
             with timer("reward"):
                 result = self.rewards.score(*reward_inputs(groups))
             scored = ScoredGroups(groups, result.values, list(result.errors), round_index + 1)
@@ -325,7 +327,7 @@ class GRPOTrainer:
     def _sampling_for(self, seeds: list[int]) -> SamplingParams | list[SamplingParams]:
         if self.per_prompt_seeds:
             return [dataclasses.replace(self.sampling, seed=seed) for seed in seeds]
-        if self.distributed.world_size > 1:
+        if self.distributed.world_size > 1 and seeds:
             # Without a seed every rank's engine would draw the same random numbers.
             return dataclasses.replace(self.sampling, seed=seeds[0])
         return self.sampling

@@ -137,8 +137,9 @@ def test_none_for_optional_keys(text):
 
 
 def test_optional_keys_take_values():
-    config = build(save_total_limit="2", delta="1.5", system="be brief")
+    config = build(save_total_limit="2", delta="1.5", system="be brief", move_model_batches="4")
     assert config.training.save_total_limit == 2
+    assert config.vllm.move_model_batches == 4 and build().vllm.move_model_batches is None
     assert config.algorithm.delta == pytest.approx(1.5)
     assert config.data.system == "be brief"
 
@@ -297,6 +298,7 @@ def test_unknown_key_without_close_match():
         ({"max_prompt_length": 0}, "max_prompt_length must be > 0"),
         ({"truncation_strategy": "right"}, "truncation_strategy must be one of delete, left, raise"),
         ({"gpu_memory_utilization": 1.0}, "gpu_memory_utilization must be in"),
+        ({"move_model_batches": 0}, r"move_model_batches must be >= 1 \(or null for a single push\), got 0"),
         ({"soft_cache_length": 600}, "soft_cache_length must be in"),
         (
             {"per_device_train_batch_size": 6},

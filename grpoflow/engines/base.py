@@ -105,7 +105,9 @@ class RolloutEngine(Protocol):
     policy_version: int
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        """Sample `params.n` completions for each prompt (token ids, no padding)."""
+        """Sample `params.n` completions for each prompt (token ids, no padding). No prompts give
+        an empty list: over several ranks every rank calls `generate` in every sampling round,
+        with no prompts when it lacks none, so ranks sharing an engine stay in step."""
         ...
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -137,3 +139,9 @@ class EngineOptions:
     """The run's vLLM section, for the vLLM engines (colocated and server)."""
     exclusive_servers: bool = False
     """The rollout servers serve this training process alone (the run started them)."""
+    seed: int = 0
+    """The run's seed; an engine with a generator of its own derives its seed from it."""
+    rank: int = 0
+    """This training process's global rank (colocated engines under torchrun)."""
+    world_size: int = 1
+    """Training processes over all nodes."""

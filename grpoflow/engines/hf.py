@@ -37,6 +37,9 @@ class HFEngine:
         for index, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {index} is empty: give at least one token")
+        if not prompts:
+            self.stats = EngineStats()
+            return []
         start = time.perf_counter()
         repeated = [list(prompt) for prompt in prompts for _ in range(params.n)]
         input_ids, attention_mask = left_pad(repeated, self.pad_token_id, self.device)

@@ -6,7 +6,15 @@ the trainer's `(hf_name, tensor)` pairs stream into the worker's in-place reload
 `reload_weights`, wrapped by `WeightSyncExtension`, through `LLM.collective_rpc`). With the
 engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here) the tensors pass by reference,
 and vLLM processes the model layer by layer as their tensors arrive, so at most one layer is
-buffered: no bucketing is needed.
+buffered: no bucketing is needed. `move_model_batches` splits a push into that many reloads of
+whole decoder layers, so that weights made for the push (merged adapters, FSDP gathers) are
+released group by group instead of being held for the whole push.
+
+Under torchrun every rank builds its own engine on vLLM's `external_launcher` executor, which joins
+the run's process group instead of starting its own; `vllm_tensor_parallel_size` ranks may share
+one engine sharded over their devices (`grpoflow.engines.colocate` says how the ranks of a group
+pool their prompts). Each rank pushes the full weights to its engine; vLLM's weight loaders keep
+the rank's shard.
 
 Log-probs: vLLM is built with `logprobs_mode="processed_logprobs"`, so the log-prob it reports
 for a sampled token is `log_softmax(logits / temperature)`, as the trainer computes it. With
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -31,6 +40,7 @@ from pathlib import Path
 import torch
 
 from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
+from grpoflow.engines.colocate import ColocateLayout, EngineGroup, merge_shares, own_share
 
 logger = logging.getLogger("grpoflow.engines.vllm")
 
@@ -38,6 +48,8 @@ LOGPROBS_MODE = "processed_logprobs"
 """vLLM's log-prob mode giving log_softmax(logits / temperature) of the sampled token."""
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 """Most bytes of weights in one shard written for a server."""
+LAYER_INDEX = re.compile(r"\.(\d+)\.")
+"""The first dotted integer of a Hugging Face name: the decoder layer's index (model.layers.3.mlp...)."""
 
 
 def sampling_fields(params: SamplingParams) -> dict:
@@ -86,6 +98,32 @@ def weight_buckets(
         size += nbytes
     if bucket:
         yield bucket
+
+
+def layer_groups(
+    weights: Iterable[tuple[str, torch.Tensor]], num_groups: int, num_layers: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive lists of `(name, tensor)` holding whole decoder layers: layer i goes to group
+    `i * num_groups // num_layers`, so there are min(num_groups, num_layers) groups of near-equal
+    numbers of layers. A tensor outside the layers (embeddings, final norm, head) joins the group
+    being collected when it arrives. The pairs are consumed lazily: a group is collected only when
+    the previous one has been taken. Expects the tensors layer by layer, as `named_parameters()`
+    and the FSDP gather give them (vLLM rebuilds a fused layer, q/k/v or gate/up, from one load).
+    """
+    if num_groups < 1 or num_layers < 1:
+        raise ValueError(f"need num_groups >= 1 and num_layers >= 1, got {num_groups} and {num_layers}")
+    group: list[tuple[str, torch.Tensor]] = []
+    current = 0
+    for name, tensor in weights:
+        match = LAYER_INDEX.search(name)
+        index = current if match is None else min(int(match[1]), num_layers - 1) * num_groups // num_layers
+        if index > current and group:
+            yield group
+            group = []
+        current = max(current, index)
+        group.append((name, tensor.detach()))
+    if group:
+        yield group
 
 
 class WeightSyncExtension:
@@ -148,7 +186,12 @@ def model_directory(model: torch.nn.Module, tokenizer) -> tuple[Path, bool]:
 
 
 class VLLMEngine:
-    """Generates with a `vllm.LLM` living in the training process."""
+    """Generates with a `vllm.LLM` living in the training process.
+
+    `layout`: this rank's place among the colocated engines of a torchrun run (one engine per
+    `tensor_parallel_size` ranks, on vLLM's `external_launcher` executor); the default is a single
+    process. `seed` is the engine's own seed (the layout's `engine_seed`).
+    """
 
     shares_policy_weights = False
 
@@ -164,6 +207,8 @@ class VLLMEngine:
         enable_prefix_caching: bool = True,
         sleep_level: int = 0,
         seed: int = 0,
+        layout: ColocateLayout | None = None,
+        move_model_batches: int | None = None,
         cleanup_dir: bool = False,
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -172,12 +217,16 @@ class VLLMEngine:
                 "the colocated vLLM engine runs in the training process and passes weights by "
                 "reference: unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0, or use vllm_mode=server"
             )
+        if move_model_batches is not None and move_model_batches < 1:
+            raise ValueError(f"move_model_batches must be >= 1 or None, got {move_model_batches}")
         from vllm import LLM
         from vllm.platforms import current_platform
 
         self.model_dir, self._cleanup_dir = Path(model_dir), cleanup_dir
-        self.sleep_level = sleep_level
+        self.sleep_level, self.move_model_batches = sleep_level, move_model_batches
         self.sleep_supported = current_platform.is_sleep_mode_available()
+        self.layout = layout or ColocateLayout()
+        self.group = EngineGroup(self.layout)
         self.llm = LLM(
             model=str(model_dir),
             dtype=dtype,
@@ -190,7 +239,9 @@ class VLLMEngine:
             logprobs_mode=LOGPROBS_MODE,
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
             seed=seed,
+            **_launcher_arguments(self.layout),
         )
+        self.num_layers = self.llm.model_config.get_total_num_hidden_layers()
         self.policy_version = 0
         self.stats = EngineStats()
         self._asleep = 0
@@ -212,11 +263,20 @@ class VLLMEngine:
             )
         self.wake_up()
         start = time.perf_counter()
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(prompt)} for prompt in prompts],
-            VLLMSamplingParams(**sampling_fields(params)),
-            use_tqdm=False,
+        # The ranks sharing this engine run it in lock step: all submit the group's prompts, each
+        # with its own rank's sampling parameters, and keep the completions of their own.
+        shares = self.group.gather([(list(prompt), sampling_fields(params)) for prompt in prompts])
+        requests, sizes = merge_shares(shares)
+        outputs = (
+            self.llm.generate(
+                [{"prompt_token_ids": prompt} for prompt, _ in requests],
+                [VLLMSamplingParams(**fields) for _, fields in requests],
+                use_tqdm=False,
+            )
+            if requests
+            else []
         )
+        outputs = own_share(outputs, sizes, self.layout.rank_in_group)
         groups = [[self._completion(sample) for sample in output.outputs] for output in outputs]
         self.stats = EngineStats(
             num_prompt_tokens=sum(map(len, prompts)) * params.n,
@@ -239,16 +299,31 @@ class VLLMEngine:
         )
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load `(hf_name, tensor)` pairs into vLLM's model, or hold them until `wake_up` when
-        vLLM sleeps (its weight memory may be offloaded or discarded)."""
-        weights = [(name, tensor.detach()) for name, tensor in weights]  # references, no copies
+        """Load `(hf_name, tensor)` pairs into vLLM's model (in `move_model_batches` reloads when
+        set), or hold them until `wake_up` when vLLM sleeps (its weight memory may be offloaded or
+        discarded). Every rank pushes the full weights; under tensor parallelism vLLM keeps the
+        rank's shard."""
+        if self._asleep or self.sleep_level == 2 or self.move_model_batches is None:
+            weights = [(name, tensor.detach()) for name, tensor in weights]  # references, no copies
         if self._asleep:
             self._pending = weights
         else:
             self._push(weights)
         self.policy_version = version
 
-    def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def _push(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the pairs in one reload, or in `move_model_batches` groups of whole layers taken
+        from the stream one at a time, each released before the next is collected."""
+        if self.move_model_batches is None:
+            self._reload(list(weights))
+        else:
+            for group in layer_groups(weights, self.move_model_batches, self.num_layers):
+                self._reload(group)
+                del group
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self._last_weights = weights if self.sleep_level == 2 else None
+
+    def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Stream the pairs into vLLM's in-place reload (vLLM processes each layer as soon as all
         its tensors have arrived, so at most one layer is buffered; in-process nothing is copied)."""
         try:
@@ -258,8 +333,6 @@ class VLLMEngine:
                 f"loading {len(weights)} tensors ({weights[0][0]!r} .. {weights[-1][0]!r}) into vLLM "
                 f"failed: {error!r}; check that the names are the Hugging Face names of the served model"
             ) from error
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        self._last_weights = weights if self.sleep_level == 2 else None
 
     def reset_prefix_cache(self) -> None:
         """Drop vLLM's cached KV blocks (done after every weight update too)."""
@@ -300,6 +373,7 @@ class VLLMEngine:
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
+        self.group.close()
         if self._cleanup_dir:
             shutil.rmtree(self.model_dir, ignore_errors=True)
 
@@ -307,6 +381,18 @@ class VLLMEngine:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, stacklevel=3)
+
+
+def _launcher_arguments(layout: ColocateLayout) -> dict:
+    """`vllm.LLM` arguments for this rank's place: under torchrun, vLLM's external_launcher
+    executor, which joins the run's process group (RANK and LOCAL_RANK from torchrun) instead of
+    starting its own, with the layout's tensor parallelism."""
+    if layout.world_size == 1:
+        return {}
+    return dict(
+        distributed_executor_backend="external_launcher",
+        tensor_parallel_size=layout.tensor_parallel_size,
+    )
 
 
 def _dtype_name(model: torch.nn.Module) -> str:
@@ -319,13 +405,19 @@ def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> VLLMEngi
     from grpoflow.config import VLLMConfig
 
     config = options.vllm or VLLMConfig(use_vllm=True)
-    if config.vllm_tensor_parallel_size != 1:
-        raise ValueError(
-            f"vllm_tensor_parallel_size={config.vllm_tensor_parallel_size}: the colocated vLLM engine "
-            "runs on the training process's device; use vllm_mode=server for tensor parallelism"
-        )
+    layout = ColocateLayout(
+        rank=options.rank,
+        world_size=options.world_size,
+        tensor_parallel_size=config.vllm_tensor_parallel_size,
+    )
     directory, temporary = model_directory(model, tokenizer)
-    logger.info("colocated vLLM loads the policy from %s", directory)
+    logger.info(
+        "colocated vLLM %d of %d (ranks %s) loads the policy from %s",
+        layout.engine_index + 1,
+        layout.num_engines,
+        layout.group_ranks()[layout.engine_index],
+        directory,
+    )
     return VLLMEngine(
         directory,
         dtype=_dtype_name(model),
@@ -335,5 +427,8 @@ def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> VLLMEngi
         enforce_eager=config.vllm_enforce_eager,
         enable_prefix_caching=config.vllm_enable_prefix_caching,
         sleep_level=config.sleep_level,
+        seed=layout.engine_seed(options.seed),
+        layout=layout,
+        move_model_batches=config.move_model_batches,
         cleanup_dir=temporary,
     )

@@ -106,6 +106,37 @@ def test_update_weights_changes_outputs_and_restores_them(engine, policy):
     torch.testing.assert_close(restored[0].logprobs, before[0].logprobs, atol=1e-5, rtol=0)
 
 
+def test_move_model_batches_pushes_whole_layers_in_that_many_loads_with_the_same_result(
+    engine, policy, monkeypatch
+):
+    model, _ = policy
+    weights = perturbed(model)
+    engine.update_weights(weights, version=1)
+    single = greedy(engine)
+    engine.update_weights(model.named_parameters(), version=2)
+    loads = []
+    rpc = engine.llm.collective_rpc
+
+    def recording_rpc(method, *args, kwargs=None, **rest):
+        if method == "grpoflow_reload_weights" and kwargs.get("weights_iterator") is not None:
+            pairs = list(kwargs["weights_iterator"])
+            loads.append([name for name, _ in pairs])
+            kwargs = {**kwargs, "weights_iterator": iter(pairs)}
+        return rpc(method, *args, kwargs=kwargs, **rest)
+
+    monkeypatch.setattr(engine.llm, "collective_rpc", recording_rpc)
+    monkeypatch.setattr(engine, "move_model_batches", 2)
+    engine.update_weights(iter(weights), version=3)  # a stream, taken one group at a time
+    assert len(loads) == 2  # the tiny model's 2 decoder layers, one per load
+    assert [name for load in loads for name in load] == [name for name, _ in weights]
+    assert all(".layers.1." not in name for name in loads[0])
+    assert all(".layers.0." not in name for name in loads[1])
+    grouped = greedy(engine)
+    assert [c.token_ids for c in grouped] == [c.token_ids for c in single]
+    assert [c.logprobs for c in grouped] == [c.logprobs for c in single]
+    engine.update_weights(model.named_parameters(), version=4)
+
+
 def test_sleep_without_platform_support_warns_once_and_keeps_generating(engine, monkeypatch):
     monkeypatch.setattr(engine, "sleep_level", 1)
     monkeypatch.setattr(engine, "_warned", set())

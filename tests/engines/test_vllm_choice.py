@@ -6,7 +6,7 @@ import torch
 
 from grpoflow.config_loader import load_config
 from grpoflow.engines import ENGINES, SamplingParams
-from grpoflow.engines.vllm import sampling_fields, truncates_distribution, weight_buckets
+from grpoflow.engines.vllm import layer_groups, sampling_fields, truncates_distribution, weight_buckets
 from grpoflow.launch import choose_engine
 
 
@@ -35,3 +35,28 @@ def test_weight_buckets_are_bounded():
     buckets = list(weight_buckets(weights, max_bytes=3 * 1024))
     assert [len(bucket) for bucket in buckets] == [3, 3, 3, 1]
     assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in weights]
+
+
+def test_layer_groups_hold_whole_layers_and_are_taken_from_the_stream_one_at_a_time():
+    names = ["model.embed_tokens.weight"]
+    names += [f"model.layers.{i}.{part}.weight" for i in range(4) for part in ("q_proj", "k_proj", "mlp")]
+    names += ["model.norm.weight", "lm_head.weight"]
+    consumed = []
+
+    def stream():
+        for name in names:
+            consumed.append(name)
+            yield name, torch.zeros(2)
+
+    groups = layer_groups(stream(), num_groups=3, num_layers=4)
+    first = next(groups)
+    assert len(consumed) == 1 + 2 * 3 + 1  # the group, and the tensor that opened the next
+    rest = list(groups)
+    layers = [
+        sorted({name.split(".")[2] for name, _ in group if ".layers." in name}) for group in [first, *rest]
+    ]
+    assert layers == [["0", "1"], ["2"], ["3"]]
+    assert first[0][0] == "model.embed_tokens.weight" and rest[-1][-1][0] == "lm_head.weight"
+    assert [name for group in [first, *rest] for name, _ in group] == names
+    assert len(list(layer_groups(((n, torch.zeros(1)) for n in names), num_groups=9, num_layers=4))) == 4
+    assert len(list(layer_groups(((n, torch.zeros(1)) for n in names), num_groups=1, num_layers=4))) == 1
