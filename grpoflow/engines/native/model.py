@@ -155,12 +155,13 @@ class FamilyModel:
         attend: Attend,
         ops: type[TorchOps],
         last_index: torch.Tensor | None = None,
+        logits_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits of the tokens `input_ids` (T,) at `positions` (T,), writing their K and V into
         `kv_cache` (layers, 2, num_blocks, Hkv, block_size, D) at `slots` (T,) (-1: no write).
 
         `last_index` (R,) picks the rows whose logits are returned; None returns all T.
-        Returns (R or T, V) in the model dtype.
+        Returns (R or T, V) in the model dtype, written into `logits_out` when given (no extra copy).
         """
         shape = self.shape
         num_tokens = input_ids.shape[0]
@@ -192,7 +193,12 @@ class FamilyModel:
         normed, _ = ops.rms_norm(hidden, self.norm.weight, _eps(self.norm), residual)
         if last_index is not None:
             normed = normed[last_index]
-        return _linear(normed, self.lm_head)
+        if logits_out is None:
+            return _linear(normed, self.lm_head)
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        if bias is None:
+            return torch.mm(normed, weight.t(), out=logits_out)
+        return torch.addmm(bias, normed, weight.t(), out=logits_out)
 
     def _qkv(
         self, normed: torch.Tensor, attention: nn.Module, fused: Fused

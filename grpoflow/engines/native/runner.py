@@ -235,7 +235,9 @@ class Runner:
                 max_context,
             )
 
-        self.logits[:rows] = family.forward(self.input_ids[:rows], positions, slots, cache, attend, ops)
+        family.forward(
+            self.input_ids[:rows], positions, slots, cache, attend, ops, logits_out=self.logits[:rows]
+        )
 
     def _ensure_graph(self, rows: int) -> None:
         """Capture the decode forward for `rows` rows, run once first to compile the kernels.
