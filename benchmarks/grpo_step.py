@@ -51,7 +51,9 @@ def write_inputs(
     model.save_pretrained(directory / "model")
     tokenizer.save_pretrained(directory / "model")
     if float32_copy:
-        model.float().save_pretrained(directory / "model-fp32")
+        model = model.float()
+        model.config.dtype = torch.float32  # from_pretrained's "auto" dtype reads it
+        model.save_pretrained(directory / "model-fp32")
         tokenizer.save_pretrained(directory / "model-fp32")
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
