@@ -87,12 +87,15 @@ class Runner:
         self.cache = allocate_cache(shape, self.num_blocks, self.block_size, device, self.dtype)
         rows = self.max_rows
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.meta = torch.zeros(3, rows, dtype=torch.int64, device=device)  # positions, slots, context
+        # positions, slots, context lengths, sampling keys
+        self.meta = torch.zeros(4, rows, dtype=torch.int64, device=device)
+        self.table_updates = torch.zeros(3, rows, dtype=torch.int64, device=device)  # rows, columns, blocks
         self.block_table = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)
         self.logits = torch.zeros(rows, shape.vocab_size, dtype=self.dtype, device=device)
         pin = device.type == "cuda"
         # two of each host buffer: step t+1 is written while step t's copies may still run
-        self.meta_host = torch.zeros(2, 3, rows, dtype=torch.int64, pin_memory=pin)
+        self.meta_host = torch.zeros(2, 4, rows, dtype=torch.int64, pin_memory=pin)
+        self.table_host = torch.zeros(2, 3, rows, dtype=torch.int64, pin_memory=pin)
         self.tokens_host = torch.zeros(2, rows, dtype=torch.int64, pin_memory=pin)
         self.logprobs_host = torch.zeros(2, rows, dtype=torch.float32, pin_memory=pin)
         self.launches = 0
@@ -179,26 +182,29 @@ class Runner:
         if self.use_graphs:
             rows = next(size for size in graph_buckets(self.max_rows) if size >= step.num_rows)
             self._ensure_graph(rows)
+        # Everything the step needs goes up through pinned buffers (two of each, alternating), so
+        # the copies are asynchronous and the host can prepare the next step while this one runs.
         host = self.meta_host[self.launches % 2]
-        host[:, :rows] = torch.tensor([[0], [-1], [0]])
+        host[:, :rows] = torch.tensor([[0], [-1], [0], [0]])
         host[0, : step.num_rows] = torch.from_numpy(step.positions)
         host[1, : step.num_rows] = torch.from_numpy(step.slots)
         host[2, : step.num_rows] = torch.from_numpy(step.context_lens)
+        host[3, step.rows] = torch.from_numpy(keys)
         self.meta[:, :rows].copy_(host[:, :rows], non_blocking=True)
-        update_rows, update_columns, update_blocks = step.table_updates
-        if len(update_rows):
-            self.block_table[_to(update_rows, self.device), _to(update_columns, self.device)] = _to(
-                update_blocks.astype(np.int32), self.device
-            )
+        num_updates = len(step.table_updates[0])
+        if num_updates:
+            staged = self.table_host[self.launches % 2, :, :num_updates]
+            staged.copy_(torch.from_numpy(np.stack(step.table_updates)))
+            updates = self.table_updates[:, :num_updates]
+            updates.copy_(staged, non_blocking=True)
+            self.block_table[updates[0], updates[1]] = updates[2].to(torch.int32)
         if self.use_graphs:
             self.graphs[rows].replay()
         else:
             self._decode_forward(rows, int(step.context_lens.max()))
-        full_keys = np.zeros(rows, dtype=np.int64)
-        full_keys[step.rows] = keys
         seen = self.seen[:rows] if self.seen is not None else None
         tokens, logprobs = sample(
-            self.logits[:rows], _to(full_keys, self.device), options, seen=seen, use_triton=self.use_triton
+            self.logits[:rows], self.meta[3, :rows], options, seen=seen, use_triton=self.use_triton
         )
         self.input_ids[:rows] = tokens
         if self.seen is not None:
@@ -244,7 +250,7 @@ class Runner:
         While capturing, the rows are idle (no cache writes, nothing attended)."""
         if rows in self.graphs:
             return
-        self.meta[:, :rows] = torch.tensor([[0], [-1], [0]], device=self.device)
+        self.meta[:, :rows] = torch.tensor([[0], [-1], [0], [0]], device=self.device)
         self._decode_forward(rows, 0)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
