@@ -103,28 +103,24 @@ class FamilyModel:
         """Lay each layer's q/k/v weights (and biases) and gate/up weights back to back in memory
         (see `fusion`), then find the fused views."""
         for layer in self.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            projections = [attention.q_proj, attention.k_proj, attention.v_proj]
-            biases = [module.bias for module in projections]
-            no_bias = all(bias is None for bias in biases)
-            if no_bias or (all(bias is not None for bias in biases) and alias_rows(biases)):
-                alias_rows([module.weight for module in projections])
-            alias_rows([mlp.gate_proj.weight, mlp.up_proj.weight])
+            qkv = _qkv_parts(layer.self_attn)
+            if qkv is not None:
+                weights, biases = qkv
+                if biases is None or alias_rows(biases):
+                    alias_rows(weights)
+            alias_rows([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
         self.refresh_fused()
 
     def refresh_fused(self) -> None:
         """Find each layer's fused views again (after parameters may have moved)."""
         for index, layer in enumerate(self.layers):
-            attention, mlp = layer.self_attn, layer.mlp
-            projections = [attention.q_proj, attention.k_proj, attention.v_proj]
-            biases = [module.bias for module in projections]
-            fused = Fused(gate_up_weight=rows_view([mlp.gate_proj.weight, mlp.up_proj.weight]))
-            qkv_weight = rows_view([module.weight for module in projections])
-            if all(bias is None for bias in biases):
-                fused.qkv_weight = qkv_weight
-            elif all(bias is not None for bias in biases):
-                fused.qkv_bias = rows_view(biases)
-                fused.qkv_weight = qkv_weight if fused.qkv_bias is not None else None
+            fused = Fused(gate_up_weight=rows_view([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
+            qkv = _qkv_parts(layer.self_attn)
+            if qkv is not None:
+                weights, biases = qkv
+                fused.qkv_bias = rows_view(biases) if biases is not None else None
+                if biases is None or fused.qkv_bias is not None:
+                    fused.qkv_weight = rows_view(weights)
             self.fused[index] = fused
 
     @property
@@ -216,6 +212,16 @@ class FamilyModel:
             k.view(num_tokens, shape.num_kv_heads, shape.head_dim),
             v.view(num_tokens, shape.num_kv_heads, shape.head_dim),
         )
+
+
+def _qkv_parts(attention: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor] | None] | None:
+    """q/k/v weights and biases (None when none has a bias); None when only some have a bias (not
+    fusable)."""
+    projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+    biases = [module.bias for module in projections]
+    if any(bias is None for bias in biases) and any(bias is not None for bias in biases):
+        return None
+    return [module.weight for module in projections], None if biases[0] is None else biases
 
 
 def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:

@@ -21,6 +21,10 @@ from grpoflow.engines.native.ops import TorchOps, prefill_attention
 from grpoflow.engines.native.sampler import SamplingOptions, sample
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep
 
+IDLE_ROW = torch.tensor([[0], [-1], [0], [0]])
+"""The step metadata (position, cache slot, context length, sampling key) of a row with no work:
+it writes no cache slot and attends to nothing."""
+
 
 def triton_available() -> bool:
     try:
@@ -185,7 +189,7 @@ class Runner:
         # Everything the step needs goes up through pinned buffers (two of each, alternating), so
         # the copies are asynchronous and the host can prepare the next step while this one runs.
         host = self.meta_host[self.launches % 2]
-        host[:, :rows] = torch.tensor([[0], [-1], [0], [0]])
+        host[:, :rows] = IDLE_ROW
         host[0, : step.num_rows] = torch.from_numpy(step.positions)
         host[1, : step.num_rows] = torch.from_numpy(step.slots)
         host[2, : step.num_rows] = torch.from_numpy(step.context_lens)
@@ -250,7 +254,7 @@ class Runner:
         While capturing, the rows are idle (no cache writes, nothing attended)."""
         if rows in self.graphs:
             return
-        self.meta[:, :rows] = torch.tensor([[0], [-1], [0], [0]], device=self.device)
+        self.meta[:, :rows] = IDLE_ROW.to(self.device)
         self._decode_forward(rows, 0)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
