@@ -10,7 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from grpoflow.engines.base import RolloutEngine, SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
-from grpoflow.engines.native.sampler import SamplingOptions, race_reference, race_thresholds, sample
+from grpoflow.engines.native.sampler import SamplingOptions, filter_thresholds, sample, sample_reference
 from grpoflow.tiny import build_char_tokenizer
 
 from .native_fixtures import (
@@ -83,7 +83,7 @@ def test_logprobs_match_a_forward_pass():
             np.testing.assert_allclose(completion.logprobs, expected, atol=1e-4)
 
 
-def _race_counts(logits: torch.Tensor, options: SamplingOptions, draws: int) -> torch.Tensor:
+def _draw_counts(logits: torch.Tensor, options: SamplingOptions, draws: int) -> torch.Tensor:
     rows = logits[None, :].expand(draws, -1)
     keys = torch.from_numpy(np.random.default_rng(0).integers(0, 2**32, draws))
     tokens, _ = sample(rows, keys, options)
@@ -128,7 +128,7 @@ def _reference_probs(logits: torch.Tensor, options: SamplingOptions) -> torch.Te
 )
 def test_sampling_frequencies_match_the_distribution(options):
     logits = torch.randn(12, generator=torch.Generator().manual_seed(3)) * 1.5
-    counts = _race_counts(logits, options, 40000)
+    counts = _draw_counts(logits, options, 40000)
     statistic, degrees = chi_square(counts, _reference_probs(logits, options))
     assert statistic < chi_square_critical(degrees), (statistic, degrees)
     wrong = SamplingOptions(temperature=options.temperature * 1.25, top_p=min(1.0, options.top_p + 0.2))
@@ -150,9 +150,9 @@ def test_engine_first_tokens_follow_softmax():
 
 def test_filters_reduce_to_thresholds():
     scaled = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
-    assert race_thresholds(scaled, SamplingOptions(top_k=2)).item() == 2.0
-    assert race_thresholds(scaled, SamplingOptions(top_p=0.5)).item() == 3.0
-    tokens, logprobs = race_reference(scaled, torch.zeros(1, dtype=torch.long), 1.0, True, None)
+    assert filter_thresholds(scaled, SamplingOptions(top_k=2)).item() == 2.0
+    assert filter_thresholds(scaled, SamplingOptions(top_p=0.5)).item() == 3.0
+    tokens, logprobs = sample_reference(scaled, torch.zeros(1, dtype=torch.long), 1.0, True, None)
     assert tokens.item() == 0
     assert logprobs.item() == pytest.approx(scaled.log_softmax(-1)[0, 0].item())
 

@@ -10,7 +10,7 @@ import torch
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.engines.native.ops import TorchOps
-from grpoflow.engines.native.sampler import SamplingOptions, race_reference, race_thresholds
+from grpoflow.engines.native.sampler import SamplingOptions, filter_thresholds, sample_reference
 
 from .native_fixtures import FAMILIES, forward_logprobs, hf_greedy, tiny
 
@@ -109,16 +109,16 @@ def test_decode_attention(kernels, dtype, window, group):
 
 
 @pytest.mark.parametrize(("greedy", "filters"), [(True, False), (False, False), (False, True)])
-def test_race_kernel_matches_reference(greedy, filters):
-    from grpoflow.engines.native.kernels import race
+def test_sample_kernel_matches_reference(greedy, filters):
+    from grpoflow.engines.native.kernels import sample_rows
 
     logits = torch.randn(256, 151936, device="cuda", dtype=torch.bfloat16) * 3
     keys = torch.from_numpy(np.random.default_rng(0).integers(0, 2**32, 256)).cuda()
     options = SamplingOptions(temperature=0.8, top_p=0.9 if filters else 1.0, top_k=50 if filters else 0)
-    thresholds = race_thresholds(logits.float() / 0.8, options)
+    thresholds = filter_thresholds(logits.float() / 0.8, options)
     inverse = 1.0 if greedy else 1 / 0.8
-    tokens, logprobs = race(logits, keys, inverse, greedy, thresholds)
-    ref_tokens, ref_logprobs = race_reference(logits, keys, inverse, greedy, thresholds)
+    tokens, logprobs = sample_rows(logits, keys, inverse, greedy, thresholds)
+    ref_tokens, ref_logprobs = sample_reference(logits, keys, inverse, greedy, thresholds)
     assert (tokens == ref_tokens).float().mean() > 0.99
     same = tokens == ref_tokens
     torch.testing.assert_close(logprobs[same], ref_logprobs[same], atol=1e-3, rtol=1e-4)

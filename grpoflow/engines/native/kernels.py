@@ -162,94 +162,133 @@ def _hash32(x):
 
 
 @triton.jit
-def _log2_approx(x):
-    # One MUFU instruction; tl.log becomes libdevice's exact logf, several times the cost.
-    return tl.inline_asm_elementwise(
-        "lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
-    )
-
-
-@triton.jit
-def _race_kernel(
+def _sample_kernel(
     logits_ptr, stride_row, keys_ptr, thresholds_ptr, tokens_ptr, logprobs_ptr, vocab_size, inverse_temperature,
-    GREEDY: tl.constexpr, HAS_THRESHOLD: tl.constexpr, BLOCK: tl.constexpr,
+    GREEDY: tl.constexpr, HAS_THRESHOLD: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
 ):  # fmt: skip
-    # argmax(x + Gumbel) = argmax(exp(x - m) / E) with E = -log(u) ~ Exp(1) (here -log2(u): a common
-    # factor changes no argmax). Each lane keeps its running max m, its softmax sum and its best
-    # candidate's weight exp(x - m) and E; of the two exponentials an online update needs, one is
-    # exp(0), so one exp and one log per token, and candidates compare as cross products (no
-    # division). One reduction at the end.
+    # Inversion sampling in one program per row. Pass 1 streams the logits once: each lane keeps a
+    # running max and softmax sum (one exp per token), and at the end of every chunk of CHUNK blocks
+    # the lanes are reduced into the allowed mass of the prefix up to there. The uniform picks the
+    # chunk where the cumulative mass crosses it; pass 2 rereads that chunk alone and finds the
+    # token with a cumulative sum. Greedy rows keep each lane's best logit instead.
     row = tl.program_id(0).to(tl.int64)
-    key = tl.load(keys_ptr + row).to(tl.uint32)
+    row_logits = logits_ptr + row * stride_row
     threshold = float("-inf")
     if HAS_THRESHOLD:
         threshold = tl.load(thresholds_ptr + row)
     lanes = tl.arange(0, BLOCK)
+    chunk_ids = tl.arange(0, NUM_CHUNKS)
     lane_max = tl.full([BLOCK], -1e30, tl.float32)
     lane_sum = tl.zeros([BLOCK], tl.float32)
-    if GREEDY:
-        lane_weight = tl.full([BLOCK], float("-inf"), tl.float32)  # the best x itself
-    else:
-        lane_weight = tl.zeros([BLOCK], tl.float32)  # exp(x_best - lane_max)
-    lane_race = tl.full([BLOCK], 1.0, tl.float32)
+    lane_mass = tl.zeros([BLOCK], tl.float32)  # the allowed part of lane_sum (filters only)
+    lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
     lane_index = tl.full([BLOCK], 2147483647, tl.int32)
-    lane_logit = tl.zeros([BLOCK], tl.float32)
+    prefix_max = tl.full([NUM_CHUNKS], -1e30, tl.float32)
+    prefix_mass = tl.zeros([NUM_CHUNKS], tl.float32)
+    num_chunks = tl.cdiv(vocab_size, BLOCK * CHUNK)
+    for chunk in range(0, num_chunks):
+        for block in range(0, CHUNK):
+            offs = (chunk * CHUNK + block) * BLOCK + lanes
+            mask = offs < vocab_size
+            x = (
+                tl.load(row_logits + offs, mask=mask, other=float("-inf")).to(tl.float32)
+                * inverse_temperature
+            )
+            delta = x - lane_max
+            rises = delta > 0
+            shrink = tl.exp(-tl.abs(delta))  # exp(old max - x) when x is the new max, else exp(x - max)
+            lane_sum = tl.where(rises, lane_sum * shrink + 1.0, lane_sum + shrink)
+            if HAS_THRESHOLD:
+                allowed = (mask & (x >= threshold)).to(tl.float32)
+                lane_mass = tl.where(rises, lane_mass * shrink + allowed, lane_mass + allowed * shrink)
+            lane_max = tl.maximum(lane_max, x)
+            if GREEDY:
+                better = mask & (x > lane_best)
+                if HAS_THRESHOLD:
+                    better = better & (x >= threshold)
+                lane_best = tl.where(better, x, lane_best)
+                lane_index = tl.where(better, offs, lane_index)
+        if not GREEDY:
+            running_max = tl.max(lane_max, axis=0)
+            if HAS_THRESHOLD:
+                mass = tl.sum(lane_mass * tl.exp(lane_max - running_max), axis=0)
+            else:
+                mass = tl.sum(lane_sum * tl.exp(lane_max - running_max), axis=0)
+            prefix_max = tl.where(chunk_ids == chunk, running_max, prefix_max)
+            prefix_mass = tl.where(chunk_ids == chunk, mass, prefix_mass)
+    row_max = tl.max(lane_max, axis=0)
+    log_total = tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0))
+    if GREEDY:
+        best = tl.max(lane_best, axis=0)
+        token = tl.min(tl.where(lane_best == best, lane_index, 2147483647), axis=0)  # the first, as argmax
+    else:
+        prefix = prefix_mass * tl.exp(prefix_max - row_max)  # the cumulative allowed mass at each chunk's end
+        bits = _hash32(tl.load(keys_ptr + row).to(tl.uint32) ^ tl.full([], 0x9E3779B1, tl.uint32))
+        target = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        target = target * tl.sum(tl.where(chunk_ids == num_chunks - 1, prefix, 0.0), axis=0)
+        below = (chunk_ids < num_chunks) & (prefix <= target)
+        chosen = tl.minimum(tl.sum(below.to(tl.int32), axis=0), num_chunks - 1)
+        running = tl.sum(tl.where(chunk_ids == chosen - 1, prefix, 0.0), axis=0)
+        found = tl.full([], 2147483647, tl.int32)
+        last = tl.full([], -1, tl.int32)
+        for block in range(0, CHUNK):
+            offs = (chosen * CHUNK + block) * BLOCK + lanes
+            mask = offs < vocab_size
+            x = (
+                tl.load(row_logits + offs, mask=mask, other=float("-inf")).to(tl.float32)
+                * inverse_temperature
+            )
+            weight = tl.exp(x - row_max)
+            if HAS_THRESHOLD:
+                weight = tl.where(x >= threshold, weight, 0.0)
+            cumulative = tl.cumsum(weight, axis=0) + running
+            crossed = (cumulative > target) & (weight > 0)
+            found = tl.minimum(found, tl.min(tl.where(crossed, offs, 2147483647), axis=0))
+            last = tl.maximum(last, tl.max(tl.where(weight > 0, offs, -1), axis=0))
+            running += tl.sum(weight, axis=0)
+        token = tl.where(found < 2147483647, found, last)  # last: a target rounded past the chunk's sum
+        if token < 0:  # the chunk's mass rounded to nothing: the top token, which every filter keeps
+            token = _first_max(row_logits, vocab_size, BLOCK)
+    logit = tl.load(row_logits + token).to(tl.float32) * inverse_temperature
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(logprobs_ptr + row, logit - row_max - log_total)
+
+
+@triton.jit
+def _first_max(row_logits, vocab_size, BLOCK: tl.constexpr):
+    lanes = tl.arange(0, BLOCK)
+    lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_index = tl.full([BLOCK], 2147483647, tl.int32)
     for first in range(0, vocab_size, BLOCK):
         offs = first + lanes
-        mask = offs < vocab_size
-        x = tl.load(logits_ptr + row * stride_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        x = x * inverse_temperature
-        delta = x - lane_max
-        rises = delta > 0
-        shrink = tl.exp(-tl.abs(delta))  # exp(old max - x) when x is the new max, else exp(x - max)
-        lane_sum = tl.where(rises, lane_sum * shrink + 1.0, lane_sum + shrink)
-        lane_max = tl.maximum(lane_max, x)
-        allowed = mask
-        if HAS_THRESHOLD:
-            allowed = allowed & (x >= threshold)
-        if GREEDY:
-            better = allowed & (x > lane_weight)
-            lane_weight = tl.where(better, x, lane_weight)
-        else:
-            lane_weight = tl.where(rises, lane_weight * shrink, lane_weight)
-            weight = tl.where(rises, 1.0, shrink)
-            bits = _hash32(offs.to(tl.uint32) * tl.full([], 0x9E3779B1, tl.uint32) + key)
-            uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            race = -_log2_approx(uniform)
-            better = allowed & (weight * lane_race > lane_weight * race)
-            lane_weight = tl.where(better, weight, lane_weight)
-            lane_race = tl.where(better, race, lane_race)
+        x = tl.load(row_logits + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+        better = x > lane_best
+        lane_best = tl.where(better, x, lane_best)
         lane_index = tl.where(better, offs, lane_index)
-        lane_logit = tl.where(better, x, lane_logit)
-    row_max = tl.max(lane_max, axis=0)
-    lane_scale = tl.exp(lane_max - row_max)
-    if GREEDY:
-        score = lane_weight
-    else:
-        score = tl.where(lane_index < 2147483647, lane_weight * lane_scale / lane_race, -1.0)
-    best = tl.max(score, axis=0)
-    token = tl.min(tl.where(score == best, lane_index, 2147483647), axis=0)  # first index, as argmax
-    logit = tl.sum(tl.where(lane_index == token, lane_logit, 0.0), axis=0)
-    tl.store(tokens_ptr + row, token.to(tl.int64))
-    tl.store(logprobs_ptr + row, logit - row_max - tl.log(tl.sum(lane_sum * lane_scale, axis=0)))
+    best = tl.max(lane_best, axis=0)
+    return tl.min(tl.where(lane_best == best, lane_index, 2147483647), axis=0)
 
 
-def race(
+def sample_rows(
     logits: torch.Tensor,
     keys: torch.Tensor,
     inverse_temperature: float,
     greedy: bool,
     thresholds: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused sampler: `sampler.race_reference` in one pass over logits (B, V)."""
+    """The fused sampler: `sampler.sample_reference` in one pass over logits (B, V)."""
     rows, vocab_size = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     block = min(2048, triton.next_power_of_2(vocab_size))
-    _race_kernel[(rows,)](
+    num_chunks = 32
+    chunk = triton.cdiv(triton.cdiv(vocab_size, block), num_chunks)
+    _sample_kernel[(rows,)](
         logits, logits.stride(0), keys, thresholds if thresholds is not None else keys, tokens, logprobs,
         vocab_size, inverse_temperature,
-        GREEDY=greedy, HAS_THRESHOLD=thresholds is not None, BLOCK=block, num_warps=8,
+        GREEDY=greedy, HAS_THRESHOLD=thresholds is not None, BLOCK=block, CHUNK=chunk, NUM_CHUNKS=num_chunks,
+        num_warps=8,
     )  # fmt: skip
     return tokens, logprobs
 

@@ -1,13 +1,14 @@
 """Sampling on the device: one pass over the logits, reproducible per request.
 
-Every sampled token is an exponential race, `argmax(logits / T - log(-log u))` (Gumbel-max), over
-the tokens that survive top-k / top-p / min-p. The uniforms `u` come from a counter-based hash of
-(request key, vocabulary index), where the key is itself a hash of (the request's seed, the index
-of the token being sampled). So a request's completion depends on its seed alone, not on which
-other requests share its batch, nor on preemption, nor on whether the Triton kernel or this
-module's torch reference drew it (both compute the same hash).
+Every sampled token is drawn by inversion: one uniform `u` per row, and the token is the first
+whose cumulative probability (in vocabulary order, over the tokens that survive top-k / top-p /
+min-p) exceeds `u`. The uniform comes from a counter-based hash of the row's key, itself a hash of
+(the request's seed, the index of the token being sampled). So a request's completion depends on
+its seed alone, not on which other requests share its batch, nor on preemption. The Triton kernel
+sums in a different order from this module's torch reference, so the two can part only where `u`
+falls within rounding of a boundary between two tokens (about one draw in a million).
 
-Filters reduce to one threshold per row on the scaled logits: a token takes part in the race iff
+Filters reduce to one threshold per row on the scaled logits: a token takes part in the draw iff
 its scaled logit is >= the threshold, so top-p needs a sort only when it is asked for.
 
 Log-probs follow vLLM's "processed" convention minus the filters: the returned log-prob of a token
@@ -59,16 +60,14 @@ def sequence_seeds(seed: int, prompt_index: np.ndarray, sample_index: np.ndarray
 
 
 def row_keys(seeds: np.ndarray, token_index: np.ndarray) -> np.ndarray:
-    """uint32 key of the race that samples token `token_index` of each sequence, as int64."""
+    """uint32 key of the draw that samples token `token_index` of each sequence, as int64."""
     return hash32_numpy(seeds ^ hash32_numpy(token_index.astype(np.uint64) * GOLDEN)).astype(np.int64)
 
 
-def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(B,) int64 keys -> (B, V) float32 Gumbel noise `-log(-log u)`, u in (0, 1)."""
-    index = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
-    bits = hash32_torch(index[None, :] * GOLDEN + keys[:, None])
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
-    return -torch.log(-torch.log(uniform))
+def row_uniforms(keys: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 keys -> (B,) float32 uniforms in (0, 1), 24 bits each (the Triton kernel's)."""
+    bits = hash32_torch(keys ^ GOLDEN)
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +112,8 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, penalised, logits)
 
 
-def race_thresholds(scaled: torch.Tensor, options: SamplingOptions) -> torch.Tensor | None:
-    """(B, V) scaled logits -> (B,) smallest scaled logit still allowed in the race, or None.
+def filter_thresholds(scaled: torch.Tensor, options: SamplingOptions) -> torch.Tensor | None:
+    """(B, V) scaled logits -> (B,) smallest scaled logit still allowed in the draw, or None.
 
     Top-p is taken over the top-k survivors renormalised (vLLM's order); min-p against the full
     distribution's top probability. Ties at the threshold all stay in.
@@ -139,7 +138,7 @@ def race_thresholds(scaled: torch.Tensor, options: SamplingOptions) -> torch.Ten
     return thresholds
 
 
-def race_reference(
+def sample_reference(
     logits: torch.Tensor,
     keys: torch.Tensor,
     inverse_temperature: float,
@@ -152,10 +151,18 @@ def race_reference(
     """
     scaled = logits.float() * inverse_temperature
     log_probs = scaled.log_softmax(dim=-1)
-    score = scaled if greedy else scaled + gumbel_noise(keys, scaled.shape[-1])
+    allowed = torch.ones_like(scaled, dtype=torch.bool)
     if thresholds is not None:
-        score = score.masked_fill(scaled < thresholds[:, None], -torch.inf)
-    tokens = score.argmax(dim=-1)
+        allowed = scaled >= thresholds[:, None]
+    if greedy:
+        tokens = scaled.masked_fill(~allowed, -torch.inf).argmax(dim=-1)
+    else:
+        weights = torch.where(allowed, (scaled - scaled.max(dim=-1, keepdim=True).values).exp(), 0)
+        cumulative = weights.double().cumsum(dim=-1)
+        targets = row_uniforms(keys).double() * cumulative[:, -1]
+        tokens = torch.searchsorted(cumulative, targets[:, None], right=True)[:, 0]
+        last_allowed = torch.where(weights > 0, torch.arange(scaled.shape[-1], device=scaled.device), -1)
+        tokens = torch.minimum(tokens, last_allowed.max(dim=-1).values)  # a target rounded up to the total
     return tokens, log_probs.gather(1, tokens[:, None])[:, 0]
 
 
@@ -175,9 +182,9 @@ def sample(
         logits = apply_repetition_penalty(logits.float(), seen, options.repetition_penalty)
     thresholds = None
     if options.filters:
-        thresholds = race_thresholds(logits.float() * options.inverse_temperature, options)
+        thresholds = filter_thresholds(logits.float() * options.inverse_temperature, options)
     if use_triton:
-        from grpoflow.engines.native.kernels import race
+        from grpoflow.engines.native.kernels import sample_rows
 
-        return race(logits, keys, options.inverse_temperature, options.greedy, thresholds)
-    return race_reference(logits, keys, options.inverse_temperature, options.greedy, thresholds)
+        return sample_rows(logits, keys, options.inverse_temperature, options.greedy, thresholds)
+    return sample_reference(logits, keys, options.inverse_temperature, options.greedy, thresholds)
