@@ -8,7 +8,7 @@ Workloads: (1) GRPO: 64 prompts x 8 samples, prompt 128, 256 new tokens, tempera
 drawn from 32-1024. transformers runs a smaller slice of each (stated in the table) to keep the
 whole run within minutes. The roofline is (weights + KV bytes read by every decode step) over the
 device-to-device copy bandwidth measured in the same run; the fraction is that ideal time over the
-measured time of the whole generate call (prefill included).
+median measured time of the whole generate call (prefill included; five calls after a warm-up).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,19 +98,28 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_native(engine: NativeEngine, workload: Workload, device: torch.device) -> dict:
+def run_native(engine: NativeEngine, workload: Workload, device: torch.device, repeats: int) -> dict:
+    """The median of `repeats` timed calls, after one warm-up call."""
     engine.generate(workload.prompts, workload.params)  # warm-up: graphs captured, kernels compiled
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    synchronize(device)
-    start = time.perf_counter()
-    outputs = engine.generate(workload.prompts, workload.params)
-    synchronize(device)
-    seconds = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        outputs = engine.generate(workload.prompts, workload.params)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
     tokens = sum(len(c.token_ids) for group in outputs for c in group)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return dict(
-        tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, peak_gib=peak, **engine.stats.extra
+        tokens=tokens,
+        seconds=seconds,
+        call_seconds=times,
+        tokens_per_s=tokens / seconds,
+        peak_gib=peak,
+        **engine.stats.extra,
     )
 
 
@@ -165,6 +175,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few sequences")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per workload (the median counts)")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/...)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -189,7 +200,7 @@ def main() -> None:
     )
     results = []
     for workload in workloads:
-        native = run_native(engine, workload, device)
+        native = run_native(engine, workload, device, 1 if args.smoke else args.repeats)
         ideal = (
             native["decode_steps"] * weight_bytes + native["decode_context_tokens"] * kv_bytes_per_token
         ) / bandwidth

@@ -9,7 +9,7 @@ import torch
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
-from grpoflow.engines.native.ops import TorchOps
+from grpoflow.engines.native.ops import DecodeBatch, TorchOps
 from grpoflow.engines.native.sampler import SamplingOptions, filter_thresholds, sample_reference
 
 from .native_fixtures import FAMILIES, forward_logprobs, hf_greedy, tiny
@@ -92,20 +92,39 @@ def test_silu_mul(kernels, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [0, 37])
 @pytest.mark.parametrize("group", [1, 7])
-def test_decode_attention(kernels, dtype, window, group):
-    rows, num_kv_heads, head_dim, block_size, blocks = 19, 2, 64, 16, 200
-    q = torch.randn(rows, num_kv_heads * group, head_dim, device="cuda", dtype=dtype)
-    caches = torch.randn(2, blocks, num_kv_heads, block_size, head_dim, device="cuda", dtype=dtype)
-    table = torch.stack([torch.randperm(blocks, device="cuda")[:20] for _ in range(rows)]).int()
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_decode_layer_attention(kernels, dtype, window, group, qk_norm):
+    rows, num_kv_heads, head_dim, block_size, blocks = 19, 2, 64, 16, 400
+    num_heads = num_kv_heads * group
+    qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, device="cuda", dtype=dtype)
+    half_angles = torch.rand(400, head_dim // 2, device="cuda") * 6
+    angles = torch.cat((half_angles, half_angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    # Each row writes into its own blocks, as the scheduler guarantees (shared blocks are full).
+    table = torch.randperm(blocks, device="cuda")[: rows * 20].view(rows, 20).int()
     context = torch.randint(1, 20 * block_size, (rows,), device="cuda")
-    context[0], context[1] = 0, 1
-    scale = head_dim**-0.5
-    out = kernels.decode_attention(q, caches[0], caches[1], table, context, scale, window)
-    ref = TorchOps.decode_attention(
-        q, caches[0], caches[1], table, context, scale, window, int(context.max())
-    )
+    context[0], context[1] = 0, 1  # an idle row, and a row whose only context is its new token
+    positions = (context - 1).clamp(min=0)
+    slots = table[torch.arange(rows), positions // block_size].long() * block_size + positions % block_size
+    slots = torch.where(context > 0, slots, -1)
+    batch = DecodeBatch(cos, sin, positions, slots, table, context, int(context.max()))
+    norm = None
+    if qk_norm:
+        norm = tuple(torch.randn(head_dim, device="cuda", dtype=dtype) for _ in range(2)) + (1e-6,)
+    results = []
+    for ops in (kernels, TorchOps):
+        caches = torch.randn(2, blocks, num_kv_heads, block_size, head_dim, device="cuda", dtype=dtype,
+                             generator=torch.Generator("cuda").manual_seed(0))  # fmt: skip
+        q, k, v = qkv.clone().split(
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1
+        )
+        q, k, v = q.view(rows, num_heads, -1), k.view(rows, num_kv_heads, -1), v.view(rows, num_kv_heads, -1)
+        out = ops.decode_layer_attention(q, k, v, caches[0], caches[1], batch, head_dim**-0.5, window, norm)
+        results.append((out, caches))
+    (out, caches), (ref, ref_caches) = results
     assert (out[0] == 0).all()
     assert relative_error(out[1:], ref[1:]) < TOLERANCE[dtype] * 2
+    assert relative_error(caches, ref_caches) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize(("greedy", "filters"), [(True, False), (False, False), (False, True)])

@@ -35,6 +35,27 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def _rotate_halves(x1, x2, cos, sin, dtype: tl.constexpr):
+    # transformers' rotate-half rotary with its roundings: each product, then the sum, in dtype.
+    out1 = ((x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    return out1, out2
+
+
+@triton.jit
+def _head_norm(x1, x2, weight_ptr, eps, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+    # Qwen3's per-head RMSNorm over the two halves (the last axis) of x, float32 statistics.
+    h = tl.arange(0, HALF)
+    inverse = tl.rsqrt((tl.sum(x1 * x1, axis=-1) + tl.sum(x2 * x2, axis=-1)) / HEAD_DIM + eps)
+    inverse = tl.expand_dims(inverse, -1)
+    w1 = tl.load(weight_ptr + h).to(tl.float32)
+    w2 = tl.load(weight_ptr + HALF + h).to(tl.float32)
+    x1 = (w1 * (x1 * inverse).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    x2 = (w2 * (x2 * inverse).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
 def _rope_store_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
     q_weight_ptr, k_weight_ptr, eps,
@@ -71,8 +92,7 @@ def _rope_store_kernel(
         w2 = tl.where(head < NUM_Q_HEADS, q_w2, k_w2)
         x1 = (w1 * (x1 * inverse).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x2 = (w2 * (x2 * inverse).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    out1 = ((x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)).to(dtype)
-    out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    out1, out2 = _rotate_halves(x1, x2, cos, sin, dtype)
     tl.store(q_base, out1, mask=is_query)
     tl.store(q_base + HALF, out2, mask=is_query)
     tl.store(k_base, out1, mask=is_key)
@@ -101,30 +121,63 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, num_cols, stride_gate, stride_up
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, context_ptr, out_ptr, scale, window,
-    stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_tb, stride_ob, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, q_weight_ptr, k_weight_ptr, eps,
+    k_cache_ptr, v_cache_ptr, table_ptr, context_ptr, out_ptr, scale, window,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rotary,
+    stride_cb, stride_ch, stride_cs, stride_tb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
+    # One program per (row, KV head): norm and rotate the row's new query heads and key, write the
+    # key and value into the cache, attend over the cached context, then fold in the new token
+    # from registers (it is the context's last position), so nothing is read back that this
+    # program wrote.
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = q_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     context = tl.load(context_ptr + row)
     g = tl.arange(0, GROUP_PAD)
+    h = tl.arange(0, HALF)
     d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g
-    q = tl.load(
-        q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :],
-        mask=(g < GROUP)[:, None],
-        other=0.0,
-    )
+    q_mask = (g < GROUP)[:, None]
+    q_base = q_ptr + row * stride_qb + heads[:, None] * stride_qh + h[None, :]
+    q1 = tl.load(q_base, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_base + HALF, mask=q_mask, other=0.0).to(tl.float32)
+    k_base = k_ptr + row * stride_kb + kv_head * stride_kh + h
+    k1 = tl.load(k_base).to(tl.float32)
+    k2 = tl.load(k_base + HALF).to(tl.float32)
+    v_new = tl.load(v_ptr + row * stride_vb + kv_head * stride_vh + d)
+    if HAS_NORM:
+        q1, q2 = _head_norm(q1, q2, q_weight_ptr, eps, HALF, HEAD_DIM, dtype)
+        k1, k2 = _head_norm(k1, k2, k_weight_ptr, eps, HALF, HEAD_DIM, dtype)
+    position = tl.load(positions_ptr + row)
+    cos = tl.load(cos_ptr + position * stride_rotary + h).to(tl.float32)  # the tables repeat their halves
+    sin = tl.load(sin_ptr + position * stride_rotary + h).to(tl.float32)
+    q1, q2 = _rotate_halves(q1, q2, cos[None, :], sin[None, :], dtype)
+    k1, k2 = _rotate_halves(k1, k2, cos, sin, dtype)
+    slot = tl.load(slots_ptr + row)
+    if slot >= 0:
+        offset = (slot // BLOCK_SIZE) * stride_cb + kv_head * stride_ch + (slot % BLOCK_SIZE) * stride_cs
+        tl.store(k_cache_ptr + offset + h, k1)
+        tl.store(k_cache_ptr + offset + HALF + h, k2)
+        tl.store(v_cache_ptr + offset + d, v_new)
+    # The new token's scores first, so that the halves are dead before the loop (registers bound
+    # how many programs an SM holds, and with them how many loads are in flight).
+    own = tl.sum(q1.to(tl.float32) * k1.to(tl.float32)[None, :], axis=1)
+    own += tl.sum(q2.to(tl.float32) * k2.to(tl.float32)[None, :], axis=1)
+    own = tl.where(context > 0, own * scale, float("-inf"))
+    q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
     m = tl.full([GROUP_PAD], -1e30, tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    cached = context - 1
     start = tl.where(window > 0, tl.maximum(context - window, 0), 0)
-    for first in range((start // BLOCK_N) * BLOCK_N, context, BLOCK_N):
+    for first in range((start // BLOCK_N) * BLOCK_N, cached, BLOCK_N):
         offs = first + tl.arange(0, BLOCK_N)
-        valid = (offs < context) & (offs >= start)
-        page = tl.load(table_ptr + row * stride_tb + offs // BLOCK_SIZE, mask=offs < context, other=0)
+        valid = (offs < cached) & (offs >= start)
+        page = tl.load(table_ptr + row * stride_tb + offs // BLOCK_SIZE, mask=offs < cached, other=0)
         offset = page.to(tl.int64)[:, None] * stride_cb + kv_head * stride_ch
         offset += (offs % BLOCK_SIZE)[:, None] * stride_cs + d[None, :]
         k = tl.load(k_cache_ptr + offset, mask=valid[:, None], other=0.0)
@@ -143,11 +196,16 @@ def _decode_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
+    m_new = tl.maximum(m, own)
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(own - m_new)
+    total = total * alpha + p
+    acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
     out = acc / tl.maximum(total, 1e-30)[:, None]
     tl.store(
         out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=(g < GROUP)[:, None],
+        mask=q_mask,
     )
 
 
@@ -340,17 +398,20 @@ class TritonOps(TorchOps):
         return out
 
     @staticmethod
-    def decode_attention(q, k_cache, v_cache, block_table, context_lens, scale, window, max_context=0):
+    def decode_layer_attention(q, k, v, k_cache, v_cache, batch, scale, window, qk_norm=None):
         rows, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[1]
+        num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
+        q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
         out = torch.empty_like(q)
         _decode_attention_kernel[(rows, num_kv_heads)](
-            q, k_cache, v_cache, block_table, context_lens, out, scale, window,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_table.stride(0), out.stride(0), out.stride(1),
+            q, k, v, batch.cos, batch.sin, batch.positions, batch.slots, q_weight, k_weight, eps,
+            k_cache, v_cache, batch.block_table, batch.context_lens, out, scale, window,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), batch.cos.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), batch.block_table.stride(0),
+            out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            BLOCK_SIZE=k_cache.shape[2], BLOCK_N=64, IEEE=q.dtype == torch.float32,
-            num_warps=4, num_stages=2,
+            BLOCK_SIZE=k_cache.shape[2], BLOCK_N=64, HAS_NORM=qk_norm is not None,
+            IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
         )  # fmt: skip
         return out

@@ -22,8 +22,10 @@ from grpoflow.engines.native.ops import TorchOps
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
-# attend(layer_index, q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D)) -> (T, Hq, D)
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(layer_index, q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D), qk_norm) -> (T, Hq, D): rotary,
+# the cache write and the attention itself, which differ between prefill and decode.
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, QKNorm | None], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -145,16 +147,12 @@ class FamilyModel:
     def forward(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        kv_cache: torch.Tensor,
         attend: Attend,
         ops: type[TorchOps],
         last_index: torch.Tensor | None = None,
         logits_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits of the tokens `input_ids` (T,) at `positions` (T,), writing their K and V into
-        `kv_cache` (layers, 2, num_blocks, Hkv, block_size, D) at `slots` (T,) (-1: no write).
+        """Logits of the tokens `input_ids` (T,); `attend` places them (rotary positions, KV cache).
 
         `last_index` (R,) picks the rows whose logits are returned; None returns all T.
         Returns (R or T, V) in the model dtype, written into `logits_out` when given (no extra copy).
@@ -172,10 +170,7 @@ class FamilyModel:
             qk_norm = None
             if self.has_qk_norm:
                 qk_norm = (attention.q_norm.weight, attention.k_norm.weight, _eps(attention.q_norm))
-            ops.rope_and_store(
-                q, k, v, self.cos, self.sin, positions, slots, kv_cache[index, 0], kv_cache[index, 1], qk_norm
-            )
-            out = attend(index, q, k, v).reshape(num_tokens, shape.num_heads * shape.head_dim)
+            out = attend(index, q, k, v, qk_norm).reshape(num_tokens, shape.num_heads * shape.head_dim)
             hidden = _linear(out, attention.o_proj)
             normed, residual = ops.rms_norm(
                 hidden, layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm), residual

@@ -8,6 +8,8 @@ float32 path reproduces transformers' greedy decoding token for token.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None] + rotated * sin[:, None]
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """What every layer of one decode step shares: one new token per row, at the row's last
+    context position (`context_lens == positions + 1`; 0 for an idle row, whose slot is -1)."""
+
+    cos: torch.Tensor  # (max_len, D) rotary tables in the model dtype
+    sin: torch.Tensor
+    positions: torch.Tensor  # (B,) int
+    slots: torch.Tensor  # (B,) int, -1: no cache write
+    block_table: torch.Tensor  # (B, max_blocks) int32
+    context_lens: torch.Tensor  # (B,) int
+    max_context: int  # an upper bound of context_lens (the torch reference sizes its gather by it)
 
 
 class TorchOps:
@@ -73,6 +89,29 @@ class TorchOps:
     def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """SwiGLU's `silu(gate) * up`, each rounded to the dtype as transformers does."""
         return F.silu(gate) * up
+
+    @classmethod
+    def decode_layer_attention(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: DecodeBatch,
+        scale: float,
+        window: int,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> torch.Tensor:
+        """One decode layer's attention from the q/k/v projections: per-head norm and rotary,
+        the new k and v into the cache, then each row's query against its context.
+        q (B, Hq, D), k and v (B, Hkv, D) -> (B, Hq, D); q and k are rotated in place."""
+        cls.rope_and_store(
+            q, k, v, batch.cos, batch.sin, batch.positions, batch.slots, k_cache, v_cache, qk_norm
+        )
+        return cls.decode_attention(
+            q, k_cache, v_cache, batch.block_table, batch.context_lens, scale, window, batch.max_context
+        )
 
     @staticmethod
     def decode_attention(

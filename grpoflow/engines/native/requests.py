@@ -58,17 +58,15 @@ class RequestBook:
     def _seeds(self, call_seed: int) -> np.ndarray:
         """A request with a seed gets streams that depend on (seed, sample index) only; one without
         gets streams from the call's seed and its prompt index too."""
-        seeds = np.zeros(len(self.prompt_of), dtype=np.uint64)
-        for index, request in enumerate(self.params):
-            first, count = self.first_sequence[index], (self.prompt_of == index).sum()
-            if count == 0:
-                continue
-            samples = self.sample_of[first : first + count]
-            if request.seed is None:
-                prompt_index = np.full(count, index)
-                seeds[first : first + count] = sequence_seeds(call_seed, prompt_index, samples)
-            else:
-                seeds[first : first + count] = sequence_seeds(request.seed, np.zeros(count), samples)
+        seeded = np.array([request.seed is not None for request in self.params] + [False], dtype=bool)
+        request_seeds = np.array([request.seed or 0 for request in self.params] + [0], dtype=np.int64)
+        own = seeded[self.prompt_of]
+        seeds = sequence_seeds(call_seed, self.prompt_of, self.sample_of)
+        for seed in np.unique(request_seeds[self.prompt_of][own]).tolist():
+            chosen = own & (request_seeds[self.prompt_of] == seed)
+            seeds[chosen] = sequence_seeds(
+                seed, np.zeros(int(chosen.sum()), dtype=np.int64), self.sample_of[chosen]
+            )
         return seeds
 
     def _stop_id_table(self) -> np.ndarray:
@@ -132,19 +130,26 @@ class RequestBook:
     def completions(self, policy_version: int) -> list[list[Completion]]:
         """One list of `n` completions per prompt; an invalid prompt's completions are empty with
         finish_reason 'error'."""
+        tokens, logprobs = self.tokens.tolist(), self.logprobs.tolist()  # whole arrays: faster than by row
+        counts = self.num_generated.tolist()
         result = []
         for index, request in enumerate(self.params):
             if self.errors[index] is not None:
                 error = Completion([], [], "error", policy_version, text=self.errors[index])
                 result.append([error] * request.n)
                 continue
-            first = self.first_sequence[index]
-            result.append([self._completion(first + j, policy_version) for j in range(request.n)])
+            group = []
+            for sequence in range(self.first_sequence[index], self.first_sequence[index] + request.n):
+                count, row_tokens, row_logprobs = counts[sequence], tokens[sequence], logprobs[sequence]
+                if count < len(row_tokens):
+                    row_tokens, row_logprobs = row_tokens[:count], row_logprobs[:count]
+                group.append(self._completion(sequence, row_tokens, row_logprobs, policy_version))
+            result.append(group)
         return result
 
-    def _completion(self, sequence: int, policy_version: int) -> Completion:
-        count = self.num_generated[sequence]
-        token_ids = self.tokens[sequence, :count].tolist()
+    def _completion(
+        self, sequence: int, token_ids: list[int], logprobs: list[float], policy_version: int
+    ) -> Completion:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -153,7 +158,7 @@ class RequestBook:
                     text = text[: text.index(string)]
         return Completion(
             token_ids=token_ids,
-            logprobs=self.logprobs[sequence, :count].tolist(),
+            logprobs=logprobs,
             finish_reason=self.finish_reason[sequence],
             policy_version=policy_version,
             text=text,

@@ -17,7 +17,7 @@ import torch
 from grpoflow.engines.native.config import NativeEngineConfig
 from grpoflow.engines.native.kv_cache import BlockPool, allocate_cache, num_blocks_for
 from grpoflow.engines.native.model import FamilyModel
-from grpoflow.engines.native.ops import TorchOps, prefill_attention
+from grpoflow.engines.native.ops import DecodeBatch, TorchOps, prefill_attention
 from grpoflow.engines.native.sampler import SamplingOptions, sample
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep
 
@@ -140,22 +140,20 @@ class Runner:
         last = np.arange(num_items) * length + lengths - 1
         shape, family = self.family.shape, self.family
 
-        def attend(index, q, k, v):
+        positions_t, slots_t = _to(positions.reshape(-1), device), _to(slots.reshape(-1), device)
+
+        def attend(index, q, k, v, qk_norm):
+            caches = self.cache[index]
+            self.ops.rope_and_store(
+                q, k, v, family.cos, family.sin, positions_t, slots_t, caches[0], caches[1], qk_norm
+            )
             q = q.view(num_items, length, shape.num_heads, shape.head_dim)
             k = k.view(num_items, length, shape.num_kv_heads, shape.head_dim)
             v = v.view(num_items, length, shape.num_kv_heads, shape.head_dim)
             out = prefill_attention(q, k, v, family.scale, family.windows[index])
             return out.reshape(num_items * length, shape.num_heads, shape.head_dim)
 
-        logits = family.forward(
-            _to(ids.reshape(-1), device),
-            _to(positions.reshape(-1), device),
-            _to(slots.reshape(-1), device),
-            self.cache,
-            attend,
-            self.ops,
-            last_index=_to(last, device),
-        )
+        logits = family.forward(_to(ids.reshape(-1), device), attend, self.ops, last_index=_to(last, device))
         if step.copies:
             source, destination = (_to(np.array(column), device) for column in zip(*step.copies))
             self.cache[:, :, destination] = self.cache[:, :, source]
@@ -230,24 +228,22 @@ class Runner:
 
     def _decode_forward(self, rows: int, max_context: int) -> None:
         cache, family, ops = self.cache, self.family, self.ops
-        positions, slots, context_lens = self.meta[0, :rows], self.meta[1, :rows], self.meta[2, :rows]
-        table = self.block_table[:rows]
+        batch = DecodeBatch(
+            cos=family.cos,
+            sin=family.sin,
+            positions=self.meta[0, :rows],
+            slots=self.meta[1, :rows],
+            block_table=self.block_table[:rows],
+            context_lens=self.meta[2, :rows],
+            max_context=max_context,
+        )
 
-        def attend(index, q, k, v):
-            return ops.decode_attention(
-                q,
-                cache[index, 0],
-                cache[index, 1],
-                table,
-                context_lens,
-                family.scale,
-                family.windows[index],
-                max_context,
+        def attend(index, q, k, v, qk_norm):
+            return ops.decode_layer_attention(
+                q, k, v, cache[index, 0], cache[index, 1], batch, family.scale, family.windows[index], qk_norm
             )
 
-        family.forward(
-            self.input_ids[:rows], positions, slots, cache, attend, ops, logits_out=self.logits[:rows]
-        )
+        family.forward(self.input_ids[:rows], attend, ops, logits_out=self.logits[:rows])
 
     def _ensure_graph(self, rows: int) -> None:
         """Capture the decode forward for `rows` rows, run once first to compile the kernels.
