@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -22,9 +23,9 @@ from grpoflow.engines.native.config import NativeEngineConfig
 from grpoflow.engines.native.generic import GenericRunner
 from grpoflow.engines.native.model import FamilyModel
 from grpoflow.engines.native.requests import RequestBook
-from grpoflow.engines.native.runner import Runner, triton_available
+from grpoflow.engines.native.runner import STEPS_IN_FLIGHT, Launched, Runner, triton_available
 from grpoflow.engines.native.sampler import SamplingOptions
-from grpoflow.engines.native.scheduler import PrefillStep, Scheduler
+from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep, Scheduler
 
 ON_ERROR = ("raise", "error_completion")
 UNIFORM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -129,8 +130,8 @@ class NativeEngine:
         )
         runner.begin(options)
         prefill_steps = decode_steps = context_tokens = 0
-        pending = None  # the step launched last, whose results are not read yet
-        while not (book.finished and pending is None):
+        in_flight: deque[tuple[PrefillStep | DecodeStep, Launched]] = deque()  # results not read yet
+        while not (book.finished and not in_flight):
             step = scheduler.schedule()
             launched = None
             if isinstance(step, PrefillStep):
@@ -140,10 +141,12 @@ class NativeEngine:
                 launched = runner.decode(step, book.keys(step.sequences, step.token_index), options)
                 decode_steps += 1
                 context_tokens += int(step.context_lens.sum())
-            if pending is not None:
-                scheduler.finish(pending[0], *pending[1].wait())
-            assert launched is not None or pending is not None, "the scheduler stalled"
-            pending = (step, launched) if launched is not None else None
+            if launched is not None:
+                in_flight.append((step, launched))
+            assert in_flight, "the scheduler stalled"
+            if launched is None or len(in_flight) > STEPS_IN_FLIGHT:
+                done, results = in_flight.popleft()
+                scheduler.finish(done, *results.wait())
         return {
             "prefill_steps": float(prefill_steps),
             "decode_steps": float(decode_steps),

@@ -365,7 +365,7 @@ class TritonOps(TorchOps):
         residual_out = torch.empty_like(x) if residual is not None else x
         _rms_norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, residual_out, cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), num_warps=4,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), num_warps=8,
         )  # fmt: skip
         return out, residual_out
 
@@ -413,5 +413,8 @@ class TritonOps(TorchOps):
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             BLOCK_SIZE=k_cache.shape[2], BLOCK_N=64, HAS_NORM=qk_norm is not None,
             IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+            # Capped registers let more programs share an SM, and with them more loads in flight: on
+            # an H100 with 64-wide heads, 88 -> 64 made a decode step about 3% faster (a few spills).
+            maxnreg=64 if head_dim <= 64 else None,
         )  # fmt: skip
         return out

@@ -40,6 +40,12 @@ def graph_buckets(max_rows: int) -> list[int]:
     return small + list(range(16, max_rows, 16)) + [max_rows]
 
 
+# Decode steps launched ahead of the one whose results are read: the host prepares step t + 2
+# while the GPU runs t and t + 1, so a late host (a collection, a busy core) rarely idles the GPU.
+# A sequence that stops on a token is decoded for up to this many steps more, then dropped.
+STEPS_IN_FLIGHT = 2
+
+
 @dataclass(slots=True)
 class Launched:
     """A step on its way: its results land in host buffers once `event` has passed."""
@@ -97,11 +103,12 @@ class Runner:
         self.block_table = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)
         self.logits = torch.zeros(rows, shape.vocab_size, dtype=self.dtype, device=device)
         pin = device.type == "cuda"
-        # two of each host buffer: step t+1 is written while step t's copies may still run
-        self.meta_host = torch.zeros(2, 4, rows, dtype=torch.int64, pin_memory=pin)
-        self.table_host = torch.zeros(2, 3, rows, dtype=torch.int64, pin_memory=pin)
-        self.tokens_host = torch.zeros(2, rows, dtype=torch.int64, pin_memory=pin)
-        self.logprobs_host = torch.zeros(2, rows, dtype=torch.float32, pin_memory=pin)
+        # one set of host buffers per step in flight and one for the step being prepared
+        slots = STEPS_IN_FLIGHT + 1
+        self.meta_host = torch.zeros(slots, 4, rows, dtype=torch.int64, pin_memory=pin)
+        self.table_host = torch.zeros(slots, 3, rows, dtype=torch.int64, pin_memory=pin)
+        self.tokens_host = torch.zeros(slots, rows, dtype=torch.int64, pin_memory=pin)
+        self.logprobs_host = torch.zeros(slots, rows, dtype=torch.float32, pin_memory=pin)
         self.launches = 0
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -184,9 +191,9 @@ class Runner:
         if self.use_graphs:
             rows = next(size for size in graph_buckets(self.max_rows) if size >= step.num_rows)
             self._ensure_graph(rows)
-        # Everything the step needs goes up through pinned buffers (two of each, alternating), so
-        # the copies are asynchronous and the host can prepare the next step while this one runs.
-        host = self.meta_host[self.launches % 2]
+        # Everything the step needs goes up through pinned buffers (one set per step in flight), so
+        # the copies are asynchronous and the host can prepare the next steps while this one runs.
+        host = self.meta_host[self.launches % (STEPS_IN_FLIGHT + 1)]
         host[:, :rows] = IDLE_ROW
         host[0, : step.num_rows] = torch.from_numpy(step.positions)
         host[1, : step.num_rows] = torch.from_numpy(step.slots)
@@ -195,7 +202,7 @@ class Runner:
         self.meta[:, :rows].copy_(host[:, :rows], non_blocking=True)
         num_updates = len(step.table_updates[0])
         if num_updates:
-            staged = self.table_host[self.launches % 2, :, :num_updates]
+            staged = self.table_host[self.launches % (STEPS_IN_FLIGHT + 1), :, :num_updates]
             staged.copy_(torch.from_numpy(np.stack(step.table_updates)))
             updates = self.table_updates[:, :num_updates]
             updates.copy_(staged, non_blocking=True)
@@ -215,7 +222,7 @@ class Runner:
 
     def _send_back(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Launched:
         """Start the copy of a step's results to the host; `Launched.wait` gives them."""
-        slot = self.launches % 2
+        slot = self.launches % (STEPS_IN_FLIGHT + 1)
         self.launches += 1
         count = tokens.shape[0]
         self.tokens_host[slot, :count].copy_(tokens, non_blocking=True)
