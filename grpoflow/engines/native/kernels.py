@@ -334,10 +334,12 @@ def sample_rows(
     inverse_temperature: float,
     greedy: bool,
     thresholds: torch.Tensor | None,
+    tokens_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused sampler: `sampler.sample_reference` in one pass over logits (B, V)."""
+    """The fused sampler: `sampler.sample_reference` in one pass over logits (B, V); the tokens
+    go into `tokens_out` (B,) int64 when given."""
     rows, vocab_size = logits.shape
-    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device) if tokens_out is None else tokens_out
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     block = min(2048, triton.next_power_of_2(vocab_size))
     num_chunks = 32

@@ -213,9 +213,13 @@ class Runner:
             self._decode_forward(rows, int(step.context_lens.max()))
         seen = self.seen[:rows] if self.seen is not None else None
         tokens, logprobs = sample(
-            self.logits[:rows], self.meta[3, :rows], options, seen=seen, use_triton=self.use_triton
+            self.logits[:rows],
+            self.meta[3, :rows],
+            options,
+            seen=seen,
+            use_triton=self.use_triton,
+            tokens_out=self.input_ids[:rows],  # the next step's input, with no copy
         )
-        self.input_ids[:rows] = tokens
         if self.seen is not None:
             self.seen[torch.arange(rows, device=self.device), tokens] = True
         return self._send_back(tokens[: step.num_rows], logprobs[: step.num_rows])

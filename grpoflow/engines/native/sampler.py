@@ -173,18 +173,24 @@ def sample(
     *,
     seen: torch.Tensor | None = None,
     use_triton: bool = False,
+    tokens_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. logits (B, V); keys (B,) int64; seen (B, V) bool or None.
 
-    Returns tokens (B,) int64 and log-probs (B,) float32, both on the logits' device.
+    Returns tokens (B,) int64 (written into `tokens_out` when given) and log-probs (B,) float32,
+    both on the logits' device.
     """
     if options.repetition_penalty != 1 and seen is not None:
         logits = apply_repetition_penalty(logits.float(), seen, options.repetition_penalty)
     thresholds = None
     if options.filters:
         thresholds = filter_thresholds(logits.float() * options.inverse_temperature, options)
+    args = (logits, keys, options.inverse_temperature, options.greedy, thresholds)
     if use_triton:
         from grpoflow.engines.native.kernels import sample_rows
 
-        return sample_rows(logits, keys, options.inverse_temperature, options.greedy, thresholds)
-    return sample_reference(logits, keys, options.inverse_temperature, options.greedy, thresholds)
+        return sample_rows(*args, tokens_out=tokens_out)
+    tokens, logprobs = sample_reference(*args)
+    if tokens_out is None:
+        return tokens, logprobs
+    return tokens_out.copy_(tokens), logprobs
