@@ -298,3 +298,27 @@ def test_generic_path_for_other_architectures():
     for completion in sampled:
         expected = forward_logprobs(model, prompts[0], completion.token_ids, 0.9)
         np.testing.assert_allclose(completion.logprobs, expected, atol=1e-4)
+
+
+def test_completions_converted_ahead_equal_converted_at_the_end():
+    from grpoflow.engines.native.requests import RequestBook
+
+    params = [SamplingParams(max_tokens=6, n=2, ignore_eos=True), SamplingParams(max_tokens=3, n=1)]
+    books = [RequestBook([[1, 2], [3]], params, [None, None], seed=0, max_model_len=64) for _ in range(2)]
+    rng = np.random.default_rng(0)
+    for step in range(6):
+        sequences = np.nonzero(~books[0].done)[0]
+        tokens = rng.integers(4, 50, len(sequences))
+        logprobs = rng.random(len(sequences)).astype(np.float32)
+        for book in books:
+            book.record(sequences, tokens, logprobs)
+        if step in (1, 4):
+            books[1].convert_ahead()  # twice: the later conversion is the one used
+    plain, ahead = (book.completions(0) for book in books)
+    assert [[c.token_ids for c in group] for group in plain] == [
+        [c.token_ids for c in group] for group in ahead
+    ]
+    assert [[c.logprobs for c in group] for group in plain] == [
+        [c.logprobs for c in group] for group in ahead
+    ]
+    assert [len(c.token_ids) for group in plain for c in group] == [6, 6, 3]

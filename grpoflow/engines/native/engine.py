@@ -131,6 +131,7 @@ class NativeEngine:
         runner.begin(options)
         prefill_steps = decode_steps = context_tokens = 0
         in_flight: deque[tuple[PrefillStep | DecodeStep, Launched]] = deque()  # results not read yet
+        converted_ahead = False
         while not (book.finished and not in_flight):
             step = scheduler.schedule()
             launched = None
@@ -143,6 +144,9 @@ class NativeEngine:
                 context_tokens += int(step.context_lens.sum())
             if launched is not None:
                 in_flight.append((step, launched))
+            elif not scheduler.waiting and not converted_ahead:
+                book.convert_ahead()  # nothing left to launch: overlap this with the last steps
+                converted_ahead = True
             assert in_flight, "the scheduler stalled"
             if launched is None or len(in_flight) > STEPS_IN_FLIGHT:
                 done, results = in_flight.popleft()

@@ -52,6 +52,7 @@ class RequestBook:
         self.seeds = self._seeds(seed)
         self.stop_ids = self._stop_id_table()
         self.stop_strings = [tuple(request.stop) for request in self.params]
+        self._converted: tuple[list, list, list[int]] | None = None  # see convert_ahead
         if any(self.stop_strings) and tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to NativeEngine")
 
@@ -127,11 +128,19 @@ class RequestBook:
             hits[row] = any(string in tail for string in strings)
         return hits
 
+    def convert_ahead(self) -> None:
+        """Turn what has been generated so far into Python lists now (while the GPU finishes the
+        last steps), so that `completions` only converts the tokens recorded after this."""
+        self._converted = (self.tokens.tolist(), self.logprobs.tolist(), self.num_generated.tolist())
+
     def completions(self, policy_version: int) -> list[list[Completion]]:
         """One list of `n` completions per prompt; an invalid prompt's completions are empty with
         finish_reason 'error'."""
-        tokens, logprobs = self.tokens.tolist(), self.logprobs.tolist()  # whole arrays: faster than by row
         counts = self.num_generated.tolist()
+        converted = self._converted
+        if converted is None:  # whole arrays at once: faster than row by row
+            converted = (self.tokens.tolist(), self.logprobs.tolist(), counts)
+        tokens, logprobs, ahead = converted
         result = []
         for index, request in enumerate(self.params):
             if self.errors[index] is not None:
@@ -141,7 +150,11 @@ class RequestBook:
             group = []
             for sequence in range(self.first_sequence[index], self.first_sequence[index] + request.n):
                 count, row_tokens, row_logprobs = counts[sequence], tokens[sequence], logprobs[sequence]
-                if count < len(row_tokens):
+                start = ahead[sequence]
+                if count > start:  # converted ahead, and grown since
+                    row_tokens = row_tokens[:start] + self.tokens[sequence, start:count].tolist()
+                    row_logprobs = row_logprobs[:start] + self.logprobs[sequence, start:count].tolist()
+                elif count < len(row_tokens):
                     row_tokens, row_logprobs = row_tokens[:count], row_logprobs[:count]
                 group.append(self._completion(sequence, row_tokens, row_logprobs, policy_version))
             result.append(group)
