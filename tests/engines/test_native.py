@@ -322,3 +322,23 @@ def test_completions_converted_ahead_equal_converted_at_the_end():
         [c.logprobs for c in group] for group in ahead
     ]
     assert [len(c.token_ids) for group in plain for c in group] == [6, 6, 3]
+
+
+def test_generate_pauses_garbage_collection(monkeypatch):
+    import gc
+
+    from grpoflow.engines.native.requests import RequestBook
+
+    seen = []
+    completions = RequestBook.completions
+    monkeypatch.setattr(
+        RequestBook,
+        "completions",
+        lambda book, version: seen.append(gc.isenabled()) or completions(book, version),
+    )
+    native = engine(tiny("qwen2"))
+    native.generate([PROMPTS[0]], greedy(3))
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(ValueError):
+        native.generate([[]], greedy(3))
+    assert gc.isenabled()

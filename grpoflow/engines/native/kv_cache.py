@@ -69,24 +69,31 @@ class BlockPool:
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.released: list[int] = []  # blocks given back, reused first
+        self.untouched = 0  # blocks [untouched, num_blocks) were never handed out (no list of them)
         self.refs = np.zeros(num_blocks, dtype=np.int32)
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.released) + self.num_blocks - self.untouched
 
     def allocate(self, count: int) -> list[int]:
-        assert count <= len(self.free), "caller checks num_free first"
-        blocks = [self.free.pop() for _ in range(count)]
+        assert count <= self.num_free, "caller checks num_free first"
+        reused = min(count, len(self.released))
+        blocks = [self.released.pop() for _ in range(reused)]
+        fresh = count - reused
+        blocks += range(self.untouched, self.untouched + fresh)
+        self.untouched += fresh
         self.refs[blocks] = 1
         return blocks
 
-    def share(self, blocks: list[int]) -> None:
-        self.refs[blocks] += 1
+    def share(self, blocks: list[int], times: int = 1) -> None:
+        """`times` more holders of each of `blocks`."""
+        if times and blocks:
+            self.refs[blocks] += times
 
     def release(self, blocks: list[int]) -> None:
         for block in blocks:
             self.refs[block] -= 1
             if self.refs[block] == 0:
-                self.free.append(block)
+                self.released.append(block)

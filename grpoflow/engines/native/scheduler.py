@@ -96,10 +96,10 @@ class Scheduler:
         self.book, self.pool = book, pool
         self.block_size, self.max_prefill_tokens = block_size, max_prefill_tokens
         self.waiting: deque[WorkItem] = deque()
-        for index, prompt in enumerate(book.prompts):
-            sequences = np.nonzero(book.prompt_of == index)[0].tolist()
-            if sequences:
-                self.waiting.append(WorkItem(prompt, sequences))
+        starts = np.searchsorted(book.prompt_of, np.arange(len(book.prompts) + 1)).tolist()
+        for index, prompt in enumerate(book.prompts):  # prompt_of is sorted: each prompt's run
+            if starts[index + 1] > starts[index]:
+                self.waiting.append(WorkItem(prompt, list(range(starts[index], starts[index + 1]))))
         self.num_waiting = book.num_sequences
         self.scheduled = book.num_generated.copy()
         self.row_sequence = np.full(max_rows, -1, dtype=np.int64)
@@ -148,17 +148,17 @@ class Scheduler:
             prompt_blocks = self.pool.allocate(num_blocks)
             tokens.append(item.tokens)
             blocks.append(prompt_blocks)
-            for child in range(count):
-                own = list(prompt_blocks)
-                if child > 0:
-                    self.pool.share(prompt_blocks[:-1] if partial else prompt_blocks)
-                    if partial:
-                        own[-1] = self.pool.allocate(1)[0]
-                        copies.append((prompt_blocks[-1], own[-1]))
-                row = heapq.heappop(self.free_rows)
-                self._place(row, item.sequences[child], own, length)
-                child_item.append(len(tokens) - 1)
-                child_rows.append(row)
+            # The children share the prompt's full blocks; each but the first gets its own copy of
+            # a partial last block.
+            self.pool.share(prompt_blocks[:-1] if partial else prompt_blocks, count - 1)
+            lasts = [prompt_blocks[-1]] + (
+                self.pool.allocate(count - 1) if partial else [prompt_blocks[-1]] * (count - 1)
+            )
+            copies += [(prompt_blocks[-1], last) for last in lasts[1:]] if partial else []
+            rows = [heapq.heappop(self.free_rows) for _ in range(count)]
+            self._place(rows, item.sequences[:count], prompt_blocks, lasts, length)
+            child_item += [len(tokens) - 1] * count
+            child_rows += rows
             self.num_waiting -= count
             if count == len(item.sequences):
                 self.waiting.popleft()
@@ -182,14 +182,19 @@ class Scheduler:
             table=self.table[rows].copy(),
         )
 
-    def _place(self, row: int, sequence: int, blocks: list[int], context: int) -> None:
-        self.row_sequence[row] = sequence
-        self.row_context[row] = context
-        self.row_blocks[row] = blocks
-        self.row_num_blocks[row] = len(blocks)
-        self.table[row, : len(blocks)] = blocks
-        self.admission[row] = self.admitted
-        self.admitted += 1
+    def _place(
+        self, rows: list[int], sequences: list[int], blocks: list[int], lasts: list[int], context: int
+    ) -> None:
+        """Seat sequences on rows, each with `blocks` whose last entry is replaced by its own `lasts`."""
+        self.row_sequence[rows] = sequences
+        self.row_context[rows] = context
+        self.row_num_blocks[rows] = len(blocks)
+        self.table[rows, : len(blocks)] = blocks
+        self.table[rows, len(blocks) - 1] = lasts
+        for row, last in zip(rows, lasts):
+            self.row_blocks[row] = blocks[:-1] + [last]
+            self.admission[row] = self.admitted
+            self.admitted += 1
 
     def _decodable_rows(self) -> np.ndarray:
         rows = np.nonzero(self.row_sequence >= 0)[0]
