@@ -87,7 +87,12 @@ class NativeEngine:
         with _gc_paused():
             return self._generate(prompts, params, on_error)
 
-    def _generate(self, prompts, params, on_error: str) -> list[list[Completion]]:
+    def _generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        on_error: str,
+    ) -> list[list[Completion]]:
         requests = self._per_prompt(prompts, params)
         start = time.perf_counter()
         self.wake_up()
