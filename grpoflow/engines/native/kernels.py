@@ -43,13 +43,11 @@ def _rotate_halves(x1, x2, cos, sin, dtype: tl.constexpr):
 
 
 @triton.jit
-def _head_norm(x1, x2, weight_ptr, eps, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
-    # Qwen3's per-head RMSNorm over the two halves (the last axis) of x, float32 statistics.
-    h = tl.arange(0, HALF)
+def _head_norm(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+    # Qwen3's per-head RMSNorm over the two halves (the last axis) of x, float32 statistics; w1, w2
+    # the weight's halves in float32 (zero padding past the halves adds nothing to the sums).
     inverse = tl.rsqrt((tl.sum(x1 * x1, axis=-1) + tl.sum(x2 * x2, axis=-1)) / HEAD_DIM + eps)
     inverse = tl.expand_dims(inverse, -1)
-    w1 = tl.load(weight_ptr + h).to(tl.float32)
-    w2 = tl.load(weight_ptr + HALF + h).to(tl.float32)
     x1 = (w1 * (x1 * inverse).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     x2 = (w2 * (x2 * inverse).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     return x1, x2
@@ -83,15 +81,13 @@ def _rope_store_kernel(
     x2 = tl.load(q_base + HALF, mask=is_query, other=0.0).to(tl.float32)
     x2 += tl.load(k_base + HALF, mask=is_key, other=0.0).to(tl.float32)
     if HAS_NORM:
-        inverse = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
         q_w1 = tl.load(q_weight_ptr + d, mask=dmask, other=0.0).to(tl.float32)
         q_w2 = tl.load(q_weight_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
         k_w1 = tl.load(k_weight_ptr + d, mask=dmask, other=0.0).to(tl.float32)
         k_w2 = tl.load(k_weight_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
         w1 = tl.where(head < NUM_Q_HEADS, q_w1, k_w1)
         w2 = tl.where(head < NUM_Q_HEADS, q_w2, k_w2)
-        x1 = (w1 * (x1 * inverse).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * inverse).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x1, x2 = _head_norm(x1, x2, w1, w2, eps, 2 * HALF, dtype)
     out1, out2 = _rotate_halves(x1, x2, cos, sin, dtype)
     tl.store(q_base, out1, mask=is_query)
     tl.store(q_base + HALF, out2, mask=is_query)
@@ -150,8 +146,10 @@ def _decode_attention_kernel(
     k2 = tl.load(k_base + HALF).to(tl.float32)
     v_new = tl.load(v_ptr + row * stride_vb + kv_head * stride_vh + d)
     if HAS_NORM:
-        q1, q2 = _head_norm(q1, q2, q_weight_ptr, eps, HALF, HEAD_DIM, dtype)
-        k1, k2 = _head_norm(k1, k2, k_weight_ptr, eps, HALF, HEAD_DIM, dtype)
+        q_w1, q_w2 = tl.load(q_weight_ptr + h).to(tl.float32), tl.load(q_weight_ptr + HALF + h).to(tl.float32)
+        k_w1, k_w2 = tl.load(k_weight_ptr + h).to(tl.float32), tl.load(k_weight_ptr + HALF + h).to(tl.float32)
+        q1, q2 = _head_norm(q1, q2, q_w1, q_w2, eps, HEAD_DIM, dtype)
+        k1, k2 = _head_norm(k1, k2, k_w1, k_w2, eps, HEAD_DIM, dtype)
     position = tl.load(positions_ptr + row)
     cos = tl.load(cos_ptr + position * stride_rotary + h).to(tl.float32)  # the tables repeat their halves
     sin = tl.load(sin_ptr + position * stride_rotary + h).to(tl.float32)

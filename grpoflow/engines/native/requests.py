@@ -61,10 +61,10 @@ class RequestBook:
         gets streams from the call's seed and its prompt index too."""
         seeded = np.array([request.seed is not None for request in self.params] + [False], dtype=bool)
         request_seeds = np.array([request.seed or 0 for request in self.params] + [0], dtype=np.int64)
-        own = seeded[self.prompt_of]
+        own, own_seed = seeded[self.prompt_of], request_seeds[self.prompt_of]
         seeds = sequence_seeds(call_seed, self.prompt_of, self.sample_of)
-        for seed in np.unique(request_seeds[self.prompt_of][own]).tolist():
-            chosen = own & (request_seeds[self.prompt_of] == seed)
+        for seed in np.unique(own_seed[own]).tolist():
+            chosen = own & (own_seed == seed)
             seeds[chosen] = sequence_seeds(
                 seed, np.zeros(int(chosen.sum()), dtype=np.int64), self.sample_of[chosen]
             )

@@ -44,6 +44,7 @@ def graph_buckets(max_rows: int) -> list[int]:
 # while the GPU runs t and t + 1, so a late host (a collection, a busy core) rarely idles the GPU.
 # A sequence that stops on a token is decoded for up to this many steps more, then dropped.
 STEPS_IN_FLIGHT = 2
+HOST_SLOTS = STEPS_IN_FLIGHT + 1  # sets of pinned host buffers, used in turn by successive launches
 
 
 @dataclass(slots=True)
@@ -104,11 +105,10 @@ class Runner:
         self.logits = torch.zeros(rows, shape.vocab_size, dtype=self.dtype, device=device)
         pin = device.type == "cuda"
         # one set of host buffers per step in flight and one for the step being prepared
-        slots = STEPS_IN_FLIGHT + 1
-        self.meta_host = torch.zeros(slots, 4, rows, dtype=torch.int64, pin_memory=pin)
-        self.table_host = torch.zeros(slots, 3, rows, dtype=torch.int64, pin_memory=pin)
-        self.tokens_host = torch.zeros(slots, rows, dtype=torch.int64, pin_memory=pin)
-        self.logprobs_host = torch.zeros(slots, rows, dtype=torch.float32, pin_memory=pin)
+        self.meta_host = torch.zeros(HOST_SLOTS, 4, rows, dtype=torch.int64, pin_memory=pin)
+        self.table_host = torch.zeros(HOST_SLOTS, 3, rows, dtype=torch.int64, pin_memory=pin)
+        self.tokens_host = torch.zeros(HOST_SLOTS, rows, dtype=torch.int64, pin_memory=pin)
+        self.logprobs_host = torch.zeros(HOST_SLOTS, rows, dtype=torch.float32, pin_memory=pin)
         self.launches = 0
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -193,7 +193,7 @@ class Runner:
             self._ensure_graph(rows)
         # Everything the step needs goes up through pinned buffers (one set per step in flight), so
         # the copies are asynchronous and the host can prepare the next steps while this one runs.
-        host = self.meta_host[self.launches % (STEPS_IN_FLIGHT + 1)]
+        host = self.meta_host[self.launches % HOST_SLOTS]
         host[:, :rows] = IDLE_ROW
         host[0, : step.num_rows] = torch.from_numpy(step.positions)
         host[1, : step.num_rows] = torch.from_numpy(step.slots)
@@ -202,7 +202,7 @@ class Runner:
         self.meta[:, :rows].copy_(host[:, :rows], non_blocking=True)
         num_updates = len(step.table_updates[0])
         if num_updates:
-            staged = self.table_host[self.launches % (STEPS_IN_FLIGHT + 1), :, :num_updates]
+            staged = self.table_host[self.launches % HOST_SLOTS, :, :num_updates]
             staged.copy_(torch.from_numpy(np.stack(step.table_updates)))
             updates = self.table_updates[:, :num_updates]
             updates.copy_(staged, non_blocking=True)
@@ -226,7 +226,7 @@ class Runner:
 
     def _send_back(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Launched:
         """Start the copy of a step's results to the host; `Launched.wait` gives them."""
-        slot = self.launches % (STEPS_IN_FLIGHT + 1)
+        slot = self.launches % HOST_SLOTS
         self.launches += 1
         count = tokens.shape[0]
         self.tokens_host[slot, :count].copy_(tokens, non_blocking=True)

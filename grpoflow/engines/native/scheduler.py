@@ -150,11 +150,13 @@ class Scheduler:
             blocks.append(prompt_blocks)
             # The children share the prompt's full blocks; each but the first gets its own copy of
             # a partial last block.
-            self.pool.share(prompt_blocks[:-1] if partial else prompt_blocks, count - 1)
-            lasts = [prompt_blocks[-1]] + (
-                self.pool.allocate(count - 1) if partial else [prompt_blocks[-1]] * (count - 1)
-            )
-            copies += [(prompt_blocks[-1], last) for last in lasts[1:]] if partial else []
+            if partial:
+                self.pool.share(prompt_blocks[:-1], count - 1)
+                lasts = [prompt_blocks[-1]] + self.pool.allocate(count - 1)
+                copies += [(prompt_blocks[-1], last) for last in lasts[1:]]
+            else:
+                self.pool.share(prompt_blocks, count - 1)
+                lasts = [prompt_blocks[-1]] * count
             rows = [heapq.heappop(self.free_rows) for _ in range(count)]
             self._place(rows, item.sequences[:count], prompt_blocks, lasts, length)
             child_item += [len(tokens) - 1] * count
