@@ -29,7 +29,7 @@ from pathlib import Path
 import grpo_step
 import torch
 
-from grpoflow.workers import RolloutServers
+from grpoflow.run.infer_workers import RolloutServers
 
 MODES = {
     "colocate": [],

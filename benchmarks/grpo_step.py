@@ -41,7 +41,7 @@ def reward_length(completions, **kwargs):
 def write_inputs(
     directory: Path, smoke: bool, num_prompts: int, float32_copy: bool = False
 ) -> tuple[Path, Path]:
-    from grpoflow.tiny import build_char_tokenizer, build_preset_model, build_tiny_model
+    from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model, build_tiny_model
 
     tokenizer = build_char_tokenizer()
     if smoke:
@@ -104,8 +104,8 @@ def extra_overrides(items: list[str] | None) -> dict:
 
 
 def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
-    from grpoflow.config_loader import load_config
-    from grpoflow.launch import build_trainer
+    from grpoflow.options.loader import load_config
+    from grpoflow.run.build import build_trainer
 
     config = load_config(None, grpoflow_overrides(args, model_dir, prompts))
     trainer = build_trainer(config)

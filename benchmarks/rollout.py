@@ -28,7 +28,7 @@ from transformers import GenerationConfig
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
-from grpoflow.tiny import build_preset_model
+from grpoflow.policy.tiny import build_preset_model
 
 
 @dataclass

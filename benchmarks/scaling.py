@@ -30,7 +30,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_step import grpoflow_overrides, write_inputs  # noqa: E402
 
-from grpoflow.workers import free_port  # noqa: E402
+from grpoflow.run.infer_workers import free_port  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS: dict[str, tuple[int, dict]] = {

@@ -10,7 +10,7 @@ model of the same shape on `cuda:0`. Each transport runs `--warmup` full syncs (
 collective one builds the NCCL group, timed apart as `first_ms`), then `--repeats` timed ones:
 from the call of `RemoteEngine.update_weights` until every server has answered, weights in place.
 Before each transport the trainer's weights change, and after its syncs the server's log-probs on
-a probe prompt must match the trainer's (grpoflow.sync_check): the gap is reported.
+a probe prompt must match the trainer's (grpoflow.run.sync_check): the gap is reported.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from grpoflow.engines.remote import RemoteEngine
-from grpoflow.sync_check import SyncCheck
-from grpoflow.tiny import build_char_tokenizer, build_preset_model
-from grpoflow.workers import RolloutServers
+from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
+from grpoflow.run.infer_workers import RolloutServers
+from grpoflow.run.sync_check import SyncCheck
 
 TRANSPORTS = ("collective", "checkpoint")
 CHECK_TOLERANCE = 0.1

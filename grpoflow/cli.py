@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from grpoflow.config import GRPOConfig
-from grpoflow.config_loader import load_config, parse_overrides
+from grpoflow.options.loader import load_config, parse_overrides
+from grpoflow.run.config import GRPOConfig
 
 RECIPES = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES / "default.yaml"
@@ -53,8 +53,8 @@ def train(argv: list[str]) -> int:
     )
     parser.add_argument("--config", help="a YAML recipe, or the name of a packaged recipe")
     known, rest = parser.parse_known_args(argv)
-    from grpoflow import distributed
-    from grpoflow.launch import build_trainer, run
+    from grpoflow.run import distributed
+    from grpoflow.run.build import build_trainer, run
 
     try:
         overrides = parse_overrides(rest)
@@ -98,7 +98,7 @@ def export(argv: list[str]) -> int:
         "default: the model of the run that wrote it",
     )
     args = parser.parse_args(argv)
-    from grpoflow.launch import export_checkpoint
+    from grpoflow.run.build import export_checkpoint
 
     try:
         output = export_checkpoint(args.checkpoint, args.output, base=args.base)

@@ -1,7 +1,7 @@
 import pytest
 
 from grpoflow import cli
-from grpoflow.config_loader import load_config
+from grpoflow.options.loader import load_config
 
 
 def test_no_command_prints_usage(capsys):

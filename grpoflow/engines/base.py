@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from grpoflow.config import VLLMConfig
+    from grpoflow.run.config import VLLMConfig
 
 
 @dataclass(kw_only=True, slots=True)

@@ -12,7 +12,7 @@ each at once, with token-id prompts and `return_token_ids`, so no text is re-tok
 of each sampled token, as the trainer computes it (vLLM's default reports it before temperature).
 
 Weight updates (`weight_transfer`): `collective` broadcasts the weights in packed buckets over a
-process group of the trainer and every server (NCCL between GPUs, gloo otherwise; grpoflow.sync),
+process group of the trainer and every server (NCCL between GPUs, gloo otherwise; grpoflow.transport),
 which `grpoflow serve` offers; `checkpoint` works with any vLLM server; `auto` takes collective
 when every server offers it and the trainer is a single process.
 
@@ -49,8 +49,8 @@ from grpoflow.engines.vllm import (
     truncates_distribution,
     weight_buckets,
 )
-from grpoflow.sync import WEIGHT_TRANSFERS, WeightSyncError
-from grpoflow.sync.sender import CollectiveSender
+from grpoflow.transport import WEIGHT_TRANSFERS, WeightSyncError
+from grpoflow.transport.collective_sender import CollectiveSender
 
 logger = logging.getLogger("grpoflow.engines.remote")
 
@@ -406,7 +406,7 @@ class RemoteEngine:
 
 def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> RemoteEngine:
     """Registry factory: a client of the servers named in the run's vLLM config."""
-    from grpoflow.config import VLLMConfig
+    from grpoflow.run.config import VLLMConfig
 
     config = options.vllm or VLLMConfig(use_vllm=True, vllm_mode="server")
     urls = server_urls(config.vllm_server_base_url, config.vllm_server_host, config.vllm_server_port)

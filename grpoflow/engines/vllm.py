@@ -402,7 +402,7 @@ def _dtype_name(model: torch.nn.Module) -> str:
 
 def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> VLLMEngine:
     """Registry factory: a colocated vLLM for the policy `model`."""
-    from grpoflow.config import VLLMConfig
+    from grpoflow.run.config import VLLMConfig
 
     config = options.vllm or VLLMConfig(use_vllm=True)
     layout = ColocateLayout(

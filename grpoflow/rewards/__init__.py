@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from grpoflow.rewards import builtin as _builtin  # noqa: F401  (registers the built-ins)
-from grpoflow.rewards.config import RewardConfig
+from grpoflow.rewards.params import RewardConfig
 from grpoflow.rewards.plugins import load_plugins, resolve_reward
 from grpoflow.rewards.registry import ORM, REWARD_REGISTRY, get_reward, orms, register_reward
 from grpoflow.rewards.runner import RewardBatch, RewardError, RewardRunner, reward_name

@@ -15,8 +15,8 @@ import math
 import re
 from typing import Any
 
-from grpoflow.rewards.config import RewardConfig
 from grpoflow.rewards.math import AccuracyReward, gold_column, is_correct
+from grpoflow.rewards.params import RewardConfig
 from grpoflow.rewards.registry import register_reward
 from grpoflow.rewards.text import content_text
 

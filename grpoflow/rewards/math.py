@@ -19,7 +19,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from grpoflow.rewards.config import RewardConfig
+from grpoflow.rewards.params import RewardConfig
 from grpoflow.rewards.text import content_text
 
 PARSE_TIMEOUT_SECONDS = 5

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from grpoflow.rewards.config import RewardConfig
+from grpoflow.rewards.params import RewardConfig
 from grpoflow.rewards.registry import (
     ORM,
     REWARD_REGISTRY,

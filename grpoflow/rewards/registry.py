@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
-from grpoflow.rewards.config import RewardConfig
+from grpoflow.rewards.params import RewardConfig
 
 RewardFn = Callable[..., Any]
 """`fn(prompts, completions, completion_ids, **columns) -> list[float | None]` (or a coroutine of it)."""

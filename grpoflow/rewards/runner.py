@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from grpoflow.rewards.config import RewardConfig
 from grpoflow.rewards.evaluate import NAN, Outcome, RewardCall, evaluate, evaluate_async
+from grpoflow.rewards.params import RewardConfig
 from grpoflow.rewards.plugins import import_file, plugin_files, resolve_reward
 
 logger = logging.getLogger("grpoflow.rewards")

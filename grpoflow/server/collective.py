@@ -1,4 +1,4 @@
-"""The server's side of the collective weight transfer (grpoflow.sync.collective).
+"""The server's side of the collective weight transfer (grpoflow.transport.collective).
 
 /init_weight_transfer_engine with `{"init_info": {"backend": "gloo" | "nccl", "master_address",
 "master_port", "rank_offset", "world_size", "timeout", "group_id"}}` joins the trainer's group as rank
@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from grpoflow.server.errors import RequestError
 from grpoflow.server.service import Service
-from grpoflow.sync import collective
-from grpoflow.sync.collective import TransferCancelled, TransferTimeout, UpdatePlan, WeightGroup
+from grpoflow.transport import collective
+from grpoflow.transport.collective import TransferCancelled, TransferTimeout, UpdatePlan, WeightGroup
 
 logger = logging.getLogger("grpoflow.server")
 

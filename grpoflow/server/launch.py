@@ -6,12 +6,12 @@ import logging
 
 import torch
 
-from grpoflow.config import PolicyConfig
 from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
-from grpoflow.models import load_model, load_tokenizer, resolve_device
-from grpoflow.server.config import ServeConfig
+from grpoflow.policy.loading import load_model, load_tokenizer, resolve_device
+from grpoflow.run.config import PolicyConfig
 from grpoflow.server.protocol import Limits
 from grpoflow.server.service import Service
+from grpoflow.server.settings import ServeConfig
 
 logger = logging.getLogger("grpoflow.server")
 

@@ -13,11 +13,11 @@ from starlette.requests import Request
 
 from grpoflow.engines.base import Completion, RolloutEngine, SamplingParams
 from grpoflow.server.batcher import Batcher
-from grpoflow.server.config import ServeConfig
 from grpoflow.server.errors import RequestError
 from grpoflow.server.protocol import Limits
-from grpoflow.sync import collective
-from grpoflow.sync.collective import UpdatePlan, WeightGroup
+from grpoflow.server.settings import ServeConfig
+from grpoflow.transport import collective
+from grpoflow.transport.collective import UpdatePlan, WeightGroup
 
 MAX_JSON_BYTES = 64 * 2**20
 """Largest JSON body the server reads; weights travel as safetensors bodies, not JSON."""

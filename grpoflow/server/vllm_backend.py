@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from grpoflow.config import PolicyConfig
 from grpoflow.engines.vllm import VLLMEngine, model_directory
-from grpoflow.models import load_model
-from grpoflow.server.config import ServeConfig
+from grpoflow.policy.loading import load_model
+from grpoflow.run.config import PolicyConfig
+from grpoflow.server.settings import ServeConfig
 
 logger = logging.getLogger("grpoflow.server")
 

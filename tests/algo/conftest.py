@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpoflow.tiny import build_tiny_model, save_tiny_checkpoint
+from grpoflow.policy.tiny import build_tiny_model, save_tiny_checkpoint
 
 VOCAB_SIZE = 52
 

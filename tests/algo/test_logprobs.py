@@ -8,7 +8,7 @@ from grpoflow.algo import (
     sequence_logprobs,
     token_logprobs_from_hidden,
 )
-from grpoflow.tiny import build_tiny_model
+from grpoflow.policy.tiny import build_tiny_model
 
 VOCAB_SIZE = 52  # the vocabulary of the `tiny_model` fixture
 

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import support
+from helpers import support
 
 from grpoflow.engines.colocate import ColocateLayout, EngineGroup, merge_shares, own_share
-from grpoflow.launch import build_trainer
-from grpoflow.tiny import build_char_tokenizer, build_tiny_model
+from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model
+from grpoflow.run.build import build_trainer
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -87,7 +87,7 @@ def colocated_run(tmp_path: Path, **overrides) -> list[dict]:
         log_completions=False,
         **overrides,
     )
-    worker = Path(__file__).parents[1] / "vllm_colocate_worker.py"
+    worker = Path(__file__).parents[1] / "helpers" / "vllm_colocate_worker.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += ["--master_port", str(support.free_port()), str(worker), str(config_path)]
     env = support.clean_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")

@@ -3,7 +3,7 @@ import torch
 
 from grpoflow.engines import EngineOptions, RolloutEngine, SamplingParams, build_engine
 from grpoflow.engines.hf import HFEngine, left_pad
-from grpoflow.tiny import build_char_tokenizer, build_tiny_model
+from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model
 
 TEMPERATURE = 0.7
 

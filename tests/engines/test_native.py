@@ -6,14 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
-
-from grpoflow.engines.base import RolloutEngine, SamplingParams
-from grpoflow.engines.native import NativeEngine, NativeEngineConfig
-from grpoflow.engines.native.sampler import SamplingOptions, filter_thresholds, sample, sample_reference
-from grpoflow.tiny import build_char_tokenizer
-
-from .native_fixtures import (
+from helpers.native_fixtures import (
     FAMILIES,
     VOCAB_SIZE,
     chi_square,
@@ -22,6 +15,12 @@ from .native_fixtures import (
     hf_greedy,
     tiny,
 )
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from grpoflow.engines.base import RolloutEngine, SamplingParams
+from grpoflow.engines.native import NativeEngine, NativeEngineConfig
+from grpoflow.engines.native.sampler import SamplingOptions, filter_thresholds, sample, sample_reference
+from grpoflow.policy.tiny import build_char_tokenizer
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(2, 40)), [3] * 17]
 

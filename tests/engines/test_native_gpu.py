@@ -6,13 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.native_fixtures import FAMILIES, forward_logprobs, hf_greedy, tiny
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.engines.native.ops import DecodeBatch, TorchOps
 from grpoflow.engines.native.sampler import SamplingOptions, filter_thresholds, sample_reference
-
-from .native_fixtures import FAMILIES, forward_logprobs, hf_greedy, tiny
 
 pytestmark = [
     pytest.mark.gpu,

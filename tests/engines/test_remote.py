@@ -13,16 +13,16 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
-import support  # noqa: E402
+from helpers import support  # noqa: E402
 
-from grpoflow.config import VLLMConfig  # noqa: E402
 from grpoflow.engines import EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.engines.remote import (  # noqa: E402
     RemoteEngine,
     ServerError,
     WeightSyncError,
 )
-from grpoflow.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from grpoflow.run.config import VLLMConfig  # noqa: E402
 
 from .test_vllm import PROMPTS, TINY_SHAPE, greedy, perturbed, reference_logprobs  # noqa: E402
 
@@ -132,7 +132,7 @@ def test_failures_name_the_server_and_step(engine, policy):
 
 @pytest.mark.slow
 def test_trainer_drives_the_server_and_syncs_its_weights(server, policy, tmp_path):
-    from grpoflow.launch import build_trainer
+    from grpoflow.run.build import build_trainer
 
     _, directory = policy
     config = support.recipe(

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import support
 import torch
+from helpers import support
 
 from grpoflow.engines import EngineOptions, SamplingParams, build_engine
 from grpoflow.engines.remote import RemoteEngine, WeightSyncError
-from grpoflow.tiny import build_char_tokenizer, build_preset_model
+from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
 
 PROMPTS = [[5, 6, 7, 8], [20, 21], [30, 31, 32]]
 GREEDY = SamplingParams(n=1, max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -106,7 +106,7 @@ def test_collective_needs_grpoflow_servers_and_auto_falls_back(url, monkeypatch)
 
 @pytest.mark.slow
 def test_the_trainer_syncs_over_the_collective_transport(tmp_path):
-    from grpoflow.launch import build_trainer
+    from grpoflow.run.build import build_trainer
 
     with support.serve_in_subprocess(tmp_path) as url:
         config = support.recipe(
@@ -126,7 +126,7 @@ def test_the_trainer_syncs_over_the_collective_transport(tmp_path):
 
 @pytest.mark.slow
 def test_weight_sync_interval_skips_syncs(tmp_path):
-    from grpoflow.launch import build_trainer
+    from grpoflow.run.build import build_trainer
 
     with support.serve_in_subprocess(tmp_path) as url:
         config = support.recipe(

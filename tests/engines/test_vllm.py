@@ -12,12 +12,12 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import support  # noqa: E402
+from helpers import support  # noqa: E402
 
-from grpoflow.config import VLLMConfig  # noqa: E402
 from grpoflow.engines import EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.engines.vllm import VLLMEngine  # noqa: E402
-from grpoflow.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from grpoflow.run.config import VLLMConfig  # noqa: E402
 
 TINY_SHAPE = support.VLLM_TINY_SHAPE
 PROMPTS = [[5, 6, 7, 8], [20, 21], [30, 31, 32]]
@@ -180,7 +180,7 @@ def test_wake_up_after_level_2_pushes_the_trained_weights(engine, policy, monkey
 
 @pytest.mark.slow
 def test_trainer_runs_with_colocated_vllm_and_syncs_its_weights(tmp_path):
-    from grpoflow.launch import build_trainer
+    from grpoflow.run.build import build_trainer
 
     tokenizer = build_char_tokenizer()
     model_dir = tmp_path / "model"

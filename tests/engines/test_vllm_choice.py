@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from grpoflow.config_loader import load_config
 from grpoflow.engines import ENGINES, SamplingParams
 from grpoflow.engines.vllm import layer_groups, sampling_fields, truncates_distribution, weight_buckets
-from grpoflow.launch import choose_engine
+from grpoflow.options.loader import load_config
+from grpoflow.run.build import choose_engine
 
 
 def config(**overrides):

@@ -4,10 +4,10 @@ its staleness stays within max_staleness, and the importance-sampling correction
 from __future__ import annotations
 
 import pytest
-import support
 import torch
+from helpers import support
 
-from grpoflow.launch import build_trainer, run
+from grpoflow.run.build import build_trainer, run
 
 
 def _config(tmp_path, url, **overrides):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import support
 import torch
+from helpers import support
 
-from grpoflow.launch import build_trainer, run
+from grpoflow.run.build import build_trainer, run
 
 
 @pytest.fixture

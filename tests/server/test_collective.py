@@ -11,12 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import support
 import torch
+from helpers import support
 
-from grpoflow.sync import collective
-from grpoflow.sync.collective import WeightGroup
-from grpoflow.tiny import build_char_tokenizer, build_preset_model
+from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
+from grpoflow.transport import collective
+from grpoflow.transport.collective import WeightGroup
 
 COMPLETION = {"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0}
 

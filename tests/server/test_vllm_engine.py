@@ -18,14 +18,14 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import httpx  # noqa: E402
-import support  # noqa: E402
+from helpers import support  # noqa: E402
 from safetensors.torch import save  # noqa: E402
 
 from grpoflow.engines import EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.engines.remote import RemoteEngine, WeightSyncError  # noqa: E402
 from grpoflow.engines.vllm import VLLMEngine  # noqa: E402
+from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model, save_tiny_checkpoint  # noqa: E402
 from grpoflow.server import ServeConfig, build_service, vllm_backend  # noqa: E402
-from grpoflow.tiny import build_char_tokenizer, build_tiny_model, save_tiny_checkpoint  # noqa: E402
 
 TINY_SHAPE = support.VLLM_TINY_SHAPE
 PROMPTS = [[5, 6, 7, 8], [20, 21], [30, 31, 32]]
@@ -208,7 +208,7 @@ def test_a_collective_update_from_remote_engine_makes_it_generate_as_the_updated
 
 
 def test_the_trainer_runs_two_steps_against_it(server, model_dir, tmp_path):
-    from grpoflow.launch import build_trainer, run
+    from grpoflow.run.build import build_trainer, run
 
     config = support.recipe(
         tmp_path,

@@ -12,7 +12,7 @@ from safetensors.torch import save, save_file
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.remote import RemoteEngine
-from grpoflow.tiny import build_preset_model
+from grpoflow.policy.tiny import build_preset_model
 
 SAFETENSORS = {"content-type": "application/octet-stream"}
 

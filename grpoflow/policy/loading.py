@@ -1,0 +1,125 @@
+"""Loading the policy, its tokenizer and the frozen reference model."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from grpoflow.policy.lora import WithoutAdapters, is_peft_model
+from grpoflow.run.config import PolicyConfig
+
+logger = logging.getLogger("grpoflow.policy.loading")
+
+TINY = "tiny"
+"""Model name that builds a small randomly initialised Qwen2 and a character tokenizer locally."""
+RANDOM_PREFIX = "random:"
+"""`random:PRESET` builds a randomly initialised model of a preset shape (grpoflow.policy.tiny.PRESETS)."""
+
+
+def local_preset(source: str) -> str | None:
+    """The preset a model name asks to build locally, or None for a real model."""
+    if source == TINY:
+        return TINY
+    return source.removeprefix(RANDOM_PREFIX) if source.startswith(RANDOM_PREFIX) else None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA device is visible: use device=cpu or auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if gpu_bf16 else torch.float32
+    return getattr(torch, name)
+
+
+def load_tokenizer(source: str, *, trust_remote_code: bool = False):
+    """The tokenizer of `source` with a pad token (the EOS token when it has none)."""
+    if local_preset(source):
+        from grpoflow.policy.tiny import build_char_tokenizer
+
+        return build_char_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        raise ValueError(_load_hint(source, error)) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    source: str,
+    config: PolicyConfig,
+    *,
+    vocab_size: int,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype | Literal["auto"],
+) -> torch.nn.Module:
+    """A causal LM from a directory or hub id, or the tiny local model, on `device` in `dtype`
+    ("auto": a stored model's own dtype, float32 for a local preset)."""
+    preset = local_preset(source)
+    if preset:
+        from grpoflow.policy.tiny import build_preset_model
+
+        dtype = torch.float32 if dtype == "auto" else dtype
+        model = build_preset_model(preset, vocab_size, seed=seed, dtype=dtype, device=device)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, trust_remote_code=config.trust_remote_code
+            )
+        except OSError as error:
+            raise ValueError(_load_hint(source, error)) from None
+    model.to(device)
+    if config.torch_compile:
+        compile_layers(model)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """torch.compile every decoder layer in place (dynamic shapes: micro-batches vary in length)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError("torch_compile needs a model with model.layers (Llama-style decoders)")
+    for layer in layers:
+        layer.compile(dynamic=True)
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A reference model: a copy of `model` that never trains."""
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def reference_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The frozen reference of a policy: a copy of it, or for a LoRA policy the policy itself with
+    its adapters off (the base model, no copy)."""
+    return WithoutAdapters(model) if is_peft_model(model) else frozen_copy(model)
+
+
+def _load_hint(source: str, error: Exception) -> str:
+    if Path(source).exists():
+        return f"model {source!r} could not be loaded: {error}"
+    return (
+        f"model {source!r} is neither a local directory nor reachable on the hub ({error}); "
+        f"give a local path, check the name, or use model={TINY} (or random:qwen2-0.5b) for a local random model"
+    )

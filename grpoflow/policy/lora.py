@@ -1,0 +1,356 @@
+"""LoRA adapters through PEFT: adding them, what rollout engines and the reference model see of
+them, and adapter-only checkpoints.
+
+A LoRA policy is a `peft.PeftModel` around the base model. Only the adapters (and
+`modules_to_save`) train; the base weights stay exactly as loaded, which gives two things for
+free: the reference model is the policy with its adapters switched off (no copy), and a checkpoint
+needs only the adapter. Rollout engines run the policy with the adapters merged into the base
+weights, so they see a plain model of the base architecture.
+
+PEFT is imported only when a run uses LoRA.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from grpoflow.run.config import AdapterConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""The file PEFT's `save_pretrained` writes beside the adapter weights; it marks an adapter checkpoint."""
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""The adapter weights PEFT's `save_pretrained` writes."""
+ALL_LINEAR = "all-linear"
+
+
+def is_peft_model(model: object) -> bool:
+    """Whether `model` is a PEFT model (False without importing PEFT when no one has)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def is_adapter_checkpoint(directory: str | Path) -> bool:
+    return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def add_lora(model: nn.Module, config: AdapterConfig) -> nn.Module:
+    """`model` wrapped in a PeftModel with LoRA adapters on `config.target_modules`; every base
+    weight is frozen, the adapters and `modules_to_save` train."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ValueError("train_type=lora needs PEFT: pip install peft") from None
+    targets = list(config.target_modules)
+    if ALL_LINEAR in (name.lower() for name in targets):
+        if len(targets) > 1:
+            raise ValueError(
+                f"target_modules {targets}: {ALL_LINEAR} already targets every linear layer; "
+                "give it alone or list module names"
+            )
+        targets = ALL_LINEAR
+    lora = LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets,
+        modules_to_save=list(config.modules_to_save) or None,
+        task_type="CAUSAL_LM",
+    )
+    tied = _tied_names(model)
+    try:
+        peft_model = get_peft_model(model, lora)
+    except ValueError as error:
+        raise ValueError(
+            f"LoRA adapters could not be added ({error}): target_modules and modules_to_save take "
+            "module names of the model (q_proj, model.norm, ...) or all-linear"
+        ) from None
+    _refuse_tied(peft_model, tied)
+    return peft_model
+
+
+def generation_model(model: nn.Module) -> nn.Module:
+    """The module a rollout engine runs: the policy, or for a PeftModel the transformers model
+    inside it (its LoRA layers merged during rollouts by `merged_adapters`), so an engine meets
+    the base architecture's class and attribute layout."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+@contextmanager
+def merged_adapters(model: nn.Module) -> Iterator[None]:
+    """Within the block, the LoRA adapters are merged into the base weights; a no-op for a plain
+    model.
+
+    Every adapted layer computes `(W + alpha / r * B A) x` from W's own storage (addresses are kept,
+    so engines holding views or captured CUDA graphs see the merged values) and skips the LoRA
+    branch. Leaving, PEFT's unmerge subtracts the update again, which rounds (by up to an ulp in
+    bfloat16); repeated every step the frozen base would drift, so the base weights are kept on
+    the CPU and copied back bit for bit. Costs one CPU copy of the adapted weights per call.
+    """
+    if not is_peft_model(model):
+        yield
+        return
+    saved = [(tensor, tensor.detach().to("cpu", copy=True)) for tensor in _adapted_base_weights(model)]
+    try:
+        with torch.no_grad():
+            model.merge_adapter()
+        yield
+    finally:
+        with torch.no_grad():
+            model.unmerge_adapter()
+            for tensor, original in saved:
+                tensor.copy_(original)
+
+
+def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` pairs of the policy with its adapters merged, for engines that copy weights.
+
+    Names equal the base model's Hugging Face names, in the order and with the tied weights once,
+    as `named_parameters()` of the plain base model gives them: PEFT's `base_model.model.` prefix,
+    `.base_layer` and the adapter weights are gone, and a module in `modules_to_save` appears
+    under its own name with its trained values. An engine loads them as it loads the base model.
+    Adapted weights are new tensors, `W + alpha / r * B A` rounded to W's dtype exactly as
+    `merged_adapters` computes them (inside that block: the merged parameters themselves); the
+    others are the policy's own parameters. Nothing in the policy changes. A plain model yields
+    its `named_parameters()`.
+    """
+    if not is_peft_model(model):
+        yield from model.named_parameters()
+        return
+    yield from _plain_parameters(model.get_base_model(), "", set())
+
+
+def rollout_weights(model: nn.Module, engine) -> Iterable[tuple[str, torch.Tensor]]:
+    """What `engine.update_weights` receives after an update.
+
+    An engine that generates from the policy's module (`shares_policy_weights`) gets that module's
+    own parameters: nothing to copy, the merge happens around the rollout (`merged_adapters`). Any
+    other engine gets `merged_weights`.
+    """
+    if engine.shares_policy_weights:
+        return generation_model(model).named_parameters()
+    return merged_weights(model)
+
+
+class WithoutAdapters(nn.Module):
+    """`module` of the PeftModel `policy` (default: the whole policy) run with the adapters off:
+    the frozen base model's outputs from the policy's own weights, without a copy.
+
+    A LoRA run's reference model. Each call enters PEFT's `disable_adapter()` with the policy in
+    eval mode (no dropout) and restores both after. `get_decoder` and `get_output_embeddings`
+    return views as well, so the chunked log-probs of `sequence_logprobs` (the decoder body, then
+    the output head a chunk at a time) see the base model too. The view holds the policy without
+    registering it as a submodule: `train()`, `eval()` or `parameters()` of the view leave the
+    policy alone.
+    """
+
+    def __init__(self, policy: nn.Module, module: nn.Module | None = None) -> None:
+        super().__init__()
+        if not is_peft_model(policy):
+            raise TypeError(f"WithoutAdapters needs a PEFT model, got {type(policy).__name__}")
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "module", policy if module is None else module)
+
+    @property
+    def config(self):
+        return getattr(self.module, "config", None)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        with self.policy.disable_adapter():
+            return self.module.weight
+
+    def forward(self, *args, **kwargs):
+        with self._adapters_off():
+            return self.module(*args, **kwargs)
+
+    def get_decoder(self) -> nn.Module:
+        return WithoutAdapters(self.policy, self.module.get_decoder())
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        head = self.module.get_output_embeddings()
+        return WithoutAdapters(self.policy, head) if head is not None and _has_adapter(head) else head
+
+    @contextmanager
+    def _adapters_off(self) -> Iterator[None]:
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            with self.policy.disable_adapter():
+                yield
+        finally:
+            self.policy.train(was_training)
+
+
+def load_adapter_weights(model: nn.Module, directory: str | Path) -> None:
+    """Load the adapter of an adapter checkpoint into the PeftModel `model`, after checking that
+    it was trained with the same adapter settings."""
+    from peft import LoraConfig, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    adapter = model.active_adapter
+    _check_same_adapter(LoraConfig.from_pretrained(str(directory)), model.peft_config[adapter], directory)
+    device = next(model.parameters()).device
+    state = load_file(str(directory / ADAPTER_WEIGHTS), device=str(device))
+    result = set_peft_model_state_dict(model, state, adapter_name=adapter)
+    trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    missing = sorted(trainable & set(result.missing_keys))
+    if result.unexpected_keys or missing:
+        raise ValueError(
+            f"adapter checkpoint {directory} does not match the model (missing {missing[:3]}, "
+            f"unexpected {result.unexpected_keys[:3]}): resume with the model the run started from"
+        )
+
+
+def merge_adapter_checkpoint(base: nn.Module, directory: str | Path) -> nn.Module:
+    """The plain model `base` with the adapter saved in `directory` merged into its weights."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base, str(directory)).merge_and_unload()
+
+
+_ADAPTER_SETTINGS = {
+    "r": "lora_rank",
+    "lora_alpha": "lora_alpha",
+    "target_modules": "target_modules",
+    "modules_to_save": "modules_to_save",
+}
+"""PEFT's LoraConfig fields a resumed run must share with its checkpoint, by grpoflow key."""
+
+
+def _check_same_adapter(saved, current, directory: Path) -> None:
+    for field, key in _ADAPTER_SETTINGS.items():
+        was, now = _comparable(getattr(saved, field)), _comparable(getattr(current, field))
+        if was != now:
+            raise ValueError(
+                f"checkpoint {directory} was trained with {key}={was} but this run has {key}={now}: "
+                "resume with the adapter settings the run started with"
+            )
+
+
+def _comparable(value):
+    if value is None:
+        return []
+    if isinstance(value, list | set | tuple):
+        return sorted(value)
+    return value
+
+
+def _tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """Parameter name -> every name of the same tensor, for tensors under several names."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return {name: group for group in names.values() if len(group) > 1 for name in group}
+
+
+def _refuse_tied(model: nn.Module, tied: dict[str, list[str]]) -> None:
+    """An adapter or a trained copy on a tied weight (lm_head and embed_tokens) breaks the tie:
+    merged for rollouts, a LoRA update of one would change the other too, and a trained copy of
+    one would not reach the other; rollouts and exports would no longer be the trained policy."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    for name, module in model.get_base_model().named_modules():
+        weight = f"{name}.weight"
+        if isinstance(module, LoraLayer | ModulesToSaveWrapper) and weight in tied:
+            others = ", ".join(other for other in tied[weight] if other != weight)
+            raise ValueError(
+                f"{name} shares its weight with {others} (tied embeddings): leave it out of "
+                "target_modules and modules_to_save (all-linear leaves the output head out)"
+            )
+
+
+def _adapted_base_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The base parameters a merge writes to: those of every LoRA layer's base layer."""
+    from peft.tuners.lora import LoraLayer
+
+    return [
+        parameter
+        for module in model.modules()
+        if isinstance(module, LoraLayer)
+        for parameter in module.get_base_layer().parameters()
+    ]
+
+
+def _has_adapter(module: nn.Module) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    return any(isinstance(child, BaseTunerLayer | AuxiliaryTrainingWrapper) for child in module.modules())
+
+
+def module_weights(
+    module: nn.Module, prefix: str = "", seen: set[int] | None = None, skip: tuple[nn.Module, ...] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`merged_weights` of a part of the policy: `module`'s parameters named `prefix + name` as the
+    model without PEFT names them, adapters merged, leaving out the subtrees `skip` and the
+    parameters whose ids are in `seen` (which it extends: tied weights come once over calls)."""
+    seen = set() if seen is None else seen
+    if "peft" not in sys.modules:
+        for name, parameter in _walk(module, prefix, skip):
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                yield name, parameter
+        return
+    yield from _plain_parameters(module, prefix, seen, skip)
+
+
+def _walk(module: nn.Module, prefix: str, skip: tuple[nn.Module, ...]) -> Iterator[tuple[str, nn.Parameter]]:
+    if any(module is other for other in skip):
+        return
+    for name, parameter in module.named_parameters(recurse=False):
+        yield prefix + name, parameter
+    for name, child in module.named_children():
+        yield from _walk(child, f"{prefix}{name}.", skip)
+
+
+def _plain_parameters(
+    module: nn.Module, prefix: str, seen: set[int], skip: tuple[nn.Module, ...] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`module`'s parameters as the model without PEFT names them, adapters merged (pre-order, as
+    `named_parameters` walks); `seen` holds the ids of parameters already given (tied weights)."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    if any(module is other for other in skip):
+        return
+    if isinstance(module, LoraLayer):
+        base_layer = module.get_base_layer()
+        for name, parameter in base_layer.named_parameters(recurse=False):
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                merged = _merged_weight(module, parameter) if name == "weight" else parameter
+                yield prefix + name, merged
+        return
+    if isinstance(module, ModulesToSaveWrapper):
+        active = [name for name in module.active_adapters if name in module.modules_to_save]
+        trained = module.modules_to_save[active[0]] if active and not module.disable_adapters else None
+        yield from _plain_parameters(
+            module.original_module if trained is None else trained, prefix, seen, skip
+        )
+        return
+    for name, parameter in module.named_parameters(recurse=False):
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            yield prefix + name, parameter
+    for name, child in module.named_children():
+        yield from _plain_parameters(child, f"{prefix}{name}.", seen, skip)
+
+
+def _merged_weight(layer, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` plus the layer's unmerged active adapters, in `weight`'s dtype (as PEFT's
+    in-place merge rounds it)."""
+    adapters = set(layer.lora_A) | set(layer.lora_embedding_A)
+    merged = weight.detach()
+    with torch.no_grad():
+        for adapter in layer.active_adapters:
+            if adapter in adapters and adapter not in layer.merged_adapters:
+                merged = (merged + layer.get_delta_weight(adapter)).to(weight.dtype)
+    return merged

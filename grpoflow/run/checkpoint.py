@@ -1,0 +1,166 @@
+"""Atomic, rotating checkpoints that resume a run exactly.
+
+A checkpoint is written into a hidden temporary directory beside its final place, a `COMPLETE`
+marker goes in last, and one `rename` publishes it: a crash mid-save leaves only a temporary
+directory, which the next save clears, never a half-written `checkpoint-N`.
+
+A checkpoint holds the model (a LoRA run's: the adapter only, PEFT's `save_pretrained`), the
+tokenizer and the trainer state (`trainer_state.pt`, which keeps the run's config and, for a run
+over several processes, every rank's RNG state). Rank 0 writes it; the weights, optimizer and data
+position are the same on every rank (under FSDP, gathered from every rank's shards first).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from grpoflow.policy.lora import is_peft_model
+
+logger = logging.getLogger("grpoflow.run.checkpoint")
+
+MARKER = "COMPLETE"
+STATE_FILE = "trainer_state.pt"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rank_rng_state(trainer_state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """The RNG state rank `rank` resumes with: its own when the checkpoint's run had as many ranks
+    (`rng_per_rank`), else rank 0's."""
+    per_rank = trainer_state.get("rng_per_rank") or [trainer_state["rng"]]
+    if len(per_rank) == world_size:
+        return per_rank[rank]
+    if rank == 0:
+        logger.warning(
+            "the checkpoint was written by %d processes and is resumed by %d: every rank restarts "
+            "from rank 0's RNG state, and the run does not replay the uninterrupted one step for step",
+            len(per_rank),
+            world_size,
+        )
+    return per_rank[0]
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    *,
+    model,
+    tokenizer,
+    trainer_state: dict[str, Any],
+    save_total_limit: int | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write `output_dir/checkpoint-{step}` atomically, then drop the oldest beyond the limit.
+
+    `state_dict`: the model's full weights when the model itself holds only shards (FSDP); the
+    files written are the same as for a whole model."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for stale in output_dir.glob(".tmp-checkpoint-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = output_dir / f"checkpoint-{step}"
+    staging = output_dir / f".tmp-checkpoint-{step}-{os.getpid()}"
+    staging.mkdir()
+    if is_peft_model(model):
+        # The adapter only. Embeddings are never resized here, so PEFT need not fetch the base
+        # model's config to find out whether to save them.
+        model.save_pretrained(staging, save_embedding_layers=False, state_dict=state_dict)
+    else:
+        model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
+    tokenizer.save_pretrained(staging)
+    torch.save(trainer_state, staging / STATE_FILE)
+    (staging / MARKER).write_text(str(step))
+    _fsync_tree(staging)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync_dir(output_dir)
+    if save_total_limit is not None:
+        # The one just written stays even when higher-numbered ones exist (a run resumed from an
+        # older checkpoint); the oldest of the others go.
+        others = [path for path in list_checkpoints(output_dir) if path != final]
+        for old in others[: max(0, len(others) - save_total_limit + 1)]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in `output_dir`, oldest first."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for path in output_dir.iterdir():
+        match = _NAME.match(path.name)
+        if match and (path / MARKER).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def resolve_checkpoint(spec: str, output_dir: str | Path) -> Path:
+    """A checkpoint directory from `resume_from_checkpoint` (a path, or `latest`/`true`)."""
+    if spec.lower() in {"latest", "true", "auto"}:
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise ValueError(f"resume_from_checkpoint={spec}: no complete checkpoint in {output_dir}")
+        return found[-1]
+    path = Path(spec)
+    if not is_checkpoint(path):
+        raise ValueError(
+            f"resume_from_checkpoint={spec} is not a complete checkpoint directory "
+            f"(it needs {MARKER} and {STATE_FILE})"
+        )
+    return path
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is a complete checkpoint directory."""
+    path = Path(path)
+    return (path / MARKER).is_file() and (path / STATE_FILE).is_file()
+
+
+def load_trainer_state(path: str | Path) -> dict[str, Any]:
+    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,270 @@
+"""Data-parallel training over several processes: launching under torchrun, and the few
+collectives the training loop needs.
+
+Every rank holds a full copy of the policy, rolls out and scores its own slice of the global
+generation batch, and runs the update on it. There is no DDP wrapper (the log-prob path calls the
+decoder directly): after the backward passes of an optimizer step, `all_reduce_gradients` sums the
+gradients of every rank in a few flat buckets, and the losses are normalised by global totals, so
+that the summed gradient is the gradient one process would get on the whole global batch.
+
+Under `fsdp` the model is sharded instead (`grpoflow.policy.placement`) and FSDP reduce-scatters the
+gradients itself.
+
+A single process gets `DistributedContext()` (world size 1), whose collectives do nothing; the loop
+reads the same either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+logger = logging.getLogger("grpoflow")
+
+LAUNCH_VARIABLES = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""Environment variables that make `grpoflow train` launch itself under torchrun (ms-swift's)."""
+BUCKET_NUMEL = 2**25
+"""Gradient elements per all-reduce call (128 MiB in float32)."""
+SUM_METRICS = ("rewards/num_errors", "tokens_per_second/")
+"""Metric names (or prefixes) summed over ranks; `MAX_METRICS` and names ending in /max take the
+largest, names ending in /min the smallest; others the mean."""
+MAX_METRICS = ("time/", "memory/")
+
+
+@dataclass(frozen=True, slots=True)
+class DistributedContext:
+    """This process's place among the ranks of a run, and the collectives the loop uses."""
+
+    rank: int = 0
+    """Global rank, 0 .. world_size - 1."""
+    world_size: int = 1
+    """Number of processes over all nodes."""
+    local_rank: int = 0
+    """Rank on this node; the index of this rank's GPU."""
+    device: torch.device = torch.device("cpu")
+    """Where this rank's collectives exchange tensors (its GPU under NCCL, else the CPU)."""
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that logs and writes checkpoints."""
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """`tensor` summed (or `max`) over ranks, on `tensor`'s device."""
+        if self.world_size == 1:
+            return tensor
+        reduced = tensor.detach().to(self.device, copy=True)
+        torch_dist.all_reduce(reduced, op=_REDUCE_OPS[op])
+        return reduced.to(tensor.device)
+
+    def max_int(self, value: int) -> int:
+        """The largest `value` over ranks."""
+        return int(self.all_reduce(torch.tensor(value, dtype=torch.long), "max"))
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The `tensor` of every rank concatenated along dim 0, in rank order (equal shapes)."""
+        if self.world_size == 1:
+            return tensor
+        local = tensor.detach().contiguous().to(self.device)
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        torch_dist.all_gather(parts, local)
+        return torch.cat(parts).to(tensor.device)
+
+    def gather_objects(self, value: Any) -> list[Any] | None:
+        """Every rank's picklable `value`, in rank order, on rank 0; None on the others."""
+        if self.world_size == 1:
+            return [value]
+        gathered = [None] * self.world_size if self.is_main else None
+        torch_dist.gather_object(value, gathered, dst=0)
+        return gathered
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch_dist.barrier()
+
+    def broadcast_parameters(self, module: torch.nn.Module) -> None:
+        """Copy rank 0's parameters and buffers into every rank's `module`, in place."""
+        if self.world_size == 1:
+            return
+        for tensor in [*module.parameters(), *module.buffers()]:
+            staged = tensor.data.to(self.device)
+            torch_dist.broadcast(staged, src=0)
+            tensor.data.copy_(staged)
+
+    def all_reduce_gradients(self, parameters: Sequence[torch.nn.Parameter]) -> None:
+        """Sum the gradients of `parameters` over ranks, in flat buckets.
+
+        A parameter with a gradient on some rank but none on this one (not reached by this rank's
+        batch) joins with zeros; one without a gradient on any rank keeps none, so the optimizer
+        skips it exactly as a single process would.
+        """
+        if self.world_size == 1:
+            return
+        present = torch.tensor([p.grad is not None for p in parameters], dtype=torch.long)
+        present = self.all_reduce(present, "max").bool().tolist()
+        grads = []
+        for parameter, anywhere in zip(parameters, present, strict=True):
+            if anywhere and parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            if anywhere:
+                grads.append(parameter.grad)
+        for bucket in _buckets(grads, BUCKET_NUMEL):
+            flat = _flatten_dense_tensors(bucket).to(self.device)
+            torch_dist.all_reduce(flat)
+            for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                grad.copy_(reduced)
+
+    def reduce_metrics(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """Per-rank metrics as one value each: summed, largest or mean over ranks by name."""
+        if self.world_size == 1:
+            return dict(metrics)
+        names = sorted(metrics)
+        values = torch.tensor([float(metrics[name]) for name in names], dtype=torch.float64)
+        summed = self.all_reduce(values, "sum").tolist()
+        # One max-reduction gives both extremes: the max of -x is -min(x).
+        extremes = self.all_reduce(torch.cat([values, -values]), "max").tolist()
+        largest, smallest_negated = extremes[: len(names)], extremes[len(names) :]
+        reduced = {}
+        for index, name in enumerate(names):
+            if name.startswith(SUM_METRICS):
+                reduced[name] = summed[index]
+            elif name.startswith(MAX_METRICS) or name.endswith("/max"):
+                reduced[name] = largest[index]
+            elif name.endswith("/min"):
+                reduced[name] = -smallest_negated[index]
+            else:
+                reduced[name] = summed[index] / self.world_size
+        return reduced
+
+    def close(self) -> None:
+        if self.world_size > 1 and torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
+
+
+_REDUCE_OPS = {
+    "sum": torch_dist.ReduceOp.SUM,
+    "max": torch_dist.ReduceOp.MAX,
+}
+
+
+def _buckets(tensors: Iterable[torch.Tensor], max_numel: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of tensors of one dtype and device, each up to `max_numel` elements."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        last = buckets[-1][-1] if buckets else None
+        same_kind = last is not None and (last.dtype, last.device) == (tensor.dtype, tensor.device)
+        if not same_kind or size + tensor.numel() > max_numel:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += tensor.numel()
+    return buckets
+
+
+def init_distributed(device: torch.device) -> tuple[DistributedContext, torch.device]:
+    """The run's context and this rank's device, initialising the process group under torchrun
+    (NCCL on CUDA, each rank on `cuda:LOCAL_RANK`; gloo on the CPU). Outside torchrun, or with one
+    process, a single-process context and `device` unchanged."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return DistributedContext(device=device), device
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise ValueError(
+                f"LOCAL_RANK {local_rank} needs GPU {local_rank} but this node shows {visible}: "
+                f"set NPROC_PER_NODE to at most {visible}"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not torch_dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch_dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    collective_device = device if device.type == "cuda" else torch.device("cpu")
+    context = DistributedContext(
+        rank=rank, world_size=world_size, local_rank=local_rank, device=collective_device
+    )
+    return context, device
+
+
+def run_steps(config, num_prompts: int, world_size: int) -> int:
+    """Training steps of a run over `world_size` ranks: max_steps, or enough global generation
+    batches (world_size times a rank's) for num_train_epochs."""
+    if config.training.max_steps > 0 or world_size == 1:
+        return config.total_steps(num_prompts)
+    per_step = world_size * config.generation_batch_size // config.generation.num_generations
+    return max(1, math.ceil(config.training.num_train_epochs * num_prompts / per_step))
+
+
+def wants_launch(environ: Mapping[str, str]) -> bool:
+    """Whether `grpoflow train` should launch itself under torchrun: NPROC_PER_NODE (or NNODES)
+    is set and this process is not already one of torchrun's workers."""
+    under_torchrun = "LOCAL_RANK" in environ or "WORLD_SIZE" in environ
+    return not under_torchrun and ("NPROC_PER_NODE" in environ or "NNODES" in environ)
+
+
+def torchrun_command(argv: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+    """The torchrun command that runs `grpoflow train ARGV` on NPROC_PER_NODE processes of node
+    NODE_RANK of NNODES, meeting at MASTER_ADDR:MASTER_PORT."""
+    if "NPROC_PER_NODE" not in environ:
+        raise ValueError("NNODES is set but NPROC_PER_NODE is not: set it to the processes (GPUs) per node")
+    nproc = _int(environ, "NPROC_PER_NODE", "", positive=True)
+    nnodes = _int(environ, "NNODES", "1", positive=True)
+    node_rank = _int(environ, "NODE_RANK", "0")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"NODE_RANK must be in 0 .. NNODES - 1 = {nnodes - 1}, got {node_rank}")
+    if nnodes > 1 and "MASTER_ADDR" not in environ:
+        raise ValueError(f"NNODES={nnodes}: set MASTER_ADDR to the address of node 0, the same on every node")
+    port = _int(environ, "MASTER_PORT", "29500")
+    if not 0 < port < 65536:
+        raise ValueError(f"MASTER_PORT must be a TCP port in 1 .. 65535, got {port}")
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--nnodes",
+        str(nnodes),
+        "--node_rank",
+        str(node_rank),
+        "--master_addr",
+        environ.get("MASTER_ADDR", "127.0.0.1"),
+        "--master_port",
+        str(port),
+        "-m",
+        "grpoflow.cli",
+        "train",
+        *argv,
+    ]
+
+
+def launch(argv: Sequence[str], environ: Mapping[str, str]) -> int:
+    """Run `grpoflow train ARGV` under torchrun; its exit status."""
+    command = torchrun_command(argv, environ)
+    logger.info("launching under torchrun: %s", " ".join(command))
+    return subprocess.run(command, check=False).returncode
+
+
+def _int(environ: Mapping[str, str], name: str, default: str, *, positive: bool = False) -> int:
+    text = environ.get(name, default)
+    kind = "a positive integer" if positive else "an integer"
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be {kind}, got {text!r}") from None
+    if positive and value < 1:
+        raise ValueError(f"{name} must be {kind}, got {text!r}")
+    return value

@@ -1,0 +1,125 @@
+"""Rollouts: prompts to groups of completions, and groups to padded training tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from grpoflow.data.prompts import PromptItem
+from grpoflow.engines import Completion, RolloutEngine, SamplingParams
+
+
+@dataclass(slots=True)
+class Group:
+    """One prompt and its G completions."""
+
+    item: PromptItem
+    completions: list[Completion]
+    texts: list[str]
+
+
+def generate_groups(
+    engine: RolloutEngine, tokenizer, items: Sequence[PromptItem], params: SamplingParams
+) -> list[Group]:
+    """Sample `params.n` completions for each prompt item and decode them."""
+    outputs = engine.generate([item.prompt_ids for item in items], params)
+    return [
+        Group(
+            item=item,
+            completions=completions,
+            texts=[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions],
+        )
+        for item, completions in zip(items, outputs, strict=True)
+    ]
+
+
+def reward_inputs(groups: Sequence[Group]) -> tuple[list, list, list[list[int]], dict[str, list]]:
+    """The arguments reward functions take, one entry per completion (TRL's layout): prompts,
+    completions (text, or an assistant message for chat prompts), completion ids, columns."""
+    prompts, completions, completion_ids = [], [], []
+    columns: dict[str, list] = {}
+    for group in groups:
+        conversational = isinstance(group.item.prompt, list)
+        for completion, text in zip(group.completions, group.texts):
+            prompts.append(group.item.prompt)
+            completions.append([{"role": "assistant", "content": text}] if conversational else text)
+            completion_ids.append(completion.token_ids)
+    names = dict.fromkeys(name for group in groups for name in group.item.columns)
+    for name in names:
+        columns[name] = [
+            group.item.columns.get(name) for group in groups for _ in range(len(group.completions))
+        ]
+    return prompts, completions, completion_ids, columns
+
+
+@dataclass(slots=True)
+class RolloutBatch:
+    """Padded tensors of a generation batch; rows are consecutive groups of G completions."""
+
+    prompt_ids: torch.Tensor
+    """(batch, prompt_len) left-padded."""
+    prompt_mask: torch.Tensor
+    """(batch, prompt_len) 1 on real tokens."""
+    completion_ids: torch.Tensor
+    """(batch, completion_len) right-padded."""
+    completion_mask: torch.Tensor
+    """(batch, completion_len) 1 on real tokens."""
+    sampling_logps: torch.Tensor
+    """(batch, completion_len) the engine's log-probs of the sampled tokens."""
+    truncated: torch.Tensor
+    """(batch,) bool: the completion hit max_completion_length."""
+    left_padded: bool = True
+    """Some prompt is left-padded. When none is, the causal mask alone hides every padding
+    token (completions are padded on the right), so the model runs without an attention mask."""
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def rows(self, start: int, stop: int) -> RolloutBatch:
+        """Rows [start, stop) with the all-padding columns cut away."""
+        prompt_mask = self.prompt_mask[start:stop]
+        completion_mask = self.completion_mask[start:stop]
+        first = int(prompt_mask.any(0).nonzero()[0]) if prompt_mask.any() else 0
+        last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
+        return RolloutBatch(
+            prompt_ids=self.prompt_ids[start:stop, first:],
+            prompt_mask=prompt_mask[:, first:],
+            completion_ids=self.completion_ids[start:stop, :last],
+            completion_mask=completion_mask[:, :last],
+            sampling_logps=self.sampling_logps[start:stop, :last],
+            truncated=self.truncated[start:stop],
+            left_padded=self.left_padded and not bool(prompt_mask[:, first:].all()),
+        )
+
+
+def collate(groups: Sequence[Group], pad_token_id: int, device: torch.device) -> RolloutBatch:
+    """Pad every completion of every group into one batch of tensors on `device`."""
+    pairs = [(group.item.prompt_ids, c) for group in groups for c in group.completions]
+    batch = len(pairs)
+    prompt_len = max(len(prompt) for prompt, _ in pairs)
+    completion_len = max(1, max(len(c.token_ids) for _, c in pairs))
+    prompt_ids = torch.full((batch, prompt_len), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((batch, prompt_len), dtype=torch.long)
+    completion_ids = torch.full((batch, completion_len), pad_token_id, dtype=torch.long)
+    completion_mask = torch.zeros((batch, completion_len), dtype=torch.long)
+    sampling_logps = torch.zeros((batch, completion_len), dtype=torch.float32)
+    for row, (prompt, completion) in enumerate(pairs):
+        size = len(completion.token_ids)
+        prompt_ids[row, prompt_len - len(prompt) :] = torch.as_tensor(prompt)
+        prompt_mask[row, prompt_len - len(prompt) :] = 1
+        if size:
+            completion_ids[row, :size] = torch.as_tensor(completion.token_ids)
+            completion_mask[row, :size] = 1
+            sampling_logps[row, :size] = torch.as_tensor(completion.logprobs, dtype=torch.float32)
+    truncated = torch.tensor([c.truncated for _, c in pairs], dtype=torch.bool)
+    return RolloutBatch(
+        prompt_ids=prompt_ids.to(device),
+        prompt_mask=prompt_mask.to(device),
+        completion_ids=completion_ids.to(device),
+        completion_mask=completion_mask.to(device),
+        sampling_logps=sampling_logps.to(device),
+        truncated=truncated.to(device),
+        left_padded=len({len(prompt) for prompt, _ in pairs}) > 1,
+    )

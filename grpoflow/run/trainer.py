@@ -1,0 +1,474 @@
+"""The GRPO loop: sample prompts, roll out, score, compute advantages, update, sync, log.
+
+The trainer receives its parts (model, engine, rewards, prompts, logger) ready-made; `launch.py`
+builds them from a config. One `step` is one generation batch and `num_iterations` optimizer
+steps on it.
+
+Over several ranks (`grpoflow.run.distributed`), each rank rolls out, scores and updates on its own
+slice of the global generation batch; groups stay whole on one rank, so group advantages need no
+communication. The rewards and lengths of every completion (a few numbers each) are gathered so
+that batch-wide statistics (`scale_rewards: batch`, the logged means and spreads) are those of the
+global batch. Sampling seeds are drawn per prompt of the global batch from the run's own
+generator, so a prompt's completions do not depend on how the batch is split over ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from grpoflow.algo import combine_rewards, group_advantages, overlong_mask, select_groups, zero_std_groups
+from grpoflow.data.prompts import PromptItem, PromptSampler
+from grpoflow.engines import RolloutEngine, SamplingParams
+from grpoflow.policy.placement import compute_device, full_state_dict, rollout_context, rollout_weights
+from grpoflow.rewards import RewardRunner
+from grpoflow.run import checkpoint
+from grpoflow.run.config import GRPOConfig
+from grpoflow.run.distributed import DistributedContext, run_steps
+from grpoflow.run.metrics import MetricsLogger
+from grpoflow.run.prefetch import RolloutPrefetcher
+from grpoflow.run.rollout import Group, collate, generate_groups, reward_inputs
+from grpoflow.run.sync_check import SyncCheck
+from grpoflow.run.update import SamplingCorrection, UpdateSettings, update_policy
+
+logger = logging.getLogger("grpoflow")
+
+
+@dataclass(slots=True)
+class ScoredGroups:
+    """Groups of completions and their rewards, (num_groups * G, num_rewards) with NaN missing."""
+
+    groups: list[Group]
+    rewards: torch.Tensor
+    errors: list = field(default_factory=list)
+    rounds: int = 1
+
+
+class Timer:
+    """Wall-clock seconds per phase of a step; `synchronize` waits for the GPU at each phase's end
+    (off in a background thread, where it would wait for the trainer's kernels too)."""
+
+    def __init__(self, synchronize: bool = True) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.synchronize = synchronize and torch.cuda.is_available()
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.synchronize:
+                torch.cuda.synchronize()
+            self.seconds[phase] += time.perf_counter() - start
+
+
+class GRPOTrainer:
+    """Runs GRPO on prompts with a rollout engine and reward functions."""
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        *,
+        model: torch.nn.Module,
+        tokenizer,
+        engine: RolloutEngine,
+        rewards: RewardRunner,
+        items: list[PromptItem],
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        ref_model: torch.nn.Module | None = None,
+        distributed: DistributedContext | None = None,
+        per_prompt_seeds: bool = False,
+    ) -> None:
+        """`per_prompt_seeds`: the engine takes one SamplingParams per prompt (the native engine),
+        so each prompt is sampled from its own seed; otherwise one seed per call and rank."""
+        self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.engine, self.rewards, self.items = engine, rewards, items
+        self.optimizer, self.scheduler, self.ref_model = optimizer, scheduler, ref_model
+        self.device = compute_device(model)
+        self.sampler = PromptSampler(
+            len(items), seed=config.training.seed, shuffle=config.data.dataset_shuffle
+        )
+        self.distributed = distributed or DistributedContext()
+        self.per_prompt_seeds = per_prompt_seeds
+        self.seed_generator = torch.Generator().manual_seed(config.training.seed)
+        self.num_prompts = config.generation_batch_size // config.generation.num_generations
+        self.total_steps = run_steps(config, len(items), self.distributed.world_size)
+        self.step_count = 0
+        self.num_tokens = 0
+        self.sampling = self._sampling_params()
+        check = config.vllm.weight_sync_check and not engine.shares_policy_weights
+        self.sync_check = (
+            SyncCheck(items[0].prompt_ids[-32:], tolerance=config.vllm.weight_sync_check_tolerance)
+            if check
+            else None
+        )
+        off_policy = config.off_policy
+        correct = off_policy.vllm_importance_sampling_correction and not engine.shares_policy_weights
+        self.update_settings = UpdateSettings(
+            algorithm=config.algorithm,
+            micro_batch_size=config.training.per_device_train_batch_size,
+            temperature=config.generation.temperature,
+            max_completion_length=config.generation.max_completion_length,
+            max_grad_norm=config.training.max_grad_norm,
+            sampling_correction=SamplingCorrection(
+                off_policy.vllm_importance_sampling_mode,
+                off_policy.vllm_importance_sampling_clip_min,
+                off_policy.vllm_importance_sampling_clip_max,
+            )
+            if correct
+            else None,
+        )
+        if off_policy.async_generate and engine.shares_policy_weights:
+            raise ValueError(
+                "async_generate needs a rollout engine with its own copy of the weights (use_vllm: true, "
+                "vllm_mode: server, e.g. against `grpoflow serve`): this engine generates from the very "
+                "parameters being trained"
+            )
+        self._cleanups: list[Callable[[], None]] = []
+        self.prefetcher: RolloutPrefetcher[ScoredGroups] | None = (
+            RolloutPrefetcher() if off_policy.async_generate else None
+        )
+
+    def _sampling_params(self) -> SamplingParams:
+        generation = self.config.generation
+        eos = self.tokenizer.eos_token_id
+        return SamplingParams(
+            n=generation.num_generations,
+            max_tokens=generation.max_completion_length,
+            temperature=generation.temperature,
+            top_p=generation.top_p,
+            top_k=generation.top_k,
+            min_p=generation.min_p,
+            repetition_penalty=generation.repetition_penalty,
+            stop_token_ids=[eos] if eos is not None else [],
+            stop=list(generation.stop),
+        )
+
+    def train(self, metrics_logger: MetricsLogger | None = None) -> list[dict[str, float]]:
+        """Run to `total_steps`, logging and checkpointing; returns each step's metrics."""
+        history = []
+        training = self.config.training
+        try:
+            while self.step_count < self.total_steps:
+                metrics = self.step(metrics_logger)
+                history.append(metrics)
+                if metrics_logger is not None:
+                    if self.step_count % self.config.log.logging_steps == 0:
+                        metrics_logger.log(self.step_count, metrics)
+                    metrics_logger.advance(self.step_count, metrics)
+                if self.step_count % training.save_steps == 0 or self.step_count == self.total_steps:
+                    self.save()
+        finally:
+            if self.prefetcher is not None:
+                self.prefetcher.close()
+        return history
+
+    def step(self, metrics_logger: MetricsLogger | None = None) -> dict[str, float]:
+        """One generation batch: roll out, score, compute advantages, update, sync."""
+        timer = Timer()
+        with timer("step"):
+            scored, staleness = self._rollout(timer)
+            batch = collate(scored.groups, self.tokenizer.pad_token_id, self.device)
+            if self.prefetcher is not None and self.step_count + 1 < self.total_steps:
+                self._launch_prefetch()
+            if self.config.algorithm.mask_truncated_completions:
+                batch.completion_mask = overlong_mask(batch.completion_mask, batch.truncated)
+            # One row per completion of the global batch, rank after rank.
+            all_rewards = self.distributed.all_gather(scored.rewards)
+            all_lengths = self.distributed.all_gather(_length_columns(batch))
+            advantages, reward_metrics = self._advantages(all_rewards)
+            with timer("update"):
+                update_metrics = update_policy(
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    batch,
+                    advantages.to(self.device),
+                    self.update_settings,
+                    self.ref_model,
+                    self.distributed,
+                )
+            if self.prefetcher is not None:
+                with timer("rollout_wait"):
+                    self.prefetcher.wait()  # weights never change under a running generation
+            syncs = (self.step_count + 1) % self.config.vllm.weight_sync_interval == 0
+            with timer("sync"):
+                if syncs:
+                    self.engine.update_weights(rollout_weights(self.model, self.engine), self.step_count + 1)
+            check_metrics = {}
+            if self.sync_check is not None and syncs:
+                with timer("sync_check"):
+                    check_metrics = self.sync_check(self.engine, self.model, step=self.step_count + 1)
+        self.step_count += 1
+        self.num_tokens += int(all_lengths[:, 0].sum() + all_lengths[:, 2].sum())
+        metrics = self.distributed.reduce_metrics(
+            {**update_metrics, **check_metrics, **self._rank_metrics(scored, batch, timer)}
+        )
+        metrics.update({name: float(value) for name, value in reward_metrics.items()})
+        metrics.update(self._batch_metrics(scored, all_rewards, all_lengths))
+        if self.prefetcher is not None:
+            metrics["async/staleness"] = float(staleness)
+        if self.config.log.log_completions:
+            rows = self.distributed.gather_objects(self._completion_rows(scored, advantages))
+            if metrics_logger is not None and rows is not None:
+                metrics_logger.log_completions(self.step_count, [row for part in rows for row in part])
+        return metrics
+
+    def _rollout(self, timer: Timer) -> tuple[ScoredGroups, int]:
+        """This step's scored groups, prefetched or generated now, and their staleness: policy
+        versions between the weights that sampled them and the policy they update."""
+        if self.prefetcher is not None and self.prefetcher.pending:
+            with timer("rollout_wait"):
+                prefetched = self.prefetcher.take()
+            staleness = self.step_count - min(
+                c.policy_version for group in prefetched.value.groups for c in group.completions
+            )
+            if staleness <= self.config.off_policy.max_staleness:
+                for phase, seconds in prefetched.seconds.items():
+                    timer.seconds[phase] += seconds
+                return prefetched.value, staleness
+            logger.warning(
+                "step %d: the prefetched batch is %d policy versions old (max_staleness %d); "
+                "generating a new one",
+                self.step_count,
+                staleness,
+                self.config.off_policy.max_staleness,
+            )
+        self.engine.wake_up()
+        with rollout_context(self.model, self.engine):
+            scored = self.rollout_and_score(timer)
+        self.engine.sleep()
+        return scored, self.step_count - self.engine.policy_version
+
+    def _launch_prefetch(self) -> None:
+        """Start generating the next step's batch in the background."""
+
+        def produce() -> tuple[ScoredGroups, dict[str, float]]:
+            timer = Timer(synchronize=False)
+            return self.rollout_and_score(timer), dict(timer.seconds)
+
+        assert self.prefetcher is not None
+        self.prefetcher.launch(produce, self._sampling_state())
+
+    def _sampling_state(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "seed_generator": self.seed_generator.get_state()}
+
+    def _advantages(self, all_rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This rank's advantages (batch,) and the reward metrics, from the rewards of the global
+        batch (global_batch, num_rewards)."""
+        rewards = combine_rewards(all_rewards, self.rewards.weights.to(all_rewards.device))
+        advantages, metrics = group_advantages(
+            rewards, self.config.generation.num_generations, self.config.algorithm.scale_rewards
+        )
+        size, rank = len(rewards) // self.distributed.world_size, self.distributed.rank
+        return advantages[rank * size : (rank + 1) * size], metrics
+
+    def rollout_and_score(self, timer: Timer) -> ScoredGroups:
+        """Generate and score; under dynamic_sample, resample prompts to replace groups whose
+        rewards have zero spread, up to max_resample_times rounds.
+
+        Over several ranks, each resampling round every rank takes the largest number of prompts
+        any rank still lacks (so all ranks run the same rounds and walk the prompt order together);
+        a rank that lacks fewer generates only those and skips the rest of its share. A rank that
+        lacks none still calls the engine, with no prompts: ranks sharing an engine (colocated
+        vLLM with tensor parallelism) generate together.
+        """
+        algorithm, g = self.config.algorithm, self.config.generation.num_generations
+        rounds = 1 + (algorithm.max_resample_times if algorithm.dynamic_sample else 0)
+        kept: list[ScoredGroups] = []
+        spare: list[ScoredGroups] = []
+        errors: list = []
+        rounds_run = 0
+        for round_index in range(rounds):
+            missing = self.num_prompts - sum(len(part.groups) for part in kept)
+            share = missing if round_index == 0 else self.distributed.max_int(missing)
+            if share == 0:
+                break
+            rounds_run += 1
+            indices, seeds = self._take_prompts(share)
+            items = [self.items[index] for index in indices[:missing]]
+            with timer("rollout"):
+                groups = generate_groups(
+                    self.engine, self.tokenizer, items, self._sampling_for(seeds[:missing])
+                )
+            if missing == 0:
+                continue
+            with timer("reward"):
+                result = self.rewards.score(*reward_inputs(groups))
+            scored = ScoredGroups(groups, result.values, list(result.errors), round_index + 1)
+            if not algorithm.dynamic_sample:
+                return scored
+            errors.extend(scored.errors)
+            flat = combine_rewards(scored.rewards, self.rewards.weights)
+            flat_mask = zero_std_groups(flat, g)
+            kept.append(_subset(scored, ~flat_mask, g))
+            spare.append(_subset(scored, flat_mask, g))
+        return _merge(kept + spare, self.num_prompts, errors, rounds_run)
+
+    def _take_prompts(self, count: int) -> tuple[list[int], list[int]]:
+        """This rank's next `count` prompt indices and a sampling seed for each, both sliced out
+        of the global batch's (`count * world_size`), so neither depends on the number of ranks."""
+        rank, world_size = self.distributed.rank, self.distributed.world_size
+        indices = self.sampler.take_shard(count, rank, world_size)
+        seeds = torch.randint(0, 2**62, (count * world_size,), generator=self.seed_generator)
+        return indices, seeds[rank * count : (rank + 1) * count].tolist()
+
+    def _sampling_for(self, seeds: list[int]) -> SamplingParams | list[SamplingParams]:
+        if self.per_prompt_seeds:
+            return [dataclasses.replace(self.sampling, seed=seed) for seed in seeds]
+        if self.distributed.world_size > 1 and seeds:
+            # Without a seed every rank's engine would draw the same random numbers.
+            return dataclasses.replace(self.sampling, seed=seeds[0])
+        return self.sampling
+
+    def _rank_metrics(self, scored: ScoredGroups, batch, timer: Timer) -> dict[str, float]:
+        """This rank's share of the metrics, to be summed, maxed or averaged over ranks."""
+        rollout_seconds = max(timer.seconds["rollout"], 1e-9)
+        metrics = {
+            "rewards/num_errors": float(len(scored.errors)),
+            "tokens_per_second/rollout": batch.completion_mask.sum().item() / rollout_seconds,
+        }
+        if self.device.type == "cuda":
+            metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        for phase, seconds in timer.seconds.items():
+            metrics[f"time/{phase}"] = seconds
+        return metrics
+
+    def _batch_metrics(
+        self, scored: ScoredGroups, all_rewards: torch.Tensor, all_lengths: torch.Tensor
+    ) -> dict[str, float]:
+        """Metrics of the global batch: all_rewards (global_batch, num_rewards), all_lengths
+        (global_batch, 3) as `_length_columns` lays them out."""
+        lengths = all_lengths[:, 0].float()
+        truncated = all_lengths[:, 1].bool()
+        terminated = lengths[~truncated]
+        metrics = {
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
+            "num_tokens": float(self.num_tokens),
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "dynamic_sample/rounds": float(scored.rounds),
+        }
+        for index, name in enumerate(self.rewards.names):
+            column = all_rewards[:, index]
+            valid = column[~column.isnan()]
+            metrics[f"rewards/{name}/mean"] = valid.mean().item() if len(valid) else float("nan")
+            metrics[f"rewards/{name}/std"] = valid.std().item() if len(valid) > 1 else 0.0
+        return metrics
+
+    def _completion_rows(self, scored: ScoredGroups, advantages: torch.Tensor) -> list[dict]:
+        prompts, completions, _, _ = reward_inputs(scored.groups)
+        rows = []
+        for index, (prompt, completion) in enumerate(zip(prompts, completions)):
+            values = scored.rewards[index].tolist()
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "completion": completion,
+                    "rewards": {
+                        name: None if math.isnan(v) else v for name, v in zip(self.rewards.names, values)
+                    },
+                    "advantage": float(advantages[index]),
+                }
+            )
+        return rows
+
+    def add_cleanup(self, function: Callable[[], None]) -> None:
+        """Call `function` in `close()` (e.g. to stop rollout servers the run started)."""
+        self._cleanups.append(function)
+
+    def close(self) -> None:
+        """Release what the run holds: reward workers, the rollout thread, the run's servers."""
+        self.rewards.close()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        for function in reversed(self._cleanups):
+            function()
+        self._cleanups.clear()
+
+    def state_dict(self) -> dict:
+        # A batch generated ahead is not in the checkpoint: resuming generates it again.
+        sampling = (self.prefetcher and self.prefetcher.resume_state) or self._sampling_state()
+        return {
+            "step": self.step_count,
+            "num_tokens": self.num_tokens,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            **sampling,
+            "rng": checkpoint.rng_state(),
+            "config": self.config.to_flat_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count, self.num_tokens = state["step"], state["num_tokens"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        if "seed_generator" in state:
+            self.seed_generator.set_state(state["seed_generator"])
+        else:
+            logger.warning(
+                "the checkpoint holds no sampling-seed state: sampling restarts from the run's seed"
+            )
+        distributed = self.distributed
+        checkpoint.set_rng_state(checkpoint.rank_rng_state(state, distributed.rank, distributed.world_size))
+        self.engine.update_weights(rollout_weights(self.model, self.engine), self.step_count)
+
+    def save(self) -> Path:
+        """Write a checkpoint (rank 0 writes, holding every rank's RNG state; the others wait)."""
+        training = self.config.training
+        state = self.state_dict()
+        per_rank = self.distributed.gather_objects(state["rng"])
+        weights = full_state_dict(self.model)  # every rank takes part in gathering FSDP's shards
+        path = Path(training.output_dir) / f"checkpoint-{self.step_count}"
+        if self.distributed.is_main:
+            path = checkpoint.save_checkpoint(
+                training.output_dir,
+                self.step_count,
+                model=self.model,
+                tokenizer=self.tokenizer,
+                trainer_state={**state, "rng_per_rank": per_rank},
+                save_total_limit=training.save_total_limit,
+                state_dict=weights,
+            )
+        self.distributed.barrier()
+        return path
+
+
+def _length_columns(batch) -> torch.Tensor:
+    """(batch, 3) long: completion length (masked), truncated (0/1), prompt length per row."""
+    return torch.stack(
+        [batch.completion_mask.sum(1), batch.truncated.long(), batch.prompt_mask.sum(1)], dim=1
+    ).long()
+
+
+def _subset(scored: ScoredGroups, keep: torch.Tensor, num_generations: int) -> ScoredGroups:
+    """The groups where `keep` (num_groups,) is true, with their reward rows (errors stay with
+    the caller, which collects them once per round)."""
+    return ScoredGroups(
+        select_groups(scored.groups, keep, 1),
+        select_groups(scored.rewards, keep, num_generations),
+        rounds=scored.rounds,
+    )
+
+
+def _merge(parts: list[ScoredGroups], num_groups: int, errors: list, rounds: int) -> ScoredGroups:
+    """The first `num_groups` groups over `parts`, in order."""
+    groups = [group for part in parts for group in part.groups][:num_groups]
+    size = sum(len(group.completions) for group in groups)
+    rewards = torch.cat([part.rewards for part in parts])[:size]
+    return ScoredGroups(groups, rewards, errors, rounds)

@@ -1,0 +1,197 @@
+"""The policy-update phase: old and reference log-probs, micro-batched loss, optimizer steps.
+
+Over several ranks, each runs its own micro-batches and the gradients are summed over ranks before
+clipping (by `all_reduce_gradients` for a replicated model, by FSDP's reduce-scatter for a sharded
+one, whose forward passes run inside its root: `grpoflow.policy.placement`); the loss is normalised by the
+global batch's totals (dapo's completion tokens, dr_grpo's completions; grpo and bnpo average over
+the micro-batches of every rank), so the summed gradient equals one process's on the whole batch
+split into the same micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from grpoflow.algo import micro_batch_scale, policy_loss, sampling_correction, sequence_logprobs
+from grpoflow.policy.placement import clip_gradients, in_use, is_sharded, sharded_forward
+from grpoflow.run.config import AlgorithmConfig
+from grpoflow.run.distributed import DistributedContext
+from grpoflow.run.rollout import RolloutBatch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingCorrection:
+    """How to reweight the loss by pi_trainer / pi_sampler (`algo.sampling_correction`)."""
+
+    mode: str = "sequence_mask"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
+
+
+@dataclass(kw_only=True, slots=True)
+class UpdateSettings:
+    """What the update phase needs from the run's config."""
+
+    algorithm: AlgorithmConfig
+    micro_batch_size: int
+    temperature: float
+    max_completion_length: int
+    max_grad_norm: float
+    sampling_correction: SamplingCorrection | None = None
+    """Importance-sampling correction against the engine's log-probs; None trusts them."""
+
+
+def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
+    return [batch.rows(start, min(start + size, len(batch))) for start in range(0, len(batch), size)]
+
+
+def batch_logprobs(
+    model: torch.nn.Module, batch: RolloutBatch, settings: UpdateSettings, *, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (batch, completion_len) of the completion tokens under `model`."""
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attention_mask = (
+        torch.cat([batch.prompt_mask, batch.completion_mask], dim=1) if batch.left_padded else None
+    )
+    return sharded_forward(
+        model,
+        lambda: sequence_logprobs(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep=batch.completion_ids.shape[1],
+            temperature=settings.temperature,
+            chunk_size=settings.algorithm.logprob_chunk_size,
+            compute_entropy=entropy,
+        ),
+    )
+
+
+@torch.no_grad()
+def frozen_logprobs(
+    model: torch.nn.Module, parts: list[RolloutBatch], settings: UpdateSettings
+) -> list[torch.Tensor]:
+    """Log-probs of each micro-batch under `model` without gradients (old policy, reference)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return [batch_logprobs(model, part, settings)[0] for part in parts]
+    finally:
+        model.train(was_training)
+
+
+def update_policy(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    batch: RolloutBatch,
+    advantages: torch.Tensor,
+    settings: UpdateSettings,
+    ref_model: torch.nn.Module | None = None,
+    distributed: DistributedContext | None = None,
+) -> dict[str, float]:
+    """Run `num_iterations` optimizer steps on one generation batch; return averaged metrics.
+
+    advantages: (batch,). Completions masked out (e.g. truncated under overlong filtering) must
+    already have zeros in `batch.completion_mask`. Under `distributed`, `batch` is this rank's
+    slice (every rank holds equally many rows) and the metrics are this rank's, to be averaged
+    over ranks.
+    """
+    distributed = distributed or DistributedContext()
+    algorithm = settings.algorithm
+    parts = micro_batches(batch, settings.micro_batch_size)
+    starts = [0]
+    for part in parts:
+        starts.append(starts[-1] + len(part))
+    old = frozen_logprobs(model, parts, settings) if algorithm.num_iterations > 1 else None
+    with in_use(ref_model):
+        ref = frozen_logprobs(ref_model, parts, settings) if ref_model is not None else None
+    num_items = distributed.all_reduce(batch.completion_mask.sum()).clamp(min=1)
+    num_micro_batches = len(parts) * distributed.world_size
+    scale = micro_batch_scale(algorithm.loss_type, num_micro_batches)
+    # Metrics stay on the device until the end: a float() per micro-batch would stall the GPU.
+    totals: dict[str, torch.Tensor | float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    is_weights: list[torch.Tensor | None] = [None] * len(parts)
+    model.train()
+    for _ in range(algorithm.num_iterations):
+        for index, part in enumerate(parts):
+            logps, entropy = batch_logprobs(model, part, settings, entropy=True)
+            correction_metrics = {}
+            if settings.sampling_correction is not None and is_weights[index] is None:
+                # Before the first optimizer step the policy's own log-probs are the old ones.
+                is_weights[index], correction_metrics = _correction_weights(
+                    old[index] if old is not None else logps.detach(), part, settings.sampling_correction
+                )
+            loss, metrics = policy_loss(
+                logps,
+                old[index] if old is not None else None,
+                advantages[starts[index] : starts[index + 1]],
+                part.completion_mask,
+                ref_logps=ref[index] if ref is not None else None,
+                beta=algorithm.beta,
+                epsilon_low=algorithm.epsilon,
+                epsilon_high=algorithm.epsilon_high or algorithm.epsilon,
+                delta=algorithm.delta,
+                loss_type=algorithm.loss_type,
+                importance_sampling_level=algorithm.importance_sampling_level,
+                max_completion_length=settings.max_completion_length,
+                num_items_in_batch=num_items,
+                num_sequences_in_batch=len(batch) * distributed.world_size,
+                is_weights=is_weights[index],
+            )
+            metrics.update(correction_metrics)
+            (loss * scale).backward()
+            # The whole batch's loss as this micro-batch estimates it; the mean over micro-batches
+            # and ranks is the whole batch's loss.
+            metrics["loss"] = loss.detach() * scale * num_micro_batches
+            if entropy is not None:
+                mask = part.completion_mask.to(entropy.dtype)
+                metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+            for name, value in metrics.items():
+                _accumulate(totals, counts, name, value.detach())
+        grad_norm = _optimizer_step(model, optimizer, scheduler, settings, distributed)
+        totals["grad_norm"] += grad_norm.detach()
+        counts["grad_norm"] += 1
+    return {name: float(totals[name]) / counts[name] for name in totals}
+
+
+def _accumulate(totals: dict, counts: dict, name: str, value: torch.Tensor) -> None:
+    """Add a micro-batch's metric: extremes (`.../min`, `.../max`) are kept as such, others are
+    averaged."""
+    if name.endswith(("/min", "/max")) and counts[name]:
+        extreme = torch.minimum if name.endswith("/min") else torch.maximum
+        totals[name] = extreme(totals[name], value)
+        return
+    totals[name] = totals[name] + value
+    counts[name] += 1
+
+
+def _correction_weights(
+    trainer_logps: torch.Tensor, part: RolloutBatch, correction: SamplingCorrection
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return sampling_correction(
+        trainer_logps,
+        part.sampling_logps,
+        part.completion_mask,
+        correction.mode,
+        correction.clip_min,
+        correction.clip_max,
+    )
+
+
+def _optimizer_step(
+    model, optimizer, scheduler, settings: UpdateSettings, distributed: DistributedContext
+) -> torch.Tensor:
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    if not is_sharded(model):  # FSDP reduce-scatters in the backward pass
+        distributed.all_reduce_gradients(parameters)
+    max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")
+    grad_norm = clip_gradients(parameters, max_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm

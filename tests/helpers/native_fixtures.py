@@ -1,0 +1,66 @@
+"""Helpers shared by the native-engine tests: tiny models and transformers' greedy reference."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from grpoflow.policy.tiny import build_tiny_model
+
+VOCAB_SIZE = 52
+FAMILIES = ("qwen2", "llama", "qwen3", "mistral")
+
+
+def tiny(model_type: str = "qwen2", device: str = "cpu", dtype=torch.float32, **kwargs):
+    """A tiny random model in eval mode (float32 unless told)."""
+    model = build_tiny_model(VOCAB_SIZE, model_type=model_type, dtype=dtype, **kwargs)
+    return model.to(device).eval()
+
+
+def hf_greedy(model, prompt: list[int], num_tokens: int, repetition_penalty: float = 1.0) -> list[int]:
+    """transformers' greedy continuation of one unpadded prompt, with no stop token."""
+    device = next(model.parameters()).device
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = []  # None falls back to the model config's EOS
+    config.max_new_tokens, config.do_sample, config.pad_token_id = num_tokens, False, 0
+    config.repetition_penalty = repetition_penalty
+    with torch.no_grad():
+        output = model.generate(
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+            generation_config=config,
+        )
+    return output[0, len(prompt) :].tolist()
+
+
+def forward_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    """log_softmax(logits / T) of each completion token from one forward over the whole sequence."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + completion], device=device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    logprobs = (logits / temperature).log_softmax(-1)
+    return logprobs.gather(1, torch.tensor(completion, device=device)[:, None])[:, 0].tolist()
+
+
+def chi_square_critical(degrees: int, z: float = 3.29) -> float:
+    """Upper quantile of chi-square (Wilson-Hilferty); z=3.29 is the 0.9995 normal quantile."""
+    factor = 2.0 / (9.0 * degrees)
+    return degrees * (1.0 - factor + z * math.sqrt(factor)) ** 3
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson statistic of `counts` against `probs`, pooling bins expected below `min_expected`.
+
+    Returns (statistic, degrees of freedom).
+    """
+    total = counts.sum()
+    expected = probs.double() * total
+    big = expected >= min_expected
+    observed_bins = torch.cat((counts[big].double(), counts[~big].double().sum()[None]))
+    expected_bins = torch.cat((expected[big], expected[~big].sum()[None]))
+    keep = expected_bins > 0
+    statistic = ((observed_bins[keep] - expected_bins[keep]) ** 2 / expected_bins[keep]).sum().item()
+    return statistic, int(keep.sum().item()) - 1

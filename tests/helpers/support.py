@@ -1,0 +1,137 @@
+"""Helpers shared by the end-to-end tests: quick configs on the embedded default, reward plugins."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from grpoflow.cli import DEFAULT_RECIPE
+from grpoflow.options.loader import load_config
+from grpoflow.run import distributed
+from grpoflow.run.config import GRPOConfig
+from grpoflow.run.infer_workers import RolloutServers, free_port  # noqa: F401 (tests import free_port from here)
+
+QUICK = {
+    "report_to": ["none"],
+    "disable_tqdm": True,
+    "max_steps": 4,
+    "per_device_train_batch_size": 16,
+    "save_steps": 1000,
+}
+"""A few small steps of the embedded default, no sinks but metrics.jsonl."""
+
+VLLM_TINY_SHAPE = dict(
+    hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2, intermediate_size=256
+)
+"""A tiny model vLLM's CPU attention takes (head_dim 64; it rejects the `tiny` preset's 16)."""
+
+HALF_ECHO_PLUGIN = (
+    "from grpoflow.tasks.echo import echo_reward\n"
+    "def half(completions, letter, **kwargs):\n"
+    "    scores = echo_reward(completions, letter)\n"
+    "    return [s + 1.0 if l in 'efgh' else 0.0 for s, l in zip(scores, letter)]\n"
+)
+"""A reward plugin (function `half`): prompts for letters a-d always score 0 (zero spread, which
+dynamic sampling drops), e-h score 1 plus the echo reward."""
+
+
+def recipe(directory: Path, **overrides) -> GRPOConfig:
+    """The embedded default recipe, QUICK settings and `overrides`, writing to directory/run."""
+    return load_config(DEFAULT_RECIPE, {"output_dir": str(directory / "run"), **QUICK, **overrides})
+
+
+def write_plugin(directory: Path, text: str = HALF_ECHO_PLUGIN) -> Path:
+    path = directory / "plugin.py"
+    path.write_text(text)
+    return path
+
+
+@contextlib.contextmanager
+def serve_in_subprocess(log_dir: Path, *flags: str, timeout: float = 120.0) -> Iterator[str]:
+    """`grpoflow serve --model tiny --device cpu FLAGS` in a process of its own on a free port;
+    yields its URL once /health answers (the log is in log_dir)."""
+    with RolloutServers(["--model", "tiny", *flags], [None], log_dir) as servers:
+        servers.wait_until_healthy(timeout)
+        yield servers.urls[0]
+
+
+RUN = {
+    "report_to": ["none"],
+    "disable_tqdm": True,
+    "max_steps": 4,
+    "save_steps": 2,
+    "per_device_train_batch_size": 16,
+    "num_iterations": 2,
+    "beta": 0.05,
+    "log_completions": True,
+}
+"""A run small enough for two CPU processes: 4 steps of 2 prompts x 8 completions per rank."""
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without torchrun's and the launch variables, plus `extra`."""
+    dropped = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", *distributed.LAUNCH_VARIABLES}
+    env = {key: value for key, value in os.environ.items() if key not in dropped}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def recipe_values(output_dir, **overrides) -> dict:
+    """The embedded default recipe with RUN and `overrides` on top."""
+    default = yaml.safe_load(DEFAULT_RECIPE.read_text())
+    return {**default, **RUN, "output_dir": str(output_dir), **overrides}
+
+
+def write_config(tmp_path, name: str, **overrides) -> tuple:
+    output_dir = tmp_path / name
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe_values(output_dir, **overrides)))
+    return path, output_dir
+
+
+def grpoflow_train(config_path, env: dict[str, str], *, torchrun: bool = False, timeout: int = 240):
+    command = [sys.executable, "-m", "grpoflow.cli", "train", "--config", str(config_path)]
+    if torchrun:
+        command[1:3] = ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        command[5:5] = ["--master_port", str(free_port()), "-m", "grpoflow.cli"]
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ), timeout
+
+
+def finish(started) -> str:
+    process, timeout = started
+    output, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def weights(checkpoint_dir) -> dict[str, torch.Tensor]:
+    return load_file(str(checkpoint_dir / "model.safetensors"))
+
+
+def assert_resumed_run_replays(straight_dir: Path, resumed_dir: Path) -> None:
+    """The run resumed from straight_dir's checkpoint-2 logged steps 3 and 4 as the straight run
+    did and ended on bit-identical weights."""
+    import pytest
+
+    straight, resumed = read_jsonl(straight_dir / "metrics.jsonl"), read_jsonl(resumed_dir / "metrics.jsonl")
+    assert [row["step"] for row in resumed] == [3, 4]
+    for expected, got in zip(straight[2:], resumed, strict=True):
+        assert got["reward"] == expected["reward"]
+        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-7)
+    want, got = weights(straight_dir / "checkpoint-4"), weights(resumed_dir / "checkpoint-4")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)

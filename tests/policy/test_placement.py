@@ -1,0 +1,178 @@
+"""FSDP2 over two CPU processes (gloo) against one unsharded process, and the offload options."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.support import (
+    assert_resumed_run_replays,
+    clean_env,
+    finish,
+    free_port,
+    grpoflow_train,
+    read_jsonl,
+    recipe_values,
+    weights,
+    write_config,
+)
+
+from grpoflow.options.loader import load_config
+from grpoflow.policy import placement
+from grpoflow.policy.offload import CPU, OptimizerOffload, module_offloaded
+from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
+from grpoflow.run.build import build_trainer, run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """4 steps on 2 FSDP ranks of 16 completions each (beta > 0: a sharded reference model too),
+    checkpoints at steps 2 and 4."""
+    tmp_path = tmp_path_factory.mktemp("fsdp")
+    config_path, output_dir = write_config(tmp_path, "run", fsdp=True)
+    finish(grpoflow_train(config_path, clean_env(), torchrun=True))
+    return output_dir
+
+
+def test_fsdp_on_two_processes_equals_one_unsharded_process(fsdp_run, tmp_path):
+    # The same global batch in the same two micro-batches: same samples, losses and weights to
+    # float rounding (the gradient is summed by a reduce-scatter instead of an all-reduce).
+    history = run(load_config(None, recipe_values(tmp_path / "run", gradient_accumulation_steps=2)))
+    logged = read_jsonl(fsdp_run / "metrics.jsonl")
+    assert [row["step"] for row in logged] == [1, 2, 3, 4]
+    for expected, got in zip(history, logged, strict=True):
+        assert got["reward"] == expected["reward"]
+        for key in ("loss", "kl", "grad_norm"):
+            assert got[key] == pytest.approx(expected[key], abs=1e-5), key
+    single, sharded = weights(tmp_path / "run" / "checkpoint-4"), weights(fsdp_run / "checkpoint-4")
+    assert single.keys() == sharded.keys()
+    for name in single:
+        torch.testing.assert_close(sharded[name], single[name], atol=1e-5, rtol=0, msg=name)
+    moved = max(
+        (single[name] - weights(tmp_path / "run" / "checkpoint-2")[name]).abs().max() for name in single
+    )
+    assert moved > 1e-3  # the steps changed the weights: the comparison can fail
+
+
+def test_fsdp_resume_replays_the_run_exactly(fsdp_run, tmp_path):
+    config_path, output_dir = write_config(
+        tmp_path, "resumed", fsdp=True, resume_from_checkpoint=str(fsdp_run / "checkpoint-2")
+    )
+    finish(grpoflow_train(config_path, clean_env(), torchrun=True))
+    assert_resumed_run_replays(fsdp_run, output_dir)
+
+
+def test_fsdp_with_lora_trains_only_the_adapters_as_one_process_does(tmp_path):
+    lora = {"train_type": "lora", "lora_dropout": 0.0, "learning_rate": 1e-2, "max_steps": 2, "save_steps": 2}
+    config_path, output_dir = write_config(tmp_path, "fsdp", fsdp=True, **lora)
+    finish(grpoflow_train(config_path, clean_env(), torchrun=True))
+    history = run(load_config(None, recipe_values(tmp_path / "one", gradient_accumulation_steps=2, **lora)))
+    logged = read_jsonl(output_dir / "metrics.jsonl")
+    for expected, got in zip(history, logged, strict=True):
+        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    from safetensors.torch import load_file
+
+    sharded = load_file(str(output_dir / "checkpoint-2" / "adapter_model.safetensors"))
+    single = load_file(str(tmp_path / "one" / "checkpoint-2" / "adapter_model.safetensors"))
+    assert single.keys() == sharded.keys() and all("lora_" in name for name in single)
+    for name in single:
+        torch.testing.assert_close(sharded[name], single[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_sharded_units_gather_merge_and_restore_as_the_whole_model(tmp_path):
+    # rollout_weights (one layer at a time), full_parameters around a forward, optimizer state
+    # gathered and scattered, full state dicts; plain, with FSDP's CPU offload, and with LoRA.
+    worker = Path(__file__).parents[1] / "helpers" / "fsdp_worker.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_port", str(free_port()), str(worker)]
+    result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "all checks passed" in result.stdout
+
+
+def test_offload_options_leave_the_run_unchanged(tmp_path):
+    options = {"offload_model": True, "offload_optimizer": True, "gc_collect_after_offload": True}
+    base = recipe_values(tmp_path / "plain", max_steps=3, save_steps=3, beta=0.05, num_iterations=2)
+    plain = run(load_config(None, base))
+    config = load_config(None, {**base, "output_dir": str(tmp_path / "offload"), **options})
+    trainer = build_trainer(config)
+    assert placement.placement(trainer.ref_model).offload_model
+    assert next(trainer.ref_model.parameters()).device == CPU
+    offloaded = run(config, trainer)
+    for expected, got in zip(plain, offloaded, strict=True):
+        assert got["loss"] == expected["loss"] and got["grad_norm"] == expected["grad_norm"]
+    want, got = weights(tmp_path / "plain" / "checkpoint-3"), weights(tmp_path / "offload" / "checkpoint-3")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)
+
+
+def test_optimizer_state_leaves_for_the_cpu_between_steps_and_returns_for_each():
+    parameter = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([parameter], lr=0.1)
+    offloader = OptimizerOffload(optimizer)
+    seen_in_step = []
+    # Registered after the offloader's: sees the state the step is about to use.
+    optimizer.register_step_pre_hook(
+        lambda *_: seen_in_step.append(optimizer.state[parameter].get("exp_avg"))
+    )
+    for _ in range(2):
+        parameter.grad = torch.full((4,), 0.5)
+        optimizer.step()
+    state = optimizer.state[parameter]
+    assert state["exp_avg"] is not seen_in_step[-1] and state["exp_avg"].device == CPU
+    assert offloader.offloaded_bytes == 2 * 4 * 4  # exp_avg and exp_avg_sq, not the step count
+    reference = torch.nn.Parameter(torch.ones(4))
+    plain = torch.optim.AdamW([reference], lr=0.1)
+    for _ in range(2):
+        reference.grad = torch.full((4,), 0.5)
+        plain.step()
+    assert torch.equal(parameter, reference)
+
+
+class CopyingEngine:
+    shares_policy_weights = False
+
+
+class SharingEngine:
+    shares_policy_weights = True
+
+
+def test_rollout_context_offloads_the_policy_only_for_an_engine_with_its_own_copy():
+    model = build_preset_model("tiny", len(build_char_tokenizer()), seed=0, dtype=torch.float32, device=CPU)
+    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    pointers = [p.data_ptr() for p in model.parameters()]
+    placement.attach(model, placement.Placement(device=CPU, offload_model=True))
+    with placement.rollout_context(model, SharingEngine()):
+        assert [p.data_ptr() for p in model.parameters()] == pointers
+    with placement.rollout_context(model, CopyingEngine()):
+        inside = [p.data_ptr() for p in model.parameters()]
+    assert all(a != b for a, b in zip(inside, pointers))  # copied out even on a CPU-only machine
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, original[name]), name
+    with module_offloaded(model, CPU) as moved:
+        assert moved == sum(p.numel() * 4 for p in model.parameters()) + sum(
+            b.numel() * b.element_size() for b in model.buffers()
+        )
+
+
+def test_fsdp_needs_a_list_of_decoder_layers():
+    with pytest.raises(ValueError, match="fsdp needs the model's list of decoder layers"):
+        placement.decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"fsdp_offload_params": True}, "fsdp_offload_params needs fsdp=true"),
+        ({"fsdp": True, "offload_model": True}, "offload_model moves a replicated model"),
+        ({"fsdp": True, "offload_optimizer": True}, "use fsdp_offload_params=true"),
+    ],
+)
+def test_impossible_memory_layouts_are_refused(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, recipe_values(tmp_path, **overrides))

@@ -1,0 +1,171 @@
+import pytest
+import torch
+
+from grpoflow.data.prompts import PromptItem
+from grpoflow.engines import Completion, SamplingParams
+from grpoflow.run.rollout import Group, collate, generate_groups, reward_inputs
+
+PAD = 0
+
+
+def completion(token_ids, finish_reason="stop", logprobs=None) -> Completion:
+    if logprobs is None:
+        logprobs = [-0.1 * (index + 1) for index in range(len(token_ids))]
+    return Completion(token_ids=list(token_ids), logprobs=logprobs, finish_reason=finish_reason)
+
+
+def group(prompt_ids, completions, prompt="p", columns=None) -> Group:
+    item = PromptItem(prompt=prompt, prompt_ids=list(prompt_ids), columns=columns or {})
+    return Group(item=item, completions=completions, texts=[f"t{c.token_ids}" for c in completions])
+
+
+@pytest.fixture
+def groups():
+    return [
+        group([5, 6], [completion([7, 8, 9], "length"), completion([1])], prompt="first"),
+        group([4, 5, 6, 7], [completion([9, 1]), completion([], "stop")], prompt="second"),
+    ]
+
+
+def test_collate_pads_prompts_left_and_completions_right(groups):
+    batch = collate(groups, PAD, torch.device("cpu"))
+    assert len(batch) == 4
+    assert batch.prompt_ids.tolist() == [[0, 0, 5, 6], [0, 0, 5, 6], [4, 5, 6, 7], [4, 5, 6, 7]]
+    assert batch.prompt_mask.tolist() == [[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]]
+    assert batch.completion_ids.tolist() == [[7, 8, 9], [1, 0, 0], [9, 1, 0], [0, 0, 0]]
+    assert batch.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]]
+    assert batch.truncated.tolist() == [True, False, False, False]
+    assert batch.truncated.dtype == torch.bool
+    assert batch.prompt_ids.dtype == batch.completion_ids.dtype == torch.long
+
+
+def test_collate_places_sampling_logprobs_under_their_tokens(groups):
+    batch = collate(groups, PAD, torch.device("cpu"))
+    assert batch.sampling_logps.dtype == torch.float32
+    expected = torch.tensor(
+        [[-0.1, -0.2, -0.3], [-0.1, 0.0, 0.0], [-0.1, -0.2, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float32
+    )
+    torch.testing.assert_close(batch.sampling_logps, expected)
+    assert (batch.sampling_logps[batch.completion_mask == 0] == 0).all()
+
+
+def test_collate_uses_the_pad_id():
+    batch = collate([group([3], [completion([4]), completion([4, 5])])], 99, torch.device("cpu"))
+    assert batch.completion_ids.tolist() == [[4, 99], [4, 5]]
+    batch = collate(
+        [group([3], [completion([4])]), group([2, 3], [completion([4])])], 99, torch.device("cpu")
+    )
+    assert batch.prompt_ids.tolist() == [[99, 3], [2, 3]]
+
+
+def test_collate_keeps_one_column_when_every_completion_is_empty():
+    batch = collate([group([3], [completion([]), completion([])])], PAD, torch.device("cpu"))
+    assert batch.completion_ids.shape == (2, 1)
+    assert batch.completion_mask.sum() == 0
+
+
+def test_rows_trim_all_padding_columns(groups):
+    batch = collate(groups, PAD, torch.device("cpu"))
+    first = batch.rows(0, 2)  # short prompts, longest completion 3
+    assert first.prompt_ids.tolist() == [[5, 6], [5, 6]]
+    assert first.prompt_mask.tolist() == [[1, 1], [1, 1]]
+    assert first.completion_ids.tolist() == [[7, 8, 9], [1, 0, 0]]
+    assert first.truncated.tolist() == [True, False]
+
+    second = batch.rows(2, 4)  # long prompts, longest completion 2
+    assert second.prompt_ids.tolist() == [[4, 5, 6, 7], [4, 5, 6, 7]]
+    assert second.completion_ids.tolist() == [[9, 1], [0, 0]]
+    assert second.completion_mask.tolist() == [[1, 1], [0, 0]]
+    torch.testing.assert_close(second.sampling_logps, torch.tensor([[-0.1, -0.2], [0.0, 0.0]]))
+    assert second.truncated.tolist() == [False, False]
+
+    only_empty = batch.rows(3, 4)
+    assert only_empty.completion_ids.shape == (1, 1)
+    assert only_empty.completion_mask.tolist() == [[0]]
+
+
+def test_rows_of_the_whole_batch_change_nothing(groups):
+    batch = collate(groups, PAD, torch.device("cpu"))
+    whole = batch.rows(0, len(batch))
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampling_logps"):
+        assert torch.equal(getattr(whole, name), getattr(batch, name)), name
+
+
+def test_reward_inputs_repeat_prompts_and_columns_per_completion():
+    groups = [
+        group([1], [completion([2]), completion([3])], prompt="a", columns={"answer": "1", "level": 1}),
+        group([1], [completion([4]), completion([5])], prompt="b", columns={"answer": "2", "extra": "x"}),
+    ]
+    prompts, completions, completion_ids, columns = reward_inputs(groups)
+    assert prompts == ["a", "a", "b", "b"]
+    assert completions == ["t[2]", "t[3]", "t[4]", "t[5]"]
+    assert completion_ids == [[2], [3], [4], [5]]
+    assert columns == {
+        "answer": ["1", "1", "2", "2"],
+        "level": [1, 1, None, None],  # a column missing from a row reads as None
+        "extra": [None, None, "x", "x"],
+    }
+
+
+def test_reward_inputs_for_conversational_prompts():
+    messages = [{"role": "user", "content": "hi"}]
+    groups = [group([1], [completion([2]), completion([3])], prompt=messages, columns={"solution": "yo"})]
+    prompts, completions, _, columns = reward_inputs(groups)
+    assert prompts == [messages, messages]
+    assert completions == [
+        [{"role": "assistant", "content": "t[2]"}],
+        [{"role": "assistant", "content": "t[3]"}],
+    ]
+    assert columns == {"solution": ["yo", "yo"]}
+
+
+class FakeEngine:
+    """Returns fixed completions and records what it was asked for."""
+
+    shares_policy_weights = True
+    policy_version = 0
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, params):
+        self.calls.append(([list(prompt) for prompt in prompts], params))
+        return [[completion([prompt[-1] + index + 1, 1]) for index in range(params.n)] for prompt in prompts]
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(str(token) for token in ids if not (skip_special_tokens and token == 1))
+
+
+def test_generate_groups_pairs_items_with_their_completions():
+    items = [PromptItem(prompt="x", prompt_ids=[3]), PromptItem(prompt="y", prompt_ids=[5, 10])]
+    engine = FakeEngine()
+    params = SamplingParams(n=2, max_tokens=4)
+    groups = generate_groups(engine, FakeTokenizer(), items, params)
+    assert engine.calls == [([[3], [5, 10]], params)]
+    assert [g.item for g in groups] == items
+    assert [[c.token_ids for c in g.completions] for g in groups] == [[[4, 1], [5, 1]], [[11, 1], [12, 1]]]
+    assert [g.texts for g in groups] == [["4", "5"], ["11", "12"]]  # special tokens skipped
+
+
+def test_left_padding_is_recorded_for_the_batch_and_its_rows():
+    same = [
+        Group(
+            item=PromptItem(prompt="ab", prompt_ids=[1, 2]),
+            completions=[Completion([3], [0.0], "stop")] * 2,
+            texts=["c", "c"],
+        )
+    ]
+    assert not collate(same, 0, torch.device("cpu")).left_padded
+    mixed = same + [
+        Group(
+            item=PromptItem(prompt="a", prompt_ids=[1]),
+            completions=[Completion([3], [0.0], "stop")] * 2,
+            texts=["c", "c"],
+        )
+    ]
+    batch = collate(mixed, 0, torch.device("cpu"))
+    assert batch.left_padded
+    assert not batch.rows(0, 2).left_padded and batch.rows(1, 3).left_padded
+    assert not batch.rows(2, 4).left_padded  # one prompt length: the padding column is cut away

@@ -1,0 +1,170 @@
+"""End-to-end runs of the trainer on the embedded tiny model and echo task."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from helpers.support import recipe, write_plugin
+
+from grpoflow.run.build import build_trainer, run
+from grpoflow.run.checkpoint import list_checkpoints
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_reward_rises_on_the_embedded_default(tmp_path):
+    config = recipe(tmp_path, max_steps=100, per_device_train_batch_size=128, report_to=["tensorboard"])
+    history = run(config)
+    rewards = [step["reward"] for step in history]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert first < 0.1
+    assert last > 2 * first + 0.1, (first, last)
+    logged = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [row["step"] for row in logged] == list(range(1, 101))
+    for key in (
+        "reward",
+        "reward_std",
+        "rewards/echo/mean",
+        "frac_reward_zero_std",
+        "entropy",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "time/rollout",
+        "time/reward",
+        "time/update",
+        "time/sync",
+        "tokens_per_second/rollout",
+        "loss",
+        "grad_norm",
+        "learning_rate",
+    ):
+        assert key in logged[-1], key
+    assert list((tmp_path / "run" / "runs").glob("events.out.tfevents.*"))
+    assert [path.name for path in list_checkpoints(tmp_path / "run")] == ["checkpoint-100"]
+
+
+def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path):
+    straight = recipe(tmp_path / "a", max_steps=6, save_steps=3, num_iterations=2, beta=0.05)
+    history = run(straight)
+    interrupted = recipe(
+        tmp_path / "b",
+        max_steps=6,
+        num_iterations=2,
+        beta=0.05,
+        resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-3"),
+    )
+    trainer = build_trainer(interrupted)
+    assert trainer.step_count == 3
+    resumed = trainer.train()
+    for expected, got in zip(history[3:], resumed, strict=True):
+        assert got["reward"] == expected["reward"]
+        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-7)
+    reference = build_trainer(recipe(tmp_path / "a", resume_from_checkpoint="latest")).model
+    for (name, want), (_, got) in zip(reference.state_dict().items(), trainer.model.state_dict().items()):
+        torch.testing.assert_close(got, want, msg=name)
+
+
+def test_kl_and_several_iterations_report_their_metrics(tmp_path):
+    history = run(recipe(tmp_path, max_steps=2, beta=0.1, num_iterations=3, epsilon_high=0.28))
+    assert all(math.isfinite(step["kl"]) for step in history)
+    assert history[-1]["kl"] > 0  # after an update the policy left the reference
+
+
+def test_overlong_filter_gives_truncated_completions_no_loss(tmp_path):
+    # max_completion_length 2: every completion of the untrained model is truncated.
+    history = run(recipe(tmp_path, max_steps=1, max_completion_length=2, overlong_filter=True))
+    assert history[0]["completions/clipped_ratio"] > 0.9
+    assert history[0]["loss"] == 0.0
+
+
+def test_a_raising_reward_is_reported_and_the_run_goes_on(tmp_path):
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(
+        "def flaky(completions, letter, **kwargs):\n"
+        "    if set(letter) & set('abcd'):\n"
+        "        raise RuntimeError('bad sample')\n"
+        "    return [1.0 for _ in completions]\n"
+    )
+    config = recipe(
+        tmp_path,
+        max_steps=2,
+        per_device_train_batch_size=64,
+        reward_funcs=["echo", f"{plugin}:flaky"],
+        log_completions=True,
+    )
+    history = run(config)
+    assert len(history) == 2
+    assert sum(step["rewards/num_errors"] for step in history) > 0
+    rows = read_jsonl(tmp_path / "run" / "completions.jsonl")
+    assert len(rows) == 2 * 64
+    assert {"prompt", "completion", "rewards", "advantage", "step"} <= set(rows[0])
+    missing = [row for row in rows if row["rewards"]["flaky"] is None]
+    assert missing and all(row["prompt"][5] in "abcd" for row in missing)
+    assert all(row["rewards"]["flaky"] == 1.0 for row in rows if row["prompt"][5] in "efgh")
+
+
+def test_dynamic_sampling_replaces_groups_without_reward_spread(tmp_path):
+    plugin = write_plugin(tmp_path)
+    config = recipe(
+        tmp_path,
+        max_steps=2,
+        reward_funcs=[f"{plugin}:half"],
+        dynamic_sample=True,
+        max_resample_times=4,
+        per_device_train_batch_size=32,
+    )
+    history = run(config)
+    assert max(step["dynamic_sample/rounds"] for step in history) > 1
+    assert all(step["frac_reward_zero_std"] < 0.5 for step in history)
+
+
+def test_reward_model_and_plugin_rewards_are_weighted_into_the_run(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from grpoflow.policy.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    reward_dir = tmp_path / "reward_model"
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=1,
+    )
+    Qwen2ForSequenceClassification(config).save_pretrained(reward_dir)
+    tokenizer.save_pretrained(reward_dir)
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(
+        "from grpoflow.rewards import register_reward\n"
+        "@register_reward('short')\n"
+        "def short(completions, **kwargs):\n"
+        "    return [-len(c) / 8 for c in completions]\n"
+    )
+    run_config = recipe(
+        tmp_path,
+        max_steps=1,
+        external_plugins=[str(plugin)],
+        reward_funcs=["echo", "short"],
+        reward_model=str(reward_dir),
+        reward_weights=[1.0, 0.5, 0.1],
+    )
+    (step,) = run(run_config)
+    assert {"rewards/echo/mean", "rewards/short/mean", "rewards/reward_model/mean"} <= set(step)
+    assert step["rewards/short/mean"] < 0
+    assert math.isfinite(step["rewards/reward_model/mean"])
+    weighted = (
+        step["rewards/echo/mean"] + 0.5 * step["rewards/short/mean"] + 0.1 * step["rewards/reward_model/mean"]
+    )
+    assert step["reward"] == pytest.approx(weighted, abs=1e-5)

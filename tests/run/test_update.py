@@ -1,0 +1,86 @@
+"""The update phase's importance-sampling correction against the engine's log-probs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpoflow.policy.tiny import build_tiny_model
+from grpoflow.run.config import AlgorithmConfig
+from grpoflow.run.rollout import RolloutBatch
+from grpoflow.run.update import SamplingCorrection, UpdateSettings, batch_logprobs, update_policy
+
+VOCAB = 40
+
+
+def _settings(**overrides) -> UpdateSettings:
+    return UpdateSettings(
+        **{"algorithm": AlgorithmConfig(), "max_completion_length": 6, "max_grad_norm": 0.0, **overrides}
+    )
+
+
+def _batch(model, settings) -> RolloutBatch:
+    generator = torch.Generator().manual_seed(0)
+    batch = RolloutBatch(
+        prompt_ids=torch.randint(0, VOCAB, (4, 5), generator=generator),
+        prompt_mask=torch.ones(4, 5, dtype=torch.long),
+        completion_ids=torch.randint(0, VOCAB, (4, 6), generator=generator),
+        completion_mask=torch.ones(4, 6, dtype=torch.long),
+        sampling_logps=torch.zeros(4, 6),
+        truncated=torch.zeros(4, dtype=torch.bool),
+    )
+    with torch.no_grad():
+        batch.sampling_logps = batch_logprobs(model, batch, settings)[0]
+    return batch
+
+
+def _train(correction: SamplingCorrection | None, shift: float) -> tuple[dict, dict[str, float]]:
+    """Parameters after one update on a fixed batch whose engine log-probs are the policy's minus
+    `shift` nats per token, and the update's metrics."""
+    model = build_tiny_model(VOCAB, seed=0)
+    settings = _settings(micro_batch_size=2, temperature=1.0, sampling_correction=correction)
+    batch = _batch(model, settings)
+    batch.sampling_logps = batch.sampling_logps - shift
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    metrics = update_policy(
+        model, optimizer, scheduler, batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), settings
+    )
+    return {name: p.detach() - before[name] for name, p in model.named_parameters()}, metrics
+
+
+def test_matching_engine_log_probs_change_nothing():
+    plain, _ = _train(None, 0.0)
+    corrected, metrics = _train(SamplingCorrection("token_truncate", None, 3.0), 0.0)
+    for name in plain:
+        torch.testing.assert_close(corrected[name], plain[name], rtol=1e-5, atol=1e-7)
+    assert metrics["sampling/importance_sampling_ratio/mean"] == 1.0
+
+
+def test_token_ratios_scale_the_update_and_masked_ones_drop_it():
+    plain, _ = _train(None, 0.0)
+    # The engine gave every token log(2) nats less: every ratio is 2 (SGD: the step doubles).
+    doubled, metrics = _train(SamplingCorrection("token_truncate", None, 3.0), math.log(2))
+    for name in plain:
+        torch.testing.assert_close(doubled[name], 2 * plain[name], rtol=1e-4, atol=1e-6)
+    assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(2.0, rel=1e-5)
+    # A sequence ratio of 2^6 is outside the range: every sequence is masked, nothing moves.
+    masked, _ = _train(SamplingCorrection("sequence_mask", None, 3.0), math.log(2))
+    assert all(torch.count_nonzero(delta) == 0 for delta in masked.values())
+
+
+def test_batches_without_left_padding_skip_the_mask_and_score_the_same():
+    model = build_tiny_model(VOCAB, seed=0)
+    settings = _settings(micro_batch_size=4, temperature=0.8)
+    batch = _batch(model, settings)
+    batch.completion_mask[1, 3:] = 0  # right padding: hidden by the causal mask alone
+    batch.completion_mask[2, 1:] = 0
+    batch.left_padded = False
+    unmasked = batch_logprobs(model, batch, settings)[0]
+    batch.left_padded = True
+    masked = batch_logprobs(model, batch, settings)[0]
+    mask = batch.completion_mask.bool()
+    torch.testing.assert_close(unmasked[mask], masked[mask], rtol=1e-5, atol=1e-5)
