@@ -8,7 +8,7 @@ import copy
 import torch
 import torch.distributed as torch_dist
 
-from grpoflow.policy import placement
+from grpoflow.policy import lora, placement
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
 from grpoflow.run.config import AdapterConfig
 from grpoflow.run.distributed import DistributedContext
