@@ -14,11 +14,35 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from grpoflow.options import require
 from grpoflow.tasks import TASKS
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where prompts come from and how they become token ids."""
+
+    dataset: list[str] = field(default_factory=list)
+    """Datasets: a packaged task (echo, gsm8k), a local jsonl/json/parquet/csv file or a hub
+    dataset; `NAME#N` takes N rows."""
+    dataset_split: str = "train"
+    """Split of hub datasets and packaged tasks."""
+    system: str | None = None
+    """System prompt: text, or the path of a file holding it."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens; longer ones follow truncation_strategy."""
+    truncation_strategy: Literal["delete", "left", "raise"] = "delete"
+    """Prompts over max_prompt_length: delete (skip, reported), left (keep the end), raise."""
+    dataset_shuffle: bool = True
+    """Shuffle prompts each epoch."""
+
+    def __post_init__(self) -> None:
+        require(self.max_prompt_length > 0, "max_prompt_length", "> 0", self.max_prompt_length)
+
 
 logger = logging.getLogger("grpoflow.data.prompts")
 

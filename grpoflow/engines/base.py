@@ -17,24 +17,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:
-    from grpoflow.run.config import VLLMConfig
+from grpoflow.options import NOT_AN_OPTION, key, require
 
 
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
-    """How to sample completions; names follow vLLM's SamplingParams."""
+    """How to sample completions; names follow vLLM's SamplingParams. The one definition of the
+    sampling fields: the run's config, every engine and the native sampler read these."""
 
-    n: int = 1
-    """Completions per prompt (GRPO's num_generations)."""
-    max_tokens: int = 256
+    n: int = field(default=1, metadata=NOT_AN_OPTION)
+    """Completions per prompt (the run sets GRPO's num_generations)."""
+    max_tokens: int = field(default=512, metadata=key("max_completion_length"))
     """Most new tokens per completion."""
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy."""
+    """Softmax temperature; 0 means greedy. Log-probs are taken on logits divided by it."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = -1
@@ -43,28 +43,52 @@ class SamplingParams:
     """Drop tokens whose probability is below min_p times the top probability."""
     repetition_penalty: float = 1.0
     """Penalty (> 0) on tokens already in the prompt or completion; 1.0 is off."""
-    stop_token_ids: Sequence[int] = ()
+    stop_token_ids: Sequence[int] = field(default=(), metadata=NOT_AN_OPTION)
     """Token ids that end a completion (the tokenizer's EOS is added by the engine's owner)."""
     stop: Sequence[str] = ()
-    """Strings that end a completion once they appear in its decoded text."""
-    ignore_eos: bool = False
+    """Extra strings that end a completion once they appear in its decoded text."""
+    ignore_eos: bool = field(default=False, metadata=NOT_AN_OPTION)
     """Keep generating past stop tokens (benchmarks)."""
-    seed: int | None = None
+    seed: int | None = field(default=None, metadata=NOT_AN_OPTION)
     """Seed for this request's sampling; None draws from the engine's generator."""
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        require(self.n >= 1, "n", ">= 1", self.n)
+        require(self.max_tokens >= 1, "max_tokens (max_completion_length)", ">= 1", self.max_tokens)
+        require(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        require(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        require(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        require(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """How big an engine with its own KV cache may grow (the native and vLLM engines); names and
+    meanings follow vLLM's engine arguments. Shared by a training run and `grpoflow serve`."""
+
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's memory the process may hold once the KV cache is allocated (the
+    policy's weights and the trainer's memory included when the engine runs in the trainer)."""
+    max_num_seqs: int = 512
+    """Most sequences decoded at once (rows of a decode step)."""
+    max_model_len: int | None = None
+    """Longest prompt plus completion in tokens; unset: max_prompt_length + max_completion_length
+    in a training run, the model's max_position_embeddings in `grpoflow serve`."""
+
+    def __post_init__(self) -> None:
+        require(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            "in (0, 1]",
+            self.gpu_memory_utilization,
+        )
+        require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        require(
+            self.max_model_len is None or self.max_model_len >= 2,
+            "max_model_len",
+            ">= 2 (or unset)",
+            self.max_model_len,
+        )
 
 
 @dataclass(slots=True)
@@ -125,18 +149,17 @@ class RolloutEngine(Protocol):
 
 @dataclass(kw_only=True, slots=True)
 class EngineOptions:
-    """What a factory needs to build an engine for a run (from the run's config)."""
+    """What a registry factory gets to build an engine: the engine's own settings and the facts of
+    the process it runs in."""
 
-    max_model_len: int
-    """Longest prompt plus completion, in tokens."""
-    gpu_memory_utilization: float = 0.3
-    """Fraction of GPU memory an engine with its own KV cache may take."""
+    engine: EngineConfig
+    """Sizes of an engine with its own KV cache; `max_model_len` is set."""
     logprob_chunk_size: int = 4096
     """Tokens per chunk when an engine computes log-probs with a forward pass."""
-    max_num_seqs: int = 512
-    """Most sequences decoded at once."""
-    vllm: VLLMConfig | None = None
-    """The run's vLLM section, for the vLLM engines (colocated and server)."""
+    vllm: Any = None
+    """The colocated vLLM engine's settings (`grpoflow.engines.vllm.VLLMConfig`)."""
+    remote: Any = None
+    """The rollout servers' settings (`grpoflow.engines.remote.RemoteConfig`)."""
     exclusive_servers: bool = False
     """The rollout servers serve this training process alone (the run started them)."""
     seed: int = 0
@@ -145,3 +168,9 @@ class EngineOptions:
     """This training process's global rank (colocated engines under torchrun)."""
     world_size: int = 1
     """Training processes over all nodes."""
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt plus completion, in tokens."""
+        assert self.engine.max_model_len is not None, "EngineOptions needs engine.max_model_len"
+        return self.engine.max_model_len

@@ -36,7 +36,9 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -49,6 +51,7 @@ from grpoflow.engines.vllm import (
     truncates_distribution,
     weight_buckets,
 )
+from grpoflow.options import require
 from grpoflow.transport import WEIGHT_TRANSFERS, WeightSyncError
 from grpoflow.transport.collective_sender import CollectiveSender
 
@@ -404,11 +407,34 @@ class RemoteEngine:
             shutil.rmtree(self.sync_dir, ignore_errors=True)
 
 
+@dataclass(kw_only=True, slots=True)
+class RemoteConfig:
+    """The rollout servers a run generates on (`use_vllm: true`, `vllm_mode: server`)."""
+
+    vllm_server_host: str | None = None
+    """Host of the rollout server (server mode)."""
+    vllm_server_port: int = 8000
+    """Port of the rollout server."""
+    vllm_server_base_url: str | None = None
+    """Full URL of the rollout server; overrides host and port. Several, comma-separated, split
+    prompts between them."""
+    vllm_server_timeout: float = 240.0
+    """Seconds to wait for the server to come up."""
+    vllm_weight_transfer: Literal["auto", "collective", "checkpoint"] = "auto"
+    """How weights reach rollout servers: collective (packed broadcasts over an NCCL or gloo group;
+    `grpoflow serve` only), checkpoint (a safetensors directory each server reloads), auto
+    (collective when every server offers it)."""
+
+    def __post_init__(self) -> None:
+        require(0 < self.vllm_server_port < 65536, "vllm_server_port", "in 1..65535", self.vllm_server_port)
+        require(
+            self.vllm_server_timeout > 0, "vllm_server_timeout", "> 0 (seconds)", self.vllm_server_timeout
+        )
+
+
 def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> RemoteEngine:
     """Registry factory: a client of the servers named in the run's vLLM config."""
-    from grpoflow.run.config import VLLMConfig
-
-    config = options.vllm or VLLMConfig(use_vllm=True, vllm_mode="server")
+    config = options.remote or RemoteConfig()
     urls = server_urls(config.vllm_server_base_url, config.vllm_server_host, config.vllm_server_port)
     logger.info("generating on vLLM server(s) %s", ", ".join(urls))
     return RemoteEngine(

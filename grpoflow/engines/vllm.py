@@ -35,12 +35,15 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
 from grpoflow.engines.colocate import ColocateLayout, EngineGroup, merge_shares, own_share
+from grpoflow.options import require
 
 logger = logging.getLogger("grpoflow.engines.vllm")
 
@@ -124,6 +127,47 @@ def layer_groups(
         group.append((name, tensor.detach()))
     if group:
         yield group
+
+
+@dataclass(kw_only=True, slots=True)
+class VLLMConfig:
+    """vLLM in the training process (`use_vllm: true`, `vllm_mode: colocate`); TRL's and ms-swift's
+    names."""
+
+    vllm_gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory a colocated vLLM may take beside the trainer."""
+    vllm_max_model_len: int | None = None
+    """vLLM's context length; max_prompt_length + max_completion_length when unset."""
+    vllm_max_num_seqs: int = 256
+    """Most sequences vLLM decodes at once."""
+    vllm_enforce_eager: bool = False
+    """Skip CUDA-graph capture in vLLM."""
+    vllm_enable_prefix_caching: bool = True
+    """Let vLLM share KV cache across requests with a common prefix."""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs (training ranks) per colocated vLLM engine; must divide the number of processes."""
+    move_model_batches: int | None = None
+    """Push the weights to a colocated vLLM in this many reloads of whole decoder layers, each
+    released before the next (bounds the memory of merged or gathered weights); None: one."""
+    sleep_level: Literal[0, 1, 2] = 0
+    """Between rollouts: 0 keeps vLLM's memory, 1 frees its KV cache, 2 also its weights."""
+
+    def __post_init__(self) -> None:
+        require(
+            0 < self.vllm_gpu_memory_utilization <= 1,
+            "vllm_gpu_memory_utilization",
+            "in (0, 1]",
+            self.vllm_gpu_memory_utilization,
+        )
+        for name in ("vllm_max_model_len", "vllm_max_num_seqs", "vllm_tensor_parallel_size"):
+            value = getattr(self, name)
+            require(value is None or value > 0, name, "> 0", value)
+        require(
+            self.move_model_batches is None or self.move_model_batches >= 1,
+            "move_model_batches",
+            ">= 1 (or null for a single push)",
+            self.move_model_batches,
+        )
 
 
 class WeightSyncExtension:
@@ -402,9 +446,7 @@ def _dtype_name(model: torch.nn.Module) -> str:
 
 def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> VLLMEngine:
     """Registry factory: a colocated vLLM for the policy `model`."""
-    from grpoflow.run.config import VLLMConfig
-
-    config = options.vllm or VLLMConfig(use_vllm=True)
+    config = options.vllm or VLLMConfig()
     layout = ColocateLayout(
         rank=options.rank,
         world_size=options.world_size,

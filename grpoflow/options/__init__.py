@@ -1,0 +1,32 @@
+"""Typed options for any component: flat keys, YAML and command-line flags onto a dataclass tree.
+
+A component owns a dataclass of its settings (one docstring per field, checks in `__post_init__`
+through `require`); a parent composes its children's dataclasses as fields. The loader knows no
+component: it walks the tree, gives every leaf field one flat key (its name, or the `key` in its
+metadata), refuses a tree where two fields claim one key, and builds the tree from flat values.
+
+    config = load(GRPOConfig, {"learning_rate": "1e-6", "num_generations": 8})
+    flat_fields(GRPOConfig)["temperature"].path   # ("generation", "sampling", "temperature")
+"""
+
+from grpoflow.options.checks import require
+from grpoflow.options.fields import NOT_AN_OPTION, FlatField, default_of, field_docs, flat_fields, key
+from grpoflow.options.flags import add_flags, from_flags
+from grpoflow.options.loader import flatten, load, load_yaml, parse_overrides, to_flat
+
+__all__ = [
+    "NOT_AN_OPTION",
+    "FlatField",
+    "add_flags",
+    "default_of",
+    "field_docs",
+    "flat_fields",
+    "flatten",
+    "from_flags",
+    "key",
+    "load",
+    "load_yaml",
+    "parse_overrides",
+    "require",
+    "to_flat",
+]

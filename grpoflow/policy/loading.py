@@ -4,13 +4,33 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
 from grpoflow.policy.lora import WithoutAdapters, is_peft_model
-from grpoflow.run.config import PolicyConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyConfig:
+    """The model being trained."""
+
+    model: str | None = None
+    """Hugging Face causal LM: a local directory or a hub id; `tiny` builds a small local model."""
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype; auto is bfloat16 on a GPU that supports it, float32 on the CPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train; auto picks CUDA when available."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    torch_compile: bool = False
+    """Compile each decoder layer with torch.compile for the update phase (fuses the norms,
+    rotary embeddings and activations); generation engines are unaffected."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub."""
+
 
 logger = logging.getLogger("grpoflow.policy.loading")
 

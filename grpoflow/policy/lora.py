@@ -15,12 +15,39 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
 
-from grpoflow.run.config import AdapterConfig
+from grpoflow.options import require
+
+
+@dataclass(kw_only=True, slots=True)
+class AdapterConfig:
+    """Full fine-tuning or LoRA adapters (through PEFT)."""
+
+    train_type: Literal["full", "lora"] = "full"
+    """Train every parameter, or LoRA adapters only."""
+    lora_rank: int = 8
+    """LoRA rank r."""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_rank)."""
+    lora_dropout: float = 0.05
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names that get adapters; all-linear targets every linear layer but the output head."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full beside the adapters (e.g. embed_tokens)."""
+
+    def __post_init__(self) -> None:
+        require(self.lora_rank > 0, "lora_rank", "> 0", self.lora_rank)
+        require(self.lora_alpha > 0, "lora_alpha", "> 0", self.lora_alpha)
+        require(0 <= self.lora_dropout < 1, "lora_dropout", "in [0, 1)", self.lora_dropout)
+        require(bool(self.target_modules), "target_modules", "at least one module name (or all-linear)", [])
+
 
 ADAPTER_CONFIG = "adapter_config.json"
 """The file PEFT's `save_pretrained` writes beside the adapter weights; it marks an adapter checkpoint."""
@@ -225,8 +252,8 @@ _ADAPTER_SETTINGS = {
 
 
 def _check_same_adapter(saved, current, directory: Path) -> None:
-    for field, key in _ADAPTER_SETTINGS.items():
-        was, now = _comparable(getattr(saved, field)), _comparable(getattr(current, field))
+    for name, key in _ADAPTER_SETTINGS.items():
+        was, now = _comparable(getattr(saved, name)), _comparable(getattr(current, name))
         if was != now:
             raise ValueError(
                 f"checkpoint {directory} was trained with {key}={was} but this run has {key}={now}: "

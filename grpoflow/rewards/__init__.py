@@ -1,7 +1,7 @@
 """Rewards for GRPO: built-in rule rewards, plugins, a reward model and a runner that scores
 batches with all of them concurrently.
 
-    runner = RewardRunner.from_config(["accuracy", "format"], RewardConfig())
+    runner = RewardRunner.from_config(RewardConfig(reward_funcs=["accuracy", "format"]))
     batch = runner.score(prompts, completions, completion_ids, {"solution": solutions})
     batch.values  # (batch, num_funcs), NaN where missing
 

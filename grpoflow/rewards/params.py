@@ -1,13 +1,28 @@
-"""Settings shared by the built-in reward functions and the reward runner."""
+"""The rewards section: which rewards score completions, how the runner calls them, and the
+built-in rewards' parameters (names follow TRL's and ms-swift's GRPO options). Every reward
+factory and plugin class receives it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from grpoflow.engines.base import SamplingParams
+from grpoflow.options import NOT_AN_OPTION, default_of, require
 
 
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
-    """Parameters of the built-in rewards (names follow ms-swift's GRPO options)."""
+    """Which rewards score completions, and their parameters."""
+
+    reward_funcs: list[str] = field(default_factory=list)
+    """Registered names (accuracy, format, cosine, repetition, soft_overlong, ...) or import paths
+    (`pkg.module:function`, `file.py:function`)."""
+    reward_weights: list[float] | None = None
+    """One weight per reward (reward_model last); all 1.0 when unset."""
+    reward_model: str | None = None
+    """A sequence-classification model scoring prompt + completion."""
+    external_plugins: list[str] = field(default_factory=list)
+    """Python files to load before rewards are resolved (they register rewards)."""
 
     cosine_min_len_value_wrong: float = -0.5
     """cosine: reward of a wrong answer of length 0."""
@@ -27,40 +42,41 @@ class RewardConfig:
     """soft_overlong: L_max in tokens; None means `max_completion_length`."""
     soft_cache_length: int | None = None
     """soft_overlong: L_cache, the width of the linear penalty band below L_max (required for it)."""
-    max_completion_length: int = 512
-    """Most tokens a completion may have; the default for `cosine_max_len` and `soft_max_length`."""
+    max_completion_length: int = field(
+        default=default_of(SamplingParams, "max_tokens"), metadata=NOT_AN_OPTION
+    )
+    """Most tokens a completion may have (the run sets it from its max_completion_length); the
+    default for `cosine_max_len` and `soft_max_length`."""
     reward_timeout: float = 60.0
     """Seconds one reward function may take on one batch before its values are dropped."""
     reward_num_workers: int = 2
     """Process-pool size for CPU-heavy rewards (math verification); 0 runs them in threads."""
 
     def __post_init__(self) -> None:
-        _require(self.max_completion_length >= 1, "max_completion_length", ">= 1", self.max_completion_length)
-        _require(
-            self.cosine_max_len is None or self.cosine_max_len >= 1,
-            "cosine_max_len",
-            ">= 1 or None",
-            self.cosine_max_len,
-        )
-        _require(self.repetition_n_grams >= 1, "repetition_n_grams", ">= 1", self.repetition_n_grams)
-        _require(
+        require(self.max_completion_length >= 1, "max_completion_length", ">= 1", self.max_completion_length)
+        for name in ("cosine_max_len", "soft_max_length"):
+            value = getattr(self, name)
+            require(value is None or value >= 1, name, ">= 1 (or unset)", value)
+        require(self.repetition_n_grams >= 1, "repetition_n_grams", ">= 1", self.repetition_n_grams)
+        require(
             self.repetition_max_penalty <= 0, "repetition_max_penalty", "<= 0", self.repetition_max_penalty
         )
-        _require(
-            self.soft_max_length is None or self.soft_max_length >= 1,
-            "soft_max_length",
-            ">= 1 or None",
-            self.soft_max_length,
-        )
         if self.soft_cache_length is not None:
-            _require(
+            require(
                 0 < self.soft_cache_length < self.effective_soft_max_length,
                 "soft_cache_length",
                 f"in (0, soft_max_length={self.effective_soft_max_length})",
                 self.soft_cache_length,
             )
-        _require(self.reward_timeout > 0, "reward_timeout", "> 0 (seconds)", self.reward_timeout)
-        _require(self.reward_num_workers >= 0, "reward_num_workers", ">= 0", self.reward_num_workers)
+        require(self.reward_timeout > 0, "reward_timeout", "> 0 (seconds)", self.reward_timeout)
+        require(self.reward_num_workers >= 0, "reward_num_workers", ">= 0", self.reward_num_workers)
+        num_rewards = len(self.reward_funcs) + bool(self.reward_model)
+        require(
+            self.reward_weights is None or len(self.reward_weights) == num_rewards,
+            "reward_weights",
+            f"one weight per reward ({num_rewards}: reward_funcs, then reward_model)",
+            self.reward_weights,
+        )
 
     @property
     def effective_cosine_max_len(self) -> int:
@@ -71,8 +87,3 @@ class RewardConfig:
     def effective_soft_max_length(self) -> int:
         """`soft_max_length`, or `max_completion_length` when unset."""
         return self.soft_max_length if self.soft_max_length is not None else self.max_completion_length
-
-
-def _require(ok: bool, field_name: str, allowed: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"RewardConfig.{field_name} must be {allowed}, got {value!r}")

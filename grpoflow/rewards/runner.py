@@ -39,7 +39,7 @@ import torch
 
 from grpoflow.rewards.evaluate import NAN, Outcome, RewardCall, evaluate, evaluate_async
 from grpoflow.rewards.params import RewardConfig
-from grpoflow.rewards.plugins import import_file, plugin_files, resolve_reward
+from grpoflow.rewards.plugins import import_file, load_plugins, plugin_files, resolve_reward
 
 logger = logging.getLogger("grpoflow.rewards")
 
@@ -131,15 +131,19 @@ class RewardRunner:
         self._unsent_arguments: set[str] = set()
 
     @classmethod
-    def from_config(
-        cls,
-        specs: Sequence[str | Callable[..., Any]],
-        config: RewardConfig,
-        weights: Sequence[float] | None = None,
-    ) -> RewardRunner:
-        """A runner for reward specs (names, import paths or callables; see `resolve_reward`)."""
-        funcs = [(reward_name(spec), resolve_reward(spec, config)) for spec in specs]
-        return cls(funcs, weights, timeout=config.reward_timeout, num_workers=config.reward_num_workers)
+    def from_config(cls, config: RewardConfig, *, device: Any = None) -> RewardRunner:
+        """The runner of a rewards section: its plugins loaded, its `reward_funcs` resolved (names,
+        import paths, or callables given in Python; see `resolve_reward`), then its `reward_model`
+        on `device`."""
+        load_plugins(config.external_plugins)
+        funcs = [(reward_name(spec), resolve_reward(spec, config)) for spec in config.reward_funcs]
+        if config.reward_model:
+            from grpoflow.rewards.model import RewardModel
+
+            funcs.append(("reward_model", RewardModel(config.reward_model, device=device)))
+        return cls(
+            funcs, config.reward_weights, timeout=config.reward_timeout, num_workers=config.reward_num_workers
+        )
 
     def score(
         self,

@@ -1,10 +1,14 @@
-"""Typed configuration: one small dataclass per component, grouped under `GRPOConfig`.
+"""A training run's configuration: the components' own configs composed into one tree.
 
-Users write flat keys with the names they know from TRL's GRPOConfig and ms-swift's
-`swift rlhf --rlhf_type grpo` (`learning_rate`, `num_generations`, `beta`, ...), in YAML or as
-`--key value` flags; each key belongs to exactly one section, except `max_completion_length`, which
-the generation and reward sections share. Unknown keys and bad values raise `ValueError` naming
-the key and what is allowed, before any work starts.
+Each component owns the dataclass of its settings (the policy's loading and LoRA in
+`grpoflow.policy`, prompts in `grpoflow.data`, sampling and engine sizes in `grpoflow.engines`,
+rewards in `grpoflow.rewards`, the objective in `grpoflow.run.update`, ...); this module composes
+them and holds what belongs to the run itself (the group size and engine choice, the schedule,
+checkpoints, weight syncs, asynchronous generation). Users write flat keys with the names they know
+from TRL's GRPOConfig and ms-swift (`learning_rate`, `num_generations`, `beta`, ...), in YAML or
+as `--key value` flags; `grpoflow.options` gives each key exactly one owner in this tree and
+builds it, each section checking its own values. The rules that span sections are checked once,
+when the tree is built (`GRPOConfig.__post_init__`).
 """
 
 from __future__ import annotations
@@ -12,153 +16,77 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
-from grpoflow.rewards import RewardConfig
+from grpoflow import options
+from grpoflow.data.prompts import DataConfig
+from grpoflow.engines.base import EngineConfig, SamplingParams
+from grpoflow.engines.remote import RemoteConfig
+from grpoflow.engines.vllm import VLLMConfig
+from grpoflow.options import require
+from grpoflow.policy.loading import PolicyConfig
+from grpoflow.policy.lora import AdapterConfig
+from grpoflow.rewards.params import RewardConfig
+from grpoflow.run.metrics import LogConfig
+from grpoflow.run.update import AlgorithmConfig, ImportanceCorrection
 
-
-def _check_positive(section: object, *names: str) -> None:
-    for name in names:
-        value = getattr(section, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
-
-
-@dataclass(kw_only=True, slots=True)
-class PolicyConfig:
-    """The model being trained."""
-
-    model: str | None = None
-    """Hugging Face causal LM: a local directory or a hub id; `tiny` builds a small local model."""
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Parameter dtype; auto is bfloat16 on a GPU that supports it, float32 on the CPU."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where to train; auto picks CUDA when available."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
-    torch_compile: bool = False
-    """Compile each decoder layer with torch.compile for the update phase (fuses the norms,
-    rotary embeddings and activations); generation engines are unaffected."""
-    trust_remote_code: bool = False
-    """Allow model code from the hub."""
-
-
-@dataclass(kw_only=True, slots=True)
-class DataConfig:
-    """Where prompts come from and how they become token ids."""
-
-    dataset: list[str] = field(default_factory=list)
-    """Datasets: a packaged task (echo, gsm8k), a local jsonl/json/parquet/csv file or a hub
-    dataset; `NAME#N` takes N rows."""
-    dataset_split: str = "train"
-    """Split of hub datasets and packaged tasks."""
-    system: str | None = None
-    """System prompt: text, or the path of a file holding it."""
-    max_prompt_length: int = 512
-    """Longest prompt in tokens; longer ones follow truncation_strategy."""
-    truncation_strategy: Literal["delete", "left", "raise"] = "delete"
-    """Prompts over max_prompt_length: delete (skip, reported), left (keep the end), raise."""
-    dataset_shuffle: bool = True
-    """Shuffle prompts each epoch."""
-
-    def __post_init__(self) -> None:
-        _check_positive(self, "max_prompt_length")
+KEY_ALIASES = {"overlong_filter": "mask_truncated_completions", "rlhf_type": None}
+"""Other names users know for a key; None marks keys accepted and ignored (always GRPO here)."""
+LEGACY_SECTIONS = ("reward_params",)
+"""Section names of earlier recipes whose keys are read as flat keys."""
 
 
 @dataclass(kw_only=True, slots=True)
 class GenerationConfig:
-    """How completions are sampled."""
+    """How completions are sampled, and by which engine."""
 
     num_generations: int = 8
     """Completions per prompt (G)."""
-    max_completion_length: int = 512
-    """Most new tokens per completion."""
-    temperature: float = 1.0
-    """Sampling temperature; log-probs are taken on logits divided by it."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    top_k: int = -1
-    """Keep the k most likely tokens; -1 keeps all."""
-    min_p: float = 0.0
-    """Minimum probability relative to the most likely token."""
-    repetition_penalty: float = 1.0
-    """Penalty on tokens already present; 1.0 is off."""
-    stop: list[str] = field(default_factory=list)
-    """Extra strings that end a completion."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """The sampling fields (max_completion_length, temperature, top_p, top_k, min_p,
+    repetition_penalty, stop), as every engine reads them."""
     rollout_engine: Literal["auto", "hf", "native"] = "auto"
-    """Generation backend: native (grpoflow's engine), hf (transformers generate), auto (native
-    where it supports the model, else hf)."""
-    gpu_memory_utilization: float = 0.3
-    """Fraction of GPU memory the native engine may use for its KV cache."""
+    """Generation backend: native (grpoflow's engine), hf (transformers generate), auto (native)."""
+    use_vllm: bool = False
+    """Generate with vLLM instead of the native/hf engines."""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """colocate: vLLM inside the trainer's process; server: a separate `vllm serve` or
+    `grpoflow serve`."""
+    num_infer_workers: int = 0
+    """Rollout GPUs per node beside the NPROC_PER_NODE training ones: the run starts a
+    `grpoflow serve` on each and trains against them in server mode (0: none)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Sizes of the native engine (gpu_memory_utilization, max_num_seqs, max_model_len)."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "max_completion_length", "temperature")
-        if self.num_generations < 2:
-            raise ValueError(
-                f"num_generations must be >= 2 (group-relative advantages need a group), "
-                f"got {self.num_generations}"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0 < self.gpu_memory_utilization < 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
-        _check_positive(self, "repetition_penalty")
+        require(
+            self.num_generations >= 2,
+            "num_generations",
+            ">= 2 (group-relative advantages need a group)",
+            self.num_generations,
+        )
+        require(
+            self.sampling.temperature > 0,
+            "temperature",
+            "> 0 (log-probs are taken on logits divided by it)",
+            self.sampling.temperature,
+        )
+        require(self.num_infer_workers >= 0, "num_infer_workers", ">= 0", self.num_infer_workers)
 
+    @property
+    def max_completion_length(self) -> int:
+        """Most new tokens per completion."""
+        return self.sampling.max_tokens
 
-@dataclass(kw_only=True, slots=True)
-class AlgorithmConfig:
-    """The GRPO-family objective."""
-
-    beta: float = 0.0
-    """KL coefficient; 0 loads no reference model."""
-    epsilon: float = 0.2
-    """Lower clip range of the importance ratio."""
-    epsilon_high: float | None = None
-    """Upper clip range (DAPO clip-higher); defaults to epsilon."""
-    delta: float | None = None
-    """Upper clamp on the unclipped ratio (two-sided clipping); off when None."""
-    num_iterations: int = 1
-    """Policy updates per generation batch."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """How per-token losses are reduced."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Divide advantages by the std of the group, of the batch, or not at all."""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    """Ratio per token (GRPO) or per sequence (GSPO)."""
-    mask_truncated_completions: bool = False
-    """Truncated completions carry no loss (DAPO overlong filtering; alias overlong_filter)."""
-    dynamic_sample: bool = False
-    """Drop groups whose rewards have zero spread and sample more prompts (DAPO)."""
-    max_resample_times: int = 3
-    """Most extra sampling rounds per step under dynamic_sample."""
-    logprob_chunk_size: int = 1024
-    """Tokens per chunk when computing log-probs, bounding the fp32 logits in memory."""
-
-    def __post_init__(self) -> None:
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
-        _check_positive(self, "epsilon", "epsilon_high", "num_iterations", "logprob_chunk_size")
-        if self.delta is not None and self.delta <= 1:
-            raise ValueError(f"delta must be > 1 (an upper bound on the ratio), got {self.delta}")
-        if self.max_resample_times < 0:
-            raise ValueError(f"max_resample_times must be >= 0, got {self.max_resample_times}")
-
-
-@dataclass(kw_only=True, slots=True)
-class RewardSelectionConfig:
-    """Which rewards score completions (their parameters live in RewardConfig)."""
-
-    reward_funcs: list[str] = field(default_factory=list)
-    """Registered names (accuracy, format, cosine, repetition, soft_overlong, ...) or import paths
-    (`pkg.module:function`, `file.py:function`)."""
-    reward_weights: list[float] | None = None
-    """One weight per reward (reward_model last); all 1.0 when unset."""
-    reward_model: str | None = None
-    """A sequence-classification model scoring prompt + completion."""
-    external_plugins: list[str] = field(default_factory=list)
-    """Python files to load before rewards are resolved (they register rewards)."""
+    @property
+    def engine_name(self) -> str:
+        """The registered rollout engine these settings choose."""
+        if self.num_infer_workers or (self.use_vllm and self.vllm_mode == "server"):
+            return "vllm_server"
+        if self.use_vllm:
+            return "vllm"
+        return "native" if self.rollout_engine == "auto" else self.rollout_engine
 
 
 @dataclass(kw_only=True, slots=True)
@@ -220,8 +148,7 @@ class TrainingConfig:
     """Collect garbage and empty the CUDA cache after each offload."""
 
     def __post_init__(self) -> None:
-        _check_positive(
-            self,
+        positive = (
             "learning_rate",
             "per_device_train_batch_size",
             "gradient_accumulation_steps",
@@ -229,88 +156,39 @@ class TrainingConfig:
             "save_steps",
             "save_total_limit",
         )
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.max_steps == 0 or self.max_steps < -1:
-            raise ValueError(f"max_steps must be > 0, or -1 to use num_train_epochs; got {self.max_steps}")
-        if self.fsdp_offload_params and not self.fsdp:
-            raise ValueError("fsdp_offload_params needs fsdp=true (it offloads FSDP's shards)")
+        for name in positive:
+            value = getattr(self, name)
+            require(value is None or value > 0, name, "> 0", value)
+        require(0 <= self.warmup_ratio < 1, "warmup_ratio", "in [0, 1)", self.warmup_ratio)
+        require(
+            self.max_steps > 0 or self.max_steps == -1,
+            "max_steps",
+            "> 0, or -1 to use num_train_epochs",
+            self.max_steps,
+        )
+        require(
+            self.fsdp or not self.fsdp_offload_params,
+            "fsdp_offload_params",
+            "false without fsdp",
+            self.fsdp_offload_params,
+            "fsdp_offload_params needs fsdp=true (it offloads FSDP's shards)",
+        )
         for name in ("offload_model", "offload_optimizer"):
-            if self.fsdp and getattr(self, name):
-                raise ValueError(
-                    f"{name} moves a replicated model's memory and does not apply under fsdp: "
-                    "use fsdp_offload_params=true (sharded parameters, gradients and optimizer state "
-                    "on the CPU), or fsdp=false"
-                )
+            require(
+                not (self.fsdp and getattr(self, name)),
+                name,
+                "false under fsdp",
+                True,
+                f"{name} moves a replicated model's memory and does not apply under fsdp: use "
+                "fsdp_offload_params=true (sharded parameters, gradients and optimizer state on the CPU), "
+                "or fsdp=false",
+            )
 
 
 @dataclass(kw_only=True, slots=True)
-class AdapterConfig:
-    """Full fine-tuning or LoRA adapters (through PEFT)."""
+class WeightSyncConfig:
+    """When the trainer's weights go to an engine that keeps its own copy, and the check after."""
 
-    train_type: Literal["full", "lora"] = "full"
-    """Train every parameter, or LoRA adapters only."""
-    lora_rank: int = 8
-    """LoRA rank r."""
-    lora_alpha: int = 32
-    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_rank)."""
-    lora_dropout: float = 0.05
-    """Dropout on the LoRA input."""
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """Module names that get adapters; all-linear targets every linear layer but the output head."""
-    modules_to_save: list[str] = field(default_factory=list)
-    """Modules trained in full beside the adapters (e.g. embed_tokens)."""
-
-    def __post_init__(self) -> None:
-        _check_positive(self, "lora_rank", "lora_alpha")
-        if not 0 <= self.lora_dropout < 1:
-            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        if not self.target_modules:
-            raise ValueError("target_modules must name at least one module (or all-linear)")
-
-
-@dataclass(kw_only=True, slots=True)
-class VLLMConfig:
-    """vLLM as the rollout engine: colocated in the training process or as a server."""
-
-    use_vllm: bool = False
-    """Generate with vLLM instead of the native/hf engines."""
-    vllm_mode: Literal["colocate", "server"] = "colocate"
-    """colocate: vLLM inside the trainer's process; server: a separate `vllm serve` or
-    `grpoflow serve`."""
-    vllm_gpu_memory_utilization: float = 0.3
-    """Fraction of GPU memory a colocated vLLM may take."""
-    vllm_max_model_len: int | None = None
-    """vLLM's context length; max_prompt_length + max_completion_length when unset."""
-    vllm_max_num_seqs: int = 256
-    """Most sequences vLLM decodes at once."""
-    vllm_enforce_eager: bool = False
-    """Skip CUDA-graph capture in vLLM."""
-    vllm_enable_prefix_caching: bool = True
-    """Let vLLM share KV cache across requests with a common prefix."""
-    vllm_tensor_parallel_size: int = 1
-    """GPUs (training ranks) per colocated vLLM engine; must divide the number of processes."""
-    move_model_batches: int | None = None
-    """Push the weights to a colocated vLLM in this many reloads of whole decoder layers, each
-    released before the next (bounds the memory of merged or gathered weights); None: one."""
-    sleep_level: Literal[0, 1, 2] = 0
-    """Between rollouts: 0 keeps vLLM's memory, 1 frees its KV cache, 2 also its weights."""
-    vllm_server_host: str | None = None
-    """Host of the rollout server (server mode)."""
-    vllm_server_port: int = 8000
-    """Port of the rollout server."""
-    vllm_server_base_url: str | None = None
-    """Full URL of the rollout server; overrides host and port. Several, comma-separated, split
-    prompts between them."""
-    vllm_server_timeout: float = 240.0
-    """Seconds to wait for the server to come up."""
-    num_infer_workers: int = 0
-    """Rollout GPUs per node beside the NPROC_PER_NODE training ones: the run starts a
-    `grpoflow serve` on each and trains against them in server mode (0: none)."""
-    vllm_weight_transfer: Literal["auto", "collective", "checkpoint"] = "auto"
-    """How weights reach rollout servers: collective (packed broadcasts over an NCCL or gloo group;
-    `grpoflow serve` only), checkpoint (a safetensors directory each server reloads), auto
-    (collective when every server offers it)."""
     weight_sync_interval: int = 1
     """Send the weights to an engine that keeps its own copy every this many steps (rollouts in
     between use weights up to k-1 steps old)."""
@@ -321,87 +199,34 @@ class VLLMConfig:
     """Largest mean log-prob gap (nats per token) the check accepts."""
 
     def __post_init__(self) -> None:
-        _check_positive(
-            self,
-            "vllm_max_model_len",
-            "vllm_max_num_seqs",
-            "vllm_tensor_parallel_size",
-            "vllm_server_port",
-            "vllm_server_timeout",
-            "weight_sync_interval",
+        require(self.weight_sync_interval > 0, "weight_sync_interval", "> 0", self.weight_sync_interval)
+        require(
+            self.weight_sync_check_tolerance > 0,
             "weight_sync_check_tolerance",
+            "> 0",
+            self.weight_sync_check_tolerance,
         )
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}"
-            )
-        if self.move_model_batches is not None and self.move_model_batches < 1:
-            raise ValueError(
-                f"move_model_batches must be >= 1 (or null for a single push), got {self.move_model_batches}"
-            )
-        if self.num_infer_workers < 0:
-            raise ValueError(f"num_infer_workers must be >= 0, got {self.num_infer_workers}")
-        if self.num_infer_workers and (self.use_vllm or self.vllm_server_base_url):
-            raise ValueError(
-                "num_infer_workers starts grpoflow's own rollout servers: leave use_vllm and "
-                "vllm_server_base_url unset (for vLLM servers, start them yourself and set "
-                "use_vllm: true, vllm_mode: server, vllm_server_base_url)"
-            )
 
 
 @dataclass(kw_only=True, slots=True)
 class OffPolicyConfig:
-    """Asynchronous generation, and the importance-sampling correction of rollouts that the
-    trainer's policy did not sample itself (TRL's and ms-swift's names)."""
+    """Asynchronous generation, and the correction of rollouts the trainer's policy did not sample."""
 
     async_generate: bool = False
     """Generate the next step's batch while training on this one (server mode): the batch is
     sampled by the policy one sync older."""
     max_staleness: int = 1
     """Most policy versions a batch's sampling policy may lag the trainer's at its update."""
-    vllm_importance_sampling_correction: bool = True
-    """Reweight the loss by pi_trainer / pi_sampler on engines that hold their own weights
-    (vllm, vllm_server) and under async_generate."""
-    vllm_importance_sampling_mode: Literal[
-        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
-    ] = "sequence_mask"
-    """Ratio per token or per sequence; truncated into, or zeroed outside, the clip range."""
-    vllm_importance_sampling_clip_max: float | None = 3.0
-    """Upper bound of the importance ratio (None: open)."""
-    vllm_importance_sampling_clip_min: float | None = None
-    """Lower bound of the importance ratio (None: open)."""
+    correction: ImportanceCorrection = field(default_factory=ImportanceCorrection)
+    """The importance-sampling correction (vllm_importance_sampling_*)."""
 
     def __post_init__(self) -> None:
-        if self.max_staleness < 1:
-            raise ValueError(
-                f"max_staleness must be >= 1 (a batch generated during the previous update is one "
-                f"version old), got {self.max_staleness}"
-            )
-        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if low is not None and high is not None and low > high:
-            raise ValueError(
-                f"vllm_importance_sampling_clip_min ({low}) must not exceed "
-                f"vllm_importance_sampling_clip_max ({high})"
-            )
-
-
-@dataclass(kw_only=True, slots=True)
-class LogConfig:
-    """What gets logged where."""
-
-    logging_steps: int = 1
-    """Log metrics every this many steps."""
-    log_completions: bool = False
-    """Write every completion with its rewards and advantage to completions.jsonl."""
-    report_to: list[Literal["tensorboard", "wandb", "none", "all"]] = field(
-        default_factory=lambda: ["tensorboard"]
-    )
-    """Metric sinks besides metrics.jsonl."""
-    disable_tqdm: bool = False
-    """Turn off the live progress bar."""
-
-    def __post_init__(self) -> None:
-        _check_positive(self, "logging_steps")
+        require(
+            self.max_staleness >= 1,
+            "max_staleness",
+            ">= 1 (a batch generated during the previous update is one version old)",
+            self.max_staleness,
+        )
 
 
 @dataclass(kw_only=True)
@@ -409,73 +234,129 @@ class GRPOConfig:
     """Everything a run needs, one section per component."""
 
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    rewards: RewardSelectionConfig = field(default_factory=RewardSelectionConfig)
-    reward_params: RewardConfig = field(default_factory=RewardConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    adapter: AdapterConfig = field(default_factory=AdapterConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
+        # The rewards read the completion budget the generation section owns.
+        self.rewards = dataclasses.replace(
+            self.rewards, max_completion_length=self.generation.max_completion_length
+        )
         self.validate()
 
     @property
     def generation_batch_size(self) -> int:
-        """Completions generated per step."""
+        """Completions generated per step and rank."""
         return self.training.per_device_train_batch_size * self.training.gradient_accumulation_steps
 
-    def total_steps(self, num_prompts: int) -> int:
-        """Training steps: max_steps, or enough generation batches for num_train_epochs."""
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt plus completion an engine must hold."""
+        return self.data.max_prompt_length + self.generation.max_completion_length
+
+    def total_steps(self, num_prompts: int, world_size: int = 1) -> int:
+        """Training steps over `world_size` ranks: max_steps, or enough global generation batches
+        (world_size times a rank's) for num_train_epochs."""
         if self.training.max_steps > 0:
             return self.training.max_steps
-        per_step = self.generation_batch_size // self.generation.num_generations
+        per_step = world_size * self.generation_batch_size // self.generation.num_generations
         return max(1, math.ceil(self.training.num_train_epochs * num_prompts / per_step))
 
     def validate(self) -> None:
-        """Checks that span sections."""
-        if self.policy.model is None:
-            raise ValueError(
-                "model is not set: pass --model (a local directory or hub id), or run the embedded "
-                "default with `grpoflow train` and no arguments"
-            )
-        if not self.data.dataset:
-            raise ValueError("dataset is not set: pass --dataset (e.g. gsm8k, or a jsonl file)")
-        if not self.rewards.reward_funcs and not self.rewards.reward_model:
-            raise ValueError("no reward: set reward_funcs (e.g. accuracy format) or reward_model")
+        """The rules that span sections."""
+        require(
+            self.policy.model is not None,
+            "model",
+            "set",
+            None,
+            "model is not set: pass --model (a local directory or hub id), or run the embedded "
+            "default with `grpoflow train` and no arguments",
+        )
+        require(
+            bool(self.data.dataset),
+            "dataset",
+            "set",
+            [],
+            "dataset is not set: pass --dataset (e.g. gsm8k, or a jsonl file)",
+        )
+        require(
+            bool(self.rewards.reward_funcs or self.rewards.reward_model),
+            "reward_funcs",
+            "set",
+            [],
+            "no reward: set reward_funcs (e.g. accuracy format) or reward_model",
+        )
         g, batch = self.generation.num_generations, self.generation_batch_size
-        if batch % g:
-            raise ValueError(
-                f"per_device_train_batch_size x gradient_accumulation_steps = {batch} completions "
-                f"per step must be divisible by num_generations = {g}"
-            )
-        interval, staleness = self.vllm.weight_sync_interval, self.off_policy.max_staleness
-        if self.off_policy.async_generate and interval > staleness:
-            raise ValueError(
-                f"async_generate with weight_sync_interval={interval} samples batches up to {interval} "
-                f"policy versions old: raise max_staleness (now {staleness}) to at least {interval}"
-            )
-        num_rewards = len(self.rewards.reward_funcs) + bool(self.rewards.reward_model)
-        weights = self.rewards.reward_weights
-        if weights is not None and len(weights) != num_rewards:
-            raise ValueError(
-                f"reward_weights has {len(weights)} values but there are {num_rewards} rewards "
-                "(reward_funcs, then reward_model): give one weight each"
-            )
+        require(
+            batch % g == 0,
+            "per_device_train_batch_size x gradient_accumulation_steps",
+            f"divisible by num_generations = {g}",
+            batch,
+            f"per_device_train_batch_size x gradient_accumulation_steps = {batch} completions per step "
+            f"must be divisible by num_generations = {g}",
+        )
+        require(
+            not (
+                self.generation.num_infer_workers
+                and (self.generation.use_vllm or self.remote.vllm_server_base_url)
+            ),
+            "num_infer_workers",
+            "0 with use_vllm or vllm_server_base_url",
+            self.generation.num_infer_workers,
+            "num_infer_workers starts grpoflow's own rollout servers: leave use_vllm and "
+            "vllm_server_base_url unset (for vLLM servers, start them yourself and set use_vllm: true, "
+            "vllm_mode: server, vllm_server_base_url)",
+        )
+        if self.off_policy.async_generate:
+            self._validate_async()
+
+    def _validate_async(self) -> None:
+        engine = self.generation.engine_name
+        require(
+            engine == "vllm_server",
+            "async_generate",
+            "false with this engine",
+            True,
+            f"async_generate needs a rollout server to generate while the policy trains: set use_vllm: "
+            f"true and vllm_mode: server (e.g. against `grpoflow serve`); the {engine} engine runs in the "
+            "training process",
+        )
+        interval, staleness = self.sync.weight_sync_interval, self.off_policy.max_staleness
+        require(
+            interval <= staleness,
+            "max_staleness",
+            f">= weight_sync_interval ({interval}) under async_generate",
+            staleness,
+            f"async_generate with weight_sync_interval={interval} samples batches up to {interval} policy "
+            f"versions old: raise max_staleness (now {staleness}) to at least {interval}",
+        )
 
     def to_flat_dict(self) -> dict[str, Any]:
         """All keys as one flat mapping (what a YAML recipe holds)."""
-        flat: dict[str, Any] = {}
-        for section in dataclasses.fields(self):
-            flat.update(dataclasses.asdict(getattr(self, section.name)))
-        return flat
+        return options.to_flat(self)
 
     @classmethod
     def from_flat_dict(cls, values: dict[str, Any]) -> GRPOConfig:
         """Build from flat keys (or keys nested under section names), checking every value."""
-        from grpoflow.options.loader import sections_from_flat
+        return options.load(
+            cls,
+            values,
+            aliases=KEY_ALIASES,
+            sections=LEGACY_SECTIONS,
+            hint="`grpoflow train --help` lists the keys",
+        )
 
-        return cls(**sections_from_flat(values))
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> GRPOConfig:
+    """A YAML recipe (or none) with `overrides` applied on top."""
+    values = options.flatten(GRPOConfig, options.load_yaml(path), LEGACY_SECTIONS) if path is not None else {}
+    return GRPOConfig.from_flat_dict({**values, **(overrides or {})})

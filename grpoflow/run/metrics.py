@@ -8,10 +8,32 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from grpoflow.options import require
 
 logger = logging.getLogger("grpoflow")
+
+
+@dataclass(kw_only=True, slots=True)
+class LogConfig:
+    """What gets logged where."""
+
+    logging_steps: int = 1
+    """Log metrics every this many steps."""
+    log_completions: bool = False
+    """Write every completion with its rewards and advantage to completions.jsonl."""
+    report_to: list[Literal["tensorboard", "wandb", "none", "all"]] = field(
+        default_factory=lambda: ["tensorboard"]
+    )
+    """Metric sinks besides metrics.jsonl."""
+    disable_tqdm: bool = False
+    """Turn off the live progress bar."""
+
+    def __post_init__(self) -> None:
+        require(self.logging_steps > 0, "logging_steps", "> 0", self.logging_steps)
 
 
 class MetricsLogger:

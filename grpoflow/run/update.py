@@ -12,23 +12,82 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from grpoflow.algo import micro_batch_scale, policy_loss, sampling_correction, sequence_logprobs
+from grpoflow.options import require
 from grpoflow.policy.placement import clip_gradients, in_use, is_sharded, sharded_forward
-from grpoflow.run.config import AlgorithmConfig
 from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.rollout import RolloutBatch
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingCorrection:
-    """How to reweight the loss by pi_trainer / pi_sampler (`algo.sampling_correction`)."""
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    """The GRPO-family objective."""
 
-    mode: str = "sequence_mask"
-    clip_min: float | None = None
-    clip_max: float | None = 3.0
+    beta: float = 0.0
+    """KL coefficient; 0 loads no reference model."""
+    epsilon: float = 0.2
+    """Lower clip range of the importance ratio."""
+    epsilon_high: float | None = None
+    """Upper clip range (DAPO clip-higher); defaults to epsilon."""
+    delta: float | None = None
+    """Upper clamp on the unclipped ratio (two-sided clipping); off when None."""
+    num_iterations: int = 1
+    """Policy updates per generation batch."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """How per-token losses are reduced."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide advantages by the std of the group, of the batch, or not at all."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """Ratio per token (GRPO) or per sequence (GSPO)."""
+    mask_truncated_completions: bool = False
+    """Truncated completions carry no loss (DAPO overlong filtering; alias overlong_filter)."""
+    dynamic_sample: bool = False
+    """Drop groups whose rewards have zero spread and sample more prompts (DAPO)."""
+    max_resample_times: int = 3
+    """Most extra sampling rounds per step under dynamic_sample."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk when computing log-probs, bounding the fp32 logits in memory."""
+
+    def __post_init__(self) -> None:
+        require(self.beta >= 0, "beta", ">= 0", self.beta)
+        for name in ("epsilon", "epsilon_high", "num_iterations", "logprob_chunk_size"):
+            value = getattr(self, name)
+            require(value is None or value > 0, name, "> 0", value)
+        require(
+            self.delta is None or self.delta > 1, "delta", "> 1 (an upper bound on the ratio)", self.delta
+        )
+        require(self.max_resample_times >= 0, "max_resample_times", ">= 0", self.max_resample_times)
+
+
+@dataclass(kw_only=True, slots=True)
+class ImportanceCorrection:
+    """The importance-sampling correction of rollouts that the trainer's policy did not sample
+    itself (TRL's names): the loss is weighted by pi_trainer / pi_sampler (`algo.sampling_correction`)."""
+
+    vllm_importance_sampling_correction: bool = True
+    """Reweight the loss by pi_trainer / pi_sampler on engines that hold their own weights
+    (vllm, vllm_server) and under async_generate."""
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "sequence_mask"
+    """Ratio per token or per sequence; truncated into, or zeroed outside, the clip range."""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """Upper bound of the importance ratio (None: open)."""
+    vllm_importance_sampling_clip_min: float | None = None
+    """Lower bound of the importance ratio (None: open)."""
+
+    def __post_init__(self) -> None:
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        require(
+            low is None or high is None or low <= high,
+            "vllm_importance_sampling_clip_min",
+            f"at most vllm_importance_sampling_clip_max ({high})",
+            low,
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,7 +99,7 @@ class UpdateSettings:
     temperature: float
     max_completion_length: int
     max_grad_norm: float
-    sampling_correction: SamplingCorrection | None = None
+    sampling_correction: ImportanceCorrection | None = None
     """Importance-sampling correction against the engine's log-probs; None trusts them."""
 
 
@@ -171,15 +230,15 @@ def _accumulate(totals: dict, counts: dict, name: str, value: torch.Tensor) -> N
 
 
 def _correction_weights(
-    trainer_logps: torch.Tensor, part: RolloutBatch, correction: SamplingCorrection
+    trainer_logps: torch.Tensor, part: RolloutBatch, correction: ImportanceCorrection
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return sampling_correction(
         trainer_logps,
         part.sampling_logps,
         part.completion_mask,
-        correction.mode,
-        correction.clip_min,
-        correction.clip_max,
+        correction.vllm_importance_sampling_mode,
+        correction.vllm_importance_sampling_clip_min,
+        correction.vllm_importance_sampling_clip_max,
     )
 
 

@@ -116,12 +116,12 @@ def _reference_probs(logits: torch.Tensor, options: SamplingOptions) -> torch.Te
 @pytest.mark.parametrize(
     "options",
     [
-        SamplingOptions(temperature=1.0),
-        SamplingOptions(temperature=0.6),
-        SamplingOptions(temperature=1.3, top_p=0.7),
-        SamplingOptions(temperature=0.9, top_k=4),
-        SamplingOptions(temperature=1.0, top_k=6, top_p=0.8),
-        SamplingOptions(temperature=1.0, min_p=0.2),
+        SamplingOptions.from_params(SamplingParams(temperature=1.0)),
+        SamplingOptions.from_params(SamplingParams(temperature=0.6)),
+        SamplingOptions.from_params(SamplingParams(temperature=1.3, top_p=0.7)),
+        SamplingOptions.from_params(SamplingParams(temperature=0.9, top_k=4)),
+        SamplingOptions.from_params(SamplingParams(temperature=1.0, top_k=6, top_p=0.8)),
+        SamplingOptions.from_params(SamplingParams(temperature=1.0, min_p=0.2)),
     ],
     ids=["t1", "t0.6", "top_p", "top_k", "top_k_top_p", "min_p"],
 )
@@ -130,7 +130,7 @@ def test_sampling_frequencies_match_the_distribution(options):
     counts = _draw_counts(logits, options, 40000)
     statistic, degrees = chi_square(counts, _reference_probs(logits, options))
     assert statistic < chi_square_critical(degrees), (statistic, degrees)
-    wrong = SamplingOptions(temperature=options.temperature * 1.25, top_p=min(1.0, options.top_p + 0.2))
+    wrong = SamplingOptions.from_params(SamplingParams(temperature=options.temperature * 1.25, top_p=min(1.0, options.top_p + 0.2)))
     wrong_statistic, wrong_degrees = chi_square(counts, _reference_probs(logits, wrong))
     assert wrong_statistic > chi_square_critical(wrong_degrees), "the test must see a wrong distribution"
 
@@ -149,8 +149,8 @@ def test_engine_first_tokens_follow_softmax():
 
 def test_filters_reduce_to_thresholds():
     scaled = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
-    assert filter_thresholds(scaled, SamplingOptions(top_k=2)).item() == 2.0
-    assert filter_thresholds(scaled, SamplingOptions(top_p=0.5)).item() == 3.0
+    assert filter_thresholds(scaled, SamplingOptions.from_params(SamplingParams(top_k=2))).item() == 2.0
+    assert filter_thresholds(scaled, SamplingOptions.from_params(SamplingParams(top_p=0.5))).item() == 3.0
     tokens, logprobs = sample_reference(scaled, torch.zeros(1, dtype=torch.long), 1.0, True, None)
     assert tokens.item() == 0
     assert logprobs.item() == pytest.approx(scaled.log_softmax(-1)[0, 0].item())

@@ -229,9 +229,13 @@ def test_many_errors_are_logged_with_a_count(caplog):
 
 def test_from_config_resolves_specs():
     config = RewardConfig(
-        reward_timeout=5, reward_num_workers=0, soft_cache_length=2, max_completion_length=4
+        reward_funcs=["format", "soft_overlong", reward_len],
+        reward_timeout=5,
+        reward_num_workers=0,
+        soft_cache_length=2,
+        max_completion_length=4,
     )
-    with RewardRunner.from_config(["format", "soft_overlong", reward_len], config) as runner:
+    with RewardRunner.from_config(config) as runner:
         assert runner.names == ["format", "soft_overlong", "reward_len"]
         assert runner.kinds == ["thread", "thread", "thread"]
         batch = runner.score(["p"], ["x" * 20], [[1, 2, 3]], {})

@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from grpoflow.engines.base import Completion, EngineStats, SamplingParams
-from grpoflow.engines.native.config import NativeEngineConfig
 from grpoflow.engines.native.generic import GenericRunner
 from grpoflow.engines.native.model import FamilyModel
 from grpoflow.engines.native.requests import RequestBook
 from grpoflow.engines.native.runner import STEPS_IN_FLIGHT, Launched, Runner, triton_available
 from grpoflow.engines.native.sampler import SamplingOptions
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep, Scheduler
+from grpoflow.engines.native.sizing import NativeEngineConfig
 
 ON_ERROR = ("raise", "error_completion")
 UNIFORM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -112,7 +112,7 @@ class NativeEngine:
             max_model_len=self.max_model_len,
             tokenizer=self.tokenizer,
         )
-        options = SamplingOptions.from_params(requests[0]) if requests else SamplingOptions()
+        options = SamplingOptions.from_params(requests[0] if requests else SamplingParams())
         with torch.inference_mode(), _no_autocast(self.model):
             extra = self._run_family(book, options) if self.family else self.generic.run(book, options)
         self.stats = EngineStats(
@@ -192,7 +192,7 @@ class NativeEngine:
         if len(prompt) >= self.max_model_len:
             return (
                 f"prompt {index} has {len(prompt)} tokens, no room for a completion within "
-                f"max_model_len={self.max_model_len}: shorten it or raise NativeEngineConfig.max_model_len"
+                f"max_model_len={self.max_model_len}: shorten it or raise max_model_len"
             )
         if self.runner is not None:
             total = min(len(prompt) + request.max_tokens, self.max_model_len)

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import torch
 
-from grpoflow.engines.native.config import NativeEngineConfig
 from grpoflow.engines.native.model import Shape
+from grpoflow.engines.native.sizing import NativeEngineConfig
 
 
 def block_bytes(shape: Shape, block_size: int, dtype: torch.dtype) -> int:

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from grpoflow.engines.native.config import NativeEngineConfig
 from grpoflow.engines.native.kv_cache import BlockPool, allocate_cache, num_blocks_for
 from grpoflow.engines.native.model import FamilyModel
 from grpoflow.engines.native.ops import DecodeBatch, TorchOps, prefill_attention
 from grpoflow.engines.native.sampler import SamplingOptions, sample
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep
+from grpoflow.engines.native.sizing import NativeEngineConfig
 
 IDLE_ROW = torch.tensor([[0], [-1], [0], [0]])
 """The step metadata (position, cache slot, context length, sampling key) of a row with no work:

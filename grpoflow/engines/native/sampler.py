@@ -72,13 +72,14 @@ def row_uniforms(keys: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class SamplingOptions:
-    """The distribution-shaping part of SamplingParams, shared by every request of a call."""
+    """The distribution-shaping part of SamplingParams, shared by every request of a call
+    (`from_params`; top_k 0 keeps every token)."""
 
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SamplingOptions:

@@ -1,0 +1,53 @@
+"""Sizes and switches of the native rollout engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from grpoflow.engines.base import EngineConfig
+from grpoflow.options import require
+
+
+@dataclass(kw_only=True, slots=True)
+class NativeEngineConfig(EngineConfig):
+    """`EngineConfig`'s sizes (gpu_memory_utilization, max_num_seqs, max_model_len) plus the native
+    engine's own; names follow vLLM's engine arguments where they exist."""
+
+    block_size: int = 32
+    """Tokens per KV-cache block (page)."""
+    num_kv_blocks: int | None = None
+    """KV-cache blocks to allocate; None sizes the cache from gpu_memory_utilization (CUDA) or
+    from max_num_seqs * max_model_len (CPU)."""
+    max_prefill_tokens: int = 16384
+    """Most tokens (padded) in one prefill step; a longer single prompt still runs alone."""
+    use_cuda_graphs: bool = True
+    """Capture decode steps as CUDA graphs, one per batch-size bucket (CUDA with Triton only)."""
+    use_triton: bool = True
+    """Use the Triton kernels on CUDA; False runs the pure-torch reference ops everywhere."""
+    fuse_projections: bool = True
+    """Lay each layer's q/k/v and gate/up weights back to back in one buffer (the parameters keep
+    their identity; done once, when the engine is built) so that each group runs as one product."""
+    force_generic: bool = False
+    """Run every model through the generic path (the HF module with its own cache)."""
+
+    def __post_init__(self) -> None:
+        EngineConfig.__post_init__(self)
+        require(
+            self.block_size >= 1 and not self.block_size & (self.block_size - 1),
+            "block_size",
+            "a power of two",
+            self.block_size,
+        )
+        require(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+            "num_kv_blocks",
+            ">= 1 (or unset)",
+            self.num_kv_blocks,
+        )
+        require(self.max_prefill_tokens >= 1, "max_prefill_tokens", ">= 1", self.max_prefill_tokens)
+
+    @classmethod
+    def sized_as(cls, engine: EngineConfig) -> NativeEngineConfig:
+        """The native engine's settings with `engine`'s sizes and its own defaults."""
+        return cls(**{item.name: getattr(engine, item.name) for item in dataclasses.fields(EngineConfig)})

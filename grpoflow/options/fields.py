@@ -1,0 +1,105 @@
+"""The flat keys of a dataclass tree: which field owns each key, its type and its documentation.
+
+A field whose type is a dataclass is a node: its own fields are read in turn. Every other field is
+a leaf with one flat key: its name, or `metadata["key"]` (`key("max_completion_length")`) where
+the component's name differs from the one users know. A leaf marked `NOT_AN_OPTION` is set by
+the code that uses the component (per request, or from another option) and has no key.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+NOT_AN_OPTION = {"option": False}
+"""Field metadata: set by the code that uses the component (per request, or from another option),
+not by a key of its own."""
+
+
+def key(name: str) -> dict[str, str]:
+    """Field metadata: the field's flat key is `name` instead of its attribute name."""
+    return {"key": name}
+
+
+@dataclass(frozen=True, slots=True)
+class FlatField:
+    """Where one flat key lands in the tree."""
+
+    path: tuple[str, ...]
+    """Attribute names from the root to the field."""
+    hint: Any
+    """The field's resolved type annotation."""
+    owner: type
+    """The dataclass that declares the field."""
+    default: Any
+    """The field's default (dataclasses.MISSING when required)."""
+
+
+def is_node(hint: Any) -> bool:
+    """Whether a field of type `hint` is a nested section (a dataclass), not a leaf."""
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+@functools.cache
+def flat_fields(root: type) -> dict[str, FlatField]:
+    """Every flat key of `root`'s tree. ValueError when two fields claim the same key."""
+    found: dict[str, FlatField] = {}
+    for flat_key, item in _walk(root, ()):
+        if flat_key in found:
+            first, second = ".".join(found[flat_key].path), ".".join(item.path)
+            raise ValueError(f"option {flat_key!r} has two owners: {first} and {second}; give one a key")
+        found[flat_key] = item
+    return found
+
+
+def _walk(cls: type, prefix: tuple[str, ...]):
+    hints = typing.get_type_hints(cls)
+    for item in dataclasses.fields(cls):
+        hint, path = hints[item.name], (*prefix, item.name)
+        if is_node(hint):
+            yield from _walk(hint, path)
+        elif item.metadata.get("option", True):
+            default = (
+                item.default_factory() if item.default_factory is not dataclasses.MISSING else item.default
+            )
+            yield item.metadata.get("key", item.name), FlatField(path, hint, cls, default)
+
+
+def nodes(root: type) -> set[str]:
+    """Names of the nested sections anywhere in `root`'s tree (a mapping under one is read as flat keys)."""
+    hints = typing.get_type_hints(root)
+    names = set()
+    for item in dataclasses.fields(root):
+        if is_node(hints[item.name]):
+            names |= {item.name, *nodes(hints[item.name])}
+    return names
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of dataclass `cls` (its first paragraph, one line)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for statement, following in zip(body, body[1:]):
+        is_doc = isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name) and is_doc:
+            text = str(following.value.value).strip().split("\n\n")[0]
+            docs[statement.target.id] = " ".join(text.split())
+    return docs
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of field `name` of dataclass `cls`: for a field that takes its value from
+    another component's option, so that the default is written once, by the option's owner."""
+    item = next(item for item in dataclasses.fields(cls) if item.name == name)
+    return item.default_factory() if item.default_factory is not dataclasses.MISSING else item.default
