@@ -53,14 +53,14 @@ def train(argv: list[str]) -> int:
     )
     parser.add_argument("--config", help="a YAML recipe, or the name of a packaged recipe")
     known, rest = parser.parse_known_args(argv)
-    from grpoflow.run import distributed
+    from grpoflow.run import torchrun
     from grpoflow.run.build import build_trainer, run
 
     try:
         overrides = parse_overrides(rest)
         config = load_config(resolve_recipe(known.config, overrides), overrides)
-        if distributed.wants_launch(os.environ):
-            return distributed.launch(argv, os.environ)
+        if torchrun.wants_launch(os.environ):
+            return torchrun.launch(argv, os.environ)
         if os.environ.get("RANK", "0") != "0":  # rank 0 speaks for the run
             logging.getLogger().setLevel(logging.WARNING)
         trainer = build_trainer(config)
@@ -98,7 +98,7 @@ def export(argv: list[str]) -> int:
         "default: the model of the run that wrote it",
     )
     args = parser.parse_args(argv)
-    from grpoflow.run.build import export_checkpoint
+    from grpoflow.run.export import export_checkpoint
 
     try:
         output = export_checkpoint(args.checkpoint, args.output, base=args.base)

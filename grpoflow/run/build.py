@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,7 @@ from grpoflow.policy.loading import (
 from grpoflow.policy.offload import OptimizerOffload
 from grpoflow.rewards import RewardModel, RewardRunner, load_plugins, resolve_reward, reward_name
 from grpoflow.run import checkpoint
-from grpoflow.run.config import GRPOConfig, PolicyConfig
+from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import init_distributed, run_steps
 from grpoflow.run.infer_workers import RolloutServers, worker_gpus
 from grpoflow.run.metrics import MetricsLogger
@@ -242,55 +241,6 @@ def _load_weights(model: torch.nn.Module, directory: Path) -> None:
         )
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-
-
-def export_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *, base: str | None = None) -> Path:
-    """Write a checkpoint as a standalone model (`save_pretrained`, with the tokenizer) into
-    `output_dir`, loadable by `AutoModelForCausalLM.from_pretrained`.
-
-    An adapter checkpoint is merged into its base model: `base`, or the model of the run that
-    wrote it (from its saved config; `tiny` and `random:*` are rebuilt from the run's seed), in
-    the run's `torch_dtype` (auto: the base model's own). A full checkpoint is copied as it is.
-    """
-    directory, output = Path(checkpoint_dir), Path(output_dir)
-    if not checkpoint.is_checkpoint(directory):
-        raise ValueError(
-            f"{directory} is not a complete checkpoint directory (it needs {checkpoint.MARKER} and "
-            f"{checkpoint.STATE_FILE}): give a checkpoint-N directory of a run's output_dir"
-        )
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise ValueError(f"output {output} already exists and is not an empty directory: choose another")
-    if not lora.is_adapter_checkpoint(directory):
-        if base is not None:
-            logger.warning("--base %s is ignored: %s holds a full model, copied as it is", base, directory)
-        output.mkdir(parents=True, exist_ok=True)
-        for path in directory.iterdir():
-            if path.is_file() and path.name not in {checkpoint.MARKER, checkpoint.STATE_FILE}:
-                shutil.copy2(path, output / path.name)
-        return output
-    tokenizer = load_tokenizer(str(directory))
-    model = _export_base(directory, base, vocab_size=len(tokenizer))
-    lora.merge_adapter_checkpoint(model, directory).save_pretrained(output)
-    tokenizer.save_pretrained(output)
-    return output
-
-
-def _export_base(directory: Path, base: str | None, *, vocab_size: int) -> torch.nn.Module:
-    """The base model of an adapter checkpoint, on the CPU, as its run loaded it."""
-    run_config = checkpoint.load_trainer_state(directory).get("config", {})
-    source = base or run_config.get("model")
-    if not source:
-        raise ValueError(f"{directory} names no base model in its saved config: pass --base MODEL")
-    dtype_name = run_config.get("torch_dtype", "auto")
-    cpu = torch.device("cpu")
-    return load_model(
-        source,
-        PolicyConfig(model=source, trust_remote_code=run_config.get("trust_remote_code", False)),
-        vocab_size=vocab_size,
-        seed=run_config.get("seed", 42),
-        device=cpu,
-        dtype="auto" if dtype_name == "auto" else resolve_dtype(dtype_name, cpu),
-    )
 
 
 def build_optimizer(model: torch.nn.Module, config: GRPOConfig, num_items: int, world_size: int = 1):

@@ -1,5 +1,4 @@
-"""Data-parallel training over several processes: launching under torchrun, and the few
-collectives the training loop needs.
+"""Data-parallel training over several processes: the few collectives the training loop needs.
 
 Every rank holds a full copy of the policy, rolls out and scores its own slice of the global
 generation batch, and runs the update on it. There is no DDP wrapper (the log-prob path calls the
@@ -16,11 +15,8 @@ reads the same either way.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-import subprocess
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +25,6 @@ import torch
 import torch.distributed as torch_dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-logger = logging.getLogger("grpoflow")
-
-LAUNCH_VARIABLES = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
-"""Environment variables that make `grpoflow train` launch itself under torchrun (ms-swift's)."""
 BUCKET_NUMEL = 2**25
 """Gradient elements per all-reduce call (128 MiB in float32)."""
 SUM_METRICS = ("rewards/num_errors", "tokens_per_second/")
@@ -206,65 +198,3 @@ def run_steps(config, num_prompts: int, world_size: int) -> int:
         return config.total_steps(num_prompts)
     per_step = world_size * config.generation_batch_size // config.generation.num_generations
     return max(1, math.ceil(config.training.num_train_epochs * num_prompts / per_step))
-
-
-def wants_launch(environ: Mapping[str, str]) -> bool:
-    """Whether `grpoflow train` should launch itself under torchrun: NPROC_PER_NODE (or NNODES)
-    is set and this process is not already one of torchrun's workers."""
-    under_torchrun = "LOCAL_RANK" in environ or "WORLD_SIZE" in environ
-    return not under_torchrun and ("NPROC_PER_NODE" in environ or "NNODES" in environ)
-
-
-def torchrun_command(argv: Sequence[str], environ: Mapping[str, str]) -> list[str]:
-    """The torchrun command that runs `grpoflow train ARGV` on NPROC_PER_NODE processes of node
-    NODE_RANK of NNODES, meeting at MASTER_ADDR:MASTER_PORT."""
-    if "NPROC_PER_NODE" not in environ:
-        raise ValueError("NNODES is set but NPROC_PER_NODE is not: set it to the processes (GPUs) per node")
-    nproc = _int(environ, "NPROC_PER_NODE", "", positive=True)
-    nnodes = _int(environ, "NNODES", "1", positive=True)
-    node_rank = _int(environ, "NODE_RANK", "0")
-    if not 0 <= node_rank < nnodes:
-        raise ValueError(f"NODE_RANK must be in 0 .. NNODES - 1 = {nnodes - 1}, got {node_rank}")
-    if nnodes > 1 and "MASTER_ADDR" not in environ:
-        raise ValueError(f"NNODES={nnodes}: set MASTER_ADDR to the address of node 0, the same on every node")
-    port = _int(environ, "MASTER_PORT", "29500")
-    if not 0 < port < 65536:
-        raise ValueError(f"MASTER_PORT must be a TCP port in 1 .. 65535, got {port}")
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--nnodes",
-        str(nnodes),
-        "--node_rank",
-        str(node_rank),
-        "--master_addr",
-        environ.get("MASTER_ADDR", "127.0.0.1"),
-        "--master_port",
-        str(port),
-        "-m",
-        "grpoflow.cli",
-        "train",
-        *argv,
-    ]
-
-
-def launch(argv: Sequence[str], environ: Mapping[str, str]) -> int:
-    """Run `grpoflow train ARGV` under torchrun; its exit status."""
-    command = torchrun_command(argv, environ)
-    logger.info("launching under torchrun: %s", " ".join(command))
-    return subprocess.run(command, check=False).returncode
-
-
-def _int(environ: Mapping[str, str], name: str, default: str, *, positive: bool = False) -> int:
-    text = environ.get(name, default)
-    kind = "a positive integer" if positive else "an integer"
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{name} must be {kind}, got {text!r}") from None
-    if positive and value < 1:
-        raise ValueError(f"{name} must be {kind}, got {text!r}")
-    return value

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from grpoflow.cli import DEFAULT_RECIPE
 from grpoflow.options.loader import load_config
-from grpoflow.run import distributed
+from grpoflow.run import torchrun
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.infer_workers import RolloutServers, free_port  # noqa: F401 (tests import free_port from here)
 
@@ -79,7 +79,7 @@ RUN = {
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without torchrun's and the launch variables, plus `extra`."""
-    dropped = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", *distributed.LAUNCH_VARIABLES}
+    dropped = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", *torchrun.LAUNCH_VARIABLES}
     env = {key: value for key, value in os.environ.items() if key not in dropped}
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
