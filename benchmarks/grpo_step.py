@@ -104,8 +104,8 @@ def extra_overrides(items: list[str] | None) -> dict:
 
 
 def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
-    from grpoflow.options.loader import load_config
     from grpoflow.run.build import build_trainer
+    from grpoflow.run.config import load_config
 
     config = load_config(None, grpoflow_overrides(args, model_dir, prompts))
     trainer = build_trainer(config)

@@ -33,8 +33,8 @@ def main() -> None:
     args = parser.parse_args()
     args.steps, args.workdir = 2, tempfile.mkdtemp(prefix="profile_step_")
     model_dir, prompts = grpo_step.write_inputs(Path(args.workdir), args.smoke, num_prompts=192)
-    from grpoflow.options.loader import load_config
     from grpoflow.run.build import build_trainer
+    from grpoflow.run.config import load_config
 
     config = load_config(None, grpo_step.grpoflow_overrides(args, model_dir, prompts))
     trainer = build_trainer(config)

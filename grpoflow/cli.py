@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
 from pathlib import Path
 
-from grpoflow.options.loader import load_config, parse_overrides
-from grpoflow.run.config import GRPOConfig
+from grpoflow import options
+from grpoflow.run.config import GRPOConfig, load_config
 
 RECIPES = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES / "default.yaml"
@@ -32,13 +31,14 @@ def resolve_recipe(name: str | None, overrides: dict) -> Path | None:
 
 
 def describe_options() -> str:
-    """Every key with its default and docstring-free type, grouped by section."""
-    lines = []
-    defaults = {section.name: section.default_factory() for section in dataclasses.fields(GRPOConfig)}
-    for section, value in defaults.items():
-        lines.append(f"\n[{section}]")
-        for item in dataclasses.fields(value):
-            lines.append(f"  --{item.name} (default: {getattr(value, item.name)!r})")
+    """Every key with its default and its one-line documentation, grouped by section."""
+    lines, section = [], None
+    for key, item in options.flat_fields(GRPOConfig).items():
+        if item.path[0] != section:
+            section = item.path[0]
+            lines.append(f"\n[{section}]")
+        doc = options.field_docs(item.owner).get(item.path[-1], "")
+        lines.append(f"  --{key} (default: {item.default!r})  {doc}")
     return "\n".join(lines)
 
 
@@ -57,7 +57,7 @@ def train(argv: list[str]) -> int:
     from grpoflow.run.build import build_trainer, run
 
     try:
-        overrides = parse_overrides(rest)
+        overrides = options.parse_overrides(rest)
         config = load_config(resolve_recipe(known.config, overrides), overrides)
         if torchrun.wants_launch(os.environ):
             return torchrun.launch(argv, os.environ)
@@ -116,25 +116,9 @@ def serve(argv: list[str]) -> int:
         "/v1/chat/completions, weight updates) on grpoflow's engines, for trainers in vllm_mode "
         "server and for TRL's VLLMClient.",
     )
-    parser.add_argument("--model", required=True, help="a local directory, hub id, tiny or random:PRESET")
-    parser.add_argument("--engine", default="native", help="native (default), hf or vllm")
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
-    parser.add_argument("--served-model-name", help="model name clients send; default: --model")
-    parser.add_argument("--max-model-len", type=int, help="prompt plus completion, in tokens")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded at once")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    parser.add_argument("--enforce-eager", action="store_true", help="vllm engine: no compilation")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--seed", type=int, default=42, help="initialisation seed of a random model")
-    parser.add_argument("--batch-window-ms", type=float, default=5.0, help="wait for requests to batch")
-    parser.add_argument("--trust-remote-code", action="store_true")
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
     try:
         from grpoflow.server import ServeConfig
         from grpoflow.server import serve as run_server
@@ -144,8 +128,10 @@ def serve(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    options.add_flags(parser, ServeConfig)
+    args = parser.parse_args(argv)
     try:
-        config = ServeConfig(**vars(args))
+        config = options.from_flags(ServeConfig, args)
         run_server(config)
     except ValueError as error:
         print(f"grpoflow serve: {error}", file=sys.stderr)

@@ -25,9 +25,11 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("root", (PACKAGE,), "the package's own __init__, run before any of its modules: imports none of them"),
     ("foundations", ("algo", "options"), "pure tensor maths; config loading that knows no particular config"),
-    ("leaves", ("rewards", "transport"), "scoring completions; moving weights to rollout engines"),
+    ("transport", ("transport",), "moving weights to rollout engines, sender and receiver sides"),
+    ("engines", ("engines",), "rollout engines, their interface and the one definition of sampling settings"),
+    ("rewards", ("rewards",), "scoring completions (they read the sampling budget: max_completion_length)"),
     ("tasks", ("tasks",), "packaged tasks: their rows and the rewards they register"),
-    ("components", ("data", "engines", "policy"), "prompts of named tasks; rollout engines; the policy"),
+    ("components", ("data", "policy"), "prompts of named tasks; the policy being trained"),
     ("assemblies", ("run", "server"), "one training run; `grpoflow serve`"),
     ("cli", ("cli",), "the command line, over every assembly"),
 )

@@ -1,7 +1,7 @@
 import pytest
 
 from grpoflow import cli
-from grpoflow.options.loader import load_config
+from grpoflow.run.config import load_config
 
 
 def test_no_command_prints_usage(capsys):
@@ -50,7 +50,7 @@ def test_help_lists_every_key(capsys):
     out = capsys.readouterr().out
     for key in ("--learning_rate", "--num_generations", "--reward_funcs", "--max_completion_length"):
         assert key in out
-    assert "[generation]" in out and "[reward_params]" in out
+    assert "[generation]" in out and "[rewards]" in out
 
 
 def test_resolve_recipe_default():

@@ -43,6 +43,17 @@ class DataConfig:
     def __post_init__(self) -> None:
         require(self.max_prompt_length > 0, "max_prompt_length", "> 0", self.max_prompt_length)
 
+    def load_prompts(self, tokenizer, *, seed: int) -> list[PromptItem]:
+        """Every dataset's rows as tokenized prompts (see `build_prompt_items`)."""
+        rows = [row for spec in self.dataset for row in load_rows(spec, self.dataset_split, seed=seed)]
+        return build_prompt_items(
+            rows,
+            tokenizer,
+            system=read_system_prompt(self.system),
+            max_prompt_length=self.max_prompt_length,
+            truncation_strategy=self.truncation_strategy,
+        )
+
 
 logger = logging.getLogger("grpoflow.data.prompts")
 

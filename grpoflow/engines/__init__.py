@@ -9,6 +9,7 @@ import importlib
 
 from grpoflow.engines.base import (
     Completion,
+    EngineConfig,
     EngineOptions,
     EngineStats,
     RolloutEngine,
@@ -35,6 +36,7 @@ def build_engine(name: str, model, tokenizer, options: EngineOptions) -> Rollout
 __all__ = [
     "ENGINES",
     "Completion",
+    "EngineConfig",
     "EngineOptions",
     "EngineStats",
     "RolloutEngine",

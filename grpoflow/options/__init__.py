@@ -10,7 +10,15 @@ metadata), refuses a tree where two fields claim one key, and builds the tree fr
 """
 
 from grpoflow.options.checks import require
-from grpoflow.options.fields import NOT_AN_OPTION, FlatField, default_of, field_docs, flat_fields, key
+from grpoflow.options.fields import (
+    NOT_AN_OPTION,
+    FlatField,
+    default_of,
+    derived_from,
+    field_docs,
+    flat_fields,
+    key,
+)
 from grpoflow.options.flags import add_flags, from_flags
 from grpoflow.options.loader import flatten, load, load_yaml, parse_overrides, to_flat
 
@@ -19,6 +27,7 @@ __all__ = [
     "FlatField",
     "add_flags",
     "default_of",
+    "derived_from",
     "field_docs",
     "flat_fields",
     "flatten",

@@ -22,6 +22,13 @@ NOT_AN_OPTION = {"option": False}
 not by a key of its own."""
 
 
+def derived_from(flat_key: str) -> dict[str, Any]:
+    """Field metadata: not an option of its own; the loader gives it the value of option
+    `flat_key` (a component that reads another component's setting, as rewards read the
+    completion budget)."""
+    return {**NOT_AN_OPTION, "from": flat_key}
+
+
 def key(name: str) -> dict[str, str]:
     """Field metadata: the field's flat key is `name` instead of its attribute name."""
     return {"key": name}
@@ -71,6 +78,19 @@ def _walk(cls: type, prefix: tuple[str, ...]):
             yield item.metadata.get("key", item.name), FlatField(path, hint, cls, default)
 
 
+@functools.cache
+def derived_fields(root: type) -> dict[tuple[str, ...], str]:
+    """The path of every `derived_from` field of `root`'s tree, with the key it takes its value from."""
+    found = {}
+    hints = typing.get_type_hints(root)
+    for item in dataclasses.fields(root):
+        if is_node(hints[item.name]):
+            found |= {(item.name, *path): source for path, source in derived_fields(hints[item.name]).items()}
+        elif "from" in item.metadata:
+            found[(item.name,)] = item.metadata["from"]
+    return found
+
+
 def nodes(root: type) -> set[str]:
     """Names of the nested sections anywhere in `root`'s tree (a mapping under one is read as flat keys)."""
     hints = typing.get_type_hints(root)
@@ -83,7 +103,16 @@ def nodes(root: type) -> set[str]:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of dataclass `cls` (its first paragraph, one line)."""
+    """The docstring written under each field of dataclass `cls` or a dataclass it extends (its
+    first paragraph, on one line)."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            docs.update(_own_field_docs(base))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):

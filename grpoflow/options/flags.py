@@ -29,9 +29,7 @@ def add_flags(parser: argparse.ArgumentParser, root: type) -> None:
             parser.add_argument(flag_name(key), action="store_true", default=argparse.SUPPRESS, help=doc)
             continue
         shown = "" if required or item.default is None else f" (default: {item.default})"
-        parser.add_argument(
-            flag_name(key), default=argparse.SUPPRESS, required=required, metavar="", help=doc + shown
-        )
+        parser.add_argument(flag_name(key), default=argparse.SUPPRESS, required=required, help=doc + shown)
 
 
 def from_flags(root: type, namespace: argparse.Namespace) -> Any:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from grpoflow.options.fields import flat_fields, is_node, nodes
+from grpoflow.options.fields import derived_fields, flat_fields, is_node, nodes
 
 
 def load(
@@ -45,6 +45,9 @@ def load(
             suggestion = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"unknown config key {raw_key!r}{suggestion}{f' ({hint})' if hint else ''}")
         leaves[owners[name].path] = coerce(name, value, owners[name].hint)
+    for path, source in derived_fields(root).items():
+        if owners[source].path in leaves:
+            leaves[path] = leaves[owners[source].path]
     try:
         return _build(root, (), leaves)
     except (TypeError, ValueError) as error:

@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from grpoflow.policy.lora import WithoutAdapters, is_peft_model
+from grpoflow.policy.lora import WithoutAdapters, is_adapter_checkpoint, is_peft_model, load_adapter_weights
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,6 +30,15 @@ class PolicyConfig:
     rotary embeddings and activations); generation engines are unaffected."""
     trust_remote_code: bool = False
     """Allow model code from the hub."""
+
+    def load_tokenizer(self):
+        """The model's tokenizer, with a pad token."""
+        return load_tokenizer(self.model, trust_remote_code=self.trust_remote_code)
+
+    def build(self, *, vocab_size: int, seed: int, device: torch.device) -> torch.nn.Module:
+        """The model on `device` in `torch_dtype`, its layers compiled and checkpointed as set."""
+        dtype = resolve_dtype(self.torch_dtype, device)
+        return load_model(self.model, self, vocab_size=vocab_size, seed=seed, device=device, dtype=dtype)
 
 
 logger = logging.getLogger("grpoflow.policy.loading")
@@ -143,3 +152,31 @@ def _load_hint(source: str, error: Exception) -> str:
         f"model {source!r} is neither a local directory nor reachable on the hub ({error}); "
         f"give a local path, check the name, or use model={TINY} (or random:qwen2-0.5b) for a local random model"
     )
+
+
+def load_checkpoint_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Load a checkpoint's weights (a full model, or a LoRA adapter) into `model`."""
+    from safetensors.torch import load_file
+
+    is_lora = is_peft_model(model)
+    if is_lora != is_adapter_checkpoint(directory):
+        held, other = ("a full model", "full") if is_lora else ("a LoRA adapter", "lora")
+        raise ValueError(
+            f"checkpoint {directory} holds {held} but this run has train_type="
+            f"{'lora' if is_lora else 'full'}: resume with train_type={other} and the run's other settings"
+        )
+    if is_lora:
+        load_adapter_weights(model, directory)
+        return
+    state = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        state.update(load_file(str(path), device=str(next(model.parameters()).device)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or set(missing) - tied - {"lm_head.weight"}:
+        raise ValueError(
+            f"checkpoint {directory} does not match the model (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}): resume with the model the run started from"
+        )
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()

@@ -48,6 +48,10 @@ class AdapterConfig:
         require(0 <= self.lora_dropout < 1, "lora_dropout", "in [0, 1)", self.lora_dropout)
         require(bool(self.target_modules), "target_modules", "at least one module name (or all-linear)", [])
 
+    def apply(self, model: nn.Module) -> nn.Module:
+        """`model` with LoRA adapters (train_type lora), or as it is (full)."""
+        return add_lora(model, self) if self.train_type == "lora" else model
+
 
 ADAPTER_CONFIG = "adapter_config.json"
 """The file PEFT's `save_pretrained` writes beside the adapter weights; it marks an adapter checkpoint."""

@@ -13,6 +13,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+DEFAULT_SEED = 42
+"""The seed of a run and of a random model's initialisation when none is given: `grpoflow serve
+--model tiny` builds the weights `grpoflow train --model tiny` starts from."""
+
 DEFAULT_CHARS = string.ascii_lowercase + string.digits + string.ascii_uppercase + string.punctuation + " \n"
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from grpoflow.engines.base import SamplingParams
-from grpoflow.options import NOT_AN_OPTION, default_of, require
+from grpoflow.options import default_of, derived_from, require
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,7 +43,7 @@ class RewardConfig:
     soft_cache_length: int | None = None
     """soft_overlong: L_cache, the width of the linear penalty band below L_max (required for it)."""
     max_completion_length: int = field(
-        default=default_of(SamplingParams, "max_tokens"), metadata=NOT_AN_OPTION
+        default=default_of(SamplingParams, "max_tokens"), metadata=derived_from("max_completion_length")
     )
     """Most tokens a completion may have (the run sets it from its max_completion_length); the
     default for `cosine_max_len` and `soft_max_length`."""
@@ -74,7 +74,7 @@ class RewardConfig:
         require(
             self.reward_weights is None or len(self.reward_weights) == num_rewards,
             "reward_weights",
-            f"one weight per reward ({num_rewards}: reward_funcs, then reward_model)",
+            f"one weight per reward: there are {num_rewards} rewards (reward_funcs, then reward_model)",
             self.reward_weights,
         )
 

@@ -1,128 +1,51 @@
-"""Assemble a run from its config: model, prompts, engine, rewards, optimizer, trainer; and export
-a checkpoint as a standalone model."""
+"""Assemble a run from its config: each part built from its own section, checked before any
+training work starts."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
-import os
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from grpoflow.data.prompts import build_prompt_items, load_rows, read_system_prompt
-from grpoflow.engines import ENGINES, EngineOptions, build_engine
+from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
 from grpoflow.engines.colocate import ColocateLayout
 from grpoflow.policy import lora, placement
-from grpoflow.policy.loading import (
-    load_model,
-    load_tokenizer,
-    reference_model,
-    resolve_device,
-    resolve_dtype,
-)
+from grpoflow.policy.loading import load_checkpoint_weights, reference_model, resolve_device
 from grpoflow.policy.offload import OptimizerOffload
-from grpoflow.rewards import RewardModel, RewardRunner, load_plugins, resolve_reward, reward_name
-from grpoflow.run import checkpoint
-from grpoflow.run.config import GRPOConfig
-from grpoflow.run.distributed import init_distributed, run_steps
-from grpoflow.run.infer_workers import RolloutServers, worker_gpus
+from grpoflow.rewards import RewardRunner
+from grpoflow.run import checkpoint, infer_workers
+from grpoflow.run.config import GRPOConfig, TrainingConfig
+from grpoflow.run.distributed import DistributedContext, init_distributed
+from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.trainer import GRPOTrainer
 
 logger = logging.getLogger("grpoflow")
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def build_rewards(config: GRPOConfig, device: torch.device) -> RewardRunner:
-    selection, params = config.rewards, config.reward_params
-    load_plugins(selection.external_plugins)
-    funcs = [(reward_name(spec), resolve_reward(spec, params)) for spec in selection.reward_funcs]
-    if selection.reward_model:
-        funcs.append(("reward_model", RewardModel(selection.reward_model, device=device)))
-    return RewardRunner(
-        funcs,
-        selection.reward_weights,
-        timeout=params.reward_timeout,
-        num_workers=params.reward_num_workers,
-    )
-
-
-def choose_engine(config: GRPOConfig) -> str:
-    name = config.generation.rollout_engine
-    if config.vllm.num_infer_workers:
-        return "vllm_server"
-    if config.vllm.use_vllm:
-        if name != "auto":
-            logger.warning("use_vllm=true: rollout_engine=%s is ignored", name)
-        return "vllm" if config.vllm.vllm_mode == "colocate" else "vllm_server"
-    if name != "auto":
-        return name
-    return "native" if "native" in ENGINES else "hf"
-
-
 def build_trainer(config: GRPOConfig) -> GRPOTrainer:
-    """Everything a run needs, checked before any training work starts."""
-    training, policy = config.training, config.policy
+    """Everything a run needs: prompts, rewards, policy, engine, placement, optimizer, trainer."""
+    training = config.training
     seed_everything(training.seed)
-    resume = (
-        checkpoint.resolve_checkpoint(training.resume_from_checkpoint, training.output_dir)
-        if training.resume_from_checkpoint
-        else None
+    resume = checkpoint.resolve_checkpoint(training.resume_from_checkpoint, training.output_dir)
+    distributed, device = init_distributed(resolve_device(config.policy.device))
+    check_world(config, distributed)
+    tokenizer = config.policy.load_tokenizer()
+    rewards = RewardRunner.from_config(config.rewards, device=device)
+    items = config.data.load_prompts(tokenizer, seed=training.seed)
+    model = config.adapter.apply(
+        config.policy.build(vocab_size=len(tokenizer), seed=training.seed, device=device)
     )
-    distributed, device = init_distributed(resolve_device(policy.device))
-    engine_name = choose_engine(config)
-    _check_async(config, engine_name, distributed.world_size)
-    if engine_name == "vllm":  # a layout that does not fit the world is refused before any work
-        ColocateLayout(
-            rank=distributed.rank,
-            world_size=distributed.world_size,
-            tensor_parallel_size=config.vllm.vllm_tensor_parallel_size,
-        )
-    if device.type == "cuda":
-        # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
-        # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    dtype = resolve_dtype(policy.torch_dtype, device)
-    tokenizer = load_tokenizer(policy.model, trust_remote_code=policy.trust_remote_code)
-    rewards = build_rewards(config, device)
-    items = _prompt_items(config, tokenizer)
-    model = load_model(
-        policy.model, policy, vocab_size=len(tokenizer), seed=training.seed, device=device, dtype=dtype
-    )
-    if config.adapter.train_type == "lora":
-        model = lora.add_lora(model, config.adapter)
     ref_model = reference_model(model) if config.algorithm.beta != 0 else None
     if resume is not None:
-        _load_weights(model, resume)
+        load_checkpoint_weights(model, resume)
     distributed.broadcast_parameters(model)
-    max_model_len = config.data.max_prompt_length + config.generation.max_completion_length
-    workers = _start_workers(config, distributed, dtype, max_model_len)
-    options = EngineOptions(
-        max_model_len=max_model_len,
-        gpu_memory_utilization=config.generation.gpu_memory_utilization,
-        logprob_chunk_size=config.algorithm.logprob_chunk_size,
-        vllm=_server_settings(config, workers),
-        exclusive_servers=workers is not None,
-        seed=training.seed,
-        rank=distributed.rank,
-        world_size=distributed.world_size,
-    )
-    try:
-        engine = build_engine(engine_name, lora.generation_model(model), tokenizer, options)
-    except Exception:
-        if workers:
-            workers.check_alive()  # a server that died says why
-            workers.close()
-        raise
+    workers = infer_workers.start_for_run(config, distributed, next(model.parameters()).dtype)
+    engine = build_rollout_engine(config, model, tokenizer, distributed, workers)
     placement.place_models(
         model,
         ref_model,
@@ -131,11 +54,8 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         world_size=distributed.world_size,
         engine_shares_weights=engine.shares_policy_weights,
     )
-    optimizer, scheduler = build_optimizer(model, config, len(items), distributed.world_size)
-    if placement.is_sharded(model):
-        placement.full_optimizer_state(optimizer)
-    if training.offload_optimizer:
-        OptimizerOffload(optimizer, gc_collect=training.gc_collect_after_offload)
+    steps = config.total_steps(len(items), distributed.world_size)
+    optimizer, scheduler = build_optimizer(model, training, steps * config.algorithm.num_iterations)
     trainer = GRPOTrainer(
         config,
         model=model,
@@ -147,7 +67,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         scheduler=scheduler,
         ref_model=ref_model,
         distributed=distributed,
-        per_prompt_seeds=engine_name == "native",
+        per_prompt_seeds=config.generation.engine_name == "native",
     )
     if workers:
         trainer.add_cleanup(workers.close)
@@ -159,107 +79,83 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     return trainer
 
 
-def _server_settings(config: GRPOConfig, workers: RolloutServers | None):
-    """The vLLM section the engine gets: the run's, or one that points at the run's servers."""
-    if workers is None:
-        return config.vllm
-    return dataclasses.replace(config.vllm, vllm_server_base_url=",".join(workers.urls), num_infer_workers=0)
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
-def _start_workers(
-    config: GRPOConfig, distributed, dtype: torch.dtype, max_model_len: int
-) -> RolloutServers | None:
-    """The run's `num_infer_workers` rollout servers for this training process, or None."""
-    count = config.vllm.num_infer_workers
-    if not count:
-        return None
-    policy = config.policy
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    on_gpu = distributed.device.type == "cuda" or resolve_device(policy.device).type == "cuda"
-    gpus = worker_gpus(
-        count, distributed.local_rank, local_world_size, torch.cuda.device_count() if on_gpu else None
-    )
-    flags = ["--model", policy.model, "--dtype", str(dtype).removeprefix("torch."), "--seed"]
-    flags += [str(config.training.seed), "--max-model-len", str(max_model_len)]
-    flags += ["--max-num-seqs", str(max(config.vllm.vllm_max_num_seqs, config.generation_batch_size))]
-    flags += ["--trust-remote-code"] if policy.trust_remote_code else []
-    return RolloutServers(flags, gpus, Path(config.training.output_dir) / "infer_workers")
-
-
-def _check_async(config: GRPOConfig, engine_name: str, world_size: int) -> None:
-    if not config.off_policy.async_generate:
-        return
-    if engine_name != "vllm_server":
-        raise ValueError(
-            f"async_generate needs a rollout server to generate while the policy trains: set "
-            f"use_vllm: true and vllm_mode: server (e.g. against `grpoflow serve`); the {engine_name} "
-            f"engine runs in the training process"
+def check_world(config: GRPOConfig, distributed: DistributedContext) -> None:
+    """The rules that need the number of processes, checked before any model loads."""
+    if config.generation.engine_name == "vllm":
+        ColocateLayout(
+            rank=distributed.rank,
+            world_size=distributed.world_size,
+            tensor_parallel_size=config.vllm.vllm_tensor_parallel_size,
         )
-    if config.algorithm.dynamic_sample and world_size > 1:
+    if config.off_policy.async_generate and config.algorithm.dynamic_sample and distributed.world_size > 1:
         raise ValueError(
             "async_generate with dynamic_sample needs one process: its resampling rounds agree across "
             "ranks through collectives, which cannot run beside the update's; turn one of them off"
         )
+    if distributed.device.type == "cuda":
+        # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
+        # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def _prompt_items(config: GRPOConfig, tokenizer):
-    data = config.data
-    rows = [
-        row for spec in data.dataset for row in load_rows(spec, data.dataset_split, seed=config.training.seed)
-    ]
-    return build_prompt_items(
-        rows,
-        tokenizer,
-        system=read_system_prompt(data.system),
-        max_prompt_length=data.max_prompt_length,
-        truncation_strategy=data.truncation_strategy,
+def build_rollout_engine(
+    config: GRPOConfig,
+    model: torch.nn.Module,
+    tokenizer,
+    distributed: DistributedContext,
+    workers: RolloutServers | None,
+) -> RolloutEngine:
+    """The engine the generation section chooses, around the policy (or the run's servers)."""
+    engine = config.generation.engine
+    remote = config.remote
+    if workers is not None:
+        remote = dataclasses.replace(remote, vllm_server_base_url=",".join(workers.urls))
+    options = EngineOptions(
+        engine=dataclasses.replace(engine, max_model_len=engine.max_model_len or config.max_model_len),
+        logprob_chunk_size=config.algorithm.logprob_chunk_size,
+        vllm=config.vllm,
+        remote=remote,
+        exclusive_servers=workers is not None,
+        seed=config.training.seed,
+        rank=distributed.rank,
+        world_size=distributed.world_size,
     )
+    try:
+        return build_engine(config.generation.engine_name, lora.generation_model(model), tokenizer, options)
+    except Exception:
+        if workers:
+            workers.check_alive()  # a server that died says why
+            workers.close()
+        raise
 
 
-def _load_weights(model: torch.nn.Module, directory: Path) -> None:
-    from safetensors.torch import load_file
-
-    is_lora = lora.is_peft_model(model)
-    if is_lora != lora.is_adapter_checkpoint(directory):
-        held, other = ("a full model", "full") if is_lora else ("a LoRA adapter", "lora")
-        raise ValueError(
-            f"checkpoint {directory} holds {held} but this run has train_type="
-            f"{'lora' if is_lora else 'full'}: resume with train_type={other} and the run's other settings"
-        )
-    if is_lora:
-        lora.load_adapter_weights(model, directory)
-        return
-    state = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(str(path), device=str(next(model.parameters()).device)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    if unexpected or set(missing) - tied - {"lm_head.weight"}:
-        raise ValueError(
-            f"checkpoint {directory} does not match the model (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}): resume with the model the run started from"
-        )
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-
-
-def build_optimizer(model: torch.nn.Module, config: GRPOConfig, num_items: int, world_size: int = 1):
+def build_optimizer(model: torch.nn.Module, training: TrainingConfig, optimizer_steps: int):
+    """AdamW over the trainable parameters and the learning-rate schedule over `optimizer_steps`;
+    the optimizer state moves to the CPU between steps under offload_optimizer."""
     from transformers import get_scheduler
 
-    training = config.training
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=training.learning_rate,
         betas=(training.adam_beta1, training.adam_beta2),
         weight_decay=training.weight_decay,
     )
-    optimizer_steps = run_steps(config, num_items, world_size) * config.algorithm.num_iterations
     scheduler = get_scheduler(
         training.lr_scheduler_type,
         optimizer,
         num_warmup_steps=math.ceil(training.warmup_ratio * optimizer_steps),
         num_training_steps=optimizer_steps,
     )
+    if placement.is_sharded(model):
+        placement.full_optimizer_state(optimizer)
+    if training.offload_optimizer:
+        OptimizerOffload(optimizer, gc_collect=training.gc_collect_after_offload)
     return optimizer, scheduler
 
 

@@ -124,8 +124,11 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def resolve_checkpoint(spec: str, output_dir: str | Path) -> Path:
-    """A checkpoint directory from `resume_from_checkpoint` (a path, or `latest`/`true`)."""
+def resolve_checkpoint(spec: str | None, output_dir: str | Path) -> Path | None:
+    """A checkpoint directory from `resume_from_checkpoint` (a path, or `latest`/`true`); None
+    when it is unset."""
+    if not spec:
+        return None
     if spec.lower() in {"latest", "true", "auto"}:
         found = list_checkpoints(output_dir)
         if not found:

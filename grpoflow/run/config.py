@@ -27,6 +27,7 @@ from grpoflow.engines.vllm import VLLMConfig
 from grpoflow.options import require
 from grpoflow.policy.loading import PolicyConfig
 from grpoflow.policy.lora import AdapterConfig
+from grpoflow.policy.tiny import DEFAULT_SEED
 from grpoflow.rewards.params import RewardConfig
 from grpoflow.run.metrics import LogConfig
 from grpoflow.run.update import AlgorithmConfig, ImportanceCorrection
@@ -118,7 +119,7 @@ class TrainingConfig:
     max_steps: int = -1
     """Training steps (each: one generation batch, num_iterations optimizer steps); -1 uses
     num_train_epochs."""
-    seed: int = 42
+    seed: int = DEFAULT_SEED
     """Seed of data order, sampling and initialisation."""
     output_dir: str = "outputs/grpoflow"
     """Where checkpoints, metrics and logs go."""

@@ -15,7 +15,6 @@ reads the same either way.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -189,12 +188,3 @@ def init_distributed(device: torch.device) -> tuple[DistributedContext, torch.de
         rank=rank, world_size=world_size, local_rank=local_rank, device=collective_device
     )
     return context, device
-
-
-def run_steps(config, num_prompts: int, world_size: int) -> int:
-    """Training steps of a run over `world_size` ranks: max_steps, or enough global generation
-    batches (world_size times a rank's) for num_train_epochs."""
-    if config.training.max_steps > 0 or world_size == 1:
-        return config.total_steps(num_prompts)
-    per_step = world_size * config.generation_batch_size // config.generation.num_generations
-    return max(1, math.ceil(config.training.num_train_epochs * num_prompts / per_step))

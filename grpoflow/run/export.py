@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from grpoflow.policy import lora
-from grpoflow.policy.loading import load_model, load_tokenizer, resolve_dtype
+from grpoflow.policy.loading import PolicyConfig, load_model, load_tokenizer, resolve_dtype
+from grpoflow.policy.tiny import DEFAULT_SEED
 from grpoflow.run import checkpoint
-from grpoflow.run.config import PolicyConfig
 
 logger = logging.getLogger("grpoflow")
 
@@ -60,7 +60,7 @@ def _export_base(directory: Path, base: str | None, *, vocab_size: int) -> torch
         source,
         PolicyConfig(model=source, trust_remote_code=run_config.get("trust_remote_code", False)),
         vocab_size=vocab_size,
-        seed=run_config.get("seed", 42),
+        seed=run_config.get("seed", DEFAULT_SEED),
         device=cpu,
         dtype="auto" if dtype_name == "auto" else resolve_dtype(dtype_name, cpu),
     )

@@ -21,6 +21,13 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from grpoflow.run.config import GRPOConfig
+    from grpoflow.run.distributed import DistributedContext
 
 logger = logging.getLogger("grpoflow")
 
@@ -155,3 +162,30 @@ class RolloutServers:
                 process.kill()
                 process.wait()
         atexit.unregister(self.close)
+
+
+def start_for_run(
+    config: GRPOConfig, distributed: DistributedContext, dtype: torch.dtype
+) -> RolloutServers | None:
+    """The run's `num_infer_workers` rollout servers for this training process, or None: each
+    serves the run's model with the run's seed, context and a decode batch that holds a step."""
+    count = config.generation.num_infer_workers
+    if not count:
+        return None
+    policy = config.policy
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    on_gpu = distributed.device.type == "cuda"
+    gpus = worker_gpus(
+        count, distributed.local_rank, local_world_size, torch.cuda.device_count() if on_gpu else None
+    )
+    rows = max(config.generation.engine.max_num_seqs, config.generation_batch_size)
+    flags = ["--model", policy.model, "--dtype", str(dtype).removeprefix("torch."), "--seed"]
+    flags += [
+        str(config.training.seed),
+        "--max-model-len",
+        str(config.max_model_len),
+        "--max-num-seqs",
+        str(rows),
+    ]
+    flags += ["--trust-remote-code"] if policy.trust_remote_code else []
+    return RolloutServers(flags, gpus, Path(config.training.output_dir) / "infer_workers")

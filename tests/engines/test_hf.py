@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from grpoflow.engines import EngineOptions, RolloutEngine, SamplingParams, build_engine
+from grpoflow.engines import EngineConfig, EngineOptions, RolloutEngine, SamplingParams, build_engine
 from grpoflow.engines.hf import HFEngine, left_pad
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model
 
@@ -63,11 +63,13 @@ def first_new_token(row, other_rows, start=1):
 def test_engine_satisfies_the_interface(engine, model, tokenizer):
     assert isinstance(engine, RolloutEngine)
     assert engine.shares_policy_weights
-    built = build_engine("hf", model, tokenizer, EngineOptions(max_model_len=64, logprob_chunk_size=7))
+    built = build_engine(
+        "hf", model, tokenizer, EngineOptions(engine=EngineConfig(max_model_len=64), logprob_chunk_size=7)
+    )
     assert isinstance(built, HFEngine)
     assert built.logprob_chunk_size == 7
     with pytest.raises(ValueError, match="unknown rollout engine 'vllm2'; known: .*hf"):
-        build_engine("vllm2", model, tokenizer, EngineOptions(max_model_len=64))
+        build_engine("vllm2", model, tokenizer, EngineOptions(engine=EngineConfig(max_model_len=64)))
 
 
 def test_left_pad():

@@ -130,7 +130,9 @@ def test_sampling_frequencies_match_the_distribution(options):
     counts = _draw_counts(logits, options, 40000)
     statistic, degrees = chi_square(counts, _reference_probs(logits, options))
     assert statistic < chi_square_critical(degrees), (statistic, degrees)
-    wrong = SamplingOptions.from_params(SamplingParams(temperature=options.temperature * 1.25, top_p=min(1.0, options.top_p + 0.2)))
+    wrong = SamplingOptions.from_params(
+        SamplingParams(temperature=options.temperature * 1.25, top_p=min(1.0, options.top_p + 0.2))
+    )
     wrong_statistic, wrong_degrees = chi_square(counts, _reference_probs(logits, wrong))
     assert wrong_statistic > chi_square_critical(wrong_degrees), "the test must see a wrong distribution"
 

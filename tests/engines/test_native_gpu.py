@@ -132,7 +132,9 @@ def test_sample_kernel_matches_reference(greedy, filters):
 
     logits = torch.randn(256, 151936, device="cuda", dtype=torch.bfloat16) * 3
     keys = torch.from_numpy(np.random.default_rng(0).integers(0, 2**32, 256)).cuda()
-    options = SamplingOptions.from_params(SamplingParams(temperature=0.8, top_p=0.9 if filters else 1.0, top_k=50 if filters else 0))
+    options = SamplingOptions.from_params(
+        SamplingParams(temperature=0.8, top_p=0.9 if filters else 1.0, top_k=50 if filters else 0)
+    )
     thresholds = filter_thresholds(logits.float() / 0.8, options)
     inverse = 1.0 if greedy else 1 / 0.8
     tokens, logprobs = sample_rows(logits, keys, inverse, greedy, thresholds)

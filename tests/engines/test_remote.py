@@ -15,14 +15,14 @@ pytest.importorskip("httpx")
 
 from helpers import support  # noqa: E402
 
-from grpoflow.engines import EngineOptions, SamplingParams, build_engine  # noqa: E402
+from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.engines.remote import (  # noqa: E402
+    RemoteConfig,  # noqa: E402
     RemoteEngine,
     ServerError,
     WeightSyncError,
 )
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
-from grpoflow.run.config import VLLMConfig  # noqa: E402
 
 from .test_vllm import PROMPTS, TINY_SHAPE, greedy, perturbed, reference_logprobs  # noqa: E402
 
@@ -64,10 +64,9 @@ def server(policy, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(server):
-    config = VLLMConfig(
-        use_vllm=True, vllm_mode="server", vllm_server_base_url=server, vllm_server_timeout=180
-    )
-    engine = build_engine("vllm_server", None, None, EngineOptions(max_model_len=256, vllm=config))
+    config = RemoteConfig(vllm_server_base_url=server, vllm_server_timeout=180)
+    options = EngineOptions(engine=EngineConfig(max_model_len=256), remote=config)
+    engine = build_engine("vllm_server", None, None, options)
     yield engine
     engine.close()
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import support
 
-from grpoflow.engines import EngineOptions, SamplingParams, build_engine
+from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine
 from grpoflow.engines.remote import RemoteEngine, WeightSyncError
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
 
@@ -35,7 +35,9 @@ def model(seed: int) -> torch.nn.Module:
 
 def local_greedy(policy: torch.nn.Module) -> list[tuple[list[int], list[float]]]:
     """What the server's engine generates with `policy`'s weights, computed here."""
-    local = build_engine("native", policy, build_char_tokenizer(), EngineOptions(max_model_len=64))
+    local = build_engine(
+        "native", policy, build_char_tokenizer(), EngineOptions(engine=EngineConfig(max_model_len=64))
+    )
     return [(c.token_ids, c.logprobs) for group in local.generate(PROMPTS, GREEDY) for c in group]
 
 

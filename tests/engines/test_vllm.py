@@ -14,10 +14,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from helpers import support  # noqa: E402
 
-from grpoflow.engines import EngineOptions, SamplingParams, build_engine  # noqa: E402
-from grpoflow.engines.vllm import VLLMEngine  # noqa: E402
+from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
+from grpoflow.engines.vllm import (
+    VLLMConfig,  # noqa: E402
+    VLLMEngine,  # noqa: E402
+)
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
-from grpoflow.run.config import VLLMConfig  # noqa: E402
 
 TINY_SHAPE = support.VLLM_TINY_SHAPE
 PROMPTS = [[5, 6, 7, 8], [20, 21], [30, 31, 32]]
@@ -54,7 +56,7 @@ def policy():
 @pytest.fixture(scope="module")
 def engine(policy):
     model, tokenizer = policy
-    options = EngineOptions(max_model_len=128, vllm=VLLMConfig(use_vllm=True, vllm_enforce_eager=True))
+    options = EngineOptions(engine=EngineConfig(max_model_len=128), vllm=VLLMConfig(vllm_enforce_eager=True))
     engine = build_engine("vllm", model, tokenizer, options)
     yield engine
     engine.close()

@@ -6,8 +6,7 @@ import torch
 
 from grpoflow.engines import ENGINES, SamplingParams
 from grpoflow.engines.vllm import layer_groups, sampling_fields, truncates_distribution, weight_buckets
-from grpoflow.options.loader import load_config
-from grpoflow.run.build import choose_engine
+from grpoflow.run.config import load_config
 
 
 def config(**overrides):
@@ -15,9 +14,11 @@ def config(**overrides):
 
 
 def test_use_vllm_picks_the_colocated_or_server_engine():
-    assert choose_engine(config(use_vllm=True)) == "vllm"
-    assert choose_engine(config(use_vllm=True, vllm_mode="server")) == "vllm_server"
-    assert choose_engine(config(rollout_engine="hf")) == "hf"
+    assert config(use_vllm=True).generation.engine_name == "vllm"
+    assert config(use_vllm=True, vllm_mode="server").generation.engine_name == "vllm_server"
+    assert config(rollout_engine="hf").generation.engine_name == "hf"
+    assert config().generation.engine_name == "native"
+    assert config(num_infer_workers=1).generation.engine_name == "vllm_server"
     assert {"vllm", "vllm_server"} <= set(ENGINES)
 
 

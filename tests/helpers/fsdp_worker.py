@@ -9,8 +9,8 @@ import torch
 import torch.distributed as torch_dist
 
 from grpoflow.policy import lora, placement
+from grpoflow.policy.lora import AdapterConfig
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
-from grpoflow.run.config import AdapterConfig
 from grpoflow.run.distributed import DistributedContext
 
 CPU = torch.device("cpu")

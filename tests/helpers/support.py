@@ -15,9 +15,8 @@ import yaml
 from safetensors.torch import load_file
 
 from grpoflow.cli import DEFAULT_RECIPE
-from grpoflow.options.loader import load_config
 from grpoflow.run import torchrun
-from grpoflow.run.config import GRPOConfig
+from grpoflow.run.config import GRPOConfig, load_config
 from grpoflow.run.infer_workers import RolloutServers, free_port  # noqa: F401 (tests import free_port from here)
 
 QUICK = {

@@ -13,8 +13,8 @@ import torch.distributed as torch_dist
 
 from grpoflow.algo import sequence_logprobs
 from grpoflow.engines import SamplingParams
-from grpoflow.options.loader import load_config
 from grpoflow.run.build import build_trainer
+from grpoflow.run.config import load_config
 
 PROMPTS = [[5, 6, 7, 8], [20, 21], [30, 31, 32]]
 

@@ -15,9 +15,10 @@ from helpers import support  # noqa: E402
 
 from grpoflow import cli  # noqa: E402
 from grpoflow.algo import sequence_logprobs  # noqa: E402
-from grpoflow.engines import ENGINES, EngineOptions, SamplingParams, build_engine  # noqa: E402
+from grpoflow.engines import ENGINES, EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.policy.loading import reference_model  # noqa: E402
 from grpoflow.policy.lora import (  # noqa: E402
+    AdapterConfig,  # noqa: E402
     WithoutAdapters,
     add_lora,
     generation_model,
@@ -26,7 +27,6 @@ from grpoflow.policy.lora import (  # noqa: E402
 )
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpoflow.run.build import build_trainer, run  # noqa: E402
-from grpoflow.run.config import AdapterConfig  # noqa: E402
 
 LORA = {"train_type": "lora", "modules_to_save": ["model.norm"]}
 """The tiny model ties its output head to embeddings of std 0.02 and ends in an RMSNorm, so with
@@ -122,7 +122,7 @@ def test_engines_generate_the_adapted_policy_inside_the_merge(engine_name):
     tokenizer = build_char_tokenizer()
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    options = EngineOptions(max_model_len=64)
+    options = EngineOptions(engine=EngineConfig(max_model_len=64))
     reference = build_engine("hf", model, tokenizer, options).generate(prompts, greedy)  # PeftModel.generate
     engine = build_engine(engine_name, generation_model(model), tokenizer, options)
     with merged_adapters(model):

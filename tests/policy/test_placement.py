@@ -20,11 +20,11 @@ from helpers.support import (
     write_config,
 )
 
-from grpoflow.options.loader import load_config
 from grpoflow.policy import placement
 from grpoflow.policy.offload import CPU, OptimizerOffload, module_offloaded
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
 from grpoflow.run.build import build_trainer, run
+from grpoflow.run.config import load_config
 
 pytestmark = pytest.mark.slow
 

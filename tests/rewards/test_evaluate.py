@@ -53,9 +53,7 @@ def test_evaluate_isolates_the_failing_sample():
     assert outcome.values[0] == 1.0 and is_nan(outcome.values[1]) and outcome.values[2] == 1.0
     ((index, message),) = outcome.errors
     assert index == 1
-    assert (
-        "ValueError: cannot score b" in message and "'b'" in message and "test_reward_evaluate.py" in message
-    )
+    assert "ValueError: cannot score b" in message and "'b'" in message and "test_evaluate.py" in message
 
 
 def test_evaluate_batch_only_failure_keeps_values():

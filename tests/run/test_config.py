@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpoflow.options.loader import load_config, parse_overrides
-from grpoflow.run.config import GRPOConfig
+from grpoflow.options import parse_overrides
+from grpoflow.run.config import GRPOConfig, load_config
 
 PACKAGED_RECIPE = Path(__file__).parents[2] / "grpoflow" / "recipes" / "default.yaml"
 REPO_RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
@@ -118,8 +118,8 @@ def test_numbers_from_strings_and_yaml():
     assert config.training.learning_rate == pytest.approx(1e-6)
     assert isinstance(config.training.learning_rate, float)
     assert config.training.max_steps == 7
-    assert isinstance(config.generation.temperature, float)
-    assert config.generation.top_k == -1
+    assert isinstance(config.generation.sampling.temperature, float)
+    assert config.generation.sampling.top_k == -1
     assert config.training.warmup_ratio == pytest.approx(0.1)
     # YAML reads 1e-6 (no dot) as a string and 1.0e-6 as a float; both must work.
     assert yaml.safe_load("x: 1e-6")["x"] == "1e-6"
@@ -149,7 +149,7 @@ def test_comma_lists_and_single_values_become_lists():
     assert config.data.dataset == ["echo", "gsm8k#5"]
     assert config.rewards.reward_funcs == ["accuracy", "format"]
     assert config.log.report_to == ["none"]
-    assert build(stop="</answer>").generation.stop == ["</answer>"]
+    assert build(stop="</answer>").generation.sampling.stop == ["</answer>"]
 
 
 @pytest.mark.parametrize(
@@ -178,7 +178,7 @@ def test_empty_lists_in_yaml_mean_unset(tmp_path):
     with pytest.raises(ValueError, match="dataset is not set"):
         load_config(recipe)
     recipe = write_yaml(tmp_path / "r.yaml", {**MINIMAL, "stop": None})
-    assert load_config(recipe).generation.stop == []
+    assert load_config(recipe).generation.sampling.stop == []
 
 
 # aliases and shared keys
@@ -196,8 +196,8 @@ def test_rlhf_type_is_accepted_and_ignored():
 def test_max_completion_length_reaches_generation_and_rewards():
     config = build(max_completion_length="77")
     assert config.generation.max_completion_length == 77
-    assert config.reward_params.max_completion_length == 77
-    assert config.reward_params.effective_soft_max_length == 77
+    assert config.rewards.max_completion_length == 77
+    assert config.rewards.effective_soft_max_length == 77
 
 
 # YAML recipes
@@ -226,8 +226,8 @@ def test_yaml_nested_by_section_and_overrides_win(tmp_path):
     assert config.policy.torch_dtype == "float32"
     assert config.data.max_prompt_length == 32
     assert config.generation.max_completion_length == 16
-    assert config.reward_params.max_completion_length == 16
-    assert config.reward_params.reward_timeout == pytest.approx(5.0)
+    assert config.rewards.max_completion_length == 16
+    assert config.rewards.reward_timeout == pytest.approx(5.0)
     assert config.training.max_steps == 20
     assert config.algorithm.beta == 0.0
 
@@ -297,7 +297,7 @@ def test_unknown_key_without_close_match():
         ({"save_total_limit": 0}, "save_total_limit must be > 0"),
         ({"max_prompt_length": 0}, "max_prompt_length must be > 0"),
         ({"truncation_strategy": "right"}, "truncation_strategy must be one of delete, left, raise"),
-        ({"gpu_memory_utilization": 1.0}, "gpu_memory_utilization must be in"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in"),
         ({"move_model_batches": 0}, r"move_model_batches must be >= 1 \(or null for a single push\), got 0"),
         ({"soft_cache_length": 600}, "soft_cache_length must be in"),
         (
@@ -308,7 +308,7 @@ def test_unknown_key_without_close_match():
             {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3},
             "= 6 completions per step must be divisible by num_generations = 4",
         ),
-        ({"reward_weights": [1.0, 2.0]}, "reward_weights has 2 values but there are 1 rewards"),
+        ({"reward_weights": [1.0, 2.0]}, "reward_weights must be one weight per reward: there are 1 rewards"),
         ({"model": None}, "model is not set"),
         ({"dataset": []}, "dataset is not set"),
         ({"reward_funcs": []}, "no reward: set reward_funcs"),
@@ -322,7 +322,7 @@ def test_bad_values_name_the_key(values, message):
 def test_reward_model_counts_as_a_reward():
     config = build(reward_funcs=[], reward_model="some/classifier", reward_weights=[0.5])
     assert config.rewards.reward_model == "some/classifier"
-    with pytest.raises(ValueError, match="reward_weights has 1 values but there are 2 rewards"):
+    with pytest.raises(ValueError, match="reward_weights must be one weight per reward: there are 2 rewards"):
         build(reward_model="some/classifier", reward_weights=[1.0])
 
 
@@ -363,7 +363,14 @@ def test_flat_dict_round_trip():
 
 
 def test_async_generation_must_allow_the_staleness_of_spaced_syncs():
-    base = {"model": "tiny", "dataset": ["echo"], "reward_funcs": ["format"], "async_generate": True}
+    base = {
+        "model": "tiny",
+        "dataset": ["echo"],
+        "reward_funcs": ["format"],
+        "async_generate": True,
+        "use_vllm": True,
+        "vllm_mode": "server",
+    }
     with pytest.raises(ValueError, match="max_staleness"):
         load_config(None, {**base, "weight_sync_interval": 2})
     assert (

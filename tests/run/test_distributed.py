@@ -17,8 +17,8 @@ from helpers.support import (
     write_plugin,
 )
 
-from grpoflow.options.loader import load_config
 from grpoflow.run.build import run
+from grpoflow.run.config import load_config
 from grpoflow.run.distributed import DistributedContext
 
 

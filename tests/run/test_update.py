@@ -8,9 +8,14 @@ import pytest
 import torch
 
 from grpoflow.policy.tiny import build_tiny_model
-from grpoflow.run.config import AlgorithmConfig
 from grpoflow.run.rollout import RolloutBatch
-from grpoflow.run.update import SamplingCorrection, UpdateSettings, batch_logprobs, update_policy
+from grpoflow.run.update import (
+    AlgorithmConfig,
+    ImportanceCorrection,
+    UpdateSettings,
+    batch_logprobs,
+    update_policy,
+)
 
 VOCAB = 40
 
@@ -36,7 +41,7 @@ def _batch(model, settings) -> RolloutBatch:
     return batch
 
 
-def _train(correction: SamplingCorrection | None, shift: float) -> tuple[dict, dict[str, float]]:
+def _train(correction: ImportanceCorrection | None, shift: float) -> tuple[dict, dict[str, float]]:
     """Parameters after one update on a fixed batch whose engine log-probs are the policy's minus
     `shift` nats per token, and the update's metrics."""
     model = build_tiny_model(VOCAB, seed=0)
@@ -54,7 +59,7 @@ def _train(correction: SamplingCorrection | None, shift: float) -> tuple[dict, d
 
 def test_matching_engine_log_probs_change_nothing():
     plain, _ = _train(None, 0.0)
-    corrected, metrics = _train(SamplingCorrection("token_truncate", None, 3.0), 0.0)
+    corrected, metrics = _train(ImportanceCorrection(vllm_importance_sampling_mode="token_truncate"), 0.0)
     for name in plain:
         torch.testing.assert_close(corrected[name], plain[name], rtol=1e-5, atol=1e-7)
     assert metrics["sampling/importance_sampling_ratio/mean"] == 1.0
@@ -63,12 +68,14 @@ def test_matching_engine_log_probs_change_nothing():
 def test_token_ratios_scale_the_update_and_masked_ones_drop_it():
     plain, _ = _train(None, 0.0)
     # The engine gave every token log(2) nats less: every ratio is 2 (SGD: the step doubles).
-    doubled, metrics = _train(SamplingCorrection("token_truncate", None, 3.0), math.log(2))
+    doubled, metrics = _train(
+        ImportanceCorrection(vllm_importance_sampling_mode="token_truncate"), math.log(2)
+    )
     for name in plain:
         torch.testing.assert_close(doubled[name], 2 * plain[name], rtol=1e-4, atol=1e-6)
     assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(2.0, rel=1e-5)
     # A sequence ratio of 2^6 is outside the range: every sequence is masked, nothing moves.
-    masked, _ = _train(SamplingCorrection("sequence_mask", None, 3.0), math.log(2))
+    masked, _ = _train(ImportanceCorrection(vllm_importance_sampling_mode="sequence_mask"), math.log(2))
     assert all(torch.count_nonzero(delta) == 0 for delta in masked.values())
 
 

@@ -21,7 +21,7 @@ import httpx  # noqa: E402
 from helpers import support  # noqa: E402
 from safetensors.torch import save  # noqa: E402
 
-from grpoflow.engines import EngineOptions, SamplingParams, build_engine  # noqa: E402
+from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.engines.remote import RemoteEngine, WeightSyncError  # noqa: E402
 from grpoflow.engines.vllm import VLLMEngine  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model, save_tiny_checkpoint  # noqa: E402
@@ -71,7 +71,9 @@ def remote(server):
 
 def local_greedy(policy: torch.nn.Module) -> list[tuple[list[int], list[float]]]:
     """What the server should generate with `policy`'s weights, computed here by the native engine."""
-    local = build_engine("native", policy, build_char_tokenizer(), EngineOptions(max_model_len=64))
+    local = build_engine(
+        "native", policy, build_char_tokenizer(), EngineOptions(engine=EngineConfig(max_model_len=64))
+    )
     return [(c.token_ids, c.logprobs) for group in local.generate(PROMPTS, GREEDY) for c in group]
 
 
