@@ -2,13 +2,9 @@
 
 vLLM builds its model from a directory, so the engine starts from the policy's own directory when
 it holds a checkpoint, else from a copy saved to a temporary directory. After each optimizer step
-the trainer's `(hf_name, tensor)` pairs stream into the worker's in-place reload (vLLM's
-`reload_weights`, wrapped by `WeightSyncExtension`, through `LLM.collective_rpc`). With the
-engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here) the tensors pass by reference,
-and vLLM processes the model layer by layer as their tensors arrive, so at most one layer is
-buffered: no bucketing is needed. `move_model_batches` splits a push into that many reloads of
-whole decoder layers, so that weights made for the push (merged adapters, FSDP gathers) are
-released group by group instead of being held for the whole push.
+the trainer's `(hf_name, tensor)` pairs are pushed by reference into vLLM's in-place reload
+(`grpoflow.transport.in_process`; `VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here, keeps the engine
+in-process), in `move_model_batches` reloads of whole decoder layers when set.
 
 Under torchrun every rank builds its own engine on vLLM's `external_launcher` executor, which joins
 the run's process group instead of starting its own; `vllm_tensor_parallel_size` ranks may share
@@ -22,19 +18,20 @@ top_p, top_k, min_p or a repetition penalty active, vLLM reports the log-prob un
 truncated, renormalised distribution it actually sampled from; the trainer does not truncate.
 
 vLLM is imported only when an engine is built, so this module's helpers (the sampling-field
-mapping, weight buckets) also serve the HTTP client in `remote.py` without vLLM installed.
+mapping) also serve the HTTP client in `remote.py` without vLLM installed. vLLM servers load
+grpoflow's worker methods with `--worker-extension-cls grpoflow.engines.vllm.WeightSyncExtension`
+(the class lives in `grpoflow.transport.in_process`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -44,15 +41,13 @@ import torch
 from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
 from grpoflow.engines.colocate import ColocateLayout, EngineGroup, merge_shares, own_share
 from grpoflow.options import require
+from grpoflow.transport import in_process
+from grpoflow.transport.in_process import WeightSyncExtension
 
 logger = logging.getLogger("grpoflow.engines.vllm")
 
 LOGPROBS_MODE = "processed_logprobs"
 """vLLM's log-prob mode giving log_softmax(logits / temperature) of the sampled token."""
-DEFAULT_BUCKET_BYTES = 512 * 2**20
-"""Most bytes of weights in one shard written for a server."""
-LAYER_INDEX = re.compile(r"\.(\d+)\.")
-"""The first dotted integer of a Hugging Face name: the decoder layer's index (model.layers.3.mlp...)."""
 
 
 def sampling_fields(params: SamplingParams) -> dict:
@@ -84,49 +79,6 @@ def finish_reason(reason: str | None, where: str) -> str:
     if reason in ("stop", "length"):
         return reason
     raise RuntimeError(f"{where} ended a completion with finish_reason={reason!r} (aborted?)")
-
-
-def weight_buckets(
-    weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int = DEFAULT_BUCKET_BYTES
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive lists of `(name, tensor)` of at most `max_bytes` each (a larger tensor alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor.detach()))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def layer_groups(
-    weights: Iterable[tuple[str, torch.Tensor]], num_groups: int, num_layers: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive lists of `(name, tensor)` holding whole decoder layers: layer i goes to group
-    `i * num_groups // num_layers`, so there are min(num_groups, num_layers) groups of near-equal
-    numbers of layers. A tensor outside the layers (embeddings, final norm, head) joins the group
-    being collected when it arrives. The pairs are consumed lazily: a group is collected only when
-    the previous one has been taken. Expects the tensors layer by layer, as `named_parameters()`
-    and the FSDP gather give them (vLLM rebuilds a fused layer, q/k/v or gate/up, from one load).
-    """
-    if num_groups < 1 or num_layers < 1:
-        raise ValueError(f"need num_groups >= 1 and num_layers >= 1, got {num_groups} and {num_layers}")
-    group: list[tuple[str, torch.Tensor]] = []
-    current = 0
-    for name, tensor in weights:
-        match = LAYER_INDEX.search(name)
-        index = current if match is None else min(int(match[1]), num_layers - 1) * num_groups // num_layers
-        if index > current and group:
-            yield group
-            group = []
-        current = max(current, index)
-        group.append((name, tensor.detach()))
-    if group:
-        yield group
 
 
 @dataclass(kw_only=True, slots=True)
@@ -168,44 +120,6 @@ class VLLMConfig:
             ">= 1 (or null for a single push)",
             self.move_model_batches,
         )
-
-
-class WeightSyncExtension:
-    """Methods grpoflow adds to vLLM's worker (vLLM's `worker_extension_cls`), called by name
-    through `collective_rpc`; servers get them with
-    `--worker-extension-cls grpoflow.engines.vllm.WeightSyncExtension`.
-
-    vLLM's in-place `reload_weights` refreshes the layers whose tensors it receives. On the CPU
-    vLLM also keeps a packed copy of the LM head's weight for its GEMM; with tied embeddings no
-    tensor arrives under the LM head's name, so that copy would keep the old embedding. These
-    methods re-pack it after every reload (a no-op on GPUs, which use the weight directly).
-    """
-
-    def grpoflow_reload_weights(self, weights_iterator=None, weights_path: str | None = None) -> None:
-        """Reload from `(hf_name, tensor)` pairs or a directory of safetensors, then re-pack."""
-        self.reload_weights(weights_iterator=weights_iterator, weights_path=weights_path)
-        repack_lm_heads(self.model_runner.model)
-
-    def grpoflow_weight_sync_ready(self) -> bool:
-        """Lets a client check that the extension is installed."""
-        return True
-
-
-def repack_lm_heads(model: torch.nn.Module) -> int:
-    """Re-run the unquantized LM heads' post-load step from their current weight; returns how many."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        ParallelLMHead,
-        UnquantizedEmbeddingMethod,
-    )
-
-    heads = [
-        module
-        for module in model.modules()
-        if isinstance(module, ParallelLMHead) and isinstance(module.quant_method, UnquantizedEmbeddingMethod)
-    ]
-    for head in heads:
-        head.quant_method.process_weights_after_loading(head)
-    return len(heads)
 
 
 def model_directory(model: torch.nn.Module, tokenizer) -> tuple[Path, bool]:
@@ -281,7 +195,7 @@ class VLLMEngine:
             enable_prefix_caching=enable_prefix_caching,
             enable_sleep_mode=self.sleep_supported and sleep_level > 0,
             logprobs_mode=LOGPROBS_MODE,
-            worker_extension_cls=f"{__name__}.WeightSyncExtension",
+            worker_extension_cls=f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}",
             seed=seed,
             **_launcher_arguments(self.layout),
         )
@@ -356,27 +270,10 @@ class VLLMEngine:
         self.policy_version = version
 
     def _push(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load the pairs in one reload, or in `move_model_batches` groups of whole layers taken
-        from the stream one at a time, each released before the next is collected."""
-        if self.move_model_batches is None:
-            self._reload(list(weights))
-        else:
-            for group in layer_groups(weights, self.move_model_batches, self.num_layers):
-                self._reload(group)
-                del group
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        """Load the pairs (in `move_model_batches` groups of whole layers when set); a level-2
+        sleep keeps them to push again at `wake_up`."""
+        in_process.push(self.llm, weights, batches=self.move_model_batches, num_layers=self.num_layers)
         self._last_weights = weights if self.sleep_level == 2 else None
-
-    def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Stream the pairs into vLLM's in-place reload (vLLM processes each layer as soon as all
-        its tensors have arrived, so at most one layer is buffered; in-process nothing is copied)."""
-        try:
-            self.llm.collective_rpc("grpoflow_reload_weights", kwargs={"weights_iterator": iter(weights)})
-        except Exception as error:
-            raise RuntimeError(
-                f"loading {len(weights)} tensors ({weights[0][0]!r} .. {weights[-1][0]!r}) into vLLM "
-                f"failed: {error!r}; check that the names are the Hugging Face names of the served model"
-            ) from error
 
     def reset_prefix_cache(self) -> None:
         """Drop vLLM's cached KV blocks (done after every weight update too)."""
@@ -409,8 +306,7 @@ class VLLMEngine:
         if weights is not None:
             self._push(weights)
         elif level == 2:
-            self.llm.collective_rpc("grpoflow_reload_weights", kwargs={"weights_path": str(self.model_dir)})
-            self.llm.reset_prefix_cache()
+            in_process.reload_directory(self.llm, self.model_dir)
 
     def close(self) -> None:
         """Stop vLLM's engine and remove a temporary model copy."""

@@ -9,7 +9,8 @@ RemoteEngine drive it unchanged):
 - /pause, /resume, /is_paused, /reset_prefix_cache, /sleep, /wake_up, /is_sleeping: control.py.
 - /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update,
   /shutdown_weight_transfer_engine, /update_weight_version, /weight_info, /collective_rpc: weight
-  updates over HTTP (weights.py) or broadcast over a gloo/NCCL group (collective.py).
+  updates over HTTP or broadcast over a gloo/NCCL group (weights.py, on grpoflow.transport's
+  receivers).
 
 With an API key every endpoint but /health, /ping and /version needs `Authorization: Bearer KEY`
 (vLLM guards only /v1/...; here the weight and control endpoints are guarded too, since they
@@ -30,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from grpoflow.server import collective, control, weights
+from grpoflow.server import control, weights
 from grpoflow.server.errors import RequestError
 from grpoflow.server.protocol import (
     ChatCompletionRequest,
@@ -45,6 +46,7 @@ from grpoflow.server.protocol import (
 )
 from grpoflow.server.responses import chat_response, completion_response
 from grpoflow.server.service import ClientGone, Service, read_json, service_of
+from grpoflow.transport import ReceiveError
 
 logger = logging.getLogger("grpoflow.server")
 
@@ -70,6 +72,7 @@ def build_app(service: Service) -> FastAPI:
     if service.config.api_key:
         app.add_middleware(BearerAuth, api_key=service.config.api_key)
     app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(ReceiveError, _receive_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_api_route("/health", health, methods=["GET"])
@@ -104,6 +107,10 @@ class BearerAuth:
 
 async def _request_error(request: Request, error: RequestError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _receive_error(request: Request, error: ReceiveError) -> JSONResponse:
+    return await _request_error(request, RequestError(error.message, error.status, error.param))
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -182,7 +189,7 @@ async def server_info(request: Request) -> dict:
             "weight_version": service.weight_version,
             "weight_transfer": {
                 "backend": service.transfer_backend or "http",
-                "backends": ["http", *collective.offered_backends(service)],
+                "backends": ["http", *service.receiver.offered_backends()],
                 "update_open": service.update_open,
             },
             "is_paused": batcher.paused,

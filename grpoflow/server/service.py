@@ -16,8 +16,7 @@ from grpoflow.server.batcher import Batcher
 from grpoflow.server.errors import RequestError
 from grpoflow.server.protocol import Limits
 from grpoflow.server.settings import ServeConfig
-from grpoflow.transport import collective
-from grpoflow.transport.collective import UpdatePlan, WeightGroup
+from grpoflow.transport.collective_receiver import CollectiveReceiver, Write, into_load, into_parameters
 
 MAX_JSON_BYTES = 64 * 2**20
 """Largest JSON body the server reads; weights travel as safetensors bodies, not JSON."""
@@ -48,13 +47,17 @@ class Service:
     """Between /start_weight_update and /finish_weight_update (generation held)."""
     transfer_backend: str | None = None
     """Set by /init_weight_transfer_engine: http, gloo or nccl."""
-    weight_group: WeightGroup | None = None
-    """The collective weight-transfer group joined through /init_weight_transfer_engine."""
+    receiver: CollectiveReceiver = field(init=False)
+    """This server's rank in the trainer's collective weight-transfer group, once joined through
+    /init_weight_transfer_engine."""
     pending_weights: dict[str, torch.Tensor] = field(default_factory=dict)
     """Tensors of the open update kept for /finish_weight_update, for engines that reload whole
     layers (vllm: a fused layer loaded from part of its tensors would lose the rest)."""
     sleeping: bool = False
     batcher: Batcher | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        self.receiver = CollectiveReceiver(self.device)
 
     def start(self) -> None:
         """Create the batcher inside the running event loop."""
@@ -64,8 +67,7 @@ class Service:
     async def stop(self) -> None:
         if self.batcher is not None:
             await self.batcher.stop()
-        if self.weight_group is not None:
-            self.weight_group.close()
+        self.receiver.close()
         close = getattr(self.engine, "close", None)
         if close is not None:
             await asyncio.to_thread(close)
@@ -89,18 +91,13 @@ class Service:
         """Every parameter's Hugging Face name (tied names too) and shape: what updates may hold."""
         return {name: p.shape for name, p in self.model.named_parameters(remove_duplicate=False)}
 
-    def receive_weights(self, group: WeightGroup, plan: UpdatePlan, *, deadline: float) -> None:
-        """Receive a checked update: straight into the parameters when the engine generates from
-        the module, else into buffers handed to the engine's `update_weights` in one call (vLLM
-        reloads a layer once all its tensors arrived, so the update is not split)."""
+    def weight_writer(self) -> Write:
+        """Where a collective update lands: straight in the parameters when the engine generates
+        from the module, else in buffers handed to the engine's `update_weights` in one call."""
         if self.engine.shares_policy_weights:
-            targets = dict(self.model.named_parameters(remove_duplicate=False))
-            collective.receive(group, plan, targets, deadline=deadline)
-            return
-        pairs = [
-            pair for bucket in collective.receive_buckets(group, plan, deadline=deadline) for pair in bucket
-        ]
-        self.engine.update_weights(pairs, self.engine.policy_version)
+            return into_parameters(dict(self.model.named_parameters(remove_duplicate=False)))
+        engine = self.engine
+        return into_load(lambda pairs: engine.update_weights(pairs, engine.policy_version))
 
     def set_version(self, version: str) -> None:
         """Record the weight version; engines number completions with it when it is an integer."""

@@ -1,4 +1,5 @@
-"""Weight updates over HTTP, for trainers on any device (vLLM's NCCL and IPC transports need GPUs).
+"""Weight updates over HTTP: the endpoints of every weight transport (the transports' receiving
+sides are in grpoflow.transport; this module maps them to endpoints).
 
 Three ways in, all applied between generation batches (requests that arrive meanwhile wait):
 
@@ -17,87 +18,39 @@ Three ways in, all applied between generation batches (requests that arrive mean
 
 3. The same endpoints with a collective backend (gloo, or NCCL between GPUs): init_info with the
    trainer's master_address and master_port, update_info with names/dtype_names/shapes and no
-   data; the weights arrive as packed broadcasts (server/collective.py, grpoflow/sync/).
+   data; the weights arrive as packed broadcasts (grpoflow.transport.collective_receiver).
 
 Tensors use Hugging Face parameter names. Every call checks all names and shapes before it writes
-any tensor, so a bad update changes nothing.
+any tensor, so a bad update changes nothing. The transports' ReceiveError becomes the error answer
+with its status (app.py).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from fastapi import APIRouter
 from starlette.requests import Request
 
-from grpoflow.server import collective
 from grpoflow.server.errors import RequestError
 from grpoflow.server.service import Service, read_json, service_of
+from grpoflow.transport.checkpoint_receiver import (
+    HTTP_FORM,
+    RELOAD_METHODS,
+    RPC_METHODS,
+    check_weights,
+    read_bytes,
+    read_path,
+)
+from grpoflow.transport.checkpoint_sender import READY_METHOD
 
 router = APIRouter()
 
 SAFETENSORS_TYPES = ("application/octet-stream", "application/x-safetensors", "application/safetensors")
-RELOAD_METHODS = ("reload_weights", "grpoflow_reload_weights")
-READY_METHOD = "grpoflow_weight_sync_ready"
-HTTP_FORM = (
-    "POST the tensors as a safetensors file to /update_weights (Content-Type: application/octet-stream), "
-    "or name a safetensors file or directory in update_info.weights_path"
-)
 
 
-# -- loading and applying ---------------------------------------------------------------------
-
-
-def load_path(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, or of every *.safetensors file in a directory."""
-    from safetensors.torch import load_file
-
-    location = Path(path)
-    files = sorted(location.glob("*.safetensors")) if location.is_dir() else [location]
-    if not location.exists() or not files:
-        raise RequestError(f"weights_path {path!r}: no safetensors file there (on the server's disk)")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors.update(load_file(str(file)))
-        except Exception as error:
-            raise RequestError(
-                f"weights_path {path!r}: {file.name} is not a readable safetensors file: {error}"
-            ) from None
-    return tensors
-
-
-def load_bytes(data: bytes) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    try:
-        return load(data)
-    except Exception as error:
-        raise RequestError(f"the body is not a safetensors file ({error}); {HTTP_FORM}") from None
-
-
-def check_weights(tensors: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> None:
-    """Refuse the update unless every tensor names a parameter of the model (`shapes`, by Hugging
-    Face name) and has its shape."""
-    if not tensors:
-        raise RequestError("the update holds no tensors")
-    unknown = [name for name in tensors if name not in shapes]
-    if unknown:
-        example = next(iter(shapes))
-        raise RequestError(
-            f"the model has no parameter named {', '.join(map(repr, unknown[:5]))}"
-            f"{f' (and {len(unknown) - 5} more)' if len(unknown) > 5 else ''}; use Hugging Face "
-            f"parameter names such as {example!r}"
-        )
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != tuple(shapes[name]):
-            raise RequestError(
-                f"{name} has shape {tuple(tensor.shape)}, the model's has {tuple(shapes[name])}"
-            )
-        if not tensor.is_floating_point():
-            raise RequestError(f"{name} has dtype {tensor.dtype}: weights must be floating point")
+# -- applying ---------------------------------------------------------------------------------
 
 
 async def apply(service: Service, tensors: dict[str, torch.Tensor]) -> int:
@@ -118,6 +71,20 @@ async def load(service: Service, tensors: dict[str, torch.Tensor]) -> None:
     await service.batcher.exclusive(engine.update_weights, list(tensors.items()), engine.policy_version)
 
 
+async def receive_collective(service: Service, info: dict) -> dict:
+    """Receive a collective update between generation batches, then record its version."""
+    answer = await service.receiver.receive(
+        info,
+        shapes=service.parameter_shapes(),
+        write=service.weight_writer(),
+        exclusive=service.batcher.exclusive,
+    )
+    version = info.get("weight_version")
+    if version is not None:
+        service.set_version(version)
+    return {**answer, "weight_version": service.weight_version}
+
+
 # -- vLLM's weight-transfer endpoints, HTTP backend ---------------------------------------------
 
 
@@ -129,8 +96,10 @@ async def init_weight_transfer_engine(request: Request) -> dict:
     if not isinstance(info, dict):
         raise RequestError("init_info must be a JSON object", 400, "init_info")
     if "master_address" in info or info.get("backend") not in (None, "http"):
-        return await collective.init_group(service, info)
-    collective.close_group(service)
+        answer = await service.receiver.join(info)
+        service.transfer_backend = answer["backend"]
+        return answer
+    service.receiver.close()
     service.transfer_backend = "http"
     return {"message": "Weight transfer initialized", "backend": "http"}
 
@@ -138,7 +107,7 @@ async def init_weight_transfer_engine(request: Request) -> dict:
 @router.post("/shutdown_weight_transfer_engine")
 async def shutdown_weight_transfer_engine(request: Request) -> dict:
     service = service_of(request)
-    collective.close_group(service)
+    service.receiver.close()
     service.transfer_backend = None
     return {"message": "Weight transfer shut down"}
 
@@ -158,7 +127,7 @@ async def update_weights(request: Request) -> dict:
     service = service_of(request)
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type in SAFETENSORS_TYPES:
-        tensors = load_bytes(await request.body())
+        tensors = read_bytes(await request.body())
     else:
         body = await read_json(request)
         info = body.get("update_info") if isinstance(body, dict) else None
@@ -166,9 +135,9 @@ async def update_weights(request: Request) -> dict:
             raise RequestError(f"update_info is missing; {HTTP_FORM}", 400, "update_info")
         if not info.get("weights_path"):
             if "names" in info:
-                return await collective.receive_update(service, info)
+                return await receive_collective(service, info)
             raise RequestError(f"update_info carries no weights: {HTTP_FORM}", 400, "update_info")
-        tensors = load_path(str(info["weights_path"]))
+        tensors = read_path(str(info["weights_path"]))
     count = await apply(service, tensors)
     return {"message": "Weights updated", "num_tensors": count}
 
@@ -224,7 +193,7 @@ async def collective_rpc(request: Request) -> dict:
                 400,
                 "kwargs",
             )
-        await apply(service, load_path(str(kwargs["weights_path"])))
+        await apply(service, read_path(str(kwargs["weights_path"])))
         return {"results": [None]}
-    known = ", ".join((*RELOAD_METHODS, READY_METHOD))
+    known = ", ".join(RPC_METHODS)
     raise RequestError(f"unknown collective_rpc method {method!r}; this server knows: {known}", 400, "method")

@@ -1,4 +1,6 @@
-"""Weights broadcast from the trainer to rollout servers over a process group of their own.
+"""Weights broadcast from the trainer to rollout servers over a process group of their own: the
+wire layer both sides share (the trainer's side is `collective_sender.py`, a server's
+`collective_receiver.py`).
 
 The trainer (rank 0) and each server (ranks 1..N) form a group through a TCPStore that the trainer
 hosts, with `ProcessGroupNCCL` (both sides on CUDA) or `ProcessGroupGloo` built directly on that
@@ -341,7 +343,7 @@ def send(
 
 
 def receive(
-    group: WeightGroup, plan: UpdatePlan, targets: dict[str, torch.Tensor], *, deadline: float
+    group: WeightGroup, plan: UpdatePlan, targets: Mapping[str, torch.Tensor], *, deadline: float
 ) -> None:
     """Rank > 0: receive every bucket and copy each tensor into `targets[name]` (its dtype and
     device may differ from the sent one). Check the plan with `check_plan` first."""

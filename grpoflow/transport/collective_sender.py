@@ -1,4 +1,5 @@
-"""The trainer's side of the collective weight transfer: one group with every rollout server.
+"""The trainer's side of the collective weight transfer: one group with every rollout server
+(the wire layer is `collective.py`, a server's side `collective_receiver.py`).
 
 `CollectiveSender.send(weights, version)`:
 1. the first time (and after a failure), host a TCPStore, POST /init_weight_transfer_engine to
@@ -25,12 +26,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from grpoflow.transport import WeightSyncError, collective
+from grpoflow.transport import Request, WeightSyncError, collective
 from grpoflow.transport.collective import DEFAULT_BUCKET_BYTES, TransferTimeout, WeightGroup
-
-Request = Callable[..., object]
-"""`request(method, url, path, *, timeout, json)`: the answer's JSON, or an exception whose message
-names the server and the HTTP status."""
 
 
 class ServerFailed(Exception):

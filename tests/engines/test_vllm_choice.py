@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from grpoflow.engines import ENGINES, SamplingParams
-from grpoflow.engines.vllm import layer_groups, sampling_fields, truncates_distribution, weight_buckets
+from grpoflow.engines.vllm import sampling_fields, truncates_distribution
 from grpoflow.run.config import load_config
 
 
@@ -29,35 +27,3 @@ def test_sampling_fields_ask_for_the_sampled_token_logprob():
     assert (fields["n"], fields["max_tokens"], fields["temperature"], fields["seed"]) == (4, 9, 0.5, 3)
     assert not truncates_distribution(params)
     assert truncates_distribution(SamplingParams(top_p=0.9))
-
-
-def test_weight_buckets_are_bounded():
-    weights = [(f"w{i}", torch.zeros(256)) for i in range(10)]  # 1 KiB each
-    buckets = list(weight_buckets(weights, max_bytes=3 * 1024))
-    assert [len(bucket) for bucket in buckets] == [3, 3, 3, 1]
-    assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in weights]
-
-
-def test_layer_groups_hold_whole_layers_and_are_taken_from_the_stream_one_at_a_time():
-    names = ["model.embed_tokens.weight"]
-    names += [f"model.layers.{i}.{part}.weight" for i in range(4) for part in ("q_proj", "k_proj", "mlp")]
-    names += ["model.norm.weight", "lm_head.weight"]
-    consumed = []
-
-    def stream():
-        for name in names:
-            consumed.append(name)
-            yield name, torch.zeros(2)
-
-    groups = layer_groups(stream(), num_groups=3, num_layers=4)
-    first = next(groups)
-    assert len(consumed) == 1 + 2 * 3 + 1  # the group, and the tensor that opened the next
-    rest = list(groups)
-    layers = [
-        sorted({name.split(".")[2] for name, _ in group if ".layers." in name}) for group in [first, *rest]
-    ]
-    assert layers == [["0", "1"], ["2"], ["3"]]
-    assert first[0][0] == "model.embed_tokens.weight" and rest[-1][-1][0] == "lm_head.weight"
-    assert [name for group in [first, *rest] for name, _ in group] == names
-    assert len(list(layer_groups(((n, torch.zeros(1)) for n in names), num_groups=9, num_layers=4))) == 4
-    assert len(list(layer_groups(((n, torch.zeros(1)) for n in names), num_groups=1, num_layers=4))) == 1

@@ -22,10 +22,11 @@ from helpers import support  # noqa: E402
 from safetensors.torch import save  # noqa: E402
 
 from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
-from grpoflow.engines.remote import RemoteEngine, WeightSyncError  # noqa: E402
+from grpoflow.engines.remote import RemoteEngine  # noqa: E402
 from grpoflow.engines.vllm import VLLMEngine  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model, save_tiny_checkpoint  # noqa: E402
 from grpoflow.server import ServeConfig, build_service, vllm_backend  # noqa: E402
+from grpoflow.transport import WeightSyncError  # noqa: E402
 
 TINY_SHAPE = support.VLLM_TINY_SHAPE
 PROMPTS = [[5, 6, 7, 8], [20, 21], [30, 31, 32]]

@@ -1,17 +1,15 @@
-"""Weight updates over HTTP: RemoteEngine's checkpoint reload and the weight-transfer sequence."""
+"""Weight updates over HTTP: the weight-transfer sequence and the checkpoint reload endpoint
+(RemoteEngine driving them: tests/engines/test_remote.py)."""
 
 from __future__ import annotations
 
 import threading
 import time
-import warnings
 
 import httpx
 import torch
 from safetensors.torch import save, save_file
 
-from grpoflow.engines.base import SamplingParams
-from grpoflow.engines.remote import RemoteEngine
 from grpoflow.policy.tiny import build_preset_model
 
 SAFETENSORS = {"content-type": "application/octet-stream"}
@@ -30,27 +28,6 @@ def assert_served(service, expected: dict[str, torch.Tensor]) -> None:
     served = served_weights(service)
     for name, tensor in expected.items():
         assert torch.equal(served[name], tensor), name
-
-
-def test_remote_engine_generates_and_reloads_weights(fresh, tmp_path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no warning about log-prob mode or a missing reload method
-        engine = RemoteEngine([fresh.url], startup_timeout=30, sync_dir=tmp_path)
-    try:
-        assert engine.reload_methods == ["grpoflow_reload_weights"]
-        params = SamplingParams(n=2, max_tokens=6, seed=5, ignore_eos=True)
-        before = engine.generate([[3, 4, 5], [6, 7]], params)
-        assert [len(group) for group in before] == [2, 2]
-        assert all(len(completion.token_ids) == 6 == len(completion.logprobs) for completion in before[0])
-        new = other_weights(fresh.service, seed=7)
-        engine.update_weights(new.items(), version=3)
-        assert_served(fresh.service, new)
-        after = engine.generate([[3, 4, 5], [6, 7]], params)
-        assert [c.token_ids for g in after for c in g] != [c.token_ids for g in before for c in g]
-        assert after[0][0].policy_version == 3
-        assert httpx.get(fresh.url + "/weight_info").json() == {"weight_version": "3"}
-    finally:
-        engine.close()
 
 
 def test_the_weight_transfer_sequence_over_http_holds_generation(fresh, tmp_path):

@@ -1,4 +1,5 @@
-"""The server's side of the collective weight transfer, driven by hand as a trainer would (gloo).
+"""A server's side of the collective weight transfer, driven by hand as a trainer would (gloo):
+`CollectiveReceiver` on its own, then behind the endpoints of `grpoflow serve`.
 
 The server runs in a process of its own, as it does in real use: its group and this test's are
 two ranks in two processes.
@@ -6,6 +7,7 @@ two ranks in two processes.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,8 +17,9 @@ import torch
 from helpers import support
 
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
-from grpoflow.transport import collective
+from grpoflow.transport import ReceiveError, collective
 from grpoflow.transport.collective import WeightGroup
+from grpoflow.transport.collective_receiver import CollectiveReceiver, into_load, into_parameters
 
 COMPLETION = {"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0}
 
@@ -61,6 +64,55 @@ def join(url: str, *, group_id: str = "g1", timeout: float = 30.0) -> WeightGrou
 
 def error(response: httpx.Response) -> str:
     return response.json()["error"]["message"]
+
+
+async def in_a_thread(function) -> None:
+    """`exclusive` as a server without generation to hold gives it."""
+    await asyncio.to_thread(function)
+
+
+def test_a_receiver_joins_and_takes_updates_into_a_load_or_the_parameters():
+    store = collective.host_store(30)
+    receiver = CollectiveReceiver(torch.device("cpu"))
+    init_info = {"master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2}
+    cpu = torch.device("cpu")
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(asyncio.run, receiver.join({**init_info, "group_id": "g"}))
+        sender = WeightGroup(
+            store, backend="gloo", rank=0, world_size=2, device=cpu, timeout=30, group_id="g"
+        )
+        assert joined.result() == {"message": "Weight transfer initialized", "backend": "gloo", "rank": 1}
+    model, updated = served_model(), build_preset_model("tiny", len(build_char_tokenizer()), seed=7)
+    shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+    plan, tensors = collective.plan_update(list(updated.named_parameters()), bucket_bytes=4096)
+    loaded: list = []
+    writers = [into_load(loaded.extend), into_parameters(dict(model.named_parameters()))]
+    for update_id, write in enumerate(writers, start=1):
+        info = {**plan.to_json(), "update_id": update_id, "group_id": "g", "timeout": 30}
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(
+                asyncio.run, receiver.receive(info, shapes=shapes, write=write, exclusive=in_a_thread)
+            )
+            deadline = time.monotonic() + 30
+            assert collective.await_ready(sender, update_id, deadline=deadline, poll=lambda: None) == []
+            collective.decide(sender, update_id, go=True)
+            collective.send(sender, plan, tensors, deadline=deadline)
+            assert answer.result() == {
+                "message": "Weights updated",
+                "num_tensors": len(plan.names),
+                "num_buckets": len(plan.buckets),
+            }
+    want = dict(updated.named_parameters())
+    assert [name for name, _ in loaded] == plan.names
+    assert all(torch.equal(tensor, want[name]) for name, tensor in loaded)
+    assert all(torch.equal(parameter, want[name]) for name, parameter in model.named_parameters())
+    stale = {**plan.to_json(), "group_id": "other"}
+    with pytest.raises(ReceiveError, match="another trainer initialised it since") as refused:
+        asyncio.run(receiver.receive(stale, shapes=shapes, write=writers[0], exclusive=in_a_thread))
+    assert refused.value.status == 409 and refused.value.param == "update_info"
+    receiver.close()
+    assert receiver.group is None
+    sender.close()
 
 
 def test_server_info_offers_gloo_on_the_cpu(url):

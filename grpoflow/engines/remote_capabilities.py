@@ -1,0 +1,111 @@
+"""What the rollout servers offer, and the weight transfer chosen from it.
+
+`discover` asks every server for its model (/v1/models) and its /server_info (vLLM exposes it, and
+/collective_rpc, only with `VLLM_SERVER_DEV_MODE=1`), warns when a server's log-probs are taken
+before temperature, and finds the method each reloads a checkpoint with (grpoflow's worker
+extension's when installed, else vLLM's own). `choose_transfer` takes `collective` when asked, or
+under `auto` when every server offers it (grpoflow serve does, vLLM's own server does not) and the
+trainer is a single process (or the servers are its alone); else `checkpoint`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from grpoflow.engines.remote_client import ServerClient
+from grpoflow.engines.vllm import LOGPROBS_MODE
+from grpoflow.transport import ServerError
+from grpoflow.transport.checkpoint_sender import READY_METHOD, RELOAD_METHOD, VLLM_RELOAD_METHOD
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOffer:
+    """What one rollout server serves and offers for weight updates."""
+
+    url: str
+    model: str
+    """The served model's name, as completions requests give it."""
+    reload_method: str | None
+    """The /collective_rpc method it reloads a checkpoint with; None without dev mode."""
+    collective: bool
+    """Whether it joins a collective weight-transfer group."""
+    device: str | None
+    """Where it generates, as it reports it ("cuda:0", "cpu"); None when it does not say."""
+
+
+def discover(client: ServerClient) -> list[ServerOffer]:
+    """Every server's offer, in server order (each question asked of all servers at once)."""
+    models = client.map(lambda url: served_model(client, url))
+    infos = client.map(lambda url: server_info(client, url))
+    methods = client.map(lambda url, info: reload_method(client, url, info), infos)
+    offers = []
+    for url, model, info, method in zip(client.urls, models, infos, methods):
+        grpoflow = (info or {}).get("grpoflow") or {}
+        collective = "gloo" in grpoflow.get("weight_transfer", {}).get("backends", [])
+        offers.append(ServerOffer(url, model, method, collective, grpoflow.get("device")))
+    return offers
+
+
+def served_model(client: ServerClient, url: str) -> str:
+    models = client.request("GET", url, "/v1/models")["data"]
+    if not models:
+        raise ServerError(f"vLLM server {url} serves no model")
+    return models[0]["id"]
+
+
+def server_info(client: ServerClient, url: str) -> dict | None:
+    """The server's /server_info, None when it has none."""
+    try:
+        return client.request("GET", url, "/server_info", params={"config_format": "json"})
+    except ServerError:
+        return None  # /server_info and /collective_rpc exist only with VLLM_SERVER_DEV_MODE=1
+
+
+def reload_method(client: ServerClient, url: str, info: dict | None) -> str | None:
+    """The worker method this server reloads weights with (None without dev mode); warns when
+    its log-probs are taken before temperature or it lacks grpoflow's worker extension."""
+    if info is None:
+        return None
+    mode = info.get("vllm_config", {}).get("model_config", {}).get("logprobs_mode")
+    if mode != LOGPROBS_MODE:
+        warnings.warn(
+            f"vLLM server {url} reports logprobs_mode={mode!r}: its log-probs differ from the "
+            f"trainer's when temperature != 1; start it with --logprobs-mode {LOGPROBS_MODE}",
+            stacklevel=3,
+        )
+    try:
+        client.request("POST", url, "/collective_rpc", json={"method": READY_METHOD})
+        return RELOAD_METHOD
+    except ServerError:
+        warnings.warn(
+            f"vLLM server {url} lacks grpoflow's worker extension: weights are reloaded with vLLM's "
+            f"reload_weights, which on CPU servers leaves a tied LM head stale; start it with "
+            f"--worker-extension-cls grpoflow.engines.vllm.WeightSyncExtension",
+            stacklevel=3,
+        )
+        return VLLM_RELOAD_METHOD
+
+
+def choose_transfer(choice: str, offers: Sequence[ServerOffer], *, exclusive_servers: bool) -> str:
+    """collective or checkpoint, from the choice and what every server offers. `exclusive_servers`:
+    every server has this trainer alone, so collective is open under torchrun too."""
+    several_trainers = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not exclusive_servers
+    if choice == "collective":
+        lacking = [offer.url for offer in offers if not offer.collective]
+        if lacking:
+            raise ValueError(
+                f"vllm_weight_transfer=collective: server(s) {', '.join(lacking)} offer no collective "
+                f"weight transfer (grpoflow serve does; vLLM's own server does not): use checkpoint or auto"
+            )
+        if several_trainers:
+            raise ValueError(
+                "vllm_weight_transfer=collective works from a single trainer process; under torchrun "
+                "use checkpoint or auto"
+            )
+        return "collective"
+    if choice == "auto" and all(offer.collective for offer in offers) and not several_trainers:
+        return "collective"
+    return "checkpoint"

@@ -1,0 +1,211 @@
+"""A rollout server's side of the collective weight transfer (the wire layer is `collective.py`).
+
+`CollectiveReceiver.join(init_info)` joins the trainer's group with `{"backend": "gloo" | "nccl",
+"master_address", "master_port", "rank_offset", "world_size", "timeout", "group_id"}` as rank
+`rank_offset` (TRL's and vLLM's field names; a missing backend means NCCL on a CUDA device, gloo on
+a CPU one). The join runs in a worker thread and gives up after `timeout` seconds (default 120), so
+the caller's event loop keeps serving. A new join replaces the old group; `close` leaves it.
+
+`CollectiveReceiver.receive(update_info, ...)` takes `{"names", "dtype_names", "shapes", "packed":
+true, "buckets", "update_id", "group_id", "weight_version", "timeout"}`, checks every name and shape
+against the model before anything is received (a bad update is refused and changes nothing), then,
+inside the caller's `exclusive` (between generation batches), answers the trainer's handshake and
+receives the buckets through `write`: straight into the parameters (`into_parameters`), or into
+buffers handed to a `load` in one call (`into_load`). A stalled broadcast fails after `timeout`
+seconds (default 600): the group is closed (join again), the model may hold part of the update.
+
+Failures raise ReceiveError with the HTTP status a server answers with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from grpoflow.transport import ReceiveError, collective
+from grpoflow.transport.collective import TransferCancelled, TransferTimeout, UpdatePlan, WeightGroup
+
+logger = logging.getLogger("grpoflow.transport")
+
+DEFAULT_INIT_TIMEOUT_S = 120.0
+DEFAULT_UPDATE_TIMEOUT_S = 600.0
+INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
+
+Write = Callable[[WeightGroup, UpdatePlan, float], None]
+"""`write(group, plan, deadline)`: receive a checked update's buckets and put them in place."""
+Exclusive = Callable[[Callable[[], None]], Awaitable[None]]
+"""Runs a function (in a worker thread) while generation is held, so an update lands between batches."""
+
+
+def offered_backends(device: torch.device) -> list[str]:
+    """The collective backends a receiver on `device` can join: gloo always, NCCL on CUDA."""
+    cuda = device.type == "cuda" and dist.is_nccl_available()
+    return ["gloo", "nccl"] if cuda else ["gloo"]
+
+
+def into_parameters(parameters: Mapping[str, torch.Tensor]) -> Write:
+    """Receive each bucket straight into `parameters` (by Hugging Face name)."""
+
+    def write(group: WeightGroup, plan: UpdatePlan, deadline: float) -> None:
+        collective.receive(group, plan, parameters, deadline=deadline)
+
+    return write
+
+
+def into_load(load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> Write:
+    """Receive every bucket, then hand all `(name, tensor)` pairs to `load` in one call (vLLM
+    reloads a layer once all its tensors arrived, so the update is not split)."""
+
+    def write(group: WeightGroup, plan: UpdatePlan, deadline: float) -> None:
+        buckets = collective.receive_buckets(group, plan, deadline=deadline)
+        load([pair for bucket in buckets for pair in bucket])
+
+    return write
+
+
+class CollectiveReceiver:
+    """This process's rank in the trainer's weight-transfer group, on `device`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.group: WeightGroup | None = None
+
+    def offered_backends(self) -> list[str]:
+        return offered_backends(self.device)
+
+    async def join(self, info: dict) -> dict:
+        """Join the trainer's group (replacing any earlier one); ReceiveError 400 for bad fields,
+        504 when the trainer does not complete the rendezvous in time. Returns the answer."""
+        missing = [name for name in INIT_FIELDS if name not in info]
+        if missing:
+            raise ReceiveError(f"init_info lacks {', '.join(missing)}", 400, "init_info")
+        device = self.device
+        backend = info.get("backend") or ("nccl" if device.type == "cuda" else "gloo")
+        if backend not in self.offered_backends():
+            raise ReceiveError(
+                f"backend {backend!r} is not offered by this server on {device}; use one of "
+                f"{', '.join(self.offered_backends())} (nccl needs the trainer and the server on CUDA)",
+                400,
+                "init_info",
+            )
+        try:
+            address, port = str(info["master_address"]), int(info["master_port"])
+            rank, world_size = int(info["rank_offset"]), int(info["world_size"])
+            timeout = float(info.get("timeout") or DEFAULT_INIT_TIMEOUT_S)
+        except (TypeError, ValueError):
+            raise ReceiveError(
+                "init_info: master_port, rank_offset and world_size must be integers, timeout a number",
+                400,
+                "init_info",
+            ) from None
+        if not 1 <= rank < world_size:
+            raise ReceiveError(
+                f"rank_offset {rank} must be in 1..world_size-1 ({world_size - 1})", 400, "init_info"
+            )
+        self.close()
+
+        def join() -> WeightGroup:
+            store = collective.connect_store(address, port, timeout)
+            return WeightGroup(
+                store,
+                backend=backend,
+                rank=rank,
+                world_size=world_size,
+                device=device,
+                timeout=timeout,
+                group_id=str(info.get("group_id") or ""),
+            )
+
+        try:
+            group = await asyncio.wait_for(asyncio.to_thread(join), timeout + 10)
+        except (TimeoutError, RuntimeError, ValueError) as error:
+            raise ReceiveError(
+                f"could not join the weight-transfer group at {address}:{port} as rank {rank} of "
+                f"{world_size} ({backend}) within {timeout:.0f}s: {error}; is the trainer joining too?",
+                504,
+                "init_info",
+            ) from None
+        self.group = group
+        logger.info(
+            "joined the %s weight-transfer group at %s:%d as rank %d of %d",
+            backend,
+            address,
+            port,
+            rank,
+            world_size,
+        )
+        return {"message": "Weight transfer initialized", "backend": backend, "rank": rank}
+
+    def close(self) -> None:
+        """Leave the group, if any."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    async def receive(
+        self,
+        info: dict,
+        *,
+        shapes: Mapping[str, Sequence[int]],
+        write: Write,
+        exclusive: Exclusive,
+    ) -> dict:
+        """Check the update against `shapes` (every parameter's Hugging Face name and shape), then
+        receive it through `write` inside `exclusive`. Returns the answer's message and counts."""
+        group = self.group
+        update_id = info.get("update_id")
+        if group is None or group.broken:
+            raise ReceiveError(
+                "no weight-transfer group: POST /init_weight_transfer_engine with the trainer's "
+                "master_address and master_port first (or send the weights over HTTP)",
+                409,
+                "update_info",
+            )
+        if str(info.get("group_id") or "") != group.group_id:
+            raise ReceiveError(
+                f"update_info.group_id {info.get('group_id')!r} is not this server's group "
+                f"({group.group_id!r}): another trainer initialised it since; init again",
+                409,
+                "update_info",
+            )
+        try:
+            plan = UpdatePlan.from_json(info)
+            collective.check_plan(plan, shapes)
+            timeout = float(info.get("timeout") or DEFAULT_UPDATE_TIMEOUT_S)
+        except (TypeError, ValueError) as error:
+            if update_id is not None:
+                collective.answer(group, int(update_id), accepted=False)
+            raise ReceiveError(f"update refused, nothing received: {error}", 400, "update_info") from None
+
+        def run() -> None:
+            deadline = time.monotonic() + timeout
+            if update_id is not None:
+                collective.answer(group, int(update_id), accepted=True)
+                collective.await_go(group, int(update_id), deadline=deadline)
+            with torch.no_grad():
+                write(group, plan, deadline)
+
+        try:
+            await exclusive(run)
+        except TransferCancelled as error:
+            raise ReceiveError(f"{error}; nothing received", 409, "update_info") from None
+        except (TransferTimeout, RuntimeError) as error:
+            group.close()
+            self.group = None
+            status = 504 if isinstance(error, TransferTimeout) else 502
+            raise ReceiveError(
+                f"receiving the weights failed: {error}. The model may hold part of this update; the "
+                f"weight-transfer group is closed: init it again and resend the whole update",
+                status,
+                "update_info",
+            ) from None
+        return {
+            "message": "Weights updated",
+            "num_tensors": len(plan.names),
+            "num_buckets": len(plan.buckets),
+        }
