@@ -124,16 +124,19 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
             workers.check_alive()  # a server that died says why
             workers.close()
         raise
-    placement.place_models(
+    layout = {
+        field.name: getattr(training, field.name) for field in dataclasses.fields(placement.PlacementConfig)
+    }
+    policy_placement, ref_placement = placement.place_models(
         model,
         ref_model,
-        training,
+        placement.PlacementConfig(**layout),
         device,
         world_size=distributed.world_size,
         engine_shares_weights=engine.shares_policy_weights,
     )
     optimizer, scheduler = build_optimizer(model, config, len(items), distributed.world_size)
-    if placement.is_sharded(model):
+    if policy_placement.is_sharded:
         placement.full_optimizer_state(optimizer)
     if training.offload_optimizer:
         OptimizerOffload(optimizer, gc_collect=training.gc_collect_after_offload)
@@ -146,14 +149,16 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         items=items,
         optimizer=optimizer,
         scheduler=scheduler,
+        placement=policy_placement,
         ref_model=ref_model,
+        ref_placement=ref_placement,
         distributed=distributed,
         per_prompt_seeds=engine_name == "native",
     )
     if workers:
         trainer.add_cleanup(workers.close)
         if resume is None:  # the servers start from the model's files; the policy may differ
-            engine.update_weights(placement.rollout_weights(trainer.model, engine), 0)
+            engine.update_weights(policy_placement.rollout_weights(engine), 0)
     if resume is not None:
         trainer.load_state_dict(checkpoint.load_trainer_state(resume))
         logger.info("resumed from %s at step %d", resume, trainer.step_count)
