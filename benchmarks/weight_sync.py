@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from grpoflow.engines.remote import RemoteEngine
+from grpoflow.policy.placement import Placement
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
 from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.sync_check import SyncCheck
@@ -68,7 +69,7 @@ def time_transport(
     timed = times[args.warmup :]
     probe = list(range(2, 34))
     check = SyncCheck(probe, tolerance=float("inf"))  # judged in main, after the results are written
-    gap = check(engine, model, step=version)["sync/check_logprob_gap"]
+    gap = check(engine, Placement.local(model), step=version)["sync/check_logprob_gap"]
     result = {
         "transport": engine.weight_transfer,
         "first_ms": times[0],

@@ -156,8 +156,9 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from _plain_parameters(model.get_base_model(), "", set())
 
 
-def rollout_weights(model: nn.Module, engine) -> Iterable[tuple[str, torch.Tensor]]:
-    """What `engine.update_weights` receives after an update.
+def merged_rollout_weights(model: nn.Module, engine) -> Iterable[tuple[str, torch.Tensor]]:
+    """What `engine.update_weights` receives after an update from a whole (unsharded) policy;
+    `Placement.rollout_weights` gives the same for any layout.
 
     An engine that generates from the policy's module (`shares_policy_weights`) gets that module's
     own parameters: nothing to copy, the merge happens around the rollout (`merged_adapters`). Any

@@ -4,20 +4,22 @@ Under `fsdp`, every decoder layer is one `fully_shard` unit and the rest of the 
 final norm, output head, tied or not) is the root unit. The root is a `ShardedRoot` module around
 the policy rather than the policy itself, because the update phase never calls the policy's
 `forward`: `sequence_logprobs` runs the decoder body and then the output head a chunk at a time.
-`sharded_forward(model, function)` runs any such computation as the root's forward, so FSDP
+`Placement.sharded_forward(function)` runs any such computation as the root's forward, so FSDP
 gathers the root's parameters before it, registers its backward hooks on the result, and
 reduce-scatters every gradient in the backward pass (summed over ranks, not averaged: the loss is
 normalised by global totals, as without FSDP).
 
 Between forward passes the parameters are sharded `DTensor`s. The native and hf engines read the
-policy's parameters in place, so `rollout_context` gathers every unit around a rollout (and merges
-LoRA adapters); engines with their own copy get `rollout_weights`, full tensors gathered one at a
-time and handed over on the CPU. Checkpoints gather a full state dict (`full_state_dict`) and the
-optimizer state is saved and loaded as full tensors (`full_optimizer_state`), so rank 0 writes
-the same files as a run without FSDP and a resumed run replays exactly.
+policy's parameters in place, so `Placement.rollout_context` gathers every unit around a rollout
+(and merges LoRA adapters); engines with their own copy get `Placement.rollout_weights`, full
+tensors gathered one at a time and handed over on the CPU. Checkpoints gather a full state dict
+(`Placement.full_state_dict`) and the optimizer state is saved and loaded as full tensors
+(`full_optimizer_state`), so rank 0 writes the same files as a run without FSDP and a resumed run
+replays exactly.
 
-A `Placement` attached to the policy (and to the reference model) records what `launch` decided;
-the trainer and the update phase ask it through the functions here and never branch on config.
+`place_models` applies a `PlacementConfig` and returns a `Placement` for the policy and one for
+its reference model; the run keeps them and hands them to whatever computes with the models. The
+modules themselves carry nothing: a model built without `place_models` gets `Placement.local`.
 """
 
 from __future__ import annotations
@@ -25,20 +27,71 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
+from grpoflow.options import require
 from grpoflow.policy import lora, offload
 
 logger = logging.getLogger("grpoflow")
 
-PLACEMENT_ATTRIBUTE = "_grpoflow_placement"
 DECODER_LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers")
 """Where causal LMs keep their list of decoder layers (Llama/Qwen/Mistral, OPT, GPT-2, GPT-NeoX)."""
+MixedPrecision = Literal["auto", "bf16", "no"]
+
+
+@dataclass(kw_only=True, slots=True)
+class PlacementConfig:
+    """How a run lays its policy (and reference model) out over devices, ranks and the CPU."""
+
+    fsdp: bool = False
+    """Over several processes, shard parameters, gradients and optimizer state with PyTorch FSDP2
+    (one unit per decoder layer); off, every rank holds a full copy and gradients are summed over
+    ranks (as DDP)."""
+    fsdp_offload_params: bool = False
+    """Under fsdp: keep the sharded parameters, gradients and optimizer state on the CPU (the
+    optimizer steps there); each unit comes to the GPU for its forward and backward."""
+    fsdp_mixed_precision: MixedPrecision = "auto"
+    """Under fsdp: bf16 gathers float32 weights in bfloat16 for forward and backward and reduces
+    gradients in float32 (sharded weights and optimizer state keep their dtype); auto is bf16 on
+    a GPU, no on the CPU; no computes and reduces in the weights' dtype."""
+    offload_model: bool = False
+    """Keep the policy's weights on the CPU while an engine with its own copy (vLLM) generates,
+    and a reference model copy on the CPU except for its log-prob pass (replicated training)."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state on the CPU between optimizer steps (replicated training)."""
+    gc_collect_after_offload: bool = False
+    """Collect garbage and empty the CUDA cache after each offload."""
+
+    def __post_init__(self) -> None:
+        choices = get_args(MixedPrecision)
+        require(
+            self.fsdp_mixed_precision in choices,
+            "fsdp_mixed_precision",
+            f"one of {', '.join(choices)}",
+            self.fsdp_mixed_precision,
+        )
+        require(
+            self.fsdp or not self.fsdp_offload_params,
+            "fsdp_offload_params",
+            "false without fsdp",
+            True,
+            "fsdp_offload_params needs fsdp=true (it offloads FSDP's shards)",
+        )
+        for name in ("offload_model", "offload_optimizer"):
+            require(
+                not (self.fsdp and getattr(self, name)),
+                name,
+                "false under fsdp",
+                True,
+                f"{name} moves a replicated model's memory and does not apply under fsdp: use "
+                "fsdp_offload_params=true (sharded parameters, gradients and optimizer state on the CPU), "
+                "or fsdp=false",
+            )
 
 
 class ShardedRoot(nn.Module):
@@ -54,18 +107,30 @@ class ShardedRoot(nn.Module):
         return function(*args, **kwargs)
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, eq=False)
 class Placement:
-    """How a module is laid out over devices and ranks."""
+    """A model and how it is laid out over devices and ranks; every computation that depends on
+    the layout (forward passes, rollouts, weight syncs, checkpoints) goes through it."""
 
+    module: nn.Module = field(repr=False)
+    """The placed model (for a LoRA reference model under fsdp: the policy without adapters)."""
     device: torch.device
     """Where its computations run."""
-    root: ShardedRoot | None = None
-    """The FSDP root when sharded."""
+    root: ShardedRoot | None = field(default=None, repr=False)
+    """The FSDP root when sharded (a LoRA reference model shares the policy's)."""
     offload_model: bool = False
     """Weights on the CPU while the module is not in use (replicated models only)."""
     gc_collect: bool = False
     """Collect garbage and empty the CUDA cache after each offload."""
+
+    @classmethod
+    def local(cls, module: nn.Module, device: torch.device | None = None) -> Placement:
+        """`module` whole on one device: `device`, else its first parameter's."""
+        return cls(module=module, device=device if device is not None else next(module.parameters()).device)
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.root is not None
 
     @property
     def units(self) -> list[nn.Module]:
@@ -76,27 +141,108 @@ class Placement:
             [module for module in self.root.modules() if isinstance(module, FSDPModule)] if self.root else []
         )
 
+    def sharded_forward(self, function: Callable[[], Any]) -> Any:
+        """`function()`, which runs the module (or a view of it), inside the FSDP root's forward
+        when sharded; plainly otherwise."""
+        if self.root is None:
+            return function()
+        result = self.root(function)
+        if not torch.is_grad_enabled():
+            # The root keeps its gathered parameters after forward for the backward pass; without
+            # one they would stay gathered, and registered in place of the shards the optimizer holds.
+            self.root.reshard()
+        return result
 
-def placement(module: nn.Module | None) -> Placement | None:
-    """The placement `launch` attached to `module`, or None."""
-    return getattr(module, PLACEMENT_ATTRIBUTE, None)
+    @contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Within the block a sharded model holds its full (gathered) parameters as plain tensors,
+        also across forward calls; leaving, they are freed. A no-op for a replicated model."""
+        units = self.units
+        root = units[0] if units else None
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(unit is not root, recurse=False)
 
+    @contextmanager
+    def rollout_context(self, engine) -> Iterator[None]:
+        """Around a rollout. An engine that reads the policy's parameters (`shares_policy_weights`)
+        sees them full and with LoRA adapters merged. For an engine with its own copy, the policy's
+        weights go to the CPU meanwhile under `offload_model`."""
+        if engine.shares_policy_weights:
+            with self.full_parameters(), lora.merged_adapters(self.module):
+                yield
+            return
+        if self.offload_model:
+            with offload.module_offloaded(self.module, self.device, gc_collect=self.gc_collect):
+                yield
+            return
+        yield
 
-def attach(module: nn.Module, where: Placement) -> None:
-    # Not a registered attribute: the root holds the module, and a cycle of submodules would make
-    # `modules()` recurse forever.
-    object.__setattr__(module, PLACEMENT_ATTRIBUTE, where)
+    def in_use(self) -> AbstractContextManager[None]:
+        """A context in which the module (a reference model under `offload_model`) is on its device."""
+        return self._on_device() if self.offload_model else nullcontext()
 
+    @contextmanager
+    def _on_device(self) -> Iterator[None]:
+        offload.move_module(self.module, self.device)
+        try:
+            yield
+        finally:
+            offload.move_module(self.module, offload.CPU)
+            if self.gc_collect:
+                offload.release_memory()
 
-def is_sharded(module: nn.Module | None) -> bool:
-    where = placement(module)
-    return where is not None and where.root is not None
+    def rollout_weights(self, engine) -> Iterable[tuple[str, torch.Tensor]]:
+        """What `engine.update_weights` receives after an update (see `lora.merged_rollout_weights`).
 
+        Sharded: nothing for an engine that reads the policy in place (it sees the new weights at
+        the next `rollout_context`); for any other engine the merged weights, each gathered in full
+        only when the engine takes it and handed over as a CPU tensor, so neither this rank's GPU
+        nor an engine that collects the whole list holds more than one gathered tensor at a time."""
+        if not self.is_sharded:
+            return lora.merged_rollout_weights(self.module, engine)
+        if engine.shares_policy_weights:
+            return iter(())
+        return self._gathered_weights()
 
-def compute_device(module: nn.Module) -> torch.device:
-    """Where `module`'s inputs go: its placement's device, else its first parameter's."""
-    where = placement(module)
-    return where.device if where is not None else next(module.parameters()).device
+    def _gathered_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`lora.merged_weights` of a sharded model, on the CPU: the root unit (embeddings, norm,
+        head) gathered throughout, each decoder layer gathered only while its weights are given (in
+        the mixed-precision dtype when one is set). Every rank must walk it in step."""
+        base = lora.generation_model(self.module)
+        layers = decoder_layers(self.module)
+        prefix = next(name for name, module in base.named_modules() if module is layers)
+        root, seen = self.units[0], set()
+        with torch.no_grad(), _unsharded(root):
+            for name, tensor in lora.module_weights(base, "", seen, skip=(layers,)):
+                yield name, tensor.detach().to("cpu", copy=True)
+            for index, layer in enumerate(layers):
+                with _unsharded(layer):
+                    for name, tensor in lora.module_weights(layer, f"{prefix}.{index}.", seen):
+                        yield name, tensor.detach().to("cpu", copy=True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full state dict of a sharded model on the CPU (a collective: every rank calls it;
+        rank 0 writes it), or None for a replicated model, which saves its own."""
+        if not self.is_sharded:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        model = self.module
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # Tied weights come gathered into separate tensors: keep the first name only, as
+        # `save_pretrained` does for the tensors of a whole model that share storage.
+        names: dict[int, list[str]] = {}
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(parameter), []).append(name)
+        aliases = {name for group in names.values() for name in group[1:]}
+        return {name: tensor for name, tensor in state.items() if name not in aliases}
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -135,7 +281,7 @@ def shard_model(
     precision: str = "auto",
 ) -> Placement:
     """Shard `model` in place with FSDP2 over `world_size` ranks (every rank calls this with the
-    same full weights) and attach its placement. One unit per decoder layer, the rest in the root."""
+    same full weights); its placement. One unit per decoder layer, the rest in the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -163,23 +309,7 @@ def shard_model(
     with torch.no_grad():
         root(lambda: None)
     root.reshard()
-    where = Placement(device=device, root=root)
-    attach(model, where)
-    return where
-
-
-def sharded_forward(model: nn.Module, function: Callable[[], Any]) -> Any:
-    """`function()`, which runs `model` (or a view of it), inside the FSDP root's forward when
-    `model` is sharded; plainly otherwise."""
-    where = placement(model)
-    if where is None or where.root is None:
-        return function()
-    result = where.root(function)
-    if not torch.is_grad_enabled():
-        # The root keeps its gathered parameters after forward for the backward pass; without
-        # one they would stay gathered, and registered in place of the shards the optimizer holds.
-        where.root.reshard()
-    return result
+    return Placement(module=model, device=device, root=root)
 
 
 def clip_gradients(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -189,113 +319,12 @@ def clip_gradients(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
 
 
 @contextmanager
-def full_parameters(model: nn.Module) -> Iterator[None]:
-    """Within the block a sharded model holds its full (gathered) parameters as plain tensors,
-    also across forward calls; leaving, they are freed. A no-op for a replicated model."""
-    units = placement(model).units if is_sharded(model) else []
-    root = units[0] if units else None
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-        unit.unshard()
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.reshard()
-            unit.set_reshard_after_forward(unit is not root, recurse=False)
-
-
-@contextmanager
-def rollout_context(model: nn.Module, engine) -> Iterator[None]:
-    """Around a rollout. An engine that reads the policy's parameters (`shares_policy_weights`)
-    sees them full and with LoRA adapters merged. For an engine with its own copy, the policy's
-    weights go to the CPU meanwhile under `offload_model`."""
-    where = placement(model)
-    if engine.shares_policy_weights:
-        with full_parameters(model), lora.merged_adapters(model):
-            yield
-        return
-    if where is not None and where.offload_model:
-        with offload.module_offloaded(model, where.device, gc_collect=where.gc_collect):
-            yield
-        return
-    yield
-
-
-def in_use(module: nn.Module | None):
-    """A context in which `module` (a reference model under `offload_model`) is on its device."""
-    where = placement(module)
-    if module is None or where is None or not where.offload_model:
-        return nullcontext()
-    return _on_device(module, where)
-
-
-@contextmanager
-def _on_device(module: nn.Module, where: Placement) -> Iterator[None]:
-    offload.move_module(module, where.device)
-    try:
-        yield
-    finally:
-        offload.move_module(module, offload.CPU)
-        if where.gc_collect:
-            offload.release_memory()
-
-
-def rollout_weights(model: nn.Module, engine) -> Iterable[tuple[str, torch.Tensor]]:
-    """What `engine.update_weights` receives after an update (see `lora.rollout_weights`).
-
-    Sharded: nothing for an engine that reads the policy in place (it sees the new weights at the
-    next `rollout_context`); for any other engine the merged weights, each gathered in full only
-    when the engine takes it and handed over as a CPU tensor, so neither this rank's GPU nor an
-    engine that collects the whole list holds more than one gathered tensor at a time."""
-    if not is_sharded(model):
-        return lora.rollout_weights(model, engine)
-    if engine.shares_policy_weights:
-        return iter(())
-    return _gathered_weights(model)
-
-
-def _gathered_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """`lora.merged_weights` of a sharded model, on the CPU: the root unit (embeddings, norm,
-    head) gathered throughout, each decoder layer gathered only while its weights are given (in
-    the mixed-precision dtype when one is set). Every rank must walk it in step."""
-    base = lora.generation_model(model)
-    layers = decoder_layers(model)
-    prefix = next(name for name, module in base.named_modules() if module is layers)
-    root, seen = placement(model).units[0], set()
-    with torch.no_grad(), _unsharded(root):
-        for name, tensor in lora.module_weights(base, "", seen, skip=(layers,)):
-            yield name, tensor.detach().to("cpu", copy=True)
-        for index, layer in enumerate(layers):
-            with _unsharded(layer):
-                for name, tensor in lora.module_weights(layer, f"{prefix}.{index}.", seen):
-                    yield name, tensor.detach().to("cpu", copy=True)
-
-
-@contextmanager
 def _unsharded(unit: nn.Module) -> Iterator[None]:
     unit.unshard()
     try:
         yield
     finally:
         unit.reshard()
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """The full state dict of a sharded model on the CPU (a collective: every rank calls it; rank 0
-    writes it), or None for a replicated model, which saves its own."""
-    if not is_sharded(model):
-        return None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # Tied weights come gathered into separate tensors: keep the first name only, as
-    # `save_pretrained` does for the tensors of a whole model that share storage.
-    names: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(parameter), []).append(name)
-    aliases = {name for group in names.values() for name in group[1:]}
-    return {name: tensor for name, tensor in state.items() if name not in aliases}
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -349,38 +378,41 @@ def _local_shard(value: Any, parameter: torch.Tensor) -> Any:
 def place_models(
     model: nn.Module,
     ref_model: nn.Module | None,
-    training,
+    config: PlacementConfig,
     device: torch.device,
     *,
     world_size: int,
     engine_shares_weights: bool,
-) -> None:
-    """Apply the run's layout (`training`: a TrainingConfig) to the policy and its reference
-    model, after every rank holds the same full weights: FSDP sharding, or the offload options."""
-    if training.fsdp and world_size == 1:
+) -> tuple[Placement, Placement | None]:
+    """Lay out the policy and its reference model as `config` says, after every rank holds the same
+    full weights (FSDP sharding, or the offload options); the placement of each (None for no
+    reference model)."""
+    if config.fsdp and world_size == 1:
         logger.warning("fsdp=true with a single process: nothing to shard, the model stays whole")
-    if training.fsdp and world_size > 1:
-        precision = training.fsdp_mixed_precision
+    if config.fsdp and world_size > 1:
         options = {
             "world_size": world_size,
-            "offload_params": training.fsdp_offload_params,
-            "precision": precision,
+            "offload_params": config.fsdp_offload_params,
+            "precision": config.fsdp_mixed_precision,
         }
-        where = shard_model(model, device, **options)
-        if ref_model is not None and lora.is_peft_model(model):
-            attach(ref_model, where)  # the policy with its adapters off: the policy's own units
-        elif ref_model is not None:
-            shard_model(ref_model, device, **options)
-        return
-    if training.offload_model and engine_shares_weights:
+        policy = shard_model(model, device, **options)
+        if ref_model is None:
+            return policy, None
+        if lora.is_peft_model(model):  # the policy with its adapters off: the policy's own units
+            return policy, Placement(module=ref_model, device=device, root=policy.root)
+        return policy, shard_model(ref_model, device, **options)
+    if config.offload_model and engine_shares_weights:
         logger.warning(
             "offload_model: the rollout engine reads the policy's own weights, so only a reference "
             "model copy is offloaded (the policy moves to the CPU only while vLLM generates)"
         )
-    where = Placement(
-        device=device, offload_model=training.offload_model, gc_collect=training.gc_collect_after_offload
-    )
-    attach(model, where)
-    if ref_model is not None and training.offload_model and not lora.is_peft_model(model):
+    gc_collect = config.gc_collect_after_offload
+    policy = Placement(module=model, device=device, offload_model=config.offload_model, gc_collect=gc_collect)
+    if ref_model is None:
+        return policy, None
+    offloads_ref = config.offload_model and not lora.is_peft_model(model)
+    if offloads_ref:
         offload.move_module(ref_model, offload.CPU)
-        attach(ref_model, where)
+    return policy, Placement(
+        module=ref_model, device=device, offload_model=offloads_ref, gc_collect=gc_collect
+    )

@@ -18,7 +18,7 @@ from grpoflow.policy.loading import load_checkpoint_weights, reference_model, re
 from grpoflow.policy.offload import OptimizerOffload
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint, infer_workers
-from grpoflow.run.config import GRPOConfig, TrainingConfig
+from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext, init_distributed
 from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import MetricsLogger
@@ -46,16 +46,18 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     distributed.broadcast_parameters(model)
     workers = infer_workers.start_for_run(config, distributed, next(model.parameters()).dtype)
     engine = build_rollout_engine(config, model, tokenizer, distributed, workers)
-    placement.place_models(
+    policy_placement, ref_placement = placement.place_models(
         model,
         ref_model,
-        training,
+        config.placement,
         device,
         world_size=distributed.world_size,
         engine_shares_weights=engine.shares_policy_weights,
     )
     steps = config.total_steps(len(items), distributed.world_size)
-    optimizer, scheduler = build_optimizer(model, training, steps * config.algorithm.num_iterations)
+    optimizer, scheduler = build_optimizer(
+        model, config, steps * config.algorithm.num_iterations, sharded=policy_placement.is_sharded
+    )
     trainer = GRPOTrainer(
         config,
         model=model,
@@ -65,14 +67,16 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         items=items,
         optimizer=optimizer,
         scheduler=scheduler,
+        placement=policy_placement,
         ref_model=ref_model,
+        ref_placement=ref_placement,
         distributed=distributed,
         per_prompt_seeds=config.generation.engine_name == "native",
     )
     if workers:
         trainer.add_cleanup(workers.close)
         if resume is None:  # the servers start from the model's files; the policy may differ
-            engine.update_weights(placement.rollout_weights(trainer.model, engine), 0)
+            engine.update_weights(policy_placement.rollout_weights(engine), 0)
     if resume is not None:
         trainer.load_state_dict(checkpoint.load_trainer_state(resume))
         logger.info("resumed from %s at step %d", resume, trainer.step_count)
@@ -135,9 +139,13 @@ def build_rollout_engine(
         raise
 
 
-def build_optimizer(model: torch.nn.Module, training: TrainingConfig, optimizer_steps: int):
+def build_optimizer(
+    model: torch.nn.Module, config: GRPOConfig, optimizer_steps: int, *, sharded: bool = False
+):
     """AdamW over the trainable parameters and the learning-rate schedule over `optimizer_steps`;
-    the optimizer state moves to the CPU between steps under offload_optimizer."""
+    a sharded model's optimizer state saves and loads in full, and the state moves to the CPU
+    between steps under offload_optimizer."""
+    training, layout = config.training, config.placement
     from transformers import get_scheduler
 
     optimizer = torch.optim.AdamW(
@@ -152,10 +160,10 @@ def build_optimizer(model: torch.nn.Module, training: TrainingConfig, optimizer_
         num_warmup_steps=math.ceil(training.warmup_ratio * optimizer_steps),
         num_training_steps=optimizer_steps,
     )
-    if placement.is_sharded(model):
+    if sharded:
         placement.full_optimizer_state(optimizer)
-    if training.offload_optimizer:
-        OptimizerOffload(optimizer, gc_collect=training.gc_collect_after_offload)
+    if layout.offload_optimizer:
+        OptimizerOffload(optimizer, gc_collect=layout.gc_collect_after_offload)
     return optimizer, scheduler
 
 

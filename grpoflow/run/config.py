@@ -27,6 +27,7 @@ from grpoflow.engines.vllm import VLLMConfig
 from grpoflow.options import require
 from grpoflow.policy.loading import PolicyConfig
 from grpoflow.policy.lora import AdapterConfig
+from grpoflow.policy.placement import PlacementConfig
 from grpoflow.policy.tiny import DEFAULT_SEED
 from grpoflow.rewards.params import RewardConfig
 from grpoflow.run.metrics import LogConfig
@@ -129,24 +130,6 @@ class TrainingConfig:
     """Keep at most this many checkpoints (oldest deleted)."""
     resume_from_checkpoint: str | None = None
     """A checkpoint directory, or `latest` for the newest in output_dir."""
-    fsdp: bool = False
-    """Over several processes, shard parameters, gradients and optimizer state with PyTorch FSDP2
-    (one unit per decoder layer); off, every rank holds a full copy and gradients are summed over
-    ranks (as DDP)."""
-    fsdp_offload_params: bool = False
-    """Under fsdp: keep the sharded parameters, gradients and optimizer state on the CPU (the
-    optimizer steps there); each unit comes to the GPU for its forward and backward."""
-    fsdp_mixed_precision: Literal["auto", "bf16", "no"] = "auto"
-    """Under fsdp: bf16 gathers float32 weights in bfloat16 for forward and backward and reduces
-    gradients in float32 (sharded weights and optimizer state keep their dtype); auto is bf16 on
-    a GPU, no on the CPU; no computes and reduces in the weights' dtype."""
-    offload_model: bool = False
-    """Keep the policy's weights on the CPU while an engine with its own copy (vLLM) generates,
-    and a reference model copy on the CPU except for its log-prob pass (replicated training)."""
-    offload_optimizer: bool = False
-    """Keep the optimizer state on the CPU between optimizer steps (replicated training)."""
-    gc_collect_after_offload: bool = False
-    """Collect garbage and empty the CUDA cache after each offload."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -167,23 +150,6 @@ class TrainingConfig:
             "> 0, or -1 to use num_train_epochs",
             self.max_steps,
         )
-        require(
-            self.fsdp or not self.fsdp_offload_params,
-            "fsdp_offload_params",
-            "false without fsdp",
-            self.fsdp_offload_params,
-            "fsdp_offload_params needs fsdp=true (it offloads FSDP's shards)",
-        )
-        for name in ("offload_model", "offload_optimizer"):
-            require(
-                not (self.fsdp and getattr(self, name)),
-                name,
-                "false under fsdp",
-                True,
-                f"{name} moves a replicated model's memory and does not apply under fsdp: use "
-                "fsdp_offload_params=true (sharded parameters, gradients and optimizer state on the CPU), "
-                "or fsdp=false",
-            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -243,6 +209,7 @@ class GRPOConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     log: LogConfig = field(default_factory=LogConfig)

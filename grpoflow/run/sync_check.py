@@ -17,7 +17,7 @@ import torch
 
 from grpoflow.algo import sequence_logprobs
 from grpoflow.engines import RolloutEngine, SamplingParams
-from grpoflow.policy.placement import compute_device, sharded_forward
+from grpoflow.policy.placement import Placement
 
 
 class WeightSyncCheckError(RuntimeError):
@@ -32,11 +32,12 @@ class SyncCheck:
             raise ValueError("the weight-sync check needs a non-empty probe prompt")
         self.probe_ids, self.tolerance, self.num_tokens = list(probe_ids), tolerance, num_tokens
 
-    def __call__(self, engine: RolloutEngine, model: torch.nn.Module, *, step: int) -> dict[str, float]:
-        """Raise WeightSyncCheckError on a mismatch; return the gap as a metric."""
+    def __call__(self, engine: RolloutEngine, placement: Placement, *, step: int) -> dict[str, float]:
+        """Compare `engine` with the placed policy: raise WeightSyncCheckError on a mismatch;
+        return the gap as a metric."""
         params = SamplingParams(n=1, max_tokens=self.num_tokens, temperature=1.0, seed=step, ignore_eos=True)
         ((completion,),) = engine.generate([self.probe_ids], params)
-        gap = self._gap(model, completion.token_ids, completion.logprobs)
+        gap = self._gap(placement, completion.token_ids, completion.logprobs)
         if gap > self.tolerance:
             raise WeightSyncCheckError(
                 f"after the weight sync of step {step}, the {type(engine).__name__} engine's log-probs "
@@ -47,16 +48,16 @@ class SyncCheck:
             )
         return {"sync/check_logprob_gap": gap}
 
-    def _gap(self, model: torch.nn.Module, token_ids: list[int], engine_logprobs: list[float]) -> float:
+    def _gap(self, placement: Placement, token_ids: list[int], engine_logprobs: list[float]) -> float:
         if not token_ids:
             return 0.0
-        ids = torch.tensor([self.probe_ids + list(token_ids)], device=compute_device(model))
+        model = placement.module
+        ids = torch.tensor([self.probe_ids + list(token_ids)], device=placement.device)
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
-                logps, _ = sharded_forward(
-                    model,
+                logps, _ = placement.sharded_forward(
                     lambda: sequence_logprobs(
                         model, ids, torch.ones_like(ids), logits_to_keep=len(token_ids)
                     ),

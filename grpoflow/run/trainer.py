@@ -29,7 +29,7 @@ import torch
 from grpoflow.algo import combine_rewards, group_advantages, overlong_mask, select_groups, zero_std_groups
 from grpoflow.data.prompts import PromptItem, PromptSampler
 from grpoflow.engines import RolloutEngine, SamplingParams
-from grpoflow.policy.placement import compute_device, full_state_dict, rollout_context, rollout_weights
+from grpoflow.policy.placement import Placement
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
 from grpoflow.run.config import GRPOConfig
@@ -86,16 +86,20 @@ class GRPOTrainer:
         items: list[PromptItem],
         optimizer: torch.optim.Optimizer,
         scheduler,
+        placement: Placement,
         ref_model: torch.nn.Module | None = None,
+        ref_placement: Placement | None = None,
         distributed: DistributedContext | None = None,
         per_prompt_seeds: bool = False,
     ) -> None:
         """`per_prompt_seeds`: the engine takes one SamplingParams per prompt (the native engine),
-        so each prompt is sampled from its own seed; otherwise one seed per call and rank."""
+        so each prompt is sampled from its own seed; otherwise one seed per call and rank.
+        `placement` and `ref_placement` lay out `model` and `ref_model` (`place_models`)."""
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.engine, self.rewards, self.items = engine, rewards, items
         self.optimizer, self.scheduler, self.ref_model = optimizer, scheduler, ref_model
-        self.device = compute_device(model)
+        self.placement, self.ref_placement = placement, ref_placement
+        self.device = placement.device
         self.sampler = PromptSampler(
             len(items), seed=config.training.seed, shuffle=config.data.dataset_shuffle
         )
@@ -170,13 +174,13 @@ class GRPOTrainer:
             advantages, reward_metrics = self._advantages(all_rewards)
             with timer("update"):
                 update_metrics = update_policy(
-                    self.model,
+                    self.placement,
                     self.optimizer,
                     self.scheduler,
                     batch,
                     advantages.to(self.device),
                     self.update_settings,
-                    self.ref_model,
+                    self.ref_placement,
                     self.distributed,
                 )
             if self.prefetcher is not None:
@@ -185,11 +189,13 @@ class GRPOTrainer:
             syncs = (self.step_count + 1) % self.config.sync.weight_sync_interval == 0
             with timer("sync"):
                 if syncs:
-                    self.engine.update_weights(rollout_weights(self.model, self.engine), self.step_count + 1)
+                    self.engine.update_weights(
+                        self.placement.rollout_weights(self.engine), self.step_count + 1
+                    )
             check_metrics = {}
             if self.sync_check is not None and syncs:
                 with timer("sync_check"):
-                    check_metrics = self.sync_check(self.engine, self.model, step=self.step_count + 1)
+                    check_metrics = self.sync_check(self.engine, self.placement, step=self.step_count + 1)
         self.step_count += 1
         self.num_tokens += int(all_lengths[:, 0].sum() + all_lengths[:, 2].sum())
         metrics = self.distributed.reduce_metrics(
@@ -226,7 +232,7 @@ class GRPOTrainer:
                 self.config.off_policy.max_staleness,
             )
         self.engine.wake_up()
-        with rollout_context(self.model, self.engine):
+        with self.placement.rollout_context(self.engine):
             scored = self.rollout_and_score(timer)
         self.engine.sleep()
         return scored, self.step_count - self.engine.policy_version
@@ -406,14 +412,14 @@ class GRPOTrainer:
             )
         distributed = self.distributed
         checkpoint.set_rng_state(checkpoint.rank_rng_state(state, distributed.rank, distributed.world_size))
-        self.engine.update_weights(rollout_weights(self.model, self.engine), self.step_count)
+        self.engine.update_weights(self.placement.rollout_weights(self.engine), self.step_count)
 
     def save(self) -> Path:
         """Write a checkpoint (rank 0 writes, holding every rank's RNG state; the others wait)."""
         training = self.config.training
         state = self.state_dict()
         per_rank = self.distributed.gather_objects(state["rng"])
-        weights = full_state_dict(self.model)  # every rank takes part in gathering FSDP's shards
+        weights = self.placement.full_state_dict()  # every rank takes part in gathering FSDP's shards
         path = Path(training.output_dir) / f"checkpoint-{self.step_count}"
         if self.distributed.is_main:
             path = checkpoint.save_checkpoint(

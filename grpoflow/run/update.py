@@ -2,8 +2,9 @@
 
 Over several ranks, each runs its own micro-batches and the gradients are summed over ranks before
 clipping (by `all_reduce_gradients` for a replicated model, by FSDP's reduce-scatter for a sharded
-one, whose forward passes run inside its root: `grpoflow.policy.placement`); the loss is normalised by the
-global batch's totals (dapo's completion tokens, dr_grpo's completions; grpo and bnpo average over
+one, whose forward passes run inside its root: `grpoflow.policy.placement`); the models come with
+their `Placement`, through which every forward pass runs. The loss is normalised by the global
+batch's totals (dapo's completion tokens, dr_grpo's completions; grpo and bnpo average over
 the micro-batches of every rank), so the summed gradient equals one process's on the whole batch
 split into the same micro-batches.
 """
@@ -18,7 +19,7 @@ import torch
 
 from grpoflow.algo import micro_batch_scale, policy_loss, sampling_correction, sequence_logprobs
 from grpoflow.options import require
-from grpoflow.policy.placement import clip_gradients, in_use, is_sharded, sharded_forward
+from grpoflow.policy.placement import Placement, clip_gradients
 from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.rollout import RolloutBatch
 
@@ -108,15 +109,15 @@ def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
 
 
 def batch_logprobs(
-    model: torch.nn.Module, batch: RolloutBatch, settings: UpdateSettings, *, entropy: bool = False
+    placement: Placement, batch: RolloutBatch, settings: UpdateSettings, *, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (batch, completion_len) of the completion tokens under `model`."""
+    """Per-token log-probs (batch, completion_len) of the completion tokens under the placed model."""
+    model = placement.module
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention_mask = (
         torch.cat([batch.prompt_mask, batch.completion_mask], dim=1) if batch.left_padded else None
     )
-    return sharded_forward(
-        model,
+    return placement.sharded_forward(
         lambda: sequence_logprobs(
             model,
             input_ids,
@@ -131,28 +132,31 @@ def batch_logprobs(
 
 @torch.no_grad()
 def frozen_logprobs(
-    model: torch.nn.Module, parts: list[RolloutBatch], settings: UpdateSettings
+    placement: Placement, parts: list[RolloutBatch], settings: UpdateSettings
 ) -> list[torch.Tensor]:
-    """Log-probs of each micro-batch under `model` without gradients (old policy, reference)."""
+    """Log-probs of each micro-batch under the placed model without gradients (old policy,
+    reference)."""
+    model = placement.module
     was_training = model.training
     model.eval()
     try:
-        return [batch_logprobs(model, part, settings)[0] for part in parts]
+        return [batch_logprobs(placement, part, settings)[0] for part in parts]
     finally:
         model.train(was_training)
 
 
 def update_policy(
-    model: torch.nn.Module,
+    placement: Placement,
     optimizer: torch.optim.Optimizer,
     scheduler,
     batch: RolloutBatch,
     advantages: torch.Tensor,
     settings: UpdateSettings,
-    ref_model: torch.nn.Module | None = None,
+    ref_placement: Placement | None = None,
     distributed: DistributedContext | None = None,
 ) -> dict[str, float]:
-    """Run `num_iterations` optimizer steps on one generation batch; return averaged metrics.
+    """Run `num_iterations` optimizer steps of the placed policy on one generation batch (with the
+    placed reference model's log-probs, if any); return averaged metrics.
 
     advantages: (batch,). Completions masked out (e.g. truncated under overlong filtering) must
     already have zeros in `batch.completion_mask`. Under `distributed`, `batch` is this rank's
@@ -160,14 +164,17 @@ def update_policy(
     over ranks.
     """
     distributed = distributed or DistributedContext()
+    model = placement.module
     algorithm = settings.algorithm
     parts = micro_batches(batch, settings.micro_batch_size)
     starts = [0]
     for part in parts:
         starts.append(starts[-1] + len(part))
-    old = frozen_logprobs(model, parts, settings) if algorithm.num_iterations > 1 else None
-    with in_use(ref_model):
-        ref = frozen_logprobs(ref_model, parts, settings) if ref_model is not None else None
+    old = frozen_logprobs(placement, parts, settings) if algorithm.num_iterations > 1 else None
+    ref = None
+    if ref_placement is not None:
+        with ref_placement.in_use():
+            ref = frozen_logprobs(ref_placement, parts, settings)
     num_items = distributed.all_reduce(batch.completion_mask.sum()).clamp(min=1)
     num_micro_batches = len(parts) * distributed.world_size
     scale = micro_batch_scale(algorithm.loss_type, num_micro_batches)
@@ -178,7 +185,7 @@ def update_policy(
     model.train()
     for _ in range(algorithm.num_iterations):
         for index, part in enumerate(parts):
-            logps, entropy = batch_logprobs(model, part, settings, entropy=True)
+            logps, entropy = batch_logprobs(placement, part, settings, entropy=True)
             correction_metrics = {}
             if settings.sampling_correction is not None and is_weights[index] is None:
                 # Before the first optimizer step the policy's own log-probs are the old ones.
@@ -212,7 +219,7 @@ def update_policy(
                 metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
             for name, value in metrics.items():
                 _accumulate(totals, counts, name, value.detach())
-        grad_norm = _optimizer_step(model, optimizer, scheduler, settings, distributed)
+        grad_norm = _optimizer_step(placement, optimizer, scheduler, settings, distributed)
         totals["grad_norm"] += grad_norm.detach()
         counts["grad_norm"] += 1
     return {name: float(totals[name]) / counts[name] for name in totals}
@@ -243,10 +250,10 @@ def _correction_weights(
 
 
 def _optimizer_step(
-    model, optimizer, scheduler, settings: UpdateSettings, distributed: DistributedContext
+    placement: Placement, optimizer, scheduler, settings: UpdateSettings, distributed: DistributedContext
 ) -> torch.Tensor:
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    if not is_sharded(model):  # FSDP reduce-scatters in the backward pass
+    parameters = [p for p in placement.module.parameters() if p.requires_grad]
+    if not placement.is_sharded:  # FSDP reduce-scatters in the backward pass
         distributed.all_reduce_gradients(parameters)
     max_norm = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")
     grad_norm = clip_gradients(parameters, max_norm)

@@ -1,4 +1,4 @@
-"""Run under torchrun with 2 processes (gloo) by tests/test_parallel.py: checks of grpoflow.policy.placement
+"""Run under torchrun with 2 processes (gloo) by tests/policy/test_placement.py: checks of grpoflow.policy.placement
 on a sharded tiny model against an unsharded copy of it. Exits non-zero on the first mismatch."""
 
 from __future__ import annotations
@@ -33,15 +33,14 @@ def tiny_model(with_lora: bool = False) -> torch.nn.Module:
     return model
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+def train_step(where: placement.Placement, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
     from grpoflow.algo import sequence_logprobs
 
+    model = where.module
     rank, world_size = torch_dist.get_rank(), torch_dist.get_world_size()
-    rows = ids if not placement.is_sharded(model) else ids.chunk(world_size)[rank]
+    rows = ids if not where.is_sharded else ids.chunk(world_size)[rank]
     mask = torch.ones_like(rows)
-    logps = placement.sharded_forward(
-        model, lambda: sequence_logprobs(model, rows, mask, logits_to_keep=4)[0]
-    )
+    logps = where.sharded_forward(lambda: sequence_logprobs(model, rows, mask, logits_to_keep=4)[0])
     logps.sum().backward()
     parameters = [p for p in model.parameters() if p.requires_grad]
     placement.clip_gradients(parameters, 0.5)
@@ -64,7 +63,8 @@ def main() -> None:
         whole = tiny_model(with_lora)
         context.broadcast_parameters(whole)  # LoRA's random initialisation differs between ranks
         sharded = copy.deepcopy(whole)
-        placement.shard_model(sharded, CPU, world_size=world_size, offload_params=offload_params)
+        where = placement.shard_model(sharded, CPU, world_size=world_size, offload_params=offload_params)
+        assert where.module is sharded and where.is_sharded
         what = f"lora={with_lora} offload_params={offload_params}"
         # Built straight after sharding, as launch does. SGD with momentum rather than Adam: the
         # whole model sees one batch of 4 rows where the ranks see 2 each, and Adam would magnify
@@ -75,10 +75,8 @@ def main() -> None:
             optimizers.append(torch.optim.SGD(trainable, lr=1e-2, momentum=0.9))
         placement.full_optimizer_state(optimizers[1])
         want = {name: tensor.clone() for name, tensor in lora.merged_weights(whole)}
-        check_close(
-            dict(placement.rollout_weights(sharded, CopyingEngine())), want, f"rollout_weights {what}"
-        )
-        with placement.full_parameters(sharded), torch.no_grad():
+        check_close(dict(where.rollout_weights(CopyingEngine())), want, f"rollout_weights {what}")
+        with where.full_parameters(), torch.no_grad():
             inner = lora.generation_model(sharded)
             assert not any(hasattr(p, "full_tensor") for p in inner.parameters()), "unsharded inside"
             got = inner(input_ids=ids).logits
@@ -86,21 +84,22 @@ def main() -> None:
         torch.testing.assert_close(got, want_logits, atol=1e-5, rtol=0, msg=f"forward {what}")
         assert all(hasattr(p, "full_tensor") for p in inner.parameters()), "sharded again after the block"
 
+        placements = (placement.Placement.local(whole), where)
         for _ in range(2):
-            for model, optimizer in zip((whole, sharded), optimizers):
-                train_step(model, optimizer, ids)
+            for model_placement, optimizer in zip(placements, optimizers):
+                train_step(model_placement, optimizer, ids)
         state = optimizers[1].state_dict()
         reference = optimizers[0].state_dict()
         for index, values in reference["state"].items():
             for key, value in values.items():
                 torch.testing.assert_close(state["state"][index][key], value, atol=1e-5, rtol=0, msg=key)
-        full = placement.full_state_dict(sharded)
+        full = where.full_state_dict()
         whole_state = {k: v for k, v in whole.state_dict().items() if k in full}
         check_close(full, whole_state, f"state dict after 2 steps {what}", atol=1e-5)
         optimizers[1].load_state_dict(state)
-        for model, optimizer in zip((whole, sharded), optimizers):
-            train_step(model, optimizer, ids)
-        full = placement.full_state_dict(sharded)
+        for model_placement, optimizer in zip(placements, optimizers):
+            train_step(model_placement, optimizer, ids)
+        full = where.full_state_dict()
         check_close(
             full, {k: v for k, v in whole.state_dict().items() if k in full}, f"after reload {what}", 1e-5
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -20,11 +21,12 @@ from helpers.support import (
     write_config,
 )
 
+from grpoflow import options
 from grpoflow.policy import placement
 from grpoflow.policy.offload import CPU, OptimizerOffload, module_offloaded
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
 from grpoflow.run.build import build_trainer, run
-from grpoflow.run.config import load_config
+from grpoflow.run.config import GRPOConfig, load_config
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +103,10 @@ def test_offload_options_leave_the_run_unchanged(tmp_path):
     plain = run(load_config(None, base))
     config = load_config(None, {**base, "output_dir": str(tmp_path / "offload"), **options})
     trainer = build_trainer(config)
-    assert placement.placement(trainer.ref_model).offload_model
+    assert trainer.ref_placement.offload_model and trainer.ref_placement.module is trainer.ref_model
+    assert trainer.placement.module is trainer.model and not trainer.placement.is_sharded
+    for module in (trainer.model, trainer.ref_model):
+        assert not any(isinstance(value, placement.Placement) for value in vars(module).values())
     assert next(trainer.ref_model.parameters()).device == CPU
     offloaded = run(config, trainer)
     for expected, got in zip(plain, offloaded, strict=True):
@@ -146,10 +151,10 @@ def test_rollout_context_offloads_the_policy_only_for_an_engine_with_its_own_cop
     model = build_preset_model("tiny", len(build_char_tokenizer()), seed=0, dtype=torch.float32, device=CPU)
     original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     pointers = [p.data_ptr() for p in model.parameters()]
-    placement.attach(model, placement.Placement(device=CPU, offload_model=True))
-    with placement.rollout_context(model, SharingEngine()):
+    where = placement.Placement(module=model, device=CPU, offload_model=True)
+    with where.rollout_context(SharingEngine()):
         assert [p.data_ptr() for p in model.parameters()] == pointers
-    with placement.rollout_context(model, CopyingEngine()):
+    with where.rollout_context(CopyingEngine()):
         inside = [p.data_ptr() for p in model.parameters()]
     assert all(a != b for a, b in zip(inside, pointers))  # copied out even on a CPU-only machine
     for name, tensor in model.state_dict().items():
@@ -158,6 +163,61 @@ def test_rollout_context_offloads_the_policy_only_for_an_engine_with_its_own_cop
         assert moved == sum(p.numel() * 4 for p in model.parameters()) + sum(
             b.numel() * b.element_size() for b in model.buffers()
         )
+
+
+def tiny(seed: int = 0) -> torch.nn.Module:
+    return build_preset_model("tiny", len(build_char_tokenizer()), seed=seed, dtype=torch.float32, device=CPU)
+
+
+def test_place_models_returns_placements_and_leaves_the_modules_unmarked():
+    model, ref_model = tiny(), tiny()
+    before = [dict(vars(module)) for module in (model, ref_model)]
+    config = placement.PlacementConfig(offload_model=True, gc_collect_after_offload=True)
+    where, ref_where = placement.place_models(
+        model, ref_model, config, CPU, world_size=1, engine_shares_weights=False
+    )
+    assert (where.module, where.device, where.offload_model, where.gc_collect) == (model, CPU, True, True)
+    assert (ref_where.module, ref_where.offload_model, ref_where.is_sharded) == (ref_model, True, False)
+    assert where.full_state_dict() is None and not where.units
+    assert [dict(vars(module)) for module in (model, ref_model)] == before
+    assert not hasattr(placement, "PLACEMENT_ATTRIBUTE")
+    plain, no_ref = placement.place_models(
+        model, None, placement.PlacementConfig(), CPU, world_size=1, engine_shares_weights=True
+    )
+    assert no_ref is None and not plain.offload_model
+    assert placement.Placement.local(model).device == CPU
+
+
+def test_a_replicated_placement_runs_forward_passes_plainly_and_moves_only_an_offloaded_module():
+    model = tiny()
+    marker = object()
+    assert placement.Placement.local(model).sharded_forward(lambda: marker) is marker
+    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    pointers = [p.data_ptr() for p in model.parameters()]
+    with placement.Placement.local(model).in_use():
+        assert [p.data_ptr() for p in model.parameters()] == pointers
+    with placement.Placement(module=model, device=CPU, offload_model=True).in_use():
+        inside = [p.data_ptr() for p in model.parameters()]
+    assert all(a != b for a, b in zip(inside, pointers))  # brought to its device as a copy
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, original[name]), name
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"fsdp_offload_params": True}, "fsdp_offload_params needs fsdp=true"),
+        ({"fsdp": True, "offload_model": True}, "offload_model moves a replicated model"),
+        ({"fsdp": True, "offload_optimizer": True}, "use fsdp_offload_params=true"),
+        ({"fsdp": True, "fsdp_mixed_precision": "fp8"}, "fsdp_mixed_precision must be one of"),
+    ],
+)
+def test_a_placement_config_refuses_impossible_layouts(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        placement.PlacementConfig(**overrides)
+    fields = {field.name for field in dataclasses.fields(placement.PlacementConfig)}
+    owners = options.flat_fields(GRPOConfig)
+    assert all(owners[name].path == ("placement", name) for name in fields)
 
 
 def test_fsdp_needs_a_list_of_decoder_layers():

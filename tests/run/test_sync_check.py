@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpoflow.engines.hf import HFEngine
+from grpoflow.policy.placement import Placement
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model
 from grpoflow.run.sync_check import SyncCheck, WeightSyncCheckError
 
@@ -49,7 +50,7 @@ def test_an_engine_that_took_the_weights_passes(setup):
     engine = CopyingEngine(model, tokenizer, stale=False)
     train_a_lot(model)
     engine.update_weights(model.named_parameters(), 1)
-    metrics = check(engine, model, step=1)
+    metrics = check(engine, Placement.local(model), step=1)
     assert metrics["sync/check_logprob_gap"] < 1e-4
 
 
@@ -59,7 +60,7 @@ def test_an_engine_left_on_old_weights_stops_the_run(setup):
     train_a_lot(model)
     engine.update_weights(model.named_parameters(), 7)
     with pytest.raises(WeightSyncCheckError, match="weight sync of step 7, the CopyingEngine engine"):
-        check(engine, model, step=7)
+        check(engine, Placement.local(model), step=7)
     assert model.training  # the check restores the trainer's mode
 
 

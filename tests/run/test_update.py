@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from grpoflow.policy.placement import Placement
 from grpoflow.policy.tiny import build_tiny_model
 from grpoflow.run.rollout import RolloutBatch
 from grpoflow.run.update import (
@@ -37,7 +38,7 @@ def _batch(model, settings) -> RolloutBatch:
         truncated=torch.zeros(4, dtype=torch.bool),
     )
     with torch.no_grad():
-        batch.sampling_logps = batch_logprobs(model, batch, settings)[0]
+        batch.sampling_logps = batch_logprobs(Placement.local(model), batch, settings)[0]
     return batch
 
 
@@ -52,7 +53,7 @@ def _train(correction: ImportanceCorrection | None, shift: float) -> tuple[dict,
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     metrics = update_policy(
-        model, optimizer, scheduler, batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), settings
+        Placement.local(model), optimizer, scheduler, batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), settings
     )
     return {name: p.detach() - before[name] for name, p in model.named_parameters()}, metrics
 
@@ -86,8 +87,43 @@ def test_batches_without_left_padding_skip_the_mask_and_score_the_same():
     batch.completion_mask[1, 3:] = 0  # right padding: hidden by the causal mask alone
     batch.completion_mask[2, 1:] = 0
     batch.left_padded = False
-    unmasked = batch_logprobs(model, batch, settings)[0]
+    unmasked = batch_logprobs(Placement.local(model), batch, settings)[0]
     batch.left_padded = True
-    masked = batch_logprobs(model, batch, settings)[0]
+    masked = batch_logprobs(Placement.local(model), batch, settings)[0]
     mask = batch.completion_mask.bool()
     torch.testing.assert_close(unmasked[mask], masked[mask], rtol=1e-5, atol=1e-5)
+
+
+class CountingPlacement(Placement):
+    """A replicated placement that counts the forward passes and uses run through it."""
+
+    __slots__ = ("forwards", "uses")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module=module, device=torch.device("cpu"))
+        self.forwards, self.uses = 0, 0
+
+    def sharded_forward(self, function):
+        self.forwards += 1
+        return super().sharded_forward(function)
+
+    def in_use(self):
+        self.uses += 1
+        return super().in_use()
+
+
+def test_every_forward_pass_runs_through_the_placements_it_is_given():
+    model, ref_model = build_tiny_model(VOCAB, seed=0), build_tiny_model(VOCAB, seed=1)
+    settings = _settings(
+        micro_batch_size=2, temperature=1.0, algorithm=AlgorithmConfig(beta=0.1, num_iterations=2)
+    )
+    batch = _batch(model, settings)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    policy, reference = CountingPlacement(model), CountingPlacement(ref_model)
+    update_policy(
+        policy, optimizer, scheduler, batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), settings, reference
+    )
+    # Two micro-batches: old log-probs once, then the loss's forward in each of two iterations.
+    assert (policy.forwards, policy.uses) == (2 + 2 * 2, 0)
+    assert (reference.forwards, reference.uses) == (2, 1)
