@@ -13,6 +13,15 @@ from grpoflow.run.config import GRPOConfig, load_config
 
 RECIPES = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES / "default.yaml"
+TRAIN_HELP = (
+    "Run GRPO. With no arguments, the embedded default (tiny model, echo task, CPU). With NPROC_PER_NODE "
+    "set (and NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT for several nodes), runs itself under "
+    "torchrun: data-parallel over that many processes per node."
+)
+SERVE_HELP = (
+    "Serve a model for rollouts over vLLM's HTTP protocol (/v1/completions, /v1/chat/completions, "
+    "weight updates) on grpoflow's engines, for trainers in vllm_mode server and for TRL's VLLMClient."
+)
 
 
 def resolve_recipe(name: str | None, overrides: dict) -> Path | None:
@@ -43,12 +52,11 @@ def describe_options() -> str:
 
 
 def train(argv: list[str]) -> int:
+    epilog = "Options (YAML keys or --key value):" + describe_options()
     parser = argparse.ArgumentParser(
         prog="grpoflow train",
-        description="Run GRPO. With no arguments, the embedded default (tiny model, echo task, CPU). "
-        "With NPROC_PER_NODE set (and NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT for several "
-        "nodes), runs itself under torchrun: data-parallel over that many processes per node.",
-        epilog="Options (YAML keys or --key value):" + describe_options(),
+        description=TRAIN_HELP,
+        epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", help="a YAML recipe, or the name of a packaged recipe")
@@ -110,12 +118,7 @@ def export(argv: list[str]) -> int:
 
 
 def serve(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="grpoflow serve",
-        description="Serve a model for rollouts over vLLM's HTTP protocol (/v1/completions, "
-        "/v1/chat/completions, weight updates) on grpoflow's engines, for trainers in vllm_mode "
-        "server and for TRL's VLLMClient.",
-    )
+    parser = argparse.ArgumentParser(prog="grpoflow serve", description=SERVE_HELP)
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from grpoflow.options import NOT_AN_OPTION, key, require
+from grpoflow.options import NOT_AN_OPTION, key, require, require_fraction, require_min
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,8 +53,8 @@ class SamplingParams:
     """Seed for this request's sampling; None draws from the engine's generator."""
 
     def __post_init__(self) -> None:
-        require(self.n >= 1, "n", ">= 1", self.n)
-        require(self.max_tokens >= 1, "max_tokens (max_completion_length)", ">= 1", self.max_tokens)
+        require_min("n", self.n, 1)
+        require_min("max_tokens (max_completion_length)", self.max_tokens, 1)
         require(self.temperature >= 0, "temperature", ">= 0", self.temperature)
         require(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         require(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
@@ -76,19 +76,9 @@ class EngineConfig:
     in a training run, the model's max_position_embeddings in `grpoflow serve`."""
 
     def __post_init__(self) -> None:
-        require(
-            0 < self.gpu_memory_utilization <= 1,
-            "gpu_memory_utilization",
-            "in (0, 1]",
-            self.gpu_memory_utilization,
-        )
-        require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
-        require(
-            self.max_model_len is None or self.max_model_len >= 2,
-            "max_model_len",
-            ">= 2 (or unset)",
-            self.max_model_len,
-        )
+        require_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        require_min("max_num_seqs", self.max_num_seqs, 1)
+        require_min("max_model_len", self.max_model_len, 2)
 
 
 @dataclass(slots=True)

@@ -40,7 +40,7 @@ import torch
 
 from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
 from grpoflow.engines.colocate import ColocateLayout, EngineGroup, merge_shares, own_share
-from grpoflow.options import require
+from grpoflow.options import require, require_fraction, require_min
 from grpoflow.transport import in_process
 from grpoflow.transport.in_process import WeightSyncExtension
 
@@ -105,21 +105,11 @@ class VLLMConfig:
     """Between rollouts: 0 keeps vLLM's memory, 1 frees its KV cache, 2 also its weights."""
 
     def __post_init__(self) -> None:
-        require(
-            0 < self.vllm_gpu_memory_utilization <= 1,
-            "vllm_gpu_memory_utilization",
-            "in (0, 1]",
-            self.vllm_gpu_memory_utilization,
-        )
+        require_fraction("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization)
         for name in ("vllm_max_model_len", "vllm_max_num_seqs", "vllm_tensor_parallel_size"):
             value = getattr(self, name)
             require(value is None or value > 0, name, "> 0", value)
-        require(
-            self.move_model_batches is None or self.move_model_batches >= 1,
-            "move_model_batches",
-            ">= 1 (or null for a single push)",
-            self.move_model_batches,
-        )
+        require_min("move_model_batches", self.move_model_batches, 1, " (or null for a single push)")
 
 
 def model_directory(model: torch.nn.Module, tokenizer) -> tuple[Path, bool]:

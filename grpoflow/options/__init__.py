@@ -9,7 +9,7 @@ metadata), refuses a tree where two fields claim one key, and builds the tree fr
     flat_fields(GRPOConfig)["temperature"].path   # ("generation", "sampling", "temperature")
 """
 
-from grpoflow.options.checks import require
+from grpoflow.options.checks import require, require_fraction, require_min
 from grpoflow.options.fields import (
     NOT_AN_OPTION,
     FlatField,
@@ -37,5 +37,7 @@ __all__ = [
     "load_yaml",
     "parse_overrides",
     "require",
+    "require_fraction",
+    "require_min",
     "to_flat",
 ]

@@ -14,6 +14,7 @@ when the tree is built (`GRPOConfig.__post_init__`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from grpoflow.data.prompts import DataConfig
 from grpoflow.engines.base import EngineConfig, SamplingParams
 from grpoflow.engines.remote import RemoteConfig
 from grpoflow.engines.vllm import VLLMConfig
-from grpoflow.options import require
+from grpoflow.options import require, require_min
 from grpoflow.policy.loading import PolicyConfig
 from grpoflow.policy.lora import AdapterConfig
 from grpoflow.policy.placement import PlacementConfig
@@ -32,6 +33,8 @@ from grpoflow.policy.tiny import DEFAULT_SEED
 from grpoflow.rewards.params import RewardConfig
 from grpoflow.run.metrics import LogConfig
 from grpoflow.run.update import AlgorithmConfig, ImportanceCorrection
+
+logger = logging.getLogger("grpoflow")
 
 KEY_ALIASES = {"overlong_filter": "mask_truncated_completions", "rlhf_type": None}
 """Other names users know for a key; None marks keys accepted and ignored (always GRPO here)."""
@@ -62,19 +65,16 @@ class GenerationConfig:
     """Sizes of the native engine (gpu_memory_utilization, max_num_seqs, max_model_len)."""
 
     def __post_init__(self) -> None:
-        require(
-            self.num_generations >= 2,
-            "num_generations",
-            ">= 2 (group-relative advantages need a group)",
-            self.num_generations,
-        )
+        require_min("num_generations", self.num_generations, 2, " (group-relative advantages need a group)")
         require(
             self.sampling.temperature > 0,
             "temperature",
             "> 0 (log-probs are taken on logits divided by it)",
             self.sampling.temperature,
         )
-        require(self.num_infer_workers >= 0, "num_infer_workers", ">= 0", self.num_infer_workers)
+        require_min("num_infer_workers", self.num_infer_workers, 0)
+        if self.rollout_engine != "auto" and self.engine_name.startswith("vllm"):
+            logger.warning("rollout_engine=%s is ignored: the run generates with vLLM", self.rollout_engine)
 
     @property
     def max_completion_length(self) -> int:
@@ -188,12 +188,8 @@ class OffPolicyConfig:
     """The importance-sampling correction (vllm_importance_sampling_*)."""
 
     def __post_init__(self) -> None:
-        require(
-            self.max_staleness >= 1,
-            "max_staleness",
-            ">= 1 (a batch generated during the previous update is one version old)",
-            self.max_staleness,
-        )
+        note = " (a batch generated during the previous update is one version old)"
+        require_min("max_staleness", self.max_staleness, 1, note)
 
 
 @dataclass(kw_only=True)

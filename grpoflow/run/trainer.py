@@ -1,6 +1,6 @@
 """The GRPO loop: sample prompts, roll out, score, compute advantages, update, sync, log.
 
-The trainer receives its parts (model, engine, rewards, prompts, logger) ready-made; `launch.py`
+The trainer receives its parts (model, engine, rewards, prompts, logger) ready-made; `build.py`
 builds them from a config. One `step` is one generation batch and `num_iterations` optimizer
 steps on it.
 

@@ -8,7 +8,7 @@ FastAPI and uvicorn (`pip install 'grpoflow[server]'`); nothing else in grpoflow
 from __future__ import annotations
 
 from grpoflow.server.app import build_app
-from grpoflow.server.launch import build_service, serve
+from grpoflow.server.build import build_service, serve
 from grpoflow.server.settings import ServeConfig
 
 __all__ = ["ServeConfig", "build_app", "build_service", "serve"]

@@ -134,3 +134,29 @@ def assert_resumed_run_replays(straight_dir: Path, resumed_dir: Path) -> None:
     want, got = weights(straight_dir / "checkpoint-4"), weights(resumed_dir / "checkpoint-4")
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)
+
+
+def save_reward_model(directory, chat_template=None):
+    """A tiny random Qwen2 sequence classifier (one label) and its char tokenizer in `directory`."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from grpoflow.policy.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=1,
+    )
+    torch.manual_seed(0)
+    Qwen2ForSequenceClassification(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)

@@ -2,33 +2,11 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForSequenceClassification
+from helpers.support import save_reward_model
 
-from grpoflow.policy.tiny import build_char_tokenizer
 from grpoflow.rewards import RewardModel, RewardRunner
 
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-
-
-def save_reward_model(directory, chat_template=None):
-    tokenizer = build_char_tokenizer()
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        num_labels=1,
-    )
-    torch.manual_seed(0)
-    Qwen2ForSequenceClassification(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
 
 
 @pytest.fixture(scope="module")

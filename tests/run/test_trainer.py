@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers.support import recipe, write_plugin
+from helpers.support import recipe, save_reward_model, write_plugin
 
 from grpoflow.run.build import build_trainer, run
 from grpoflow.run.checkpoint import list_checkpoints
@@ -127,24 +127,8 @@ def test_dynamic_sampling_replaces_groups_without_reward_spread(tmp_path):
 
 
 def test_reward_model_and_plugin_rewards_are_weighted_into_the_run(tmp_path):
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    from grpoflow.policy.tiny import build_char_tokenizer
-
-    tokenizer = build_char_tokenizer()
     reward_dir = tmp_path / "reward_model"
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=tokenizer.pad_token_id,
-        num_labels=1,
-    )
-    Qwen2ForSequenceClassification(config).save_pretrained(reward_dir)
-    tokenizer.save_pretrained(reward_dir)
+    save_reward_model(reward_dir)
     plugin = tmp_path / "plugin.py"
     plugin.write_text(
         "from grpoflow.rewards import register_reward\n"
