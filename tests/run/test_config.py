@@ -377,3 +377,28 @@ def test_async_generation_must_allow_the_staleness_of_spaced_syncs():
         load_config(None, {**base, "weight_sync_interval": 2, "max_staleness": 2}).off_policy.max_staleness
         == 2
     )
+
+
+def test_a_config_built_in_python_gives_the_rewards_its_completion_budget():
+    from grpoflow.engines.base import SamplingParams
+    from grpoflow.rewards import RewardConfig
+    from grpoflow.run.config import GenerationConfig
+
+    config = GRPOConfig(
+        **{key: section for key, section in build().__dict__.items() if key not in {"generation", "rewards"}},
+        generation=GenerationConfig(sampling=SamplingParams(max_tokens=48)),
+        rewards=RewardConfig(reward_funcs=["format"], soft_cache_length=8),
+    )
+    assert config.rewards.max_completion_length == 48 == config.rewards.effective_soft_max_length
+    assert build(max_completion_length=600, soft_cache_length=512).rewards.max_completion_length == 600
+
+
+def test_total_steps_count_the_global_batch_over_ranks():
+    config = build(num_train_epochs=1, per_device_train_batch_size=8, num_generations=4)
+    assert config.total_steps(num_prompts=8) == 4
+    assert config.total_steps(num_prompts=8, world_size=2) == 2
+
+
+def test_async_generation_is_refused_for_an_engine_inside_the_trainer():
+    with pytest.raises(ValueError, match="async_generate needs a rollout server"):
+        build(async_generate=True)
