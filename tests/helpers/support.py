@@ -140,21 +140,14 @@ def save_reward_model(directory, chat_template=None):
     """A tiny random Qwen2 sequence classifier (one label) and its char tokenizer in `directory`."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from grpoflow.policy.tiny import build_char_tokenizer
+    from grpoflow.policy.tiny import PRESETS, build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     if chat_template is not None:
         tokenizer.chat_template = chat_template
+    shape = {**PRESETS["tiny"], "intermediate_size": 64, "max_position_embeddings": 128}
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        num_labels=1,
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=1, **shape
     )
     torch.manual_seed(0)
     Qwen2ForSequenceClassification(config).save_pretrained(directory)
