@@ -242,22 +242,22 @@ class GRPOConfig:
             "model",
             "set",
             None,
-            "model is not set: pass --model (a local directory or hub id), or run the embedded "
-            "default with `grpoflow train` and no arguments",
+            "pass --model (a local directory or hub id), or run the embedded default with "
+            "`grpoflow train` and no arguments",
         )
         require(
             bool(self.data.dataset),
             "dataset",
             "set",
             [],
-            "dataset is not set: pass --dataset (e.g. gsm8k, or a jsonl file)",
+            "pass --dataset (e.g. gsm8k, or a jsonl file)",
         )
         require(
             bool(self.rewards.reward_funcs or self.rewards.reward_model),
             "reward_funcs",
-            "set",
+            "set (or reward_model)",
             [],
-            "no reward: set reward_funcs (e.g. accuracy format) or reward_model",
+            "a run needs a reward: set reward_funcs (e.g. accuracy format) or reward_model",
         )
         g, batch = self.generation.num_generations, self.generation_batch_size
         require(
@@ -265,8 +265,7 @@ class GRPOConfig:
             "per_device_train_batch_size x gradient_accumulation_steps",
             f"divisible by num_generations = {g}",
             batch,
-            f"per_device_train_batch_size x gradient_accumulation_steps = {batch} completions per step "
-            f"must be divisible by num_generations = {g}",
+            "a prompt's group of completions stays whole within a step",
         )
         require(
             not (
@@ -288,11 +287,10 @@ class GRPOConfig:
         require(
             engine == "vllm_server",
             "async_generate",
-            "false with this engine",
+            f"false with the {engine} engine, which runs in the training process",
             True,
-            f"async_generate needs a rollout server to generate while the policy trains: set use_vllm: "
-            f"true and vllm_mode: server (e.g. against `grpoflow serve`); the {engine} engine runs in the "
-            "training process",
+            "async_generate needs a rollout server to generate while the policy trains: set use_vllm: "
+            "true and vllm_mode: server (e.g. against `grpoflow serve`)",
         )
         interval, staleness = self.sync.weight_sync_interval, self.off_policy.max_staleness
         require(

@@ -175,7 +175,7 @@ def test_values_of_the_wrong_type_are_rejected(key, value, message):
 def test_empty_lists_in_yaml_mean_unset(tmp_path):
     # `dataset:` with nothing after it is YAML null: the dataset is missing, not one named "None".
     recipe = write_yaml(tmp_path / "r.yaml", {**MINIMAL, "dataset": None})
-    with pytest.raises(ValueError, match="dataset is not set"):
+    with pytest.raises(ValueError, match="dataset must be set"):
         load_config(recipe)
     recipe = write_yaml(tmp_path / "r.yaml", {**MINIMAL, "stop": None})
     assert load_config(recipe).generation.sampling.stop == []
@@ -302,16 +302,16 @@ def test_unknown_key_without_close_match():
         ({"soft_cache_length": 600}, "soft_cache_length must be in"),
         (
             {"per_device_train_batch_size": 6},
-            "= 6 completions per step must be divisible by num_generations = 4",
+            "gradient_accumulation_steps must be divisible by num_generations = 4, got 6",
         ),
         (
             {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3},
-            "= 6 completions per step must be divisible by num_generations = 4",
+            "gradient_accumulation_steps must be divisible by num_generations = 4, got 6",
         ),
         ({"reward_weights": [1.0, 2.0]}, "reward_weights must be one weight per reward: there are 1 rewards"),
-        ({"model": None}, "model is not set"),
-        ({"dataset": []}, "dataset is not set"),
-        ({"reward_funcs": []}, "no reward: set reward_funcs"),
+        ({"model": None}, "model must be set, got None: pass --model"),
+        ({"dataset": []}, "dataset must be set"),
+        ({"reward_funcs": []}, "a run needs a reward: set reward_funcs"),
     ],
 )
 def test_bad_values_name_the_key(values, message):
