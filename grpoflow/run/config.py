@@ -197,18 +197,31 @@ class GRPOConfig:
     """Everything a run needs, one section per component."""
 
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """The model being trained and how it loads (grpoflow.policy.loading)."""
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    """Full fine-tuning or LoRA adapters (grpoflow.policy.lora)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Where prompts come from (grpoflow.data.prompts)."""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Group size, sampling and the engine that samples."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """A colocated vLLM engine (grpoflow.engines.vllm)."""
     remote: RemoteConfig = field(default_factory=RemoteConfig)
+    """Rollout servers over HTTP (grpoflow.engines.remote)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The GRPO-family objective (grpoflow.run.update)."""
     rewards: RewardConfig = field(default_factory=RewardConfig)
+    """Which rewards score completions, and their parameters (grpoflow.rewards)."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Optimisation, schedule, checkpoints."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """FSDP and offloading (grpoflow.policy.placement)."""
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Weight syncs to engines that keep their own copy."""
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
+    """Asynchronous generation and the importance-sampling correction."""
     log: LogConfig = field(default_factory=LogConfig)
+    """What gets logged where (grpoflow.run.metrics)."""
 
     def __post_init__(self) -> None:
         # The rewards read the completion budget the generation section owns.
