@@ -80,6 +80,19 @@ class RewardBatch:
     seconds_per_func: dict[str, float]
     """Wall-clock seconds each function took (its timeout when it timed out)."""
 
+    @property
+    def training_values(self) -> torch.Tensor:
+        """`values` with a failed sample missing altogether: every value of a sample on which any
+        function failed (raised; or the function timed out or answered the batch wrongly) is NaN,
+        so its other rewards do not score it alone. A None from a function that does not apply to
+        a sample (TRL's convention) is no failure: the sample's other rewards still count."""
+        values = self.values.clone()
+        if any(error.index is None for error in self.errors):
+            values[:] = float("nan")
+        else:
+            values[sorted({error.index for error in self.errors})] = float("nan")
+        return values
+
 
 class RewardRunner:
     """Runs reward functions over batches (see the module docstring for how they run).

@@ -292,7 +292,7 @@ class GRPOTrainer:
                 continue
             with timer("reward"):
                 result = self.rewards.score(*reward_inputs(groups))
-            scored = ScoredGroups(groups, result.values, list(result.errors), round_index + 1)
+            scored = ScoredGroups(groups, result.training_values, list(result.errors), round_index + 1)
             if not algorithm.dynamic_sample:
                 return scored
             errors.extend(scored.errors)

@@ -111,6 +111,52 @@ def test_a_raising_reward_is_reported_and_the_run_goes_on(tmp_path):
     assert all(row["rewards"]["flaky"] == 1.0 for row in rows if row["prompt"][5] in "efgh")
 
 
+@pytest.mark.parametrize("others", [["echo"], ["echo", "format"]], ids=["two_rewards", "three_rewards"])
+def test_a_sample_whose_reward_failed_is_left_out_whatever_the_number_of_rewards(tmp_path, others):
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(
+        "def flaky(completions, letter, **kwargs):\n"
+        "    if set(letter) & set('abcd'):\n"
+        "        raise RuntimeError('bad sample')\n"
+        "    return [float(len(c) % 2) for c in completions]\n"
+    )
+    config = recipe(
+        tmp_path,
+        max_steps=2,
+        per_device_train_batch_size=64,
+        reward_funcs=[*others, f"{plugin}:flaky"],
+        log_completions=True,
+    )
+    history = run(config)
+    rows = read_jsonl(tmp_path / "run" / "completions.jsonl")
+    failed = [row for row in rows if row["prompt"][5] in "abcd"]
+    assert failed and all(set(row["rewards"].values()) == {None} for row in failed)
+    assert all(row["advantage"] == 0.0 for row in failed)
+    for step, metrics in enumerate(history, start=1):
+        scored = [row for row in rows if row["step"] == step and None not in row["rewards"].values()]
+        assert scored
+        assert metrics["reward"] == pytest.approx(
+            sum(sum(row["rewards"].values()) for row in scored) / len(scored)
+        )
+        flaky = [row["rewards"]["flaky"] for row in scored]
+        assert metrics["rewards/flaky/mean"] == pytest.approx(sum(flaky) / len(flaky))
+
+
+def test_a_reward_that_does_not_apply_to_a_sample_leaves_its_other_rewards_counting():
+    from grpoflow.rewards import RewardRunner
+
+    def applies_to_odd(completions, **kwargs):
+        return [None if index % 2 == 0 else 1.0 for index in range(len(completions))]
+
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    with RewardRunner([("odd", applies_to_odd), ("length", length)], timeout=10, num_workers=0) as runner:
+        batch = runner.score(["p"] * 2, ["ab", "abc"], [[1, 2], [1, 2, 3]])
+    assert batch.errors == []
+    assert batch.training_values[0, 1].item() == 2.0 and batch.training_values[1].tolist() == [1.0, 3.0]
+
+
 def test_dynamic_sampling_replaces_groups_without_reward_spread(tmp_path):
     plugin = write_plugin(tmp_path)
     config = recipe(
