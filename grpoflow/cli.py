@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
+import textwrap
+import typing
+from importlib import metadata
 from pathlib import Path
 
 from grpoflow import options
@@ -39,6 +43,16 @@ def resolve_recipe(name: str | None, overrides: dict) -> Path | None:
     raise ValueError(f"--config {name}: no such file, and no packaged recipe of that name ({known})")
 
 
+def embedded_note() -> str:
+    """What `grpoflow train` runs with no --config and no --model: the embedded recipe's settings."""
+    settings = ", ".join(f"{key}={value}" for key, value in options.load_yaml(DEFAULT_RECIPE).items())
+    return textwrap.fill(
+        f"With no --config and no --model, the embedded recipe applies ({DEFAULT_RECIPE}): {settings}; "
+        "flags override it. With --model or --config, the defaults below apply.",
+        width=100,
+    )
+
+
 def describe_options() -> str:
     """Every key with its default and its one-line documentation, grouped by section."""
     lines, section = [], None
@@ -47,12 +61,30 @@ def describe_options() -> str:
             section = item.path[0]
             lines.append(f"\n[{section}]")
         doc = options.field_docs(item.owner).get(item.path[-1], "")
-        lines.append(f"  --{key} (default: {item.default!r})  {doc}")
+        choices = allowed_values(item.hint)
+        lines.append(f"  --{key} (default: {item.default!r}{choices})  {doc}")
     return "\n".join(lines)
 
 
+def interrupted(step: int, output_dir: str) -> str:
+    """What an interrupted run tells its user: where it stopped and how to go on."""
+    from grpoflow.run.checkpoint import list_checkpoints
+
+    saved = list_checkpoints(output_dir)
+    if not saved:
+        return f"stopped at step {step}, before its first checkpoint: nothing to resume in {output_dir}"
+    return f"stopped at step {step}; resume from {saved[-1]} with --resume_from_checkpoint latest"
+
+
+def allowed_values(hint: object) -> str:
+    """`; one of a, b` for an option of a Literal type, else nothing."""
+    hints = [hint, *typing.get_args(hint)]
+    literal = next((h for h in hints if typing.get_origin(h) is typing.Literal), None)
+    return f"; one of {', '.join(map(str, typing.get_args(literal)))}" if literal is not None else ""
+
+
 def train(argv: list[str]) -> int:
-    epilog = "Options (YAML keys or --key value):" + describe_options()
+    epilog = embedded_note() + "\n\nOptions (YAML keys or --key value):" + describe_options()
     parser = argparse.ArgumentParser(
         prog="grpoflow train",
         description=TRAIN_HELP,
@@ -77,6 +109,11 @@ def train(argv: list[str]) -> int:
         return 2
     try:
         history = run(config, trainer)
+    except KeyboardInterrupt:
+        print(
+            f"grpoflow train: {interrupted(trainer.step_count, config.training.output_dir)}", file=sys.stderr
+        )
+        return 130
     finally:
         trainer.distributed.close()
     if history and trainer.distributed.is_main:
@@ -153,7 +190,17 @@ USAGE = (
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if argv and argv[0] in {"-h", "--help"}:
+        print(USAGE)
+        return 0
+    if argv and argv[0] == "--version":
+        print(f"grpoflow {metadata.version('grpoflow')}")
+        return 0
     if not argv or argv[0] not in COMMANDS:
+        if argv:
+            close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            print(f"grpoflow: unknown command {argv[0]!r}{hint}", file=sys.stderr)
         print(USAGE, file=sys.stderr)
         return 2
     return COMMANDS[argv[0]](argv[1:])

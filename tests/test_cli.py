@@ -1,6 +1,7 @@
 import pytest
 
 from grpoflow import cli
+from grpoflow.run.checkpoint import MARKER, STATE_FILE
 from grpoflow.run.config import load_config
 
 
@@ -82,3 +83,45 @@ def test_every_packaged_recipe_loads():
     assert cli.DEFAULT_RECIPE in recipes
     for recipe in recipes:
         load_config(recipe)
+
+
+def test_help_and_version_exit_zero_and_a_misspelled_command_is_named(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "grpoflow {train}" in capsys.readouterr().out
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("grpoflow ")
+    assert cli.main(["trian"]) == 2
+    assert "unknown command 'trian'; did you mean train?" in capsys.readouterr().err
+
+
+def test_train_help_gives_each_option_its_documentation_allowed_values_and_the_embedded_recipe(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert (
+        "--loss_type (default: 'dapo'; one of grpo, bnpo, dr_grpo, dapo)  How per-token losses are reduced."
+        in out
+    )
+    assert "the embedded recipe applies" in out and "max_prompt_length=16" in out
+
+
+def test_a_malformed_recipe_and_a_flag_without_its_value_are_one_line_each(tmp_path, capsys):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("model: tiny\n  bad: [1\n")
+    assert cli.main(["train", "--config", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"grpoflow train: config file {recipe} is not valid YAML at line 2, column 6: mapping values are not allowed here"
+    )
+    assert cli.main(["train", "--learning_rate"]) == 2
+    assert "learning_rate needs a value: --learning_rate VALUE" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_says_where_it_stopped_and_how_to_resume(tmp_path):
+    assert "before its first checkpoint" in cli.interrupted(3, str(tmp_path))
+    (tmp_path / "checkpoint-2").mkdir()
+    for name in (STATE_FILE, MARKER):
+        (tmp_path / "checkpoint-2" / name).write_text("")
+    message = cli.interrupted(3, str(tmp_path))
+    assert "stopped at step 3; resume from" in message and "--resume_from_checkpoint latest" in message

@@ -96,7 +96,13 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {path} does not exist")
-    loaded = yaml.safe_load(path.read_text()) or {}
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        line = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        problem = getattr(error, "problem", None) or "it cannot be parsed"
+        raise ValueError(f"config file {path} is not valid YAML{line}: {problem}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"config file {path} must hold a mapping of keys to values")
     return loaded
@@ -120,8 +126,12 @@ def parse_overrides(argv: Sequence[str]) -> dict[str, Any]:
         while not equals and index < len(argv) and not argv[index].startswith("--"):
             values.append(argv[index])
             index += 1
-        overrides[name] = "true" if not values else values[0] if len(values) == 1 else values
+        overrides[name] = BareFlag("true") if not values else values[0] if len(values) == 1 else values
     return overrides
+
+
+class BareFlag(str):
+    """The value of a flag given with no value: true for a boolean option, an error for others."""
 
 
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
@@ -141,6 +151,8 @@ def coerce(name: str, value: Any, hint: Any) -> Any:
         return [coerce(name, item, args[0]) for item in items]
     if origin is Literal:
         return _literal(name, value, args)
+    if isinstance(value, BareFlag) and hint is not bool:
+        raise ValueError(f"{name} needs a value: --{name} VALUE")
     if hint not in _KINDS:
         return value
     try:
