@@ -118,8 +118,11 @@ def train(argv: list[str]) -> int:
         trainer.distributed.close()
     if history and trainer.distributed.is_main:
         first, last = history[0].get("reward"), history[-1].get("reward")
+        errors = int(sum(step.get("rewards/num_errors", 0) for step in history))
+        failures = f", {errors} reward errors (logged as warnings)" if errors else ""
         print(
-            f"done: {len(history)} steps, reward {first:.3f} -> {last:.3f}, output in {config.training.output_dir}"
+            f"done: {len(history)} steps, reward {first:.3f} -> {last:.3f}{failures}, "
+            f"output in {config.training.output_dir}"
         )
     return 0
 

@@ -125,3 +125,11 @@ def test_an_interrupted_run_says_where_it_stopped_and_how_to_resume(tmp_path):
         (tmp_path / "checkpoint-2" / name).write_text("")
     message = cli.interrupted(3, str(tmp_path))
     assert "stopped at step 3; resume from" in message and "--resume_from_checkpoint latest" in message
+
+
+def test_the_last_line_counts_reward_errors(tmp_path, capsys):
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text("def broken(completions, **kwargs):\n    raise RuntimeError('down')\n")
+    argv = ["train", "--max_steps", "1", "--output_dir", str(tmp_path / "run"), "--report_to", "none"]
+    assert cli.main([*argv, "--reward_funcs", "echo", f"{plugin}:broken", "--disable_tqdm", "true"]) == 0
+    assert "reward errors (logged as warnings)" in capsys.readouterr().out
