@@ -14,6 +14,7 @@ import functools
 import inspect
 import textwrap
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,38 +58,36 @@ def is_node(hint: Any) -> bool:
 def flat_fields(root: type) -> dict[str, FlatField]:
     """Every flat key of `root`'s tree. ValueError when two fields claim the same key."""
     found: dict[str, FlatField] = {}
-    for flat_key, item in _walk(root, ()):
+    for item, flat in _leaves(root, ()):
+        if not item.metadata.get("option", True):
+            continue
+        flat_key = item.metadata.get("key", item.name)
         if flat_key in found:
-            first, second = ".".join(found[flat_key].path), ".".join(item.path)
+            first, second = ".".join(found[flat_key].path), ".".join(flat.path)
             raise ValueError(f"option {flat_key!r} has two owners: {first} and {second}; give one a key")
-        found[flat_key] = item
+        found[flat_key] = flat
     return found
-
-
-def _walk(cls: type, prefix: tuple[str, ...]):
-    hints = typing.get_type_hints(cls)
-    for item in dataclasses.fields(cls):
-        hint, path = hints[item.name], (*prefix, item.name)
-        if is_node(hint):
-            yield from _walk(hint, path)
-        elif item.metadata.get("option", True):
-            default = (
-                item.default_factory() if item.default_factory is not dataclasses.MISSING else item.default
-            )
-            yield item.metadata.get("key", item.name), FlatField(path, hint, cls, default)
 
 
 @functools.cache
 def derived_fields(root: type) -> dict[tuple[str, ...], str]:
     """The path of every `derived_from` field of `root`'s tree, with the key it takes its value from."""
-    found = {}
-    hints = typing.get_type_hints(root)
-    for item in dataclasses.fields(root):
-        if is_node(hints[item.name]):
-            found |= {(item.name, *path): source for path, source in derived_fields(hints[item.name]).items()}
-        elif "from" in item.metadata:
-            found[(item.name,)] = item.metadata["from"]
-    return found
+    return {flat.path: item.metadata["from"] for item, flat in _leaves(root, ()) if "from" in item.metadata}
+
+
+def _leaves(cls: type, prefix: tuple[str, ...]) -> Iterator[tuple[dataclasses.Field, FlatField]]:
+    """Every leaf field of `cls`'s tree with where it lands, nested sections read in turn."""
+    hints = typing.get_type_hints(cls)
+    for item in dataclasses.fields(cls):
+        hint, path = hints[item.name], (*prefix, item.name)
+        if is_node(hint):
+            yield from _leaves(hint, path)
+        else:
+            yield item, FlatField(path, hint, cls, _default(item))
+
+
+def _default(item: dataclasses.Field) -> Any:
+    return item.default_factory() if item.default_factory is not dataclasses.MISSING else item.default
 
 
 def nodes(root: type) -> set[str]:
@@ -130,5 +129,4 @@ def _own_field_docs(cls: type) -> dict[str, str]:
 def default_of(cls: type, name: str) -> Any:
     """The default of field `name` of dataclass `cls`: for a field that takes its value from
     another component's option, so that the default is written once, by the option's owner."""
-    item = next(item for item in dataclasses.fields(cls) if item.name == name)
-    return item.default_factory() if item.default_factory is not dataclasses.MISSING else item.default
+    return _default(next(item for item in dataclasses.fields(cls) if item.name == name))

@@ -34,6 +34,10 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     resume = checkpoint.resolve_checkpoint(training.resume_from_checkpoint, training.output_dir)
     distributed, device = init_distributed(resolve_device(config.policy.device))
     check_world(config, distributed)
+    if device.type == "cuda":
+        # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
+        # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     tokenizer = config.policy.load_tokenizer()
     rewards = RewardRunner.from_config(config.rewards, device=device)
     items = config.data.load_prompts(tokenizer, seed=training.seed)
@@ -60,7 +64,6 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     )
     trainer = GRPOTrainer(
         config,
-        model=model,
         tokenizer=tokenizer,
         engine=engine,
         rewards=rewards,
@@ -68,7 +71,6 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         optimizer=optimizer,
         scheduler=scheduler,
         placement=policy_placement,
-        ref_model=ref_model,
         ref_placement=ref_placement,
         distributed=distributed,
         per_prompt_seeds=config.generation.engine_name == "native",
@@ -102,10 +104,6 @@ def check_world(config: GRPOConfig, distributed: DistributedContext) -> None:
             "async_generate with dynamic_sample needs one process: its resampling rounds agree across "
             "ranks through collectives, which cannot run beside the update's; turn one of them off"
         )
-    if distributed.device.type == "cuda":
-        # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
-        # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
-        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def build_rollout_engine(

@@ -79,7 +79,6 @@ class GRPOTrainer:
         self,
         config: GRPOConfig,
         *,
-        model: torch.nn.Module,
         tokenizer,
         engine: RolloutEngine,
         rewards: RewardRunner,
@@ -87,17 +86,17 @@ class GRPOTrainer:
         optimizer: torch.optim.Optimizer,
         scheduler,
         placement: Placement,
-        ref_model: torch.nn.Module | None = None,
         ref_placement: Placement | None = None,
         distributed: DistributedContext | None = None,
         per_prompt_seeds: bool = False,
     ) -> None:
         """`per_prompt_seeds`: the engine takes one SamplingParams per prompt (the native engine),
         so each prompt is sampled from its own seed; otherwise one seed per call and rank.
-        `placement` and `ref_placement` lay out `model` and `ref_model` (`place_models`)."""
-        self.config, self.model, self.tokenizer = config, model, tokenizer
+        `placement` and `ref_placement` hold the policy and the reference model as `place_models`
+        laid them out."""
+        self.config, self.tokenizer = config, tokenizer
         self.engine, self.rewards, self.items = engine, rewards, items
-        self.optimizer, self.scheduler, self.ref_model = optimizer, scheduler, ref_model
+        self.optimizer, self.scheduler = optimizer, scheduler
         self.placement, self.ref_placement = placement, ref_placement
         self.device = placement.device
         self.sampler = PromptSampler(
@@ -138,6 +137,16 @@ class GRPOTrainer:
         self.prefetcher: RolloutPrefetcher[ScoredGroups] | None = (
             RolloutPrefetcher() if config.off_policy.async_generate else None
         )
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The policy being trained."""
+        return self.placement.module
+
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        """The reference model of the KL term (None at beta 0)."""
+        return self.ref_placement.module if self.ref_placement is not None else None
 
     def train(self, metrics_logger: MetricsLogger | None = None) -> list[dict[str, float]]:
         """Run to `total_steps`, logging and checkpointing; returns each step's metrics."""
