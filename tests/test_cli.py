@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 from grpoflow import cli
@@ -133,3 +135,13 @@ def test_the_last_line_counts_reward_errors(tmp_path, capsys):
     argv = ["train", "--max_steps", "1", "--output_dir", str(tmp_path / "run"), "--report_to", "none"]
     assert cli.main([*argv, "--reward_funcs", "echo", f"{plugin}:broken", "--disable_tqdm", "true"]) == 0
     assert "reward errors (logged as warnings)" in capsys.readouterr().out
+
+
+def test_a_reward_whose_dependency_is_missing_stops_the_run_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    output = tmp_path / "run"
+    argv = ["train", "--model", "tiny", "--dataset", "gsm8k", "--reward_funcs", "accuracy", "format"]
+    assert cli.main([*argv, "--max_steps", "2", "--output_dir", str(output)]) == 2
+    message = capsys.readouterr().err.strip()
+    assert message.count("\n") == 0 and "pip install 'grpoflow[math]'" in message
+    assert not output.exists()

@@ -15,7 +15,7 @@ import math
 import re
 from typing import Any
 
-from grpoflow.rewards.math import AccuracyReward, gold_column, is_correct
+from grpoflow.rewards.math import AccuracyReward, gold_column, is_correct, require_math_verify
 from grpoflow.rewards.params import RewardConfig
 from grpoflow.rewards.registry import register_reward
 from grpoflow.rewards.text import content_text
@@ -54,6 +54,7 @@ class CosineReward:
     cpu_heavy = True
 
     def __init__(self, config: RewardConfig) -> None:
+        require_math_verify("cosine")
         self.config = config
 
     def __call__(self, completions: list, completion_ids: list, **kwargs: Any) -> list[float | None]:

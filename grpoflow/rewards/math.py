@@ -81,6 +81,7 @@ class AccuracyReward:
     cpu_heavy = True
 
     def __init__(self, config: RewardConfig | None = None) -> None:
+        require_math_verify("accuracy")
         self.config = config if config is not None else RewardConfig()
 
     def __call__(self, completions: list, **kwargs: Any) -> list[float | None]:
@@ -89,13 +90,26 @@ class AccuracyReward:
         return [None if ok is None else float(ok) for ok in results]
 
 
+MATH_EXTRA_HINT = "pip install 'grpoflow[math]'"
+
+
+def require_math_verify(reward: str) -> None:
+    """Stop before any work when math_verify is missing (ValueError naming the install command):
+    a reward that could not run would otherwise fail on every sample of the run."""
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            f"The {reward} reward checks answers with math_verify, which is not installed: "
+            f"{MATH_EXTRA_HINT} (or drop {reward} from reward_funcs)."
+        ) from None
+
+
 def _math_verify() -> tuple[Any, Any, list[Any]]:
     try:
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
     except ImportError as error:
-        raise ImportError(
-            "The accuracy and cosine rewards need math_verify: pip install math-verify"
-        ) from error
+        raise ImportError(f"The accuracy and cosine rewards need math_verify: {MATH_EXTRA_HINT}") from error
     extraction = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
     return parse, verify, extraction
 

@@ -110,9 +110,16 @@ def test_works_off_the_main_thread():
 
 def test_missing_math_verify_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)
-    with pytest.raises(ImportError, match="pip install math-verify"):
+    with pytest.raises(ImportError, match=r"pip install 'grpoflow\[math\]'"):
         is_correct("72", "#### 72")
 
 
 def test_accuracy_is_marked_cpu_heavy(accuracy):
     assert accuracy.cpu_heavy is True
+
+
+@pytest.mark.parametrize("name", ["accuracy", "cosine"])
+def test_a_math_reward_without_math_verify_stops_before_any_work(name, monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # what a missing package looks like to import
+    with pytest.raises(ValueError, match=rf"The {name} reward .* pip install 'grpoflow\[math\]'"):
+        get_reward(name)
