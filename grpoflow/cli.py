@@ -95,6 +95,7 @@ def train(argv: list[str]) -> int:
     known, rest = parser.parse_known_args(argv)
     from grpoflow.run import torchrun
     from grpoflow.run.build import build_trainer, run
+    from grpoflow.run.failures import RunStopped
 
     try:
         overrides = options.parse_overrides(rest)
@@ -114,6 +115,9 @@ def train(argv: list[str]) -> int:
             f"grpoflow train: {interrupted(trainer.step_count, config.training.output_dir)}", file=sys.stderr
         )
         return 130
+    except RunStopped as stopped:
+        print(f"grpoflow train: {stopped}", file=sys.stderr)
+        return 1
     finally:
         trainer.distributed.close()
     if history and trainer.distributed.is_main:

@@ -145,3 +145,16 @@ def test_a_reward_whose_dependency_is_missing_stops_the_run_before_any_work(tmp_
     message = capsys.readouterr().err.strip()
     assert message.count("\n") == 0 and "pip install 'grpoflow[math]'" in message
     assert not output.exists()
+
+
+def test_a_reward_failing_on_every_sample_stops_the_run_with_a_checkpoint(tmp_path, capsys):
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text("def broken(completions, **kwargs):\n    raise RuntimeError('service down')\n")
+    output = tmp_path / "run"
+    argv = ["train", "--max_steps", "10", "--output_dir", str(output), "--report_to", "none"]
+    argv += ["--reward_funcs", "echo", f"{plugin}:broken", "--disable_tqdm", "true"]
+    assert cli.main([*argv, "--max_consecutive_reward_failures", "3"]) == 1
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "stopped at step 3: reward 'broken' failed on every sample for 3 steps in a row" in message
+    assert "RuntimeError: service down" in message and "--resume_from_checkpoint latest" in message
+    assert (output / "checkpoint-3").is_dir()

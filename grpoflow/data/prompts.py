@@ -8,13 +8,17 @@ tokenized once, up front, so that over-long and empty prompts are reported befor
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
+import os
 import random
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 import torch
 
@@ -118,7 +122,24 @@ def _read_local(path: Path) -> list[dict]:
     )
 
 
+HUB_PROBE_SECONDS = 3.0
+"""How long to wait for the hub's host to answer before calling a dataset name unreachable."""
+
+
 def _read_hub(name: str, split: str) -> list[dict]:
+    close = difflib.get_close_matches(name, TASKS, n=1, cutoff=0.75)
+    if close and "/" not in name:
+        raise ValueError(
+            f"dataset {name!r} is not a packaged task ({', '.join(TASKS)}) nor a local file; did you mean "
+            f"{close[0]!r}? (a hub dataset is named org/name)"
+        )
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if not _offline() and not _reachable(endpoint):
+        raise ValueError(
+            f"dataset {name!r} is not a packaged task ({', '.join(TASKS)}) nor a local file, and the "
+            f"hub ({endpoint}) cannot be reached to look for it. Check the name; for a dataset in the "
+            "local hub cache, set HF_HUB_OFFLINE=1"
+        )
     try:
         return _datasets_module().load_dataset(name, split=split).to_list()
     except Exception as error:
@@ -126,6 +147,23 @@ def _read_hub(name: str, split: str) -> list[dict]:
             f"dataset {name!r} is not a packaged task ({', '.join(TASKS)}), a local file, nor a "
             f"loadable hub dataset: {error}"
         ) from None
+
+
+def _offline() -> bool:
+    return any(
+        os.environ.get(name, "").upper() in {"1", "ON", "YES", "TRUE"}
+        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+
+
+def _reachable(endpoint: str) -> bool:
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=HUB_PROBE_SECONDS).close()
+    except OSError:
+        return False
+    return True
 
 
 def _datasets_module():

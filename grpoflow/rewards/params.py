@@ -51,6 +51,9 @@ class RewardConfig:
     """Seconds one reward function may take on one batch before its values are dropped."""
     reward_num_workers: int = 2
     """Process-pool size for CPU-heavy rewards (math verification); 0 runs them in threads."""
+    max_consecutive_reward_failures: int = 5
+    """Stop the run, with a checkpoint, when one reward function has failed on every sample (raised,
+    timed out, answered wrongly) this many steps in a row; 0 never stops."""
 
     def __post_init__(self) -> None:
         require(self.max_completion_length >= 1, "max_completion_length", ">= 1", self.max_completion_length)
@@ -70,6 +73,12 @@ class RewardConfig:
             )
         require(self.reward_timeout > 0, "reward_timeout", "> 0 (seconds)", self.reward_timeout)
         require(self.reward_num_workers >= 0, "reward_num_workers", ">= 0", self.reward_num_workers)
+        require(
+            self.max_consecutive_reward_failures >= 0,
+            "max_consecutive_reward_failures",
+            ">= 0 (0 never stops)",
+            self.max_consecutive_reward_failures,
+        )
         num_rewards = len(self.reward_funcs) + bool(self.reward_model)
         require(
             self.reward_weights is None or len(self.reward_weights) == num_rewards,

@@ -5,8 +5,11 @@ All functions of a batch start together and each gets `timeout` seconds:
 * async functions (`async def`, or an async `__call__`) are awaited concurrently on the runner's
   own event loop, which lives in a background thread for the runner's lifetime (so clients such
   as HTTP sessions bound to a loop can be reused across batches);
-* sync functions each run in a daemon thread of their own: a thread that overstays its timeout
-  cannot be killed, and a daemon thread neither blocks later batches nor the interpreter's exit;
+* sync functions each run in a daemon thread of their own. A thread cannot be killed, so one that
+  overstays its timeout is left to finish (a daemon thread neither blocks later batches nor the
+  interpreter's exit) and the function is not started again while it runs: at most one stray
+  thread per function. If the function can be pickled and the pool has workers, it moves to the
+  process pool for the rest of the run, where a timeout kills its work;
 * functions with `cpu_heavy = True` run in a process pool ('forkserver' context by default, so
   it is safe next to torch's threads), created on first use and reused. They must be picklable:
   module-level functions or instances of module-level classes (plugin files count, they are
@@ -93,6 +96,17 @@ class RewardBatch:
             values[sorted({error.index for error in self.errors})] = float("nan")
         return values
 
+    @property
+    def failed_everywhere(self) -> frozenset[str]:
+        """Functions that failed on every sample of the batch (an empty batch has none)."""
+        size = len(self.values)
+        failed: dict[str, set[int | None]] = {}
+        for error in self.errors:
+            failed.setdefault(error.name, set()).add(error.index)
+        return frozenset(
+            name for name, indices in failed.items() if size and (None in indices or len(indices) == size)
+        )
+
 
 class RewardRunner:
     """Runs reward functions over batches (see the module docstring for how they run).
@@ -142,6 +156,8 @@ class RewardRunner:
         self._process_pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._pool_needs_reset = False
         self._unsent_arguments: set[str] = set()
+        self._overrunning: dict[int, concurrent.futures.Future] = {}
+        """Threads of sync functions still running past their timeout, by function index."""
 
     @classmethod
     def from_config(cls, config: RewardConfig, *, device: Any = None) -> RewardRunner:
@@ -208,8 +224,8 @@ class RewardRunner:
     async def _score_all(self, call: RewardCall) -> list[tuple[Outcome, float]]:
         process_call = self._picklable(call) if "process" in self.kinds else call
         jobs = (
-            self._score_one(fn, kind, process_call if kind == "process" else call)
-            for fn, kind in zip(self.funcs, self.kinds)
+            self._score_one(index, process_call if kind == "process" else call)
+            for index, kind in enumerate(self.kinds)
         )
         return list(await asyncio.gather(*jobs))
 
@@ -235,18 +251,31 @@ class RewardRunner:
             columns[name] = value
         return RewardCall(call.prompts, call.completions, call.completion_ids, columns)
 
-    async def _score_one(self, fn: Callable[..., Any], kind: str, call: RewardCall) -> tuple[Outcome, float]:
+    async def _score_one(self, index: int, call: RewardCall) -> tuple[Outcome, float]:
+        fn, kind = self.funcs[index], self.kinds[index]
         start = time.perf_counter()
+        overrunning = self._overrunning.get(index)
+        if kind == "thread" and overrunning is not None and not overrunning.done():
+            message = (
+                "was not run: its call from an earlier batch overran reward_timeout and is still running "
+                "(a thread cannot be stopped; set cpu_heavy = True on a picklable function to run it "
+                "in a process a timeout kills)"
+            )
+            return Outcome([NAN] * len(call), [(None, message)]), 0.0
+        running = None
         try:
             if kind == "async":
                 pending = evaluate_async(fn, call)
             elif kind == "process":
                 pending = asyncio.wrap_future(self._pool().submit(evaluate, fn, call))
             else:
-                pending = asyncio.wrap_future(_in_daemon_thread(evaluate, fn, call))
+                running = _in_daemon_thread(evaluate, fn, call)
+                pending = asyncio.wrap_future(running)
             outcome = await asyncio.wait_for(pending, self.timeout)
         except TimeoutError:
             self._pool_needs_reset |= kind == "process"
+            if running is not None:
+                self._overran_in_thread(index, running)
             message = (
                 f"timed out after {self.timeout:g} s and its values were dropped; raise reward_timeout "
                 "if it needs longer, or make it faster"
@@ -256,6 +285,21 @@ class RewardRunner:
             outcome = Outcome([NAN] * len(call), [(None, _failure_message(error, kind))])
             self._pool_needs_reset |= isinstance(error, BrokenProcessPool)
         return outcome, time.perf_counter() - start
+
+    def _overran_in_thread(self, index: int, running: concurrent.futures.Future) -> None:
+        """Keep a sync function from piling up threads: not started again while `running` runs,
+        and moved to the process pool when it can go there."""
+        self._overrunning[index] = running
+        name = self.names[index]
+        if self.num_workers == 0 or not _picklable(self.funcs[index]):
+            return
+        self.kinds[index] = "process"
+        self._pool_needs_reset = True  # the next pool imports the plugin file it comes from
+        logger.warning(
+            "reward %r overran reward_timeout in a thread, which cannot be stopped; it runs in the "
+            "process pool from now on, where a timeout kills it (set cpu_heavy = True to start there)",
+            name,
+        )
 
     def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._process_pool is None:
@@ -346,6 +390,14 @@ def _init_worker(files: list[str], sys_path: list[str]) -> None:
     sys.path[:] = sys_path
     for path in files:
         import_file(path)
+
+
+def _picklable(fn: Callable[..., Any]) -> bool:
+    try:
+        pickle.dumps(fn)
+    except Exception:
+        return False
+    return True
 
 
 def _kind(fn: Callable[..., Any], num_workers: int) -> str:

@@ -22,6 +22,7 @@ from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext, init_distributed
 from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import MetricsLogger
+from grpoflow.run.output_dir import claim_output_dir
 from grpoflow.run.trainer import GRPOTrainer
 
 logger = logging.getLogger("grpoflow")
@@ -31,7 +32,10 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     """Everything a run needs: prompts, rewards, policy, engine, placement, optimizer, trainer."""
     training = config.training
     seed_everything(training.seed)
-    resume = checkpoint.resolve_checkpoint(training.resume_from_checkpoint, training.output_dir)
+    claim = claim_output_dir(
+        training.output_dir, training.resume_from_checkpoint, training.overwrite_output_dir
+    )
+    resume = claim.resume
     distributed, device = init_distributed(resolve_device(config.policy.device))
     check_world(config, distributed)
     if device.type == "cuda":
@@ -74,14 +78,21 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         ref_placement=ref_placement,
         distributed=distributed,
         per_prompt_seeds=config.generation.engine_name == "native",
+        run_id=claim.run_id,
     )
     if workers:
         trainer.add_cleanup(workers.close)
         if resume is None:  # the servers start from the model's files; the policy may differ
             engine.update_weights(policy_placement.rollout_weights(engine), 0)
     if resume is not None:
-        trainer.load_state_dict(checkpoint.load_trainer_state(resume))
+        state = checkpoint.load_trainer_state(resume)
+        checkpoint.warn_about_changes(state.get("config", {}), config.to_flat_dict())
+        trainer.load_state_dict(state)
         logger.info("resumed from %s at step %d", resume, trainer.step_count)
+    distributed.barrier()  # every rank has read the directory before rank 0 changes it
+    if distributed.is_main:
+        claim.apply()
+    distributed.barrier()
     return trainer
 
 

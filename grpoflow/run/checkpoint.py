@@ -12,11 +12,14 @@ position are the same on every rank (under FSDP, gathered from every rank's shar
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,11 +79,13 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     save_total_limit: int | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
+    run_id: str | None = None,
 ) -> Path:
     """Write `output_dir/checkpoint-{step}` atomically, then drop the oldest beyond the limit.
 
     `state_dict`: the model's full weights when the model itself holds only shards (FSDP); the
-    files written are the same as for a whole model."""
+    files written are the same as for a whole model. `run_id`: the run the checkpoint belongs to,
+    kept in its marker (see `checkpoint_run_id`)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     for stale in output_dir.glob(".tmp-checkpoint-*"):
@@ -88,15 +93,16 @@ def save_checkpoint(
     final = output_dir / f"checkpoint-{step}"
     staging = output_dir / f".tmp-checkpoint-{step}-{os.getpid()}"
     staging.mkdir()
-    if is_peft_model(model):
-        # The adapter only. Embeddings are never resized here, so PEFT need not fetch the base
-        # model's config to find out whether to save them.
-        model.save_pretrained(staging, save_embedding_layers=False, state_dict=state_dict)
-    else:
-        model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
-    tokenizer.save_pretrained(staging)
+    with _quiet_transformers():  # its "Writing model shards" bar would cut into the run's bar
+        if is_peft_model(model):
+            # The adapter only. Embeddings are never resized here, so PEFT need not fetch the base
+            # model's config to find out whether to save them.
+            model.save_pretrained(staging, save_embedding_layers=False, state_dict=state_dict)
+        else:
+            model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
+        tokenizer.save_pretrained(staging)
     torch.save(trainer_state, staging / STATE_FILE)
-    (staging / MARKER).write_text(str(step))
+    (staging / MARKER).write_text(json.dumps({"step": step, "run_id": run_id}))
     _fsync_tree(staging)
     if final.exists():
         shutil.rmtree(final)
@@ -149,8 +155,75 @@ def is_checkpoint(path: str | Path) -> bool:
     return (path / MARKER).is_file() and (path / STATE_FILE).is_file()
 
 
+def checkpoint_run_id(path: str | Path) -> str | None:
+    """The id of the run that wrote a checkpoint; None for one written without it."""
+    return _marker(path).get("run_id")
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step a checkpoint was saved at: from its marker, else its name, else its state."""
+    step = _marker(path).get("step")
+    if isinstance(step, int):
+        return step
+    match = _NAME.match(Path(path).name)
+    return int(match.group(1)) if match else int(load_trainer_state(path)["step"])
+
+
+def _marker(path: str | Path) -> dict[str, Any]:
+    try:
+        record = json.loads((Path(path) / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+BOOKKEEPING_KEYS = frozenset(
+    {
+        "output_dir",
+        "overwrite_output_dir",
+        "resume_from_checkpoint",
+        "logging_steps",
+        "log_completions",
+        "report_to",
+        "disable_tqdm",
+        "save_steps",
+        "save_total_limit",
+    }
+)
+"""Keys that change where and how often a run reports and saves, not what it trains."""
+
+
+def warn_about_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Warn when a run resumes with other settings than its checkpoint was written with (keys
+    outside `BOOKKEEPING_KEYS`); the changed keys."""
+    changed = sorted(
+        key
+        for key in saved.keys() & current.keys()
+        if key not in BOOKKEEPING_KEYS and saved[key] != current[key]
+    )
+    if changed:
+        logger.warning(
+            "resuming with settings that differ from the checkpoint's: %s; the run goes on with the new ones",
+            ", ".join(f"{key} {saved[key]!r} -> {current[key]!r}" for key in changed),
+        )
+    return changed
+
+
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
     return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging as transformers_logging
+
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()
 
 
 def _fsync_tree(root: Path) -> None:

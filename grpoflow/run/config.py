@@ -123,13 +123,17 @@ class TrainingConfig:
     seed: int = DEFAULT_SEED
     """Seed of data order, sampling and initialisation."""
     output_dir: str = "outputs/grpoflow"
-    """Where checkpoints, metrics and logs go."""
+    """Where checkpoints, metrics and logs go; one run per directory."""
+    overwrite_output_dir: bool = False
+    """Let a new run take an output_dir holding another run's files, deleting them when training
+    starts (checkpoints, run.json, metrics and completions logs, TensorBoard's runs/; nothing else);
+    also lets a resume from an older checkpoint delete the run's later ones."""
     save_steps: int = 500
     """Save a checkpoint every this many steps (and at the end)."""
     save_total_limit: int | None = None
     """Keep at most this many checkpoints (oldest deleted)."""
     resume_from_checkpoint: str | None = None
-    """A checkpoint directory, or `latest` for the newest in output_dir."""
+    """A checkpoint directory, or `latest` for the newest of the run in output_dir."""
 
     def __post_init__(self) -> None:
         positive = (

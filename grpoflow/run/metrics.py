@@ -3,6 +3,7 @@ and completions.jsonl with every completion, its rewards and its advantage."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -49,7 +50,7 @@ class MetricsLogger:
         show_progress: bool = True,
         run_config: dict[str, Any] | None = None,
     ) -> None:
-        self.output_dir = Path(output_dir)
+        self.output_dir, self.start_step = Path(output_dir), start_step
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_file = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.completions_file = None
@@ -59,10 +60,14 @@ class MetricsLogger:
         self.tensorboard = self._open_tensorboard() if "tensorboard" in sinks else None
         self.wandb = self._open_wandb(run_config) if "wandb" in sinks else None
         self.progress = None
+        self._redirect = contextlib.ExitStack()
         if show_progress:
             from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.progress = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step")
+            # Log lines print above the bar instead of into its line.
+            self._redirect.enter_context(logging_redirect_tqdm())
 
     def _open_tensorboard(self):
         try:
@@ -70,7 +75,9 @@ class MetricsLogger:
         except ImportError:
             logger.warning("report_to tensorboard ignored: pip install tensorboard to enable it")
             return None
-        return SummaryWriter(log_dir=str(self.output_dir / "runs"), flush_secs=10)
+        # A resumed run's events replace those logged after its checkpoint.
+        purge_step = self.start_step + 1 if self.start_step else None
+        return SummaryWriter(log_dir=str(self.output_dir / "runs"), flush_secs=10, purge_step=purge_step)
 
     def _open_wandb(self, run_config):
         try:
@@ -117,6 +124,7 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.finish()
         if self.progress is not None:
+            self._redirect.close()
             self.progress.close()
 
 

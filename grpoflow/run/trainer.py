@@ -34,6 +34,7 @@ from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext
+from grpoflow.run.failures import RewardFailureStreaks, RunStopped, reward_failure_message
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.prefetch import RolloutPrefetcher
 from grpoflow.run.rollout import Group, collate, generate_groups, reward_inputs
@@ -51,6 +52,8 @@ class ScoredGroups:
     rewards: torch.Tensor
     errors: list = field(default_factory=list)
     rounds: int = 1
+    failed_everywhere: frozenset[str] = frozenset()
+    """Reward functions that failed on every sample scored for these groups."""
 
 
 class Timer:
@@ -89,12 +92,14 @@ class GRPOTrainer:
         ref_placement: Placement | None = None,
         distributed: DistributedContext | None = None,
         per_prompt_seeds: bool = False,
+        run_id: str | None = None,
     ) -> None:
         """`per_prompt_seeds`: the engine takes one SamplingParams per prompt (the native engine),
         so each prompt is sampled from its own seed; otherwise one seed per call and rank.
         `placement` and `ref_placement` hold the policy and the reference model as `place_models`
-        laid them out."""
-        self.config, self.tokenizer = config, tokenizer
+        laid them out. `run_id` marks the run's checkpoints (see `grpoflow.run.output_dir`)."""
+        self.config, self.tokenizer, self.run_id = config, tokenizer, run_id
+        self.last_reward_errors: list = []
         self.engine, self.rewards, self.items = engine, rewards, items
         self.optimizer, self.scheduler = optimizer, scheduler
         self.placement, self.ref_placement = placement, ref_placement
@@ -152,6 +157,9 @@ class GRPOTrainer:
         """Run to `total_steps`, logging and checkpointing; returns each step's metrics."""
         history = []
         training = self.config.training
+        streaks = RewardFailureStreaks(
+            self.rewards.names, self.config.rewards.max_consecutive_reward_failures
+        )
         try:
             while self.step_count < self.total_steps:
                 metrics = self.step(metrics_logger)
@@ -160,6 +168,16 @@ class GRPOTrainer:
                     if self.step_count % self.config.log.logging_steps == 0:
                         metrics_logger.log(self.step_count, metrics)
                     metrics_logger.advance(self.step_count, metrics)
+                failing = streaks.update(
+                    {name for name in self.rewards.names if metrics[f"rewards/{name}/failed_all"] == 1.0}
+                )
+                if failing is not None:
+                    saved = self.save()
+                    raise RunStopped(
+                        reward_failure_message(
+                            failing, streaks.limit, self.step_count, saved, self.last_reward_errors
+                        )
+                    )
                 if self.step_count % training.save_steps == 0 or self.step_count == self.total_steps:
                     self.save()
         finally:
@@ -172,6 +190,7 @@ class GRPOTrainer:
         timer = Timer()
         with timer("step"):
             scored, staleness = self._rollout(timer)
+            self.last_reward_errors = scored.errors
             batch = collate(scored.groups, self.tokenizer.pad_token_id, self.device)
             if self.prefetcher is not None and self.step_count + 1 < self.total_steps:
                 self._launch_prefetch()
@@ -284,6 +303,7 @@ class GRPOTrainer:
         kept: list[ScoredGroups] = []
         spare: list[ScoredGroups] = []
         errors: list = []
+        failed: frozenset[str] | None = None
         rounds_run = 0
         for round_index in range(rounds):
             missing = self.num_prompts - sum(len(part.groups) for part in kept)
@@ -301,7 +321,10 @@ class GRPOTrainer:
                 continue
             with timer("reward"):
                 result = self.rewards.score(*reward_inputs(groups))
-            scored = ScoredGroups(groups, result.training_values, list(result.errors), round_index + 1)
+            failed = result.failed_everywhere if failed is None else failed & result.failed_everywhere
+            scored = ScoredGroups(
+                groups, result.training_values, list(result.errors), round_index + 1, failed
+            )
             if not algorithm.dynamic_sample:
                 return scored
             errors.extend(scored.errors)
@@ -309,7 +332,7 @@ class GRPOTrainer:
             flat_mask = zero_std_groups(flat, g)
             kept.append(_subset(scored, ~flat_mask, g))
             spare.append(_subset(scored, flat_mask, g))
-        return _merge(kept + spare, self.num_prompts, errors, rounds_run)
+        return _merge(kept + spare, self.num_prompts, errors, rounds_run, failed or frozenset())
 
     def _take_prompts(self, count: int) -> tuple[list[int], list[int]]:
         """This rank's next `count` prompt indices and a sampling seed for each, both sliced out
@@ -332,6 +355,10 @@ class GRPOTrainer:
         rollout_seconds = max(timer.seconds["rollout"], 1e-9)
         metrics = {
             "rewards/num_errors": float(len(scored.errors)),
+            **{
+                f"rewards/{name}/failed_all": float(name in scored.failed_everywhere)
+                for name in self.rewards.names
+            },
             "tokens_per_second/rollout": batch.completion_mask.sum().item() / rollout_seconds,
         }
         if self.device.type == "cuda":
@@ -439,6 +466,7 @@ class GRPOTrainer:
                 trainer_state={**state, "rng_per_rank": per_rank},
                 save_total_limit=training.save_total_limit,
                 state_dict=weights,
+                run_id=self.run_id,
             )
         self.distributed.barrier()
         return path
@@ -461,9 +489,11 @@ def _subset(scored: ScoredGroups, keep: torch.Tensor, num_generations: int) -> S
     )
 
 
-def _merge(parts: list[ScoredGroups], num_groups: int, errors: list, rounds: int) -> ScoredGroups:
+def _merge(
+    parts: list[ScoredGroups], num_groups: int, errors: list, rounds: int, failed: frozenset[str]
+) -> ScoredGroups:
     """The first `num_groups` groups over `parts`, in order."""
     groups = [group for part in parts for group in part.groups][:num_groups]
     size = sum(len(group.completions) for group in groups)
     rewards = torch.cat([part.rewards for part in parts])[:size]
-    return ScoredGroups(groups, rewards, errors, rounds)
+    return ScoredGroups(groups, rewards, errors, rounds, failed)

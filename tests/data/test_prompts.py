@@ -369,3 +369,20 @@ def test_state_dict_resumes_the_same_sequence(taken_before):
     resumed = PromptSampler(7, seed=5)
     resumed.load_state_dict(state)
     assert draw(resumed, [4, 4, 4, 4]) == expected
+
+
+def test_a_misspelled_task_name_is_named_at_once():
+    with pytest.raises(ValueError, match="did you mean 'gsm8k'"):
+        load_rows("gsm8kk")
+
+
+def test_an_unreachable_hub_fails_at_once(monkeypatch):
+    from helpers.support import free_port
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    with pytest.raises(
+        ValueError, match=r"the hub \(http://127.0.0.1:\d+\) cannot be reached .* HF_HUB_OFFLINE=1"
+    ):
+        load_rows("someone/no-such-dataset")

@@ -3,6 +3,7 @@ import logging
 import math
 import os
 import textwrap
+import threading
 import time
 
 import pytest
@@ -41,6 +42,13 @@ def sleepy_in_worker(completions, **kwargs):
 
 
 sleepy_in_worker.cpu_heavy = True
+
+
+def sleepy_anywhere(completions, **kwargs):
+    """Not marked cpu_heavy: starts in a thread."""
+    if completions[0] == "sleep":
+        time.sleep(5.0)
+    return [float(os.getpid())] * len(completions)
 
 
 async def async_half_second(completions, **kwargs):
@@ -301,8 +309,51 @@ def test_process_pool_timeout_restarts_the_pool():
     assert second_pid != first_pid
 
 
+def test_a_sync_function_past_its_timeout_is_not_started_again_while_its_thread_runs():
+    calls, release = [], threading.Event()
+
+    def blocks_once(completions, **kwargs):  # a closure: cannot move to a worker process
+        calls.append(completions[0])
+        if len(calls) == 1:
+            release.wait(30)
+        return [1.0] * len(completions)
+
+    with RewardRunner([("blocks", blocks_once), ("len", reward_len)], timeout=0.3, num_workers=1) as runner:
+        score(runner, ["a"])
+        refused = score(runner, ["b"])
+        assert calls == ["a"] and runner.kinds == ["thread", "thread"]
+        assert "overran reward_timeout and is still running" in refused.errors[0].message
+        assert refused.values[0, 1].item() == -19.0
+        release.set()
+        time.sleep(0.2)
+        assert score(runner, ["c"]).values[0, 0].item() == 1.0
+    assert calls == ["a", "c"]
+
+
+def test_a_picklable_sync_function_past_its_timeout_moves_to_the_process_pool(caplog):
+    with RewardRunner([("sleepy", sleepy_anywhere)], timeout=0.5, num_workers=1) as runner:
+        assert score(runner, ["fast"]).values[0, 0].item() == os.getpid()
+        with caplog.at_level(logging.WARNING, logger="grpoflow.rewards"):
+            assert "timed out" in score(runner, ["sleep"]).errors[0].message
+        assert runner.kinds == ["process"] and "runs in the process pool from now on" in caplog.text
+        assert score(runner, ["fast"]).values[0, 0].item() != os.getpid()
+        start = time.perf_counter()
+        score(runner, ["sleep"])  # a process is killed at its timeout
+        assert time.perf_counter() - start < 3.0
+
+
 def test_cpu_heavy_runs_in_a_thread_without_workers():
     with RewardRunner([("accuracy", get_reward("accuracy"))], num_workers=0) as runner:
         assert runner.kinds == ["thread"]
         batch = score(runner, ["\\boxed{72}", "7"], answer=["#### 72"] * 2)
     assert batch.values[:, 0].tolist() == [1.0, 0.0]
+
+
+def test_failed_everywhere_names_functions_that_failed_on_every_sample():
+    def wrong_length(completions, **kwargs):
+        return [1.0]
+
+    funcs = [("fails", fails_on_bad), ("wrong", wrong_length), ("len", reward_len)]
+    with RewardRunner(funcs, timeout=10, num_workers=0) as runner:
+        assert score(runner, ["bad", "bad too"]).failed_everywhere == {"fails", "wrong"}
+        assert score(runner, ["bad", "good"]).failed_everywhere == {"wrong"}

@@ -8,6 +8,8 @@ from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model
 from grpoflow.run.checkpoint import (
     MARKER,
     STATE_FILE,
+    checkpoint_run_id,
+    checkpoint_step,
     list_checkpoints,
     load_trainer_state,
     resolve_checkpoint,
@@ -46,7 +48,7 @@ def test_save_writes_a_complete_directory(tmp_path, model, tokenizer):
     assert path == tmp_path / "run" / "checkpoint-5"
     names = {child.name for child in path.iterdir()}
     assert {MARKER, STATE_FILE, "config.json", "model.safetensors", "tokenizer.json"} <= names
-    assert (path / MARKER).read_text() == "5"
+    assert checkpoint_step(path) == 5 and checkpoint_run_id(path) is None
     assert load_trainer_state(path) == {"step": 5}
     assert list(path.parent.glob(".tmp-checkpoint-*")) == []
     assert resolve_checkpoint(str(path), tmp_path / "run") == path

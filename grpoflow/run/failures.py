@@ -1,0 +1,42 @@
+"""When a run stops by itself: a reward function that keeps failing on every sample."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class RunStopped(RuntimeError):
+    """The run stopped on purpose, after saving a checkpoint; the message says why and what next."""
+
+
+class RewardFailureStreaks:
+    """Per reward function, the steps in a row on which it failed on every sample.
+
+    Args:
+        names: the reward functions' names.
+        limit: steps in a row after which `update` names the function; 0 never does.
+    """
+
+    def __init__(self, names: Sequence[str], limit: int) -> None:
+        self.limit = limit
+        self.streaks = dict.fromkeys(names, 0)
+
+    def update(self, failed_everywhere: frozenset[str] | set[str]) -> str | None:
+        """Count one step; the first function whose streak reached the limit, if any."""
+        for name in self.streaks:
+            self.streaks[name] = self.streaks[name] + 1 if name in failed_everywhere else 0
+        if self.limit == 0:
+            return None
+        return next((name for name, streak in self.streaks.items() if streak >= self.limit), None)
+
+
+def reward_failure_message(name: str, steps: int, step: int, saved: Path, errors: Sequence[Any]) -> str:
+    """Why the run stopped at `step` and how to go on; `errors` are the step's RewardErrors."""
+    last = next((error.message for error in reversed(errors) if error.name == name), "none recorded")
+    return (
+        f"stopped at step {step}: reward {name!r} failed on every sample for {steps} steps in a row "
+        f"(last error: {last}). Checkpoint: {saved}. Fix the reward and resume with "
+        "--resume_from_checkpoint latest (max_consecutive_reward_failures sets the limit; 0 never stops)"
+    )

@@ -1,0 +1,186 @@
+"""One run per output directory.
+
+A run writes `run.json` (its id) into its output directory and its id into each checkpoint's
+marker. Before any work, `claim_output_dir` decides what the run may do there:
+
+* a new run refuses a directory holding another run's files (checkpoints, metrics, run.json)
+  unless `overwrite_output_dir`, which deletes those files, and only those, when training starts;
+* `resume_from_checkpoint latest` resumes the newest checkpoint of the directory's own run;
+* a resumed run continues the id of the checkpoint it starts from, and its metrics files are cut
+  back to that step, so a step is never logged twice. Resuming from an older checkpoint than the
+  run's newest would overwrite the later ones, so it needs `overwrite_output_dir` too.
+
+Nothing is written until `RunClaim.apply`, so a run that fails while it is built leaves the
+directory as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpoflow.run.checkpoint import checkpoint_run_id, checkpoint_step, list_checkpoints, resolve_checkpoint
+
+logger = logging.getLogger("grpoflow")
+
+RUN_FILE = "run.json"
+LOG_FILES = ("metrics.jsonl", "completions.jsonl")
+"""Files of one row per logged step, each row with its `step`."""
+RUN_FILES = (RUN_FILE, *LOG_FILES, "runs")
+"""What a run writes into its output directory besides checkpoints (`runs` is TensorBoard's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunClaim:
+    """What a run does with its output directory (see the module docstring)."""
+
+    output_dir: Path
+    run_id: str
+    resume: Path | None = None
+    """The checkpoint the run resumes from."""
+    resume_step: int = 0
+    discard: list[Path] = field(default_factory=list)
+    """Files of another run (or of this run past `resume_step`) deleted by `apply`."""
+
+    def apply(self) -> None:
+        """Delete what is discarded, record the run, cut its logs back to `resume_step`."""
+        for path in self.discard:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        record = {"run_id": self.run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        if self.resume is not None:
+            record["resumed_from"] = str(self.resume)
+        _write_atomically(self.output_dir / RUN_FILE, json.dumps(record) + "\n")
+        for name in LOG_FILES:
+            cut_log(self.output_dir / name, self.resume_step)
+
+
+def claim_output_dir(output_dir: str | Path, resume_from_checkpoint: str | None, overwrite: bool) -> RunClaim:
+    """Decide, without writing anything, what a run may do in `output_dir` (ValueError when the
+    directory belongs to another run and neither `overwrite` nor a resume says what to do)."""
+    directory = Path(output_dir)
+    owner = run_id_of(directory)
+    if not resume_from_checkpoint:
+        traces = run_files(directory)
+        if traces and not overwrite:
+            raise ValueError(
+                f"output_dir {directory} holds another run ({_describe(traces)}). Resume it with "
+                "--resume_from_checkpoint latest, start over with --overwrite_output_dir true (deletes "
+                "its checkpoints and logs), or choose another --output_dir"
+            )
+        return RunClaim(directory, new_run_id(), discard=traces)
+    if resume_from_checkpoint.lower() in {"latest", "true", "auto"}:
+        resume = _latest_of(directory, owner, resume_from_checkpoint)
+    else:
+        resume = resolve_checkpoint(resume_from_checkpoint, directory)
+    step, resume_run = checkpoint_step(resume), checkpoint_run_id(resume)
+    if not _same_run(directory, owner, resume, resume_run):
+        if not overwrite:
+            raise ValueError(
+                f"output_dir {directory} holds another run than the one of {resume}; resume into a "
+                "new --output_dir, or set --overwrite_output_dir true to delete the other run's files"
+            )
+        discard = [path for path in run_files(directory) if path.resolve() != resume.resolve()]
+        return RunClaim(directory, resume_run or new_run_id(), resume, step, discard)
+    run_id = resume_run or owner or new_run_id()
+    later = [
+        path
+        for path in list_checkpoints(directory)
+        if checkpoint_step(path) > step and checkpoint_run_id(path) in (run_id, None)
+    ]
+    if later and not overwrite:
+        raise ValueError(
+            f"resume_from_checkpoint {resume} is older than {later[-1]} of the same run; resuming would "
+            "overwrite the later checkpoints and their metrics. Resume from the newest (latest), or "
+            f"set --overwrite_output_dir true to delete the checkpoints after step {step}"
+        )
+    return RunClaim(directory, run_id, resume, step, later)
+
+
+def _same_run(directory: Path, owner: str | None, resume: Path, resume_run: str | None) -> bool:
+    """Whether resuming `resume` into `directory` continues the run the directory holds (an
+    empty directory holds none, so any resume continues there)."""
+    if resume.resolve().parent == directory.resolve():
+        return owner is None or resume_run in (owner, None)
+    return (owner is not None and resume_run == owner) or not run_files(directory)
+
+
+def run_id_of(directory: Path) -> str | None:
+    """The id in the directory's run.json; None when there is none."""
+    try:
+        record = json.loads((directory / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record.get("run_id") if isinstance(record, dict) else None
+
+
+def run_files(directory: Path) -> list[Path]:
+    """What runs have written into `directory`: checkpoints (complete or not) and `RUN_FILES`."""
+    if not directory.is_dir():
+        return []
+    return sorted(
+        path
+        for path in directory.iterdir()
+        if path.name in RUN_FILES or path.name.startswith(("checkpoint-", ".tmp-checkpoint-"))
+    )
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def cut_log(path: Path, last_step: int) -> None:
+    """Drop the rows of a step log after `last_step` (all of them for 0)."""
+    if not path.is_file():
+        return
+    kept = []
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            try:
+                step = json.loads(line).get("step", 0)
+            except ValueError:
+                continue  # a line cut short by a crash
+            if step <= last_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    _write_atomically(path, "".join(kept))
+
+
+def _latest_of(directory: Path, owner: str | None, spec: str) -> Path:
+    found = list_checkpoints(directory)
+    ours = [path for path in found if checkpoint_run_id(path) in (owner, None)] if owner else found
+    if not ours:
+        raise ValueError(f"resume_from_checkpoint={spec}: no complete checkpoint of this run in {directory}")
+    if len(ours) < len(found):
+        logger.warning(
+            "%s holds checkpoints of other runs (%s); they are not resumed",
+            directory,
+            ", ".join(path.name for path in found if path not in ours),
+        )
+    return ours[-1]
+
+
+def _describe(paths: list[Path]) -> str:
+    checkpoints = [path.name for path in paths if path.name.startswith("checkpoint-")]
+    others = [path.name for path in paths if not path.name.startswith("checkpoint-")]
+    parts = [f"{len(checkpoints)} checkpoints up to {max(checkpoints, key=_step_key)}"] if checkpoints else []
+    return ", ".join(parts + others)
+
+
+def _step_key(name: str) -> int:
+    suffix = name.rsplit("-", 1)[-1]
+    return int(suffix) if suffix.isdigit() else -1
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staging.write_text(text, encoding="utf-8")
+    os.replace(staging, path)
