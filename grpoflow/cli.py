@@ -6,6 +6,7 @@ import argparse
 import difflib
 import logging
 import os
+import re
 import sys
 import textwrap
 import typing
@@ -13,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from grpoflow import options
-from grpoflow.run.config import GRPOConfig, load_config
+from grpoflow.run.config import LEGACY_SECTIONS, GRPOConfig, load_config
 
 RECIPES = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = RECIPES / "default.yaml"
@@ -66,6 +67,19 @@ def describe_options() -> str:
     return "\n".join(lines)
 
 
+def recipe_note(message: str, recipe: Path | None, overrides: dict) -> str:
+    """Where the settings an error names come from, when a recipe set them (not the flags)."""
+    if recipe is None:
+        return ""
+    values = options.flatten(GRPOConfig, options.load_yaml(recipe), LEGACY_SECTIONS)
+    named = [key for key in values if key not in overrides and re.search(rf"\b{re.escape(key)}\b", message)]
+    if not named:
+        return ""
+    where = "the embedded default recipe (no --config, no --model)" if recipe == DEFAULT_RECIPE else recipe
+    settings = ", ".join(f"{key}={values[key]}" for key in named)
+    return f" [{settings} set by {where}; a flag such as --{named[0]} overrides it]"
+
+
 def interrupted(step: int, output_dir: str) -> str:
     """What an interrupted run tells its user: where it stopped and how to go on."""
     from grpoflow.run.checkpoint import list_checkpoints
@@ -97,16 +111,18 @@ def train(argv: list[str]) -> int:
     from grpoflow.run.build import build_trainer, run
     from grpoflow.run.failures import RunStopped
 
+    recipe, overrides = None, {}
     try:
         overrides = options.parse_overrides(rest)
-        config = load_config(resolve_recipe(known.config, overrides), overrides)
+        recipe = resolve_recipe(known.config, overrides)
+        config = load_config(recipe, overrides)
         if torchrun.wants_launch(os.environ):
             return torchrun.launch(argv, os.environ)
         if os.environ.get("RANK", "0") != "0":  # rank 0 speaks for the run
             logging.getLogger().setLevel(logging.WARNING)
         trainer = build_trainer(config)
     except ValueError as error:
-        print(f"grpoflow train: {error}", file=sys.stderr)
+        print(f"grpoflow train: {error}{recipe_note(str(error), recipe, overrides)}", file=sys.stderr)
         return 2
     try:
         history = run(config, trainer)

@@ -158,3 +158,12 @@ def test_a_reward_failing_on_every_sample_stops_the_run_with_a_checkpoint(tmp_pa
     assert "stopped at step 3: reward 'broken' failed on every sample for 3 steps in a row" in message
     assert "RuntimeError: service down" in message and "--resume_from_checkpoint latest" in message
     assert (output / "checkpoint-3").is_dir()
+
+
+def test_an_error_about_a_recipe_setting_says_where_it_came_from(tmp_path, capsys):
+    argv = ["train", "--dataset", "gsm8k", "--max_steps", "1", "--output_dir", str(tmp_path / "run")]
+    assert cli.main(argv) == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "prompt of 155 tokens > max_prompt_length=16" in message
+    assert "max_prompt_length=16 set by the embedded default recipe" in message
+    assert "--max_prompt_length overrides it" in message

@@ -210,7 +210,9 @@ def build_prompt_items(
                     "to delete or left"
                 )
             if truncation_strategy == "delete":
-                problems.append(f"row {index}: prompt of {len(ids)} tokens > max_prompt_length")
+                problems.append(
+                    f"row {index}: prompt of {len(ids)} tokens > max_prompt_length={max_prompt_length}"
+                )
                 continue
             ids, truncated = ids[-max_prompt_length:], truncated + 1
         items.append(PromptItem(prompt=prompt, prompt_ids=ids, columns=columns))

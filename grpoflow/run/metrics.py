@@ -73,7 +73,12 @@ class MetricsLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            logger.warning("report_to tensorboard ignored: pip install tensorboard to enable it")
+            # TensorBoard is the default sink and an optional extra: without it, say so once, quietly.
+            logger.info(
+                "TensorBoard is not installed, so metrics go to %s only (for TensorBoard: pip install "
+                "'grpoflow[logging]'; report_to none keeps this quiet)",
+                self.output_dir / "metrics.jsonl",
+            )
             return None
         # A resumed run's events replace those logged after its checkpoint.
         purge_step = self.start_step + 1 if self.start_step else None
@@ -83,7 +88,7 @@ class MetricsLogger:
         try:
             import wandb
         except ImportError:
-            logger.warning("report_to wandb ignored: pip install wandb to enable it")
+            logger.warning("report_to wandb ignored: wandb is not installed (pip install wandb)")
             return None
         return wandb.init(project="grpoflow", config=run_config, dir=str(self.output_dir))
 
