@@ -71,7 +71,10 @@ def recipe_note(message: str, recipe: Path | None, overrides: dict) -> str:
     """Where the settings an error names come from, when a recipe set them (not the flags)."""
     if recipe is None:
         return ""
-    values = options.flatten(GRPOConfig, options.load_yaml(recipe), LEGACY_SECTIONS)
+    try:
+        values = options.flatten(GRPOConfig, options.load_yaml(recipe), LEGACY_SECTIONS)
+    except ValueError:  # the recipe itself is what is wrong
+        return ""
     named = [key for key in values if key not in overrides and re.search(rf"\b{re.escape(key)}\b", message)]
     if not named:
         return ""

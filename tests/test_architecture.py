@@ -24,7 +24,11 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 
 LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("root", (PACKAGE,), "the package's own __init__, run before any of its modules: imports none of them"),
-    ("foundations", ("algo", "options"), "pure tensor maths; config loading that knows no particular config"),
+    (
+        "foundations",
+        ("algo", "options", "hub"),
+        "pure tensor maths; config loading that knows no particular config; reaching the model hub",
+    ),
     ("transport", ("transport",), "moving weights to rollout engines, sender and receiver sides"),
     ("engines", ("engines",), "rollout engines, their interface and the one definition of sampling settings"),
     ("rewards", ("rewards",), "scoring completions (they read the sampling budget: max_completion_length)"),

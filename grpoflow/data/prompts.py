@@ -11,17 +11,15 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-import os
 import random
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlparse
 
 import torch
 
+from grpoflow import hub
 from grpoflow.options import require
 from grpoflow.tasks import TASKS
 
@@ -122,10 +120,6 @@ def _read_local(path: Path) -> list[dict]:
     )
 
 
-HUB_PROBE_SECONDS = 3.0
-"""How long to wait for the hub's host to answer before calling a dataset name unreachable."""
-
-
 def _read_hub(name: str, split: str) -> list[dict]:
     close = difflib.get_close_matches(name, TASKS, n=1, cutoff=0.75)
     if close and "/" not in name:
@@ -133,12 +127,9 @@ def _read_hub(name: str, split: str) -> list[dict]:
             f"dataset {name!r} is not a packaged task ({', '.join(TASKS)}) nor a local file; did you mean "
             f"{close[0]!r}? (a hub dataset is named org/name)"
         )
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    if not _offline() and not _reachable(endpoint):
+    if hub.unreachable():
         raise ValueError(
-            f"dataset {name!r} is not a packaged task ({', '.join(TASKS)}) nor a local file, and the "
-            f"hub ({endpoint}) cannot be reached to look for it. Check the name; for a dataset in the "
-            "local hub cache, set HF_HUB_OFFLINE=1"
+            hub.unreachable_message(f"dataset {name!r}") + f" (packaged tasks: {', '.join(TASKS)})"
         )
     try:
         return _datasets_module().load_dataset(name, split=split).to_list()
@@ -147,23 +138,6 @@ def _read_hub(name: str, split: str) -> list[dict]:
             f"dataset {name!r} is not a packaged task ({', '.join(TASKS)}), a local file, nor a "
             f"loadable hub dataset: {error}"
         ) from None
-
-
-def _offline() -> bool:
-    return any(
-        os.environ.get(name, "").upper() in {"1", "ON", "YES", "TRUE"}
-        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    )
-
-
-def _reachable(endpoint: str) -> bool:
-    url = urlparse(endpoint)
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((url.hostname, port), timeout=HUB_PROBE_SECONDS).close()
-    except OSError:
-        return False
-    return True
 
 
 def _datasets_module():

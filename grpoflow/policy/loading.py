@@ -10,6 +10,7 @@ from typing import Literal
 
 import torch
 
+from grpoflow import hub
 from grpoflow.policy.lora import WithoutAdapters, is_adapter_checkpoint, is_peft_model, load_adapter_weights
 
 
@@ -79,6 +80,10 @@ def load_tokenizer(source: str, *, trust_remote_code: bool = False):
         return build_char_tokenizer()
     from transformers import AutoTokenizer
 
+    if not Path(source).exists() and hub.unreachable():
+        raise ValueError(
+            hub.unreachable_message(f"model {source!r}") + "; model=tiny builds a small model locally"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as error:
@@ -146,6 +151,7 @@ def reference_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _load_hint(source: str, error: Exception) -> str:
+    error = " ".join(str(error).split())  # one line, whatever the library's message looks like
     if Path(source).exists():
         return f"model {source!r} could not be loaded: {error}"
     return (

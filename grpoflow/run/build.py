@@ -42,8 +42,8 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
         # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
         torch.backends.cuda.enable_cudnn_sdp(False)
+    rewards = RewardRunner.from_config(config.rewards, device=device)  # first: a missing package stops here
     tokenizer = config.policy.load_tokenizer()
-    rewards = RewardRunner.from_config(config.rewards, device=device)
     items = config.data.load_prompts(tokenizer, seed=training.seed)
     model = config.adapter.apply(
         config.policy.build(vocab_size=len(tokenizer), seed=training.seed, device=device)
