@@ -95,10 +95,18 @@ class Completion:
     """Version of the weights that sampled it."""
     text: str | None = None
     """Decoded text when the engine decodes; the trainer decodes otherwise."""
+    mask: list[int] | None = None
+    """Per token: 1 where the policy sampled it, 0 where an environment inserted it (a tool
+    result, a user turn) in a multi-turn episode; such tokens get no loss. None: all sampled."""
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """`mask`, or all ones for a completion the policy sampled whole."""
+        return self.mask if self.mask is not None else [1] * len(self.token_ids)
 
 
 @dataclass(slots=True)

@@ -73,6 +73,13 @@ class RolloutBatch:
     left_padded: bool = True
     """Some prompt is left-padded. When none is, the causal mask alone hides every padding
     token (completions are padded on the right), so the model runs without an attention mask."""
+    loss_mask: torch.Tensor | None = None
+    """(batch, completion_len) 1 on the tokens that get a loss: those the policy sampled (not
+    those an environment inserted), less any filtered out; `completion_mask` when unset."""
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.completion_mask.clone()
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -91,6 +98,7 @@ class RolloutBatch:
             sampling_logps=self.sampling_logps[start:stop, :last],
             truncated=self.truncated[start:stop],
             left_padded=self.left_padded and not bool(prompt_mask[:, first:].all()),
+            loss_mask=self.loss_mask[start:stop, :last],
         )
 
 
@@ -105,6 +113,7 @@ def collate(groups: Sequence[Group], pad_token_id: int, device: torch.device) ->
     completion_ids = torch.full((batch, completion_len), pad_token_id, dtype=torch.long)
     completion_mask = torch.zeros((batch, completion_len), dtype=torch.long)
     sampling_logps = torch.zeros((batch, completion_len), dtype=torch.float32)
+    loss_mask = torch.zeros((batch, completion_len), dtype=torch.long)
     for row, (prompt, completion) in enumerate(pairs):
         size = len(completion.token_ids)
         prompt_ids[row, prompt_len - len(prompt) :] = torch.as_tensor(prompt)
@@ -113,6 +122,7 @@ def collate(groups: Sequence[Group], pad_token_id: int, device: torch.device) ->
             completion_ids[row, :size] = torch.as_tensor(completion.token_ids)
             completion_mask[row, :size] = 1
             sampling_logps[row, :size] = torch.as_tensor(completion.logprobs, dtype=torch.float32)
+            loss_mask[row, :size] = torch.as_tensor(completion.loss_mask)
     truncated = torch.tensor([c.truncated for _, c in pairs], dtype=torch.bool)
     return RolloutBatch(
         prompt_ids=prompt_ids.to(device),
@@ -122,4 +132,5 @@ def collate(groups: Sequence[Group], pad_token_id: int, device: torch.device) ->
         sampling_logps=sampling_logps.to(device),
         truncated=truncated.to(device),
         left_padded=len({len(prompt) for prompt, _ in pairs}) > 1,
+        loss_mask=loss_mask.to(device),
     )

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -38,6 +37,7 @@ from grpoflow.run.failures import RewardFailureStreaks, RunStopped, reward_failu
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.prefetch import RolloutPrefetcher
 from grpoflow.run.rollout import Group, collate, generate_groups, reward_inputs
+from grpoflow.run.step_metrics import batch_metrics, completion_rows, length_columns
 from grpoflow.run.sync_check import SyncCheck
 from grpoflow.run.update import UpdateSettings, update_policy
 
@@ -194,11 +194,11 @@ class GRPOTrainer:
             batch = collate(scored.groups, self.tokenizer.pad_token_id, self.device)
             if self.prefetcher is not None and self.step_count + 1 < self.total_steps:
                 self._launch_prefetch()
-            if self.config.algorithm.mask_truncated_completions:
-                batch.completion_mask = overlong_mask(batch.completion_mask, batch.truncated)
             # One row per completion of the global batch, rank after rank.
             all_rewards = self.distributed.all_gather(scored.rewards)
-            all_lengths = self.distributed.all_gather(_length_columns(batch))
+            all_lengths = self.distributed.all_gather(length_columns(batch))
+            if self.config.algorithm.mask_truncated_completions:
+                batch.loss_mask = overlong_mask(batch.loss_mask, batch.truncated)
             advantages, reward_metrics = self._advantages(all_rewards)
             with timer("update"):
                 update_metrics = update_policy(
@@ -225,16 +225,21 @@ class GRPOTrainer:
                 with timer("sync_check"):
                     check_metrics = self.sync_check(self.engine, self.placement, step=self.step_count + 1)
         self.step_count += 1
-        self.num_tokens += int(all_lengths[:, 0].sum() + all_lengths[:, 2].sum())
+        self.num_tokens += int(all_lengths[:, 3].sum() + all_lengths[:, 2].sum())
         metrics = self.distributed.reduce_metrics(
             {**update_metrics, **check_metrics, **self._rank_metrics(scored, batch, timer)}
         )
         metrics.update({name: float(value) for name, value in reward_metrics.items()})
-        metrics.update(self._batch_metrics(scored, all_rewards, all_lengths))
+        metrics.update(batch_metrics(all_rewards, all_lengths, self.rewards.names))
+        metrics["num_tokens"] = float(self.num_tokens)
+        metrics["learning_rate"] = self.scheduler.get_last_lr()[0]
+        metrics["dynamic_sample/rounds"] = float(scored.rounds)
         if self.prefetcher is not None:
             metrics["async/staleness"] = float(staleness)
         if self.config.log.log_completions:
-            rows = self.distributed.gather_objects(self._completion_rows(scored, advantages))
+            rows = self.distributed.gather_objects(
+                completion_rows(scored.groups, scored.rewards, advantages, self.rewards.names)
+            )
             if metrics_logger is not None and rows is not None:
                 metrics_logger.log_completions(self.step_count, [row for part in rows for row in part])
         return metrics
@@ -359,55 +364,13 @@ class GRPOTrainer:
                 f"rewards/{name}/failed_all": float(name in scored.failed_everywhere)
                 for name in self.rewards.names
             },
-            "tokens_per_second/rollout": batch.completion_mask.sum().item() / rollout_seconds,
+            "tokens_per_second/rollout": batch.loss_mask.sum().item() / rollout_seconds,
         }
         if self.device.type == "cuda":
             metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         for phase, seconds in timer.seconds.items():
             metrics[f"time/{phase}"] = seconds
         return metrics
-
-    def _batch_metrics(
-        self, scored: ScoredGroups, all_rewards: torch.Tensor, all_lengths: torch.Tensor
-    ) -> dict[str, float]:
-        """Metrics of the global batch: all_rewards (global_batch, num_rewards), all_lengths
-        (global_batch, 3) as `_length_columns` lays them out."""
-        lengths = all_lengths[:, 0].float()
-        truncated = all_lengths[:, 1].bool()
-        terminated = lengths[~truncated]
-        metrics = {
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": truncated.float().mean().item(),
-            "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
-            "num_tokens": float(self.num_tokens),
-            "learning_rate": self.scheduler.get_last_lr()[0],
-            "dynamic_sample/rounds": float(scored.rounds),
-        }
-        for index, name in enumerate(self.rewards.names):
-            column = all_rewards[:, index]
-            valid = column[~column.isnan()]
-            metrics[f"rewards/{name}/mean"] = valid.mean().item() if len(valid) else float("nan")
-            metrics[f"rewards/{name}/std"] = valid.std().item() if len(valid) > 1 else 0.0
-        return metrics
-
-    def _completion_rows(self, scored: ScoredGroups, advantages: torch.Tensor) -> list[dict]:
-        prompts, completions, _, _ = reward_inputs(scored.groups)
-        rows = []
-        for index, (prompt, completion) in enumerate(zip(prompts, completions)):
-            values = scored.rewards[index].tolist()
-            rows.append(
-                {
-                    "prompt": prompt,
-                    "completion": completion,
-                    "rewards": {
-                        name: None if math.isnan(v) else v for name, v in zip(self.rewards.names, values)
-                    },
-                    "advantage": float(advantages[index]),
-                }
-            )
-        return rows
 
     def add_cleanup(self, function: Callable[[], None]) -> None:
         """Call `function` in `close()` (e.g. to stop rollout servers the run started)."""
@@ -470,13 +433,6 @@ class GRPOTrainer:
             )
         self.distributed.barrier()
         return path
-
-
-def _length_columns(batch) -> torch.Tensor:
-    """(batch, 3) long: completion length (masked), truncated (0/1), prompt length per row."""
-    return torch.stack(
-        [batch.completion_mask.sum(1), batch.truncated.long(), batch.prompt_mask.sum(1)], dim=1
-    ).long()
 
 
 def _subset(scored: ScoredGroups, keep: torch.Tensor, num_generations: int) -> ScoredGroups:

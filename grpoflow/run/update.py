@@ -158,8 +158,8 @@ def update_policy(
     """Run `num_iterations` optimizer steps of the placed policy on one generation batch (with the
     placed reference model's log-probs, if any); return averaged metrics.
 
-    advantages: (batch,). Completions masked out (e.g. truncated under overlong filtering) must
-    already have zeros in `batch.completion_mask`. Under `distributed`, `batch` is this rank's
+    advantages: (batch,). Tokens without a loss (inserted by an environment, or of completions
+    masked out, e.g. truncated ones under overlong filtering) must have zeros in `batch.loss_mask`. Under `distributed`, `batch` is this rank's
     slice (every rank holds equally many rows) and the metrics are this rank's, to be averaged
     over ranks.
     """
@@ -175,7 +175,7 @@ def update_policy(
     if ref_placement is not None:
         with ref_placement.in_use():
             ref = frozen_logprobs(ref_placement, parts, settings)
-    num_items = distributed.all_reduce(batch.completion_mask.sum()).clamp(min=1)
+    num_items = distributed.all_reduce(batch.loss_mask.sum()).clamp(min=1)
     num_micro_batches = len(parts) * distributed.world_size
     scale = micro_batch_scale(algorithm.loss_type, num_micro_batches)
     # Metrics stay on the device until the end: a float() per micro-batch would stall the GPU.
@@ -196,7 +196,7 @@ def update_policy(
                 logps,
                 old[index] if old is not None else None,
                 advantages[starts[index] : starts[index + 1]],
-                part.completion_mask,
+                part.loss_mask,
                 ref_logps=ref[index] if ref is not None else None,
                 beta=algorithm.beta,
                 epsilon_low=algorithm.epsilon,
@@ -215,7 +215,7 @@ def update_policy(
             # and ranks is the whole batch's loss.
             metrics["loss"] = loss.detach() * scale * num_micro_batches
             if entropy is not None:
-                mask = part.completion_mask.to(entropy.dtype)
+                mask = part.loss_mask.to(entropy.dtype)
                 metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
             for name, value in metrics.items():
                 _accumulate(totals, counts, name, value.detach())
@@ -242,7 +242,7 @@ def _correction_weights(
     return sampling_correction(
         trainer_logps,
         part.sampling_logps,
-        part.completion_mask,
+        part.loss_mask,
         correction.vllm_importance_sampling_mode,
         correction.vllm_importance_sampling_clip_min,
         correction.vllm_importance_sampling_clip_max,

@@ -138,6 +138,6 @@ def test_resolve_errors(trl_module, tmp_path):
         resolve_reward("trl_rewards_pkg.lengths:NOT_CALLABLE")
     with pytest.raises(ValueError, match="does not exist"):
         resolve_reward(str(tmp_path / "nope.py") + ":fn")
-    with pytest.raises(ValueError, match=":function_name"):
+    with pytest.raises(ValueError, match="name the object in the file.*:name"):
         resolve_reward(str(trl_module))
     assert "reward_len" not in REWARD_REGISTRY

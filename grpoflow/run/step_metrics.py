@@ -1,0 +1,67 @@
+"""What a step logs about its batch: completion lengths, per-reward means, and the rows of
+completions.jsonl."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from grpoflow.run.rollout import Group, RolloutBatch, reward_inputs
+
+
+def length_columns(batch: RolloutBatch) -> torch.Tensor:
+    """(batch, 4) long per row: tokens the policy sampled, truncated (0/1), prompt tokens, and
+    completion tokens of any origin (environment turns included)."""
+    return torch.stack(
+        [
+            batch.loss_mask.sum(1),
+            batch.truncated.long(),
+            batch.prompt_mask.sum(1),
+            batch.completion_mask.sum(1),
+        ],
+        dim=1,
+    ).long()
+
+
+def batch_metrics(
+    all_rewards: torch.Tensor, all_lengths: torch.Tensor, names: Sequence[str]
+) -> dict[str, float]:
+    """Metrics of the global batch: all_rewards (global_batch, num_rewards) with NaN missing,
+    all_lengths (global_batch, 4) as `length_columns` lays them out."""
+    lengths = all_lengths[:, 0].float()
+    truncated = all_lengths[:, 1].bool()
+    terminated = lengths[~truncated]
+    metrics = {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
+    }
+    for index, name in enumerate(names):
+        column = all_rewards[:, index]
+        valid = column[~column.isnan()]
+        metrics[f"rewards/{name}/mean"] = valid.mean().item() if len(valid) else float("nan")
+        metrics[f"rewards/{name}/std"] = valid.std().item() if len(valid) > 1 else 0.0
+    return metrics
+
+
+def completion_rows(
+    groups: Sequence[Group], rewards: torch.Tensor, advantages: torch.Tensor, names: Sequence[str]
+) -> list[dict]:
+    """One completions.jsonl row per completion: prompt, completion, rewards by name, advantage."""
+    prompts, completions, _, _ = reward_inputs(groups)
+    rows = []
+    for index, (prompt, completion) in enumerate(zip(prompts, completions)):
+        values = rewards[index].tolist()
+        rows.append(
+            {
+                "prompt": prompt,
+                "completion": completion,
+                "rewards": {name: None if math.isnan(v) else v for name, v in zip(names, values)},
+                "advantage": float(advantages[index]),
+            }
+        )
+    return rows
