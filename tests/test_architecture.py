@@ -26,14 +26,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("root", (PACKAGE,), "the package's own __init__, run before any of its modules: imports none of them"),
     (
         "foundations",
-        ("algo", "options", "hub", "imports"),
-        "pure tensor maths; config loading that knows no particular config; the model hub; user code by import path",
+        ("algo", "options", "hub", "imports", "threads"),
+        "pure tensor maths; config loading that knows no particular config; the model hub; user code by import path and in daemon threads",
     ),
     ("transport", ("transport",), "moving weights to rollout engines, sender and receiver sides"),
     ("engines", ("engines",), "rollout engines, their interface and the one definition of sampling settings"),
     ("rewards", ("rewards",), "scoring completions (they read the sampling budget: max_completion_length)"),
     ("tasks", ("tasks",), "packaged tasks: their rows and the rewards they register"),
     ("components", ("data", "policy"), "prompts of named tasks; the policy being trained"),
+    ("agents", ("agents",), "episodes of several turns: tools, environments, their token ids"),
     ("assemblies", ("run", "server"), "one training run; `grpoflow serve`"),
     ("cli", ("cli",), "the command line, over every assembly"),
 )

@@ -237,13 +237,16 @@ def _check_messages(messages: list) -> list[dict]:
     return messages
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict], system: str | None) -> list[int]:
-    """Token ids of a prompt: through the chat template when the tokenizer has one."""
+def encode_prompt(
+    tokenizer, prompt: str | list[dict], system: str | None, tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of a prompt: through the chat template when the tokenizer has one (rendering
+    the JSON schemas of `tools` where the template shows tools)."""
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if system and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system}, *messages]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

@@ -43,6 +43,7 @@ import torch
 from grpoflow.rewards.evaluate import NAN, Outcome, RewardCall, evaluate, evaluate_async
 from grpoflow.rewards.params import RewardConfig
 from grpoflow.rewards.plugins import import_file, load_plugins, plugin_files, resolve_reward
+from grpoflow.threads import in_daemon_thread
 
 logger = logging.getLogger("grpoflow.rewards")
 
@@ -160,19 +161,29 @@ class RewardRunner:
         """Threads of sync functions still running past their timeout, by function index."""
 
     @classmethod
-    def from_config(cls, config: RewardConfig, *, device: Any = None) -> RewardRunner:
+    def from_config(
+        cls,
+        config: RewardConfig,
+        *,
+        device: Any = None,
+        extra: Sequence[tuple[str, Callable[..., Any]]] = (),
+    ) -> RewardRunner:
         """The runner of a rewards section: its plugins loaded, its `reward_funcs` resolved (names,
         import paths, or callables given in Python; see `resolve_reward`), then its `reward_model`
-        on `device`."""
+        on `device`, then the `extra` (name, function) pairs (an environment's reward), weight 1."""
         load_plugins(config.external_plugins)
         funcs = [(reward_name(spec), resolve_reward(spec, config)) for spec in config.reward_funcs]
         if config.reward_model:
             from grpoflow.rewards.model import RewardModel
 
             funcs.append(("reward_model", RewardModel(config.reward_model, device=device)))
-        return cls(
-            funcs, config.reward_weights, timeout=config.reward_timeout, num_workers=config.reward_num_workers
-        )
+        funcs += list(extra)
+        if not funcs:
+            raise ValueError(
+                "a run needs a reward: set reward_funcs or reward_model, or give the environment a get_reward method"
+            )
+        weights = None if config.reward_weights is None else [*config.reward_weights, *[1.0] * len(extra)]
+        return cls(funcs, weights, timeout=config.reward_timeout, num_workers=config.reward_num_workers)
 
     def score(
         self,
@@ -230,13 +241,10 @@ class RewardRunner:
         return list(await asyncio.gather(*jobs))
 
     def _picklable(self, call: RewardCall) -> RewardCall:
-        """The call without the extra arguments that can't be sent to a worker process (TRL-style
-        callbacks such as `log_metric`); dataset columns are always sent."""
+        """The call without the arguments that can't be sent to a worker process (TRL-style
+        callbacks such as `log_metric`, environments that hold a connection)."""
         columns = {}
         for name, value in call.columns.items():
-            if isinstance(value, (list, tuple)) and len(value) == len(call):
-                columns[name] = value
-                continue
             try:
                 pickle.dumps(value)
             except Exception:
@@ -269,7 +277,7 @@ class RewardRunner:
             elif kind == "process":
                 pending = asyncio.wrap_future(self._pool().submit(evaluate, fn, call))
             else:
-                running = _in_daemon_thread(evaluate, fn, call)
+                running = in_daemon_thread(evaluate, fn, call)
                 pending = asyncio.wrap_future(running)
             outcome = await asyncio.wait_for(pending, self.timeout)
         except TimeoutError:
@@ -367,21 +375,6 @@ class _LoopThread:
         self.thread.join(timeout=5)
         if not self.thread.is_alive():
             self.loop.close()
-
-
-def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def target() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn(*args))
-        except BaseException as error:
-            future.set_exception(error)
-
-    threading.Thread(target=target, name="grpoflow-reward", daemon=True).start()
-    return future
 
 
 def _init_worker(files: list[str], sys_path: list[str]) -> None:

@@ -11,6 +11,7 @@ import random
 import numpy as np
 import torch
 
+from grpoflow.agents.setup import build_episode_runner, environment_rewards, load_environment_factory
 from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
 from grpoflow.engines.colocate import ColocateLayout
 from grpoflow.policy import lora, placement
@@ -42,8 +43,19 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
         # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
         torch.backends.cuda.enable_cudnn_sdp(False)
-    rewards = RewardRunner.from_config(config.rewards, device=device)  # first: a missing package stops here
+    environment_factory = load_environment_factory(config.agent.environment_factory)
+    rewards = RewardRunner.from_config(  # first: a missing package stops here
+        config.rewards, device=device, extra=environment_rewards(environment_factory)
+    )
     tokenizer = config.policy.load_tokenizer()
+    episodes = build_episode_runner(
+        config.agent,
+        tokenizer,
+        environment_factory,
+        max_completion_length=config.generation.max_completion_length,
+        system=config.data.system,
+        per_prompt_params=config.generation.engine_name == "native",
+    )
     items = config.data.load_prompts(tokenizer, seed=training.seed)
     model = config.adapter.apply(
         config.policy.build(vocab_size=len(tokenizer), seed=training.seed, device=device)
@@ -79,6 +91,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         distributed=distributed,
         per_prompt_seeds=config.generation.engine_name == "native",
         run_id=claim.run_id,
+        episodes=episodes,
     )
     if workers:
         trainer.add_cleanup(workers.close)

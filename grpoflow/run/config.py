@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from grpoflow import options
+from grpoflow.agents.config import AgentConfig
 from grpoflow.data.prompts import DataConfig
 from grpoflow.engines.base import EngineConfig, SamplingParams
 from grpoflow.engines.remote import RemoteConfig
@@ -216,6 +217,8 @@ class GRPOConfig:
     """The GRPO-family objective (grpoflow.run.update)."""
     rewards: RewardConfig = field(default_factory=RewardConfig)
     """Which rewards score completions, and their parameters (grpoflow.rewards)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn episodes: tools, an environment, turn limits (grpoflow.agents)."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """Optimisation, schedule, checkpoints."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -270,9 +273,9 @@ class GRPOConfig:
             "pass --dataset (e.g. gsm8k, or a jsonl file)",
         )
         require(
-            bool(self.rewards.reward_funcs or self.rewards.reward_model),
+            bool(self.rewards.reward_funcs or self.rewards.reward_model or self.agent.environment_factory),
             "reward_funcs",
-            "set (or reward_model)",
+            "set (or reward_model, or an environment_factory whose environment has get_reward)",
             [],
             "a run needs a reward: set reward_funcs (e.g. accuracy format) or reward_model",
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -13,11 +14,15 @@ from grpoflow.engines import Completion, RolloutEngine, SamplingParams
 
 @dataclass(slots=True)
 class Group:
-    """One prompt and its G completions."""
+    """One prompt and its G completions (or episodes)."""
 
     item: PromptItem
     completions: list[Completion]
     texts: list[str]
+    conversations: list[list[dict]] | None = None
+    """Per completion of an episode: its turns as messages (assistant, tool, user)."""
+    environments: list[Any] | None = None
+    """Per completion of an episode: its environment instance."""
 
 
 def generate_groups(
@@ -42,16 +47,43 @@ def reward_inputs(groups: Sequence[Group]) -> tuple[list, list, list[list[int]],
     columns: dict[str, list] = {}
     for group in groups:
         conversational = isinstance(group.item.prompt, list)
-        for completion, text in zip(group.completions, group.texts):
+        for index, (completion, text) in enumerate(zip(group.completions, group.texts)):
             prompts.append(group.item.prompt)
-            completions.append([{"role": "assistant", "content": text}] if conversational else text)
+            if conversational:
+                turns = group.conversations[index] if group.conversations is not None else None
+                completions.append(turns or [{"role": "assistant", "content": text}])
+            else:
+                completions.append(text)
             completion_ids.append(completion.token_ids)
     names = dict.fromkeys(name for group in groups for name in group.item.columns)
     for name in names:
         columns[name] = [
             group.item.columns.get(name) for group in groups for _ in range(len(group.completions))
         ]
+    if any(group.environments is not None for group in groups):
+        columns["environments"] = [
+            (group.environments or [None] * len(group.completions))[index]
+            for group in groups
+            for index in range(len(group.completions))
+        ]
     return prompts, completions, completion_ids, columns
+
+
+def episode_groups(tokenizer, episodes: Sequence[Sequence[Any]]) -> list[Group]:
+    """Groups of played episodes (`grpoflow.agents.Episode`), one per prompt."""
+    groups = []
+    for members in episodes:
+        completions = [episode.completion() for episode in members]
+        groups.append(
+            Group(
+                item=members[0].item,
+                completions=completions,
+                texts=[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions],
+                conversations=[list(episode.messages) for episode in members],
+                environments=[episode.environment for episode in members],
+            )
+        )
+    return groups
 
 
 @dataclass(slots=True)

@@ -1,0 +1,1 @@
+"""Multi-turn episodes: the policy acts, tools and environments answer, until an episode ends."""

@@ -1,0 +1,47 @@
+"""The agent section: what turns a single completion into an episode of several turns (option
+names follow TRL's GRPOConfig and ms-swift)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from grpoflow.options import require
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    """Tools, environments and the limits of an episode."""
+
+    tools: list[str] = field(default_factory=list)
+    """Functions the model may call, as import paths (`pkg.module:fn`, `file.py:fn`): type hints
+    and a Google-style docstring each, rendered into the prompt by the chat template (TRL's
+    `tools`)."""
+    environment_factory: str | None = None
+    """A class (or factory) as an import path: one instance per episode, `reset(**row)` at its
+    start, its public methods are tools, `get_reward()` scores it, `respond(text)` answers a turn
+    that calls no tool (TRL's `environment_factory`, plus `respond`)."""
+    max_turns: int | None = None
+    """Most policy turns per episode; unset: as many as the other limits allow."""
+    max_tool_calling_iterations: int | None = None
+    """Most turns whose tool calls are answered; unset: no limit (TRL)."""
+    max_turn_tokens: int | None = None
+    """Most tokens the policy writes in one turn; unset: the rest of max_completion_length."""
+    tool_call_parser: str = "auto"
+    """How tool calls are read from a turn: hermes (Qwen2.5/Qwen3 `<tool_call>` JSON),
+    llama3_json (Llama 3.1 JSON), or auto (either)."""
+    environment_timeout: float = 60.0
+    """Seconds a tool call, `reset`, `respond` or `get_reward` may take; past it the episode ends
+    with its error recorded (a tool's error is shown to the model instead)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_tool_calling_iterations", "max_turn_tokens"):
+            value = getattr(self, name)
+            require(value is None or value >= 1, name, ">= 1 (or unset)", value)
+        require(
+            self.environment_timeout > 0, "environment_timeout", "> 0 (seconds)", self.environment_timeout
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether episodes run (tools or an environment are set)."""
+        return bool(self.tools or self.environment_factory)

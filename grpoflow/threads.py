@@ -1,0 +1,25 @@
+"""Work in a daemon thread: user code (a reward, a tool, an environment) that may hang past its
+timeout must neither block later work nor the interpreter's exit; a thread cannot be killed."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+def in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+    """Start `fn(*args, **kwargs)` in a daemon thread of its own; its future."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as error:
+            future.set_exception(error)
+
+    threading.Thread(target=target, name=f"grpoflow-{getattr(fn, '__name__', 'work')}", daemon=True).start()
+    return future
