@@ -36,6 +36,7 @@ class EpisodeRunner:
         tools: the plain tool functions (resolved from `config.tools`).
         environment_factory: builds one environment per episode; None for tools alone.
         max_completion_length: token budget of an episode after its prompt.
+        max_prompt_length: most tokens of a prompt once tools and `reset`'s text are in it.
         system: the system prompt of the data section.
         per_prompt_params: the engine takes one SamplingParams per prompt.
     """
@@ -48,12 +49,14 @@ class EpisodeRunner:
         tools: Sequence[Callable[..., Any]] = (),
         environment_factory: Callable[[], Any] | None = None,
         max_completion_length: int,
+        max_prompt_length: int | None = None,
         system: str | None = None,
         per_prompt_params: bool = False,
     ) -> None:
         self.config, self.tokenizer = config, tokenizer
         self.tools, self.environment_factory = list(tools), environment_factory
         self.max_completion_length, self.system = max_completion_length, system
+        self.max_prompt_length = max_prompt_length
         self.per_prompt_params = per_prompt_params
         self.last_metrics: dict[str, float] = {}
         # One loop for the runner's life; asyncio.run would wait at its end for threads that overran.
@@ -100,6 +103,13 @@ class EpisodeRunner:
             episode.prompt_ids = encode_prompt(
                 self.tokenizer, episode.prompt, self.system, tools=schemas or None
             )
+        if self.max_prompt_length is not None and len(episode.prompt_ids) > self.max_prompt_length:
+            message = (
+                f"with its tools and reset text the prompt has {len(episode.prompt_ids)} tokens > "
+                f"max_prompt_length={self.max_prompt_length}; raise max_prompt_length"
+            )
+            logger.warning("an episode could not start: %s; it is skipped (no reward)", message)
+            episode.end("error", message)
         return episode
 
     def _generate_turn(

@@ -51,6 +51,7 @@ def build_episode_runner(
     factory: Callable[[], Any] | None,
     *,
     max_completion_length: int,
+    max_prompt_length: int | None,
     system: str | None,
     per_prompt_params: bool,
 ) -> EpisodeRunner | None:
@@ -63,6 +64,7 @@ def build_episode_runner(
         tools=resolve_tools(config.tools),
         environment_factory=factory,
         max_completion_length=max_completion_length,
+        max_prompt_length=max_prompt_length,
         system=system,
         per_prompt_params=per_prompt_params,
     )

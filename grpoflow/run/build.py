@@ -53,6 +53,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         tokenizer,
         environment_factory,
         max_completion_length=config.generation.max_completion_length,
+        max_prompt_length=config.data.max_prompt_length,
         system=config.data.system,
         per_prompt_params=config.generation.engine_name == "native",
     )

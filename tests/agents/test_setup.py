@@ -1,0 +1,51 @@
+"""The agent section in a training run: the packaged relay recipe, the environment's reward, bad
+environment specs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grpoflow.agents.setup import environment_rewards, load_environment_factory
+from grpoflow.cli import RECIPES
+from grpoflow.run.build import run
+from grpoflow.run.config import load_config
+from grpoflow.tasks.relay import RelayEnvironment
+
+
+def relay(tmp_path, **overrides):
+    values = {"output_dir": str(tmp_path / "run"), "report_to": ["none"], "disable_tqdm": True}
+    return load_config(RECIPES / "relay.yaml", {**values, "per_device_train_batch_size": 32, **overrides})
+
+
+def test_a_relay_run_trains_on_episodes_and_logs_them(tmp_path):
+    history = run(relay(tmp_path, max_steps=2, log_completions=True))
+    step = history[-1]
+    assert step["episodes/turns_mean"] == 3.0 and step["episodes/ended_by/stop"] == 1.0
+    assert 0.4 < step["episodes/masked_token_fraction"] < 0.8
+    assert "rewards/RelayEnvironment/mean" in step and step["time/environment"] >= 0
+    row = json.loads((tmp_path / "run" / "completions.jsonl").read_text().splitlines()[0])
+    assert row["completion"].count("echo") == 2  # the environment's two instructions, inside the completion
+    assert set(row["rewards"]) == {"RelayEnvironment"}
+
+
+def test_the_environment_reward_is_named_after_its_class_and_reads_each_episode():
+    ((name, reward),) = environment_rewards(RelayEnvironment)
+    environment = RelayEnvironment()
+    environment.reset(letters="ab")
+    environment.respond("aaaa")
+    assert name == "RelayEnvironment"
+    assert reward(completions=["x", "y"], environments=[environment, None]) == [0.5, None]
+    assert environment_rewards(None) == []
+
+
+def test_bad_environment_specs_are_explained(tmp_path):
+    path = tmp_path / "envs.py"
+    path.write_text("class NoReset:\n    pass\n\nVALUE = 3\n")
+    with pytest.raises(ValueError, match="NoReset has no reset method"):
+        load_environment_factory(f"{path}:NoReset")
+    with pytest.raises(ValueError, match="is a int, not a class or function"):
+        load_environment_factory(f"{path}:VALUE")
+    with pytest.raises(ValueError, match="has no attribute 'Missing'"):
+        load_environment_factory(f"{path}:Missing")
