@@ -17,10 +17,15 @@ TARGET_LENGTH = 8
 NUM_ROWS = {"train": 4096, "test": 256}
 
 
-def load_rows(split: str = "train") -> list[dict]:
+def split_rng(task: str, split: str) -> random.Random:
+    """The random generator that makes a letter task's split, the same on every machine."""
     if split not in NUM_ROWS:
-        raise ValueError(f"echo has splits {', '.join(NUM_ROWS)}, not {split!r}")
-    rng = random.Random(f"echo-{split}")
+        raise ValueError(f"{task} has splits {', '.join(NUM_ROWS)}, not {split!r}")
+    return random.Random(f"{task}-{split}")
+
+
+def load_rows(split: str = "train") -> list[dict]:
+    rng = split_rng("echo", split)
     letters = [rng.choice(LETTERS) for _ in range(NUM_ROWS[split])]
     return [{"prompt": f"echo {letter}:", "letter": letter} for letter in letters]
 

@@ -9,18 +9,14 @@ tokens it never samples and is never trained on. A fresh tiny model scores about
 
 from __future__ import annotations
 
-import random
+from grpoflow.tasks.echo import LETTERS, NUM_ROWS, split_rng
 
-LETTERS = "abcdefgh"
 TURNS = 3
 TURN_LENGTH = 4
-NUM_ROWS = {"train": 4096, "test": 256}
 
 
 def load_rows(split: str = "train") -> list[dict]:
-    if split not in NUM_ROWS:
-        raise ValueError(f"relay has splits {', '.join(NUM_ROWS)}, not {split!r}")
-    rng = random.Random(f"relay-{split}")
+    rng = split_rng("relay", split)
     rows = []
     for _ in range(NUM_ROWS[split]):
         letters = "".join(rng.choice(LETTERS) for _ in range(TURNS))
