@@ -9,7 +9,7 @@ from typing import Any
 from grpoflow import imports
 from grpoflow.agents.config import AgentConfig
 from grpoflow.agents.runner import EpisodeRunner
-from grpoflow.agents.tools import resolve_tools
+from grpoflow.agents.tools import environment_tools, resolve_tools
 
 
 def load_environment_factory(spec: str | None) -> Callable[[], Any] | None:
@@ -58,10 +58,17 @@ def build_episode_runner(
     """The episode runner of an agent section; None when it sets neither tools nor an environment."""
     if not config.enabled:
         return None
+    tools = resolve_tools(config.tools)
+    has_tools = bool(tools) or (inspect.isclass(factory) and bool(environment_tools(factory)))
+    if has_tools and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "tools are shown to the model by its chat template, and this tokenizer has none: use a chat "
+            "model (e.g. a Qwen2.5-Instruct), or an environment that answers through respond(text)"
+        )
     return EpisodeRunner(
         config,
         tokenizer,
-        tools=resolve_tools(config.tools),
+        tools=tools,
         environment_factory=factory,
         max_completion_length=max_completion_length,
         max_prompt_length=max_prompt_length,

@@ -211,3 +211,17 @@ def test_with_the_real_engine_every_turn_prompt_is_the_trajectory_so_far_and_env
     inserted = (batch.completion_mask == 1) & (batch.loss_mask == 0)
     assert inserted.any() and torch.all(logps.grad[inserted] == 0)
     assert torch.all(logps.grad[batch.loss_mask == 1] != 0)
+
+
+def test_a_prompt_that_outgrows_max_prompt_length_with_its_tools_skips_its_episode(tokenizer):
+    engine = ScriptedEngine(tokenizer, lambda prompt: "done")
+    run = EpisodeRunner(
+        AgentConfig(environment_factory="unused"),
+        tokenizer,
+        environment_factory=Calculator,
+        max_completion_length=64,
+        max_prompt_length=10,
+    )
+    ((episode,),) = run.run(engine, [chat_item(tokenizer)], SamplingParams(n=1))
+    assert episode.finish == "error" and "raise max_prompt_length" in episode.error
+    assert engine.prompts == []

@@ -49,3 +49,25 @@ def test_bad_environment_specs_are_explained(tmp_path):
         load_environment_factory(f"{path}:VALUE")
     with pytest.raises(ValueError, match="has no attribute 'Missing'"):
         load_environment_factory(f"{path}:Missing")
+
+
+def test_tools_without_a_chat_template_are_refused(tmp_path):
+    from grpoflow.agents.config import AgentConfig
+    from grpoflow.agents.setup import build_episode_runner
+    from grpoflow.policy.tiny import build_char_tokenizer
+
+    path = tmp_path / "calc.py"
+    path.write_text(
+        'def add(a: int, b: int) -> int:\n    """Add.\n\n    Args:\n        a: A.\n        b: B.\n    """\n    return a + b\n'
+    )
+    config = AgentConfig(tools=[f"{path}:add"])
+    with pytest.raises(ValueError, match="tools are shown to the model by its chat template"):
+        build_episode_runner(
+            config,
+            build_char_tokenizer(),
+            None,
+            max_completion_length=8,
+            max_prompt_length=8,
+            system=None,
+            per_prompt_params=False,
+        )
