@@ -171,7 +171,9 @@ def _latest_of(directory: Path, owner: str | None, spec: str) -> Path:
 def _describe(paths: list[Path]) -> str:
     checkpoints = [path.name for path in paths if path.name.startswith("checkpoint-")]
     others = [path.name for path in paths if not path.name.startswith("checkpoint-")]
-    parts = [f"{len(checkpoints)} checkpoints up to {max(checkpoints, key=_step_key)}"] if checkpoints else []
+    plural = "s" if len(checkpoints) > 1 else ""
+    newest = max(checkpoints, key=_step_key) if checkpoints else ""
+    parts = [f"{len(checkpoints)} checkpoint{plural} up to {newest}"] if checkpoints else []
     return ", ".join(parts + others)
 
 
