@@ -225,3 +225,12 @@ def test_a_prompt_that_outgrows_max_prompt_length_with_its_tools_skips_its_episo
     ((episode,),) = run.run(engine, [chat_item(tokenizer)], SamplingParams(n=1))
     assert episode.finish == "error" and "raise max_prompt_length" in episode.error
     assert engine.prompts == []
+
+
+def test_llama3_json_tool_calls_are_answered_too(tokenizer):
+    call = '{"name": "add", "parameters": {"a": 4, "b": 5}}'
+    engine = ScriptedEngine(tokenizer, lambda prompt: "Nine." if "<|tool|>" in prompt else call)
+    run = runner(tokenizer, Calculator, tool_call_parser="llama3_json")
+    ((episode,),) = run.run(engine, [chat_item(tokenizer)], SamplingParams(n=1))
+    assert episode.finish == "stop" and episode.messages[1]["content"] == "9"
+    assert run.last_metrics["episodes/tool_calls_mean"] == 1.0
