@@ -5,7 +5,10 @@ RemoteEngine drive it unchanged):
 
 - /health, /ping, /version, /v1/models, /server_info, /get_world_size: what is served.
 - /v1/completions (token-id or text prompts) and /v1/chat/completions (rendered by the chat
-  template): batched across concurrent requests (see batcher.py).
+  template, with `tools`; tool calls answered in OpenAI's shape): batched across concurrent
+  requests (see batcher.py).
+- /v1/episodes, /v1/episodes/{id} (GET, DELETE): the chat turns of agent episodes, recorded for
+  requests that name an episode (`X-Episode-Id` header or `episode_id` field): episodes.py.
 - /pause, /resume, /is_paused, /reset_prefix_cache, /sleep, /wake_up, /is_sleeping: control.py.
 - /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update,
   /shutdown_weight_transfer_engine, /update_weight_version, /weight_info, /collective_rpc: weight
@@ -31,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from grpoflow.server import control, weights
+from grpoflow.server import control, episodes, weights
 from grpoflow.server.errors import RequestError
 from grpoflow.server.protocol import (
     ChatCompletionRequest,
@@ -85,6 +88,7 @@ def build_app(service: Service) -> FastAPI:
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.include_router(control.router)
     app.include_router(weights.router)
+    app.include_router(episodes.router)
     return app
 
 
@@ -199,6 +203,12 @@ async def server_info(request: Request) -> dict:
                 "num_batches": batcher.num_batches,
                 "num_engine_calls": batcher.num_engine_calls,
             },
+            "episodes": {
+                "num_recorded": len(service.episodes),
+                "max_recorded": config.max_recorded_episodes,
+                "num_dropped": service.episodes.num_dropped,
+            },
+            "tool_call_parser": config.tool_call_parser,
         },
     }
 
@@ -239,8 +249,14 @@ async def chat_completions(request: Request) -> dict:
             400,
             "top_logprobs",
         )
+    episode_id = episodes.episode_id_of(request, body)
     prompt = chat_prompt(body, service.tokenizer)
     params = sampling_params(body, chat_max_tokens(body, prompt, limits), limits)
     check_prompts([prompt], params.max_tokens, params.n, limits)
     (group,) = await service.generate(request, [prompt], params)
-    return chat_response(body, limits.model_name, prompt, group, service.tokenizer)
+    response = chat_response(
+        body, limits.model_name, prompt, group, service.tokenizer, service.config.tool_call_parser
+    )
+    if episode_id is not None:
+        service.episodes.record(episode_id, episodes.RecordedTurn.of(body, prompt, group[0], response))
+    return response

@@ -11,6 +11,7 @@ generation_config.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,14 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    episode_id: str | None = None
+    """The agent episode this turn belongs to (episodes.py), as `extra_body={"episode_id": ...}`."""
+
+    @property
+    def offers_tools(self) -> bool:
+        """Whether the answer's tool calls are read: tools were sent and tool_choice is not none."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 def parse(model: type[BaseModel], body: Any, limits: Limits):
@@ -150,8 +159,20 @@ def completion_prompts(request: CompletionRequest, tokenizer) -> list[list[int]]
     ]
 
 
+TOOL_CHOICES = (None, "auto", "none")
+"""tool_choice values served: a call cannot be forced (no constrained decoding here)."""
+
+
 def chat_prompt(request: ChatCompletionRequest, tokenizer) -> list[int]:
-    """The conversation rendered by the chat template (the request's, else the tokenizer's)."""
+    """The conversation and its tools rendered by the chat template (the request's, else the
+    tokenizer's)."""
+    if request.tool_choice not in TOOL_CHOICES:
+        raise RequestError(
+            f"tool_choice={request.tool_choice!r}: grpoflow serve cannot force a tool call; "
+            f"send 'auto' or 'none' (or leave it out)",
+            400,
+            "tool_choice",
+        )
     if not request.messages:
         raise RequestError("messages is empty: give at least one message", 400, "messages")
     if request.chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -191,7 +212,26 @@ def _plain_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
                 )
             texts.append(str(part.get("text", "")))
         content = "".join(texts)
-    return {**message, "content": content}
+    plain = {**message, "content": content}
+    if isinstance(message.get("tool_calls"), list):
+        plain["tool_calls"] = [_template_call(call) for call in message["tool_calls"]]
+    return plain
+
+
+def _template_call(call: Any) -> Any:
+    """An OpenAI tool call with its `function.arguments` JSON string decoded, as chat templates
+    (Qwen's, Llama's) expect them and as vLLM hands them over; arguments that are no JSON object
+    stay as sent."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 # -- sampling ---------------------------------------------------------------------------------

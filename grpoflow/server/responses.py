@@ -6,13 +6,20 @@ log-probs (`logprobs.token_logprobs` for completions, `logprobs.content[i].logpr
 which are log_softmax(logits / temperature) of the sampled token, as vLLM reports them with
 `--logprobs-mode processed_logprobs`. With `return_tokens_as_token_ids` tokens are written
 `token_id:ID`, as vLLM writes them.
+
+A chat request that offers `tools` gets the calls in its answer's text as OpenAI `tool_calls`
+(read by grpoflow.agents.tool_calls in the server's `tool_call_parser` format) and the finish
+reason `tool_calls`. As in vLLM, a text with any call that cannot be read is answered as plain
+content, whole, with no `tool_calls`: the agent sees what the model wrote.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
+from grpoflow.agents.tool_calls import ToolCall, parse_tool_calls
 from grpoflow.engines.base import Completion
 from grpoflow.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -54,21 +61,24 @@ def completion_response(
 
 
 def chat_response(
-    request: ChatCompletionRequest, model: str, prompt: list[int], group: list[Completion], tokenizer
+    request: ChatCompletionRequest,
+    model: str,
+    prompt: list[int],
+    group: list[Completion],
+    tokenizer,
+    tool_call_parser: str = "auto",
 ) -> dict:
     choices = []
     for index, completion in enumerate(group):
+        text = _text(completion, tokenizer, request.skip_special_tokens)
+        message = assistant_message(text, tool_call_parser if request.offers_tools else None)
         choice = {
             "index": index,
-            "message": {
-                "role": "assistant",
-                "content": _text(completion, tokenizer, request.skip_special_tokens),
-                "tool_calls": [],
-            },
+            "message": message,
             "logprobs": {"content": _chat_logprobs(completion, tokenizer, request)}
             if request.logprobs
             else None,
-            "finish_reason": completion.finish_reason,
+            "finish_reason": "tool_calls" if message["tool_calls"] else completion.finish_reason,
             "stop_reason": None,
         }
         if request.return_token_ids:
@@ -85,6 +95,24 @@ def chat_response(
     if request.return_token_ids:
         response["prompt_token_ids"] = prompt
     return response
+
+
+def assistant_message(text: str, tool_call_parser: str | None) -> dict:
+    """The assistant message answering with `text`: with a parser, the calls in it as OpenAI
+    `tool_calls` and the text outside them as content (None when empty); without one, or when a
+    call is malformed, the whole text as content."""
+    if tool_call_parser is not None:
+        parsed = parse_tool_calls(text, tool_call_parser)
+        if parsed.calls and all(isinstance(call, ToolCall) for call in parsed.calls):
+            calls = [openai_tool_call(call) for call in parsed.calls]
+            return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}
+    return {"role": "assistant", "content": text, "tool_calls": []}
+
+
+def openai_tool_call(call: ToolCall) -> dict:
+    """`call` as an entry of OpenAI's `tool_calls` (arguments as a JSON string)."""
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
 def _text(completion: Completion, tokenizer, skip_special_tokens: bool) -> str:

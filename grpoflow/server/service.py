@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from grpoflow.engines.base import Completion, RolloutEngine, SamplingParams
 from grpoflow.server.batcher import Batcher
+from grpoflow.server.episodes import EpisodeRecorder
 from grpoflow.server.errors import RequestError
 from grpoflow.server.protocol import Limits
 from grpoflow.server.settings import ServeConfig
@@ -55,9 +56,12 @@ class Service:
     layers (vllm: a fused layer loaded from part of its tensors would lose the rest)."""
     sleeping: bool = False
     batcher: Batcher | None = field(default=None)
+    episodes: EpisodeRecorder = field(init=False)
+    """The agent episodes recorded from chat requests that name one (episodes.py)."""
 
     def __post_init__(self) -> None:
         self.receiver = CollectiveReceiver(self.device)
+        self.episodes = EpisodeRecorder(self.config.max_recorded_episodes)
 
     def start(self) -> None:
         """Create the batcher inside the running event loop."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from grpoflow.agents.tool_calls import TOOL_CALL_FORMATS
 from grpoflow.engines.base import EngineConfig
 from grpoflow.options import require
 from grpoflow.policy.tiny import DEFAULT_SEED
@@ -48,6 +49,12 @@ class ServeConfig(EngineConfig):
     """Most sequences (prompts x n) one request may ask for."""
     trust_remote_code: bool = False
     """Allow model code from the hub."""
+    tool_call_parser: str = "auto"
+    """How chat completions offered `tools` read tool calls from the text: hermes (Qwen2.5/Qwen3
+    `<tool_call>` JSON), llama3_json (Llama 3.1/3.2 JSON), or auto (either)."""
+    max_recorded_episodes: int = 1024
+    """Most episodes (chat requests sent with an episode id) kept in memory for GET
+    /v1/episodes/ID; past it the least recently recorded one is dropped."""
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
@@ -55,6 +62,15 @@ class ServeConfig(EngineConfig):
         require(self.dtype in DTYPES, "--dtype", f"one of {', '.join(DTYPES)}", self.dtype)
         require(self.device in DEVICES, "--device", f"one of {', '.join(DEVICES)}", self.device)
         require(0 < self.port < 65536, "--port", "in 1..65535", self.port)
+        require(
+            self.tool_call_parser in TOOL_CALL_FORMATS,
+            "--tool-call-parser",
+            f"one of {', '.join(TOOL_CALL_FORMATS)}",
+            self.tool_call_parser,
+        )
+        require(
+            self.max_recorded_episodes >= 1, "--max-recorded-episodes", ">= 1", self.max_recorded_episodes
+        )
         require(self.batch_window_ms >= 0, "--batch-window-ms", ">= 0", self.batch_window_ms)
         require(
             self.max_sequences_per_request >= 1,
