@@ -9,8 +9,8 @@ An agent written against the `openai` client names its episode in one of two way
 
 Both may be sent when they agree. An id is 1 to 256 letters, digits or `._:@-`. Each
 /v1/chat/completions request that names an episode (with n=1) adds one turn to it: the request's
-`messages` and `tools`, the rendered `prompt_ids`, the sampled `completion_ids` and their
-`completion_logprobs` (log_softmax(logits / temperature) of each sampled token, the chat
+`messages` and `tools`, the rendered `prompt_ids`, the sampled `completion_ids` (the stop token
+included when one ended the turn) and their `completion_logprobs` (log_softmax(logits / temperature) of each sampled token, the chat
 response's log-probs whether or not the request asked for them), the `finish_reason`, the assistant
 `message` answered and the `policy_version` that sampled it. Requests without an id are not recorded.
 
