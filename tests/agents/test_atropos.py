@@ -83,6 +83,7 @@ def post_group(api: str, group: dict) -> None:
 # -- end to end -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_batches_from_an_atropos_environment_sampling_grpoflow_serve(tmp_path):
     tokenizer = build_char_tokenizer()
     tokenizer.save_pretrained(tmp_path / "tokenizer")
