@@ -9,6 +9,8 @@ RemoteEngine drive it unchanged):
   requests (see batcher.py).
 - /v1/episodes, /v1/episodes/{id} (GET, DELETE): the chat turns of agent episodes, recorded for
   requests that name an episode (`X-Episode-Id` header or `episode_id` field): episodes.py.
+- /generate: vLLM's demo API server endpoint as Atropos's VLLMServer calls it (token ids and the
+  sampled tokens' log-probs of one prompt's n completions).
 - /pause, /resume, /is_paused, /reset_prefix_cache, /sleep, /wake_up, /is_sleeping: control.py.
 - /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update,
   /shutdown_weight_transfer_engine, /update_weight_version, /weight_info, /collective_rpc: weight
@@ -39,15 +41,17 @@ from grpoflow.server.errors import RequestError
 from grpoflow.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    GenerateRequest,
     chat_max_tokens,
     chat_prompt,
     check_prompts,
     completion_max_tokens,
     completion_prompts,
+    generate_prompt,
     parse,
     sampling_params,
 )
-from grpoflow.server.responses import chat_response, completion_response
+from grpoflow.server.responses import chat_response, completion_response, generate_response
 from grpoflow.server.service import ClientGone, Service, read_json, service_of
 from grpoflow.transport import ReceiveError
 
@@ -86,6 +90,7 @@ def build_app(service: Service) -> FastAPI:
     app.add_api_route("/get_world_size", world_size, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/generate", generate, methods=["POST"])
     app.include_router(control.router)
     app.include_router(weights.router)
     app.include_router(episodes.router)
@@ -224,13 +229,7 @@ async def completions(request: Request) -> dict:
     service = service_of(request)
     limits = service.limits
     body = parse(CompletionRequest, await read_json(request), limits)
-    if body.logprobs not in (None, 0):
-        raise RequestError(
-            f"logprobs={body.logprobs}: grpoflow serve reports the sampled token's log-prob only; "
-            f"send logprobs=0 (or leave it out)",
-            400,
-            "logprobs",
-        )
+    _sampled_logprobs_only(body.logprobs)
     prompts = completion_prompts(body, service.tokenizer)
     params = sampling_params(body, completion_max_tokens(body), limits)
     check_prompts(prompts, params.max_tokens, params.n, limits)
@@ -260,3 +259,26 @@ async def chat_completions(request: Request) -> dict:
     if episode_id is not None:
         service.episodes.record(episode_id, episodes.RecordedTurn.of(body, prompt, group[0], response))
     return response
+
+
+async def generate(request: Request) -> dict:
+    service = service_of(request)
+    limits = service.limits
+    body = parse(GenerateRequest, await read_json(request), limits)
+    _sampled_logprobs_only(body.logprobs)
+    prompt = generate_prompt(body, service.tokenizer)
+    params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, limits)
+    check_prompts([prompt], params.max_tokens, params.n, limits)
+    (group,) = await service.generate(request, [prompt], params)
+    return generate_response(body, prompt, group, service.tokenizer)
+
+
+def _sampled_logprobs_only(logprobs: int | None) -> None:
+    """Refuse top-N log-probs (`logprobs` > 0): only the sampled token's log-prob is reported."""
+    if logprobs not in (None, 0):
+        raise RequestError(
+            f"logprobs={logprobs}: grpoflow serve reports the sampled token's log-prob only; "
+            f"send logprobs=0 (or leave it out)",
+            400,
+            "logprobs",
+        )

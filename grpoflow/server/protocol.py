@@ -108,6 +108,14 @@ class ChatCompletionRequest(SamplingRequest):
         return bool(self.tools) and self.tool_choice != "none"
 
 
+class GenerateRequest(SamplingRequest):
+    """/generate, as vLLM's demo API server reads it: a prompt (text, or `{"prompt_token_ids": [...]}`)
+    and SamplingParams fields at the top level (Atropos's VLLMServer sends this)."""
+
+    prompt: str | dict[str, Any]
+    logprobs: int | None = None
+
+
 def parse(model: type[BaseModel], body: Any, limits: Limits):
     """The request `body` (parsed JSON) as `model`, checked against what this server serves."""
     if not isinstance(body, dict):
@@ -161,6 +169,22 @@ def completion_prompts(request: CompletionRequest, tokenizer) -> list[list[int]]
 
 TOOL_CHOICES = (None, "auto", "none")
 """tool_choice values served: a call cannot be forced (no constrained decoding here)."""
+
+
+def generate_prompt(request: GenerateRequest, tokenizer) -> list[int]:
+    """The prompt of a /generate request as token ids (text is tokenised with special tokens, as
+    vLLM does)."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    ids = prompt.get("prompt_token_ids")
+    if not isinstance(ids, list) or not all(isinstance(token, int) for token in ids):
+        raise RequestError(
+            'prompt must be text or {"prompt_token_ids": [int, ...]}, got ' + repr(prompt)[:200],
+            400,
+            "prompt",
+        )
+    return list(ids)
 
 
 def chat_prompt(request: ChatCompletionRequest, tokenizer) -> list[int]:

@@ -1,4 +1,4 @@
-"""Response bodies of /v1/completions and /v1/chat/completions, in vLLM's shape.
+"""Response bodies of /v1/completions, /v1/chat/completions and /generate, in vLLM's shape.
 
 The fields RL clients read: each choice's `token_ids` and `prompt_token_ids` (when the request set
 `return_token_ids`), the chat response's top-level `prompt_token_ids`, and the sampled tokens'
@@ -21,7 +21,7 @@ import uuid
 
 from grpoflow.agents.tool_calls import ToolCall, parse_tool_calls
 from grpoflow.engines.base import Completion
-from grpoflow.server.protocol import ChatCompletionRequest, CompletionRequest
+from grpoflow.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 LOGPROB_FLOOR = -9999.0
 """JSON has no -inf: log-probs are floored here, as OpenAI and vLLM do."""
@@ -113,6 +113,27 @@ def openai_tool_call(call: ToolCall) -> dict:
     """`call` as an entry of OpenAI's `tool_calls` (arguments as a JSON string)."""
     arguments = json.dumps(call.arguments, ensure_ascii=False)
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def generate_response(
+    request: GenerateRequest, prompt: list[int], group: list[Completion], tokenizer
+) -> dict:
+    """/generate's answer as Atropos's vLLM server gives it (example_trainer/vllm_api_server.py):
+    `text` (completions only), `prompt` and `finish_reasons`; with `logprobs` set, also per
+    completion one `[{"ID": logprob}]` per sampled token, `token_ids` and `prompt_token_ids`."""
+    response = {
+        "text": [_text(completion, tokenizer, request.skip_special_tokens) for completion in group],
+        "prompt": request.prompt if isinstance(request.prompt, str) else tokenizer.decode(prompt),
+        "finish_reasons": [completion.finish_reason for completion in group],
+    }
+    if request.logprobs is not None:
+        response["logprobs"] = [
+            [[{str(token): max(value, LOGPROB_FLOOR)}] for token, value in zip(c.token_ids, c.logprobs)]
+            for c in group
+        ]
+        response["prompt_token_ids"] = prompt
+        response["token_ids"] = [completion.token_ids for completion in group]
+    return response
 
 
 def _text(completion: Completion, tokenizer, skip_special_tokens: bool) -> str:
