@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from grpoflow.agents.tool_calls import check_tool_call_format
 from grpoflow.options import require
 
 
@@ -37,6 +38,7 @@ class AgentConfig:
         for name in ("max_turns", "max_tool_calling_iterations", "max_turn_tokens"):
             value = getattr(self, name)
             require(value is None or value >= 1, name, ">= 1 (or unset)", value)
+        check_tool_call_format(self.tool_call_parser)
         require(
             self.environment_timeout > 0, "environment_timeout", "> 0 (seconds)", self.environment_timeout
         )

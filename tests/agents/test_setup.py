@@ -71,3 +71,10 @@ def test_tools_without_a_chat_template_are_refused(tmp_path):
             system=None,
             per_prompt_params=False,
         )
+
+
+def test_an_unknown_tool_call_parser_is_named_with_the_known_ones():
+    from grpoflow.agents.config import AgentConfig
+
+    with pytest.raises(ValueError, match="tool_call_parser must be one of .*hermes"):
+        AgentConfig(tool_call_parser="mistral")
