@@ -28,6 +28,10 @@ class Episode:
     environment: Any = None
     index: int = 0
     """Its place in its group."""
+    tools: list[Any] = field(default_factory=list)
+    """The functions it may call (the run's tools, then its environment's)."""
+    tool_schemas: list[dict] = field(default_factory=list)
+    """Their JSON schemas, made once when the episode starts."""
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

@@ -97,11 +97,12 @@ class EpisodeRunner:
             logger.warning("an episode could not start: %s; it is skipped (no reward)", _describe(error))
             episode.end("error", _describe(error))
             return episode
-        schemas = [tool_schema(tool) for tool in self._tools_of(episode)]
-        if observation is not None or schemas:
+        episode.tools = self._tools_of(episode)
+        episode.tool_schemas = [tool_schema(tool) for tool in episode.tools]
+        if observation is not None or episode.tool_schemas:
             episode.prompt = _with_observation(item.prompt, observation)
             episode.prompt_ids = encode_prompt(
-                self.tokenizer, episode.prompt, self.system, tools=schemas or None
+                self.tokenizer, episode.prompt, self.system, tools=episode.tool_schemas or None
             )
         if self.max_prompt_length is not None and len(episode.prompt_ids) > self.max_prompt_length:
             message = (
@@ -163,9 +164,7 @@ class EpisodeRunner:
         if not messages:
             return  # the tool-call limit ended the episode
         ended_turn = bool(episode.ids) and episode.ids[-1] == self.tokenizer.eos_token_id
-        renderer = TurnRenderer(
-            self.tokenizer, [tool_schema(tool) for tool in self._tools_of(episode)] or None
-        )
+        renderer = TurnRenderer(self.tokenizer, episode.tool_schemas or None)
         suffix = renderer.suffix_ids(messages, ended_turn)
         if len(episode.ids) + len(suffix) >= self.max_completion_length:
             episode.end("budget")
@@ -175,7 +174,7 @@ class EpisodeRunner:
     async def _tool_messages(self, episode: Episode, text: str) -> list[dict] | None:
         """Tool messages answering the turn's calls; None when it calls no tool; [] when the
         tool-call limit ends the episode instead."""
-        tools = self._tools_of(episode)
+        tools = episode.tools
         if not tools:
             return None
         parsed = parse_tool_calls(text, self.config.tool_call_parser)

@@ -72,10 +72,6 @@ class ToolBox:
         self.functions = {function.__name__: function for function in functions}
         self.timeout = timeout
 
-    @property
-    def schemas(self) -> list[dict[str, Any]]:
-        return [tool_schema(function) for function in self.functions.values()]
-
     async def call(self, call: ToolCall | MalformedToolCall) -> ToolResult:
         """Run one call; its result or its error, as the model will read it."""
         if isinstance(call, MalformedToolCall):
