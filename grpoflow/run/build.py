@@ -24,6 +24,7 @@ from grpoflow.run.distributed import DistributedContext, init_distributed
 from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.output_dir import claim_output_dir
+from grpoflow.run.rollout import Episodes
 from grpoflow.run.trainer import GRPOTrainer
 
 logger = logging.getLogger("grpoflow")
@@ -48,7 +49,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         config.rewards, device=device, extra=environment_rewards(environment_factory)
     )
     tokenizer = config.policy.load_tokenizer()
-    episodes = build_episode_runner(
+    runner = build_episode_runner(
         config.agent,
         tokenizer,
         environment_factory,
@@ -92,7 +93,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         distributed=distributed,
         per_prompt_seeds=config.generation.engine_name == "native",
         run_id=claim.run_id,
-        episodes=episodes,
+        rollout=Episodes(runner, tokenizer) if runner is not None else None,
     )
     if workers:
         trainer.add_cleanup(workers.close)

@@ -1,10 +1,15 @@
-"""Rollouts: prompts to groups of completions, and groups to padded training tensors."""
+"""Rollouts: prompts to groups of completions, and groups to padded training tensors.
+
+A `Rollout` is what the trainer calls to turn a step's prompts into groups: `SingleTurn` samples
+one completion per member, `Episodes` plays multi-turn episodes (`grpoflow.agents`). Other ways of
+producing groups (a user's rollout function, an agent program) implement the same protocol.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -25,8 +30,49 @@ class Group:
     """Per completion of an episode: its environment instance."""
 
 
+class Rollout(Protocol):
+    """Turns a step's prompt items into groups of `params.n` scored-to-be completions."""
+
+    last_metrics: dict[str, float]
+    """Metrics of the last call (e.g. turns per episode), logged with the step's."""
+
+    def __call__(
+        self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
+    ) -> list[Group]: ...
+
+
+@dataclass(slots=True)
+class SingleTurn:
+    """One completion per group member, sampled in one engine call."""
+
+    tokenizer: Any
+    last_metrics: dict[str, float] = field(default_factory=dict)
+
+    def __call__(
+        self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
+    ) -> list[Group]:
+        return generate_groups(engine, self.tokenizer, items, params)
+
+
+@dataclass(slots=True)
+class Episodes:
+    """Multi-turn episodes played by an `grpoflow.agents.EpisodeRunner`."""
+
+    runner: Any
+    tokenizer: Any
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        return self.runner.last_metrics
+
+    def __call__(
+        self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
+    ) -> list[Group]:
+        return episode_groups(self.tokenizer, self.runner.run(engine, items, params))
+
+
 def generate_groups(
-    engine: RolloutEngine, tokenizer, items: Sequence[PromptItem], params: SamplingParams
+    engine: RolloutEngine, tokenizer, items: Sequence[PromptItem], params: SamplingParams | list
 ) -> list[Group]:
     """Sample `params.n` completions for each prompt item and decode them."""
     outputs = engine.generate([item.prompt_ids for item in items], params)

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from grpoflow.agents.runner import EpisodeRunner
 from grpoflow.algo import combine_rewards, group_advantages, overlong_mask, select_groups, zero_std_groups
 from grpoflow.data.prompts import PromptItem, PromptSampler
 from grpoflow.engines import RolloutEngine, SamplingParams
@@ -37,7 +36,7 @@ from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.failures import RewardFailureStreaks, RunStopped, reward_failure_message
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.prefetch import RolloutPrefetcher
-from grpoflow.run.rollout import Group, collate, episode_groups, generate_groups, reward_inputs
+from grpoflow.run.rollout import Group, Rollout, SingleTurn, collate, reward_inputs
 from grpoflow.run.step_metrics import batch_metrics, completion_rows, length_columns
 from grpoflow.run.sync_check import SyncCheck
 from grpoflow.run.update import UpdateSettings, update_policy
@@ -94,16 +93,17 @@ class GRPOTrainer:
         distributed: DistributedContext | None = None,
         per_prompt_seeds: bool = False,
         run_id: str | None = None,
-        episodes: EpisodeRunner | None = None,
+        rollout: Rollout | None = None,
     ) -> None:
         """`per_prompt_seeds`: the engine takes one SamplingParams per prompt (the native engine),
         so each prompt is sampled from its own seed; otherwise one seed per call and rank.
         `placement` and `ref_placement` hold the policy and the reference model as `place_models`
         laid them out. `run_id` marks the run's checkpoints (see `grpoflow.run.output_dir`).
-        `episodes`: plays multi-turn episodes instead of sampling single completions."""
+        `rollout`: turns prompts into groups (default: one sampled completion per member;
+        `grpoflow.run.rollout.Episodes` plays multi-turn episodes)."""
         self.config, self.tokenizer, self.run_id = config, tokenizer, run_id
         self.last_reward_errors: list = []
-        self.episodes = episodes
+        self.rollout = rollout or SingleTurn(tokenizer)
         self.engine, self.rewards, self.items = engine, rewards, items
         self.optimizer, self.scheduler = optimizer, scheduler
         self.placement, self.ref_placement = placement, ref_placement
@@ -324,10 +324,7 @@ class GRPOTrainer:
             items = [self.items[index] for index in indices[:missing]]
             with timer("rollout"):
                 sampling = self._sampling_for(seeds[:missing])
-                if self.episodes is not None:
-                    groups = episode_groups(self.tokenizer, self.episodes.run(self.engine, items, sampling))
-                else:
-                    groups = generate_groups(self.engine, self.tokenizer, items, sampling)
+                groups = self.rollout(self.engine, items, sampling)
             if missing == 0:
                 continue
             with timer("reward"):
@@ -376,8 +373,7 @@ class GRPOTrainer:
             metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         for phase, seconds in timer.seconds.items():
             metrics[f"time/{phase}"] = seconds
-        if self.episodes is not None:
-            metrics.update(self.episodes.last_metrics)
+        metrics.update(self.rollout.last_metrics)
         return metrics
 
     def add_cleanup(self, function: Callable[[], None]) -> None:
