@@ -31,6 +31,8 @@ logger = logging.getLogger("grpoflow.agents.atropos")
 
 IGNORED = -100
 """Atropos's mask value for a token that gets no loss."""
+WAIT_LOG_SECONDS = 60.0
+"""How often a trainer waiting for a batch says so."""
 UNCARRIED_FIELDS = ("advantages", "ref_logprobs", "distill_token_ids", "distill_logprobs", "images")
 """Group fields an environment may set that ScoredGroup does not carry."""
 
@@ -39,16 +41,15 @@ UNCARRIED_FIELDS = ("advantages", "ref_logprobs", "distill_token_ids", "distill_
 class AtroposConfig:
     """Where the trajectory API runs, what the trainer registers there, and how it polls."""
 
-    atropos_url: str = "http://localhost:8000"
-    """Base URL of Atropos's trajectory API (started with `run-api --port 8000`)."""
-    atropos_batch_size: int = 32
-    """Sequences (not groups) per batch: the API hands out whole groups adding up to this."""
+    atropos_url: str | None = None
+    """Base URL of Atropos's trajectory API (`run-api --port 8000`: http://localhost:8000). Set,
+    the run trains on the scored groups Atropos environments post there instead of sampling
+    prompts itself."""
+    atropos_batch_size: int | None = None
+    """Sequences (not groups) per batch: the API hands out whole groups adding up to this; unset:
+    the run's per_device_train_batch_size x gradient_accumulation_steps."""
     atropos_max_token_len: int = 2048
     """Longest sequence, prompt included; environments drop groups with a sequence this long."""
-    atropos_num_steps: int = 1000
-    """Training steps the run takes; environments stop producing past it."""
-    atropos_starting_step: int = 0
-    """Step the run starts from (above 0: environments reload their checkpoints)."""
     atropos_checkpoint_dir: str = ""
     """Directory environments save their checkpoints under; empty: none."""
     atropos_save_checkpoint_interval: int = 0
@@ -62,35 +63,38 @@ class AtroposConfig:
     atropos_timeout: float = 30.0
     """Seconds one HTTP request to the API may take."""
     atropos_max_wait_seconds: float | None = None
-    """Seconds `next_batch` waits for a batch before raising TimeoutError; unset: forever."""
+    """Seconds the run waits for one batch before it stops (with a checkpoint); unset: forever."""
 
     def __post_init__(self) -> None:
-        require(
-            self.atropos_url.startswith(("http://", "https://")),
-            "atropos_url",
-            "an http(s) URL",
-            self.atropos_url,
-        )
-        for name in ("atropos_batch_size", "atropos_max_token_len", "atropos_num_steps"):
-            require(getattr(self, name) >= 1, name, ">= 1", getattr(self, name))
-        for name in ("atropos_starting_step", "atropos_save_checkpoint_interval"):
-            require(getattr(self, name) >= 0, name, ">= 0", getattr(self, name))
+        url = self.atropos_url
+        require(url is None or url.startswith(("http://", "https://")), "atropos_url", "an http(s) URL", url)
+        size = self.atropos_batch_size
+        require(size is None or size >= 1, "atropos_batch_size", ">= 1 (or unset)", size)
+        require(self.atropos_max_token_len >= 1, "atropos_max_token_len", ">= 1", self.atropos_max_token_len)
+        interval = self.atropos_save_checkpoint_interval
+        require(interval >= 0, "atropos_save_checkpoint_interval", ">= 0", interval)
         for name in ("atropos_poll_seconds", "atropos_timeout"):
             require(getattr(self, name) > 0, name, "> 0 (seconds)", getattr(self, name))
         wait = self.atropos_max_wait_seconds
         require(wait is None or wait > 0, "atropos_max_wait_seconds", "> 0 (or unset)", wait)
 
-    def registration(self) -> dict[str, Any]:
-        """The body of `POST /register` (every field of atroposlib's `Registration`)."""
+    @property
+    def enabled(self) -> bool:
+        """Whether the run trains on Atropos's batches."""
+        return self.atropos_url is not None
+
+    def registration(self, num_steps: int, starting_step: int = 0) -> dict[str, Any]:
+        """The body of `POST /register` (every field of atroposlib's `Registration`) for a run of
+        `num_steps` steps starting at `starting_step` (above 0, environments reload checkpoints)."""
         return {
             "wandb_group": self.atropos_wandb_group,
             "wandb_project": self.atropos_wandb_project,
-            "batch_size": self.atropos_batch_size,
+            "batch_size": self.atropos_batch_size or 1,
             "max_token_len": self.atropos_max_token_len,
             "checkpoint_dir": self.atropos_checkpoint_dir,
             "save_checkpoint_interval": self.atropos_save_checkpoint_interval,
-            "starting_step": self.atropos_starting_step,
-            "num_steps": self.atropos_num_steps,
+            "starting_step": starting_step,
+            "num_steps": num_steps,
         }
 
 
@@ -196,12 +200,15 @@ def _counts(counts: dict[str, int]) -> str:
 class AtroposClient:
     """The trainer's side of Atropos's trajectory API: register, then pull batches of scored groups.
 
-    >>> with AtroposClient(AtroposConfig(atropos_batch_size=64)) as client:  # doctest: +SKIP
-    ...     client.register()
+    >>> config = AtroposConfig(atropos_url="http://localhost:8000", atropos_batch_size=64)
+    >>> with AtroposClient(config) as client:  # doctest: +SKIP
+    ...     client.register(num_steps=100)
     ...     groups = client.next_batch()
     """
 
     def __init__(self, config: AtroposConfig) -> None:
+        if config.atropos_url is None:
+            raise ValueError("AtroposClient needs atropos_url, the address of the trajectory API (run-api)")
         self.config = config
         self.url = config.atropos_url.rstrip("/")
         self.http = httpx.Client(base_url=self.url, timeout=config.atropos_timeout)
@@ -219,16 +226,15 @@ class AtroposClient:
     def close(self) -> None:
         self.http.close()
 
-    def register(self) -> int:
-        """Register as the trainer and return the API's id for it; warn when another trainer's
-        registration already set the batch size or length limit (the API keeps the first)."""
-        answer = self._request("POST", "/register", json=self.config.registration())
+    def register(self, num_steps: int, starting_step: int = 0) -> int:
+        """Register as the trainer of a run of `num_steps` steps resuming at `starting_step`, and
+        return the API's id for it; warn when another trainer's registration already set the
+        batch size or length limit (the API keeps the first)."""
+        registration = self.config.registration(num_steps, starting_step)
+        answer = self._request("POST", "/register", json=registration)
         self.trainer_id = int(answer["uuid"])
         info = self._request("GET", "/info")
-        wanted = {
-            "batch_size": self.config.atropos_batch_size,
-            "max_token_len": self.config.atropos_max_token_len,
-        }
+        wanted = {key: registration[key] for key in ("batch_size", "max_token_len")}
         kept = {key: info.get(key) for key in wanted}
         if kept != wanted:
             logger.warning(
@@ -265,13 +271,23 @@ class AtroposClient:
 
     def next_batch(self) -> list[ScoredGroup]:
         """Poll every atropos_poll_seconds until a batch is ready (TimeoutError past
-        atropos_max_wait_seconds)."""
+        atropos_max_wait_seconds), logging the API's status every WAIT_LOG_SECONDS of waiting."""
         limit = self.config.atropos_max_wait_seconds
-        deadline = None if limit is None else time.monotonic() + limit
+        started = time.monotonic()
+        deadline = None if limit is None else started + limit
+        next_log = started + WAIT_LOG_SECONDS
         while True:
             groups = self.poll_batch()
             if groups is not None:
                 return groups
+            if time.monotonic() > next_log:
+                logger.info(
+                    "waiting %.0f s for a batch from the Atropos API at %s (status: %s)",
+                    time.monotonic() - started,
+                    self.url,
+                    self.status(),
+                )
+                next_log += WAIT_LOG_SECONDS
             if deadline is not None and time.monotonic() + self.config.atropos_poll_seconds > deadline:
                 raise TimeoutError(
                     f"no batch from the Atropos API at {self.url} within {limit} s "

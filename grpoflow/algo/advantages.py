@@ -2,7 +2,8 @@
 
 The batch is laid out as consecutive groups of `num_generations` completions of the same prompt, so
 every statistic here is a reshape to `(num_groups, num_generations)` followed by a reduction along
-the last dimension.
+the last dimension. Groups of different sizes (an Atropos environment chooses its own) are padded
+with missing rewards to the largest and unpadded at the end.
 
 Where this departs from the GRPO paper (it follows TRL 1.16 instead):
 - The divisor is `std + 1e-4`, not `std`, and the standard deviation uses the n - 1 denominator.
@@ -14,7 +15,7 @@ Where this departs from the GRPO paper (it follows TRL 1.16 instead):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -125,14 +126,28 @@ def _resolve_scale_mode(scale_rewards: str | bool) -> ScaleFn:
     return SCALE_MODES[name]
 
 
+def _padded_groups(rewards: Tensor, sizes: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """`(batch,)` -> `(num_groups, max(sizes))` padded with NaN, and the mask of real entries."""
+    if rewards.dim() != 1 or sum(sizes) != rewards.numel() or min(sizes, default=1) < 1:
+        raise ValueError(
+            f"group sizes {list(sizes)} do not split the {rewards.numel()} rewards of shape "
+            f"{tuple(rewards.shape)} into non-empty groups"
+        )
+    width = max(sizes)
+    real = torch.arange(width, device=rewards.device) < torch.tensor(sizes, device=rewards.device)[:, None]
+    grouped = torch.full((len(sizes), width), float("nan"), dtype=rewards.dtype, device=rewards.device)
+    grouped[real] = rewards
+    return grouped, real
+
+
 def group_advantages(
-    rewards: Tensor, num_generations: int, scale_rewards: str | bool = "group"
+    rewards: Tensor, num_generations: int | Sequence[int], scale_rewards: str | bool = "group"
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Advantages relative to the group mean, optionally divided by a standard deviation.
 
     Args:
         rewards: `(batch,)`, consecutive groups of `num_generations`; NaN marks a missing reward.
-        num_generations: completions per prompt (the group size G).
+        num_generations: completions per prompt (the group size G), or each group's own size.
         scale_rewards: a key of `SCALE_MODES` ("group", "batch", "none"), or True / False as
             aliases of "group" / "none".
 
@@ -147,10 +162,13 @@ def group_advantages(
     the advantages are `0.5 / (0.7071 + 1e-4) * [1, -1, -1, 1]`.
     """
     scale = _resolve_scale_mode(scale_rewards)
-    grouped = _group(rewards, num_generations)  # (num_groups, G)
+    if isinstance(num_generations, int):
+        grouped, real = _group(rewards, num_generations), None  # (num_groups, G)
+    else:
+        grouped, real = _padded_groups(rewards, num_generations)
     group_mean, group_std = _nan_mean_std(grouped, dim=1)  # (num_groups, 1) each
-    advantages = (grouped - group_mean) / scale(grouped, group_std)
-    advantages = torch.nan_to_num(advantages, nan=0.0).reshape(-1)
+    advantages = torch.nan_to_num((grouped - group_mean) / scale(grouped, group_std), nan=0.0)
+    advantages = advantages.reshape(-1) if real is None else advantages[real]
 
     batch_mean, batch_std = _nan_mean_std(rewards, dim=0)
     group_std = group_std.squeeze(1)

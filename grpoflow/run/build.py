@@ -11,6 +11,7 @@ import random
 import numpy as np
 import torch
 
+from grpoflow.agents.atropos import AtroposClient
 from grpoflow.agents.setup import build_episode_runner, environment_rewards, load_environment_factory
 from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
 from grpoflow.engines.colocate import ColocateLayout
@@ -19,6 +20,7 @@ from grpoflow.policy.loading import load_checkpoint_weights, reference_model, re
 from grpoflow.policy.offload import OptimizerOffload
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint, infer_workers
+from grpoflow.run.atropos_batches import AtroposBatches
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext, init_distributed
 from grpoflow.run.infer_workers import RolloutServers
@@ -44,9 +46,14 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
         # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
         torch.backends.cuda.enable_cudnn_sdp(False)
+    atropos = config.atropos.enabled
     environment_factory = load_environment_factory(config.agent.environment_factory)
-    rewards = RewardRunner.from_config(  # first: a missing package stops here
-        config.rewards, device=device, extra=environment_rewards(environment_factory)
+    rewards = (
+        None
+        if atropos
+        else RewardRunner.from_config(  # first: a missing package stops here
+            config.rewards, device=device, extra=environment_rewards(environment_factory)
+        )
     )
     tokenizer = config.policy.load_tokenizer()
     runner = build_episode_runner(
@@ -58,7 +65,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         system=config.data.system,
         per_prompt_params=config.generation.engine_name == "native",
     )
-    items = config.data.load_prompts(tokenizer, seed=training.seed)
+    items = [] if atropos else config.data.load_prompts(tokenizer, seed=training.seed)
     model = config.adapter.apply(
         config.policy.build(vocab_size=len(tokenizer), seed=training.seed, device=device)
     )
@@ -94,6 +101,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         per_prompt_seeds=config.generation.engine_name == "native",
         run_id=claim.run_id,
         rollout=Episodes(runner, tokenizer) if runner is not None else None,
+        batches=atropos_batches(config, tokenizer) if atropos else None,
     )
     if workers:
         trainer.add_cleanup(workers.close)
@@ -104,11 +112,21 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         checkpoint.warn_about_changes(state.get("config", {}), config.to_flat_dict())
         trainer.load_state_dict(state)
         logger.info("resumed from %s at step %d", resume, trainer.step_count)
+    if trainer.batches is not None:
+        trainer.batches.register(trainer.total_steps, trainer.step_count)
     distributed.barrier()  # every rank has read the directory before rank 0 changes it
     if distributed.is_main:
         claim.apply()
     distributed.barrier()
     return trainer
+
+
+def atropos_batches(config: GRPOConfig, tokenizer) -> AtroposBatches:
+    """The run's source of scored groups on Atropos's trajectory API (registered once built)."""
+    settings = config.atropos
+    size = settings.atropos_batch_size or config.generation_batch_size
+    client = AtroposClient(dataclasses.replace(settings, atropos_batch_size=size))
+    return AtroposBatches(client, tokenizer)
 
 
 def seed_everything(seed: int) -> None:
@@ -124,6 +142,11 @@ def check_world(config: GRPOConfig, distributed: DistributedContext) -> None:
             rank=distributed.rank,
             world_size=distributed.world_size,
             tensor_parallel_size=config.vllm.vllm_tensor_parallel_size,
+        )
+    if config.atropos.enabled and distributed.world_size > 1:
+        raise ValueError(
+            "atropos_url needs one training process: the API hands each batch to one trainer; run "
+            "without torchrun (the environments and rollout servers may still span many GPUs)"
         )
     if config.off_policy.async_generate and config.algorithm.dynamic_sample and distributed.world_size > 1:
         raise ValueError(

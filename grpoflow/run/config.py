@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from grpoflow import options
+from grpoflow.agents.atropos import AtroposConfig
 from grpoflow.agents.config import AgentConfig
 from grpoflow.data.prompts import DataConfig
 from grpoflow.engines.base import EngineConfig, SamplingParams
@@ -219,6 +220,8 @@ class GRPOConfig:
     """Which rewards score completions, and their parameters (grpoflow.rewards)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Multi-turn episodes: tools, an environment, turn limits (grpoflow.agents)."""
+    atropos: AtroposConfig = field(default_factory=AtroposConfig)
+    """Training on the scored groups of Atropos environments (grpoflow.agents.atropos)."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """Optimisation, schedule, checkpoints."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -265,6 +268,9 @@ class GRPOConfig:
             "pass --model (a local directory or hub id), or run the embedded default with "
             "`grpoflow train` and no arguments",
         )
+        if self.atropos.enabled:
+            self._validate_atropos()
+            return
         require(
             bool(self.data.dataset),
             "dataset",
@@ -301,6 +307,42 @@ class GRPOConfig:
         )
         if self.off_policy.async_generate:
             self._validate_async()
+
+    def _validate_atropos(self) -> None:
+        """Atropos environments bring the prompts, the sampling and the scores; the run trains and
+        sends its weights to the rollout server the environments sample from."""
+        require(
+            self.generation.engine_name == "vllm_server",
+            "atropos_url",
+            "used with a rollout server (use_vllm: true, vllm_mode: server)",
+            self.atropos.atropos_url,
+            "Atropos environments sample from a server the trainer sends its weights to: start "
+            "`grpoflow serve --model M --port 9000`, point the environments at http://HOST:9000/v1 and "
+            "set use_vllm: true, vllm_mode: server, vllm_server_base_url: http://HOST:9000",
+        )
+        require(
+            self.training.max_steps > 0,
+            "max_steps",
+            "> 0 with atropos_url",
+            self.training.max_steps,
+            "an Atropos run has no dataset to count epochs over: set max_steps (registered with the API "
+            "as num_steps)",
+        )
+        clashes = {
+            "async_generate": self.off_policy.async_generate,
+            "dynamic_sample": self.algorithm.dynamic_sample,
+            "tools / environment_factory": self.agent.enabled,
+            "dataset": bool(self.data.dataset),
+            "reward_funcs / reward_model": bool(self.rewards.reward_funcs or self.rewards.reward_model),
+        }
+        for name, used in clashes.items():
+            require(
+                not used,
+                name,
+                "unset with atropos_url",
+                used,
+                "Atropos environments choose the prompts, sample and score: drop it, or drop atropos_url",
+            )
 
     def _validate_async(self) -> None:
         engine = self.generation.engine_name

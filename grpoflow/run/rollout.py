@@ -30,6 +30,41 @@ class Group:
     """Per completion of an episode: its environment instance."""
 
 
+@dataclass(slots=True)
+class ScoredGroups:
+    """Groups of completions and their rewards, (num_completions, num_rewards) with NaN missing."""
+
+    groups: list[Group]
+    rewards: torch.Tensor
+    errors: list = field(default_factory=list)
+    rounds: int = 1
+    failed_everywhere: frozenset[str] = frozenset()
+    """Reward functions that failed on every sample scored for these groups."""
+    group_sizes: list[int] | None = None
+    """Each group's number of completions when they differ; None: num_generations each."""
+    zero_advantage: torch.Tensor | None = None
+    """(num_completions,) bool: completions that train with advantage 0 whatever their reward."""
+    sampling_logprobs: bool = True
+    """Whether the completions carry their sampling log-probs (the importance-sampling
+    correction needs them)."""
+
+
+class ScoredBatches(Protocol):
+    """Where a run's scored groups come from when it does not sample and score them itself
+    (`grpoflow.run.atropos_batches`)."""
+
+    reward_names: Sequence[str]
+    """The reward columns of its batches."""
+    policy_version: int
+    """Set by the trainer before each `next`: its current step."""
+
+    def next(self) -> ScoredGroups:
+        """The next step's groups, scored."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class Rollout(Protocol):
     """Turns a step's prompt items into groups of `params.n` scored-to-be completions."""
 

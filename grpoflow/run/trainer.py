@@ -20,7 +20,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,24 +35,12 @@ from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.failures import RewardFailureStreaks, RunStopped, reward_failure_message
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.prefetch import RolloutPrefetcher
-from grpoflow.run.rollout import Group, Rollout, SingleTurn, collate, reward_inputs
+from grpoflow.run.rollout import Rollout, ScoredBatches, ScoredGroups, SingleTurn, collate, reward_inputs
 from grpoflow.run.step_metrics import batch_metrics, completion_rows, length_columns
 from grpoflow.run.sync_check import SyncCheck
 from grpoflow.run.update import UpdateSettings, update_policy
 
 logger = logging.getLogger("grpoflow")
-
-
-@dataclass(slots=True)
-class ScoredGroups:
-    """Groups of completions and their rewards, (num_groups * G, num_rewards) with NaN missing."""
-
-    groups: list[Group]
-    rewards: torch.Tensor
-    errors: list = field(default_factory=list)
-    rounds: int = 1
-    failed_everywhere: frozenset[str] = frozenset()
-    """Reward functions that failed on every sample scored for these groups."""
 
 
 class Timer:
@@ -84,7 +71,7 @@ class GRPOTrainer:
         *,
         tokenizer,
         engine: RolloutEngine,
-        rewards: RewardRunner,
+        rewards: RewardRunner | None,
         items: list[PromptItem],
         optimizer: torch.optim.Optimizer,
         scheduler,
@@ -94,17 +81,27 @@ class GRPOTrainer:
         per_prompt_seeds: bool = False,
         run_id: str | None = None,
         rollout: Rollout | None = None,
+        batches: ScoredBatches | None = None,
     ) -> None:
         """`per_prompt_seeds`: the engine takes one SamplingParams per prompt (the native engine),
         so each prompt is sampled from its own seed; otherwise one seed per call and rank.
         `placement` and `ref_placement` hold the policy and the reference model as `place_models`
         laid them out. `run_id` marks the run's checkpoints (see `grpoflow.run.output_dir`).
         `rollout`: turns prompts into groups (default: one sampled completion per member;
-        `grpoflow.run.rollout.Episodes` plays multi-turn episodes)."""
+        `grpoflow.run.rollout.Episodes` plays multi-turn episodes). `batches`: scored groups
+        from elsewhere (Atropos), taken instead of sampling `items` and scoring with `rewards`;
+        `engine` then only receives the weights."""
         self.config, self.tokenizer, self.run_id = config, tokenizer, run_id
         self.last_reward_errors: list = []
         self.rollout = rollout or SingleTurn(tokenizer)
-        self.engine, self.rewards, self.items = engine, rewards, items
+        self.engine, self.rewards, self.items, self.batches = engine, rewards, items, batches
+        if batches is not None:
+            self.reward_names = list(batches.reward_names)
+            self.reward_weights = torch.ones(len(self.reward_names))
+        elif rewards is not None:
+            self.reward_names, self.reward_weights = list(rewards.names), rewards.weights
+        else:
+            raise ValueError("GRPOTrainer needs rewards to score its rollouts, or scored batches")
         self.optimizer, self.scheduler = optimizer, scheduler
         self.placement, self.ref_placement = placement, ref_placement
         self.device = placement.device
@@ -127,7 +124,7 @@ class GRPOTrainer:
         copies_weights = not engine.shares_policy_weights
         sync = config.sync
         self.sync_check = (
-            SyncCheck(items[0].prompt_ids[-32:], tolerance=sync.weight_sync_check_tolerance)
+            SyncCheck(_probe_ids(items, tokenizer), tolerance=sync.weight_sync_check_tolerance)
             if sync.weight_sync_check and copies_weights
             else None
         )
@@ -161,9 +158,7 @@ class GRPOTrainer:
         """Run to `total_steps`, logging and checkpointing; returns each step's metrics."""
         history = []
         training = self.config.training
-        streaks = RewardFailureStreaks(
-            self.rewards.names, self.config.rewards.max_consecutive_reward_failures
-        )
+        streaks = RewardFailureStreaks(self.reward_names, self.config.rewards.max_consecutive_reward_failures)
         try:
             while self.step_count < self.total_steps:
                 metrics = self.step(metrics_logger)
@@ -173,7 +168,7 @@ class GRPOTrainer:
                         metrics_logger.log(self.step_count, metrics)
                     metrics_logger.advance(self.step_count, metrics)
                 failing = streaks.update(
-                    {name for name in self.rewards.names if metrics[f"rewards/{name}/failed_all"] == 1.0}
+                    {name for name in self.reward_names if metrics[f"rewards/{name}/failed_all"] == 1.0}
                 )
                 if failing is not None:
                     saved = self.save()
@@ -203,7 +198,10 @@ class GRPOTrainer:
             all_lengths = self.distributed.all_gather(length_columns(batch))
             if self.config.algorithm.mask_truncated_completions:
                 batch.loss_mask = overlong_mask(batch.loss_mask, batch.truncated)
-            advantages, reward_metrics = self._advantages(all_rewards)
+            advantages, reward_metrics = self._advantages(all_rewards, scored)
+            settings = self.update_settings
+            if not scored.sampling_logprobs:
+                settings = dataclasses.replace(settings, sampling_correction=None)
             with timer("update"):
                 update_metrics = update_policy(
                     self.placement,
@@ -211,7 +209,7 @@ class GRPOTrainer:
                     self.scheduler,
                     batch,
                     advantages.to(self.device),
-                    self.update_settings,
+                    settings,
                     self.ref_placement,
                     self.distributed,
                 )
@@ -234,7 +232,7 @@ class GRPOTrainer:
             {**update_metrics, **check_metrics, **self._rank_metrics(scored, batch, timer)}
         )
         metrics.update({name: float(value) for name, value in reward_metrics.items()})
-        metrics.update(batch_metrics(all_rewards, all_lengths, self.rewards.names))
+        metrics.update(batch_metrics(all_rewards, all_lengths, self.reward_names))
         metrics["num_tokens"] = float(self.num_tokens)
         metrics["learning_rate"] = self.scheduler.get_last_lr()[0]
         metrics["dynamic_sample/rounds"] = float(scored.rounds)
@@ -242,7 +240,7 @@ class GRPOTrainer:
             metrics["async/staleness"] = float(staleness)
         if self.config.log.log_completions:
             rows = self.distributed.gather_objects(
-                completion_rows(scored.groups, scored.rewards, advantages, self.rewards.names)
+                completion_rows(scored.groups, scored.rewards, advantages, self.reward_names)
             )
             if metrics_logger is not None and rows is not None:
                 metrics_logger.log_completions(self.step_count, [row for part in rows for row in part])
@@ -251,6 +249,10 @@ class GRPOTrainer:
     def _rollout(self, timer: Timer) -> tuple[ScoredGroups, int]:
         """This step's scored groups, prefetched or generated now, and their staleness: policy
         versions between the weights that sampled them and the policy they update."""
+        if self.batches is not None:
+            self.batches.policy_version = self.step_count
+            with timer("rollout_wait"):
+                return self.batches.next(), 0
         if self.prefetcher is not None and self.prefetcher.pending:
             with timer("rollout_wait"):
                 prefetched = self.prefetcher.take()
@@ -287,15 +289,20 @@ class GRPOTrainer:
     def _sampling_state(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "seed_generator": self.seed_generator.get_state()}
 
-    def _advantages(self, all_rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _advantages(
+        self, all_rewards: torch.Tensor, scored: ScoredGroups
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This rank's advantages (batch,) and the reward metrics, from the rewards of the global
-        batch (global_batch, num_rewards)."""
-        rewards = combine_rewards(all_rewards, self.rewards.weights.to(all_rewards.device))
-        advantages, metrics = group_advantages(
-            rewards, self.config.generation.num_generations, self.config.algorithm.scale_rewards
-        )
+        batch (global_batch, num_rewards); `scored` is this rank's share (groups of other sizes
+        than num_generations come from one process)."""
+        rewards = combine_rewards(all_rewards, self.reward_weights.to(all_rewards.device))
+        sizes = scored.group_sizes or self.config.generation.num_generations
+        advantages, metrics = group_advantages(rewards, sizes, self.config.algorithm.scale_rewards)
         size, rank = len(rewards) // self.distributed.world_size, self.distributed.rank
-        return advantages[rank * size : (rank + 1) * size], metrics
+        advantages = advantages[rank * size : (rank + 1) * size]
+        if scored.zero_advantage is not None:
+            advantages = advantages.masked_fill(scored.zero_advantage.to(advantages.device), 0.0)
+        return advantages, metrics
 
     def rollout_and_score(self, timer: Timer) -> ScoredGroups:
         """Generate and score; under dynamic_sample, resample prompts to replace groups whose
@@ -336,7 +343,7 @@ class GRPOTrainer:
             if not algorithm.dynamic_sample:
                 return scored
             errors.extend(scored.errors)
-            flat = combine_rewards(scored.rewards, self.rewards.weights)
+            flat = combine_rewards(scored.rewards, self.reward_weights)
             flat_mask = zero_std_groups(flat, g)
             kept.append(_subset(scored, ~flat_mask, g))
             spare.append(_subset(scored, flat_mask, g))
@@ -365,7 +372,7 @@ class GRPOTrainer:
             "rewards/num_errors": float(len(scored.errors)),
             **{
                 f"rewards/{name}/failed_all": float(name in scored.failed_everywhere)
-                for name in self.rewards.names
+                for name in self.reward_names
             },
             "tokens_per_second/rollout": batch.loss_mask.sum().item() / rollout_seconds,
         }
@@ -373,7 +380,8 @@ class GRPOTrainer:
             metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         for phase, seconds in timer.seconds.items():
             metrics[f"time/{phase}"] = seconds
-        metrics.update(self.rollout.last_metrics)
+        if self.batches is None:
+            metrics.update(self.rollout.last_metrics)
         return metrics
 
     def add_cleanup(self, function: Callable[[], None]) -> None:
@@ -382,7 +390,10 @@ class GRPOTrainer:
 
     def close(self) -> None:
         """Release what the run holds: reward workers, the rollout thread, the run's servers."""
-        self.rewards.close()
+        if self.rewards is not None:
+            self.rewards.close()
+        if self.batches is not None:
+            self.batches.close()
         if self.prefetcher is not None:
             self.prefetcher.close()
         for function in reversed(self._cleanups):
@@ -437,6 +448,13 @@ class GRPOTrainer:
             )
         self.distributed.barrier()
         return path
+
+
+def _probe_ids(items: list[PromptItem], tokenizer) -> list[int]:
+    """The prompt the weight-sync check scores: the end of the first prompt, or a fixed text."""
+    if items:
+        return items[0].prompt_ids[-32:]
+    return tokenizer("The weights of the policy and the rollout engine agree.")["input_ids"]
 
 
 def _subset(scored: ScoredGroups, keep: torch.Tensor, num_generations: int) -> ScoredGroups:

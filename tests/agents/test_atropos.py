@@ -3,64 +3,23 @@ fed by an atroposlib environment that samples from `grpoflow serve`."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("atroposlib")
 httpx = pytest.importorskip("httpx")
 
+from helpers.atropos_api import letter_environment, trajectory_api  # noqa: E402
 from helpers.atropos_env import GROUP_SIZE, LETTERS, MAX_TOKENS, PROMPT, letter_score  # noqa: E402
 
 from grpoflow.agents.atropos import AtroposClient, AtroposConfig, groups_from_batch  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer  # noqa: E402
 from grpoflow.run.infer_workers import RolloutServers, free_port  # noqa: E402
 
-ENV_SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "atropos_env.py"
 LOGGER = "grpoflow.agents.atropos"
-
-
-@contextlib.contextmanager
-def trajectory_api(log_dir: Path) -> Iterator[str]:
-    """atroposlib's `run-api` in a process of its own on a free port; yields its URL once it answers."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [str(Path(sys.executable).parent / "run-api"), "--host", "127.0.0.1", "--port", str(port)]
-    with open(log_dir / "api.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_until_answering(f"{url}/status", process, timeout=30)
-        yield url
-    finally:
-        _stop(process)
-
-
-def _wait_until_answering(url: str, process: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            httpx.get(url, timeout=2).raise_for_status()
-            return
-        except httpx.TransportError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not come up (exit code {process.poll()})") from None
-            time.sleep(0.05)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -88,21 +47,8 @@ def test_batches_from_an_atropos_environment_sampling_grpoflow_serve(tmp_path):
     tokenizer = build_char_tokenizer()
     tokenizer.save_pretrained(tmp_path / "tokenizer")
     with trajectory_api(tmp_path) as api, RolloutServers(["--model", "tiny"], [None], tmp_path) as servers:
-        command = [
-            sys.executable,
-            str(ENV_SCRIPT),
-            "serve",
-            *("--env.rollout_server_url", api, "--env.tokenizer_name", str(tmp_path / "tokenizer")),
-            *(
-                "--openai.base_url",
-                f"{servers.urls[0]}/v1",
-                "--openai.tokenizer_name",
-                str(tmp_path / "tokenizer"),
-            ),
-        ]
-        with open(tmp_path / "env.log", "w") as log:
-            environment = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
+        tokenizer_dir, log = tmp_path / "tokenizer", tmp_path / "env.log"
+        with letter_environment(api, servers.urls[0], tokenizer_dir, log):
             servers.wait_until_healthy(120)
             config = AtroposConfig(
                 atropos_url=api,
@@ -113,11 +59,9 @@ def test_batches_from_an_atropos_environment_sampling_grpoflow_serve(tmp_path):
             with AtroposClient(config) as client:
                 with pytest.raises(ValueError, match="call register"):
                     client.poll_batch()
-                client.register()
+                client.register(num_steps=10)
                 batches = [client.next_batch() for _ in range(2)]
                 assert client.status()["current_step"] >= 2
-        finally:
-            _stop(environment)
     prompts = {tuple(tokenizer(PROMPT.format(letter=letter))["input_ids"]): letter for letter in LETTERS}
     for batch in batches:
         assert sum(len(group.token_ids) for group in batch) == 2 * GROUP_SIZE
@@ -204,7 +148,7 @@ def test_rows_the_api_accepts_but_cannot_be_trained_are_skipped_in_a_batch(api, 
         "scores": [0.5, 1.0, 0.0, 0.25],
     }
     with AtroposClient(config) as client, caplog.at_level(logging.WARNING, logger=LOGGER):
-        client.register()
+        client.register(num_steps=10)
         post_group(api, uneven)
         (group,) = client.next_batch()
         post_group(api, {**uneven, "scores": [1.0, 2.0]})
@@ -223,7 +167,7 @@ def test_fields_the_client_drops_are_warned_about_once(api, caplog):
     config = fresh(api, atropos_batch_size=1, atropos_max_wait_seconds=10)
     group = {"tokens": [[1, 2]], "masks": [[-100, 2]], "scores": [1.0], "ref_logprobs": [[0.0, -1.0]]}
     with AtroposClient(config) as client, caplog.at_level(logging.WARNING, logger=LOGGER):
-        client.register()
+        client.register(num_steps=10)
         for _ in range(2):
             post_group(api, group)
             client.next_batch()
@@ -238,7 +182,7 @@ def test_fields_the_client_drops_are_warned_about_once(api, caplog):
 def test_no_api_running_names_the_url_and_run_api():
     url = f"http://127.0.0.1:{free_port()}"
     with AtroposClient(AtroposConfig(atropos_url=url)) as client, pytest.raises(ValueError) as error:
-        client.register()
+        client.register(num_steps=10)
     assert url in str(error.value) and "run-api" in str(error.value)
 
 
@@ -249,13 +193,13 @@ def test_a_stalled_api_times_out_naming_the_setting():
         url = f"http://127.0.0.1:{stalled.getsockname()[1]}"
         config = AtroposConfig(atropos_url=url, atropos_timeout=0.3)
         with AtroposClient(config) as client, pytest.raises(TimeoutError, match="atropos_timeout=0.3"):
-            client.register()
+            client.register(num_steps=10)
 
 
 def test_waiting_past_the_limit_for_a_batch_raises(api):
     config = fresh(api, atropos_batch_size=4, atropos_max_wait_seconds=0.3)
     with AtroposClient(config) as client:
-        client.register()
+        client.register(num_steps=10)
         with pytest.raises(TimeoutError, match="atropos_max_wait_seconds") as error:
             client.next_batch()
     assert "'queue_size': 0" in str(error.value)
@@ -264,10 +208,10 @@ def test_waiting_past_the_limit_for_a_batch_raises(api):
 def test_a_second_registration_warns_that_the_api_keeps_the_first(api, caplog):
     first = fresh(api, atropos_batch_size=4)
     with AtroposClient(first) as client:
-        client.register()
+        client.register(num_steps=10)
     second = AtroposConfig(atropos_url=api, atropos_batch_size=8)
     with AtroposClient(second) as client, caplog.at_level(logging.WARNING, logger=LOGGER):
-        client.register()
+        client.register(num_steps=10)
     assert "keeps an earlier registration ({'batch_size': 4" in caplog.text
     assert "reset_data" in caplog.text
 
@@ -280,7 +224,7 @@ def test_a_second_registration_warns_that_the_api_keeps_the_first(api, caplog):
         ({"atropos_poll_seconds": 0}, "atropos_poll_seconds must be > 0"),
         ({"atropos_timeout": -1}, "atropos_timeout must be > 0"),
         ({"atropos_max_wait_seconds": 0}, "atropos_max_wait_seconds must be > 0"),
-        ({"atropos_starting_step": -1}, "atropos_starting_step must be >= 0"),
+        ({"atropos_save_checkpoint_interval": -1}, "atropos_save_checkpoint_interval must be >= 0"),
     ],
 )
 def test_bad_settings_name_the_field(setting, words):

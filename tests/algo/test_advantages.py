@@ -91,3 +91,26 @@ def test_combine_rewards_skips_missing_but_keeps_all_missing_rows_missing():
     torch.testing.assert_close(combined, torch.tensor([2.0, 1.5, NAN, 0.0]), equal_nan=True)
     with pytest.raises(ValueError, match="num_funcs"):
         combine_rewards(rewards, torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_groups_of_different_sizes_match_each_group_computed_alone(scale_rewards):
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0, 0.0, float("nan"), 3.0, 1.0, 1.0])
+    sizes = [3, 4, 2]
+    advantages, metrics = group_advantages(rewards, sizes, scale_rewards)
+    assert advantages.shape == rewards.shape
+    start = 0
+    batch_std = rewards[~rewards.isnan()].std()
+    for size in sizes:
+        part = rewards[start : start + size]
+        valid = part[~part.isnan()]
+        divisor = {"group": valid.std() + 1e-4, "batch": batch_std + 1e-4, "none": 1.0}[scale_rewards]
+        expected = torch.nan_to_num((part - valid.mean()) / divisor, nan=0.0)
+        torch.testing.assert_close(advantages[start : start + size], expected)
+        start += size
+    assert metrics["frac_reward_zero_std"] == pytest.approx(1 / 3)
+
+
+def test_group_sizes_must_cover_the_rewards():
+    with pytest.raises(ValueError, match="do not split the 4 rewards"):
+        group_advantages(torch.zeros(4), [2, 3])
