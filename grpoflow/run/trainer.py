@@ -252,7 +252,14 @@ class GRPOTrainer:
         if self.batches is not None:
             self.batches.policy_version = self.step_count
             with timer("rollout_wait"):
-                return self.batches.next(), 0
+                try:
+                    return self.batches.next(), 0
+                except TimeoutError as error:
+                    saved = self.save() if self.step_count else "none (no step was taken)"
+                    raise RunStopped(
+                        f"stopped before step {self.step_count + 1}: {error}. Checkpoint: {saved}; "
+                        "resume with --resume_from_checkpoint latest"
+                    ) from None
         if self.prefetcher is not None and self.prefetcher.pending:
             with timer("rollout_wait"):
                 prefetched = self.prefetcher.take()

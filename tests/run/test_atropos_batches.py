@@ -160,3 +160,36 @@ def test_grpoflow_train_trains_on_an_atropos_environment_sampling_grpoflow_serve
         letter = prompts[row["prompt"]]
         assert row["rewards"]["atropos"] == pytest.approx(letter_score(row["completion"], letter))
     assert (output / f"checkpoint-{steps}").is_dir()
+
+
+@pytest.mark.slow
+def test_a_run_whose_environments_post_nothing_stops_naming_the_setting(api, tmp_path):
+    from grpoflow.run.build import build_trainer
+    from grpoflow.run.failures import RunStopped
+
+    httpx.get(f"{api}/reset_data", timeout=10).raise_for_status()
+    with RolloutServers(["--model", "tiny"], [None], tmp_path) as servers:
+        servers.wait_until_healthy(120)
+        config = GRPOConfig.from_flat_dict(
+            {
+                "model": "tiny",
+                "atropos_url": api,
+                "atropos_max_wait_seconds": 0.5,
+                "atropos_poll_seconds": 0.1,
+                "max_steps": 2,
+                "use_vllm": True,
+                "vllm_mode": "server",
+                "vllm_server_base_url": servers.urls[0],
+                "output_dir": str(tmp_path / "run"),
+                "report_to": ["none"],
+            }
+        )
+        trainer = build_trainer(config)
+        try:
+            with pytest.raises(RunStopped) as stopped:
+                trainer.train()
+        finally:
+            trainer.close()
+    assert "no batch from the Atropos API" in str(stopped.value)
+    assert "atropos_max_wait_seconds" in str(stopped.value)
+    assert "--resume_from_checkpoint latest" in str(stopped.value)
