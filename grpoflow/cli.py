@@ -1,4 +1,5 @@
-"""`grpoflow train`, `grpoflow export`, `grpoflow serve` (and the commands that grow beside them)."""
+"""`grpoflow train`, `grpoflow eval`, `grpoflow export`, `grpoflow serve` (and the commands that grow
+beside them)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ TRAIN_HELP = (
     "Run GRPO. With no arguments, the embedded default (tiny model, echo task, CPU). With NPROC_PER_NODE "
     "set (and NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT for several nodes), runs itself under "
     "torchrun: data-parallel over that many processes per node."
+)
+EVAL_HELP = (
+    "Evaluate a model or a run's checkpoint (--model DIR) on eval_dataset (or dataset) in eval_split: "
+    "num_generations_eval samples per prompt with the run's engine, rewards and agent options; prints "
+    "pass@k, maj@k, avg@n, each reward's mean, lengths and tokens/s, and writes eval_results.json and "
+    "eval_completions.jsonl into --output_dir (default outputs/eval). Takes train's options."
 )
 SERVE_HELP = (
     "Serve a model for rollouts over vLLM's HTTP protocol (/v1/completions, /v1/chat/completions, "
@@ -150,6 +157,33 @@ def train(argv: list[str]) -> int:
     return 0
 
 
+def evaluate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="grpoflow eval",
+        description=EVAL_HELP,
+        epilog="Options (YAML keys or --key value): see grpoflow train --help",
+    )
+    parser.add_argument("--config", help="a YAML recipe, or the name of a packaged recipe")
+    known, rest = parser.parse_known_args(argv)
+    from grpoflow.run.evaluate_model import RESULTS_FILE, evaluate_model, results_table
+
+    recipe, overrides = None, {}
+    try:
+        overrides = options.parse_overrides(rest)
+        recipe = resolve_recipe(known.config, overrides)
+        if "eval_dataset" in overrides and "dataset" not in overrides:
+            overrides["dataset"] = overrides["eval_dataset"]
+        overrides.setdefault("output_dir", "outputs/eval")
+        config = load_config(recipe, overrides)
+        metrics = evaluate_model(config)
+    except ValueError as error:
+        print(f"grpoflow eval: {error}{recipe_note(str(error), recipe, overrides)}", file=sys.stderr)
+        return 2
+    print(results_table(metrics))
+    print(f"results in {Path(config.training.output_dir) / RESULTS_FILE}")
+    return 0
+
+
 def export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="grpoflow export",
@@ -205,9 +239,10 @@ def serve(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "export": export, "serve": serve}
+COMMANDS = {"train": train, "eval": evaluate, "export": export, "serve": serve}
 USAGE = (
     "usage: grpoflow {train} [options]   (grpoflow train --help)\n"
+    "       grpoflow {eval} --model MODEL_OR_CHECKPOINT --eval_dataset DATA --reward_funcs ... [options]\n"
     "       grpoflow {export} --checkpoint DIR --output OUT [--base MODEL]\n"
     "       grpoflow {serve} --model MODEL [--engine native|hf|vllm] [--port 8000] ...   (grpoflow serve --help)"
 )

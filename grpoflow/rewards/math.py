@@ -58,6 +58,15 @@ def is_correct(completion: str, solution: Any) -> bool | None:
     return bool(verify(gold, answer, timeout_seconds=timeout))
 
 
+def final_answer(completion: str) -> str | None:
+    """The completion's answer as math_verify reads it, normalised (so `0.5` and `0.50` agree), or
+    None when it states none: what majority voting (maj@k) compares."""
+    parse, _, extraction = _math_verify()
+    timeout = PARSE_TIMEOUT_SECONDS if threading.current_thread() is threading.main_thread() else None
+    parsed = parse(answer_text(completion), extraction_config=extraction, parsing_timeout=timeout)
+    return str(parsed[0]) if parsed else None
+
+
 def gold_column(columns: dict[str, Any], batch_size: int) -> Sequence[Any]:
     """The `solution` column, else the `answer` column, checked to be as long as the batch."""
     for name in ("solution", "answer"):
@@ -83,6 +92,11 @@ class AccuracyReward:
     def __init__(self, config: RewardConfig | None = None) -> None:
         require_math_verify("accuracy")
         self.config = config if config is not None else RewardConfig()
+
+    @staticmethod
+    def extract_answer(completion: Any) -> str | None:
+        """The answer a completion states (text or messages), for majority voting."""
+        return final_answer(content_text(completion))
 
     def __call__(self, completions: list, **kwargs: Any) -> list[float | None]:
         solutions = gold_column(kwargs, len(completions))

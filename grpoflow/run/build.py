@@ -23,6 +23,7 @@ from grpoflow.run import checkpoint, infer_workers
 from grpoflow.run.atropos_batches import AtroposBatches
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext, init_distributed
+from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.output_dir import claim_output_dir
@@ -112,6 +113,8 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         checkpoint.warn_about_changes(state.get("config", {}), config.to_flat_dict())
         trainer.load_state_dict(state)
         logger.info("resumed from %s at step %d", resume, trainer.step_count)
+    if config.eval.during_training:
+        trainer.evaluator = build_evaluator(config, trainer, tokenizer)
     if trainer.batches is not None:
         trainer.batches.register(trainer.total_steps, trainer.step_count)
     distributed.barrier()  # every rank has read the directory before rank 0 changes it
@@ -119,6 +122,25 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         claim.apply()
     distributed.barrier()
     return trainer
+
+
+def build_evaluator(config: GRPOConfig, trainer: GRPOTrainer, tokenizer) -> Evaluator:
+    """The evaluator of the eval section, sampling like the trainer through its rollout."""
+    data = dataclasses.replace(
+        config.data, dataset=config.eval.eval_dataset, dataset_split=config.eval.eval_split
+    )
+    items = data.load_prompts(tokenizer, seed=config.training.seed)
+    logger.info("evaluating on %d prompts of %s", len(items), ", ".join(config.eval.eval_dataset))
+    return Evaluator(
+        config.eval,
+        items,
+        rollout=trainer.rollout,
+        rewards=trainer.rewards,
+        sampling=trainer.sampling,
+        distributed=trainer.distributed,
+        per_prompt_seeds=trainer.per_prompt_seeds,
+        batch_size=config.generation_batch_size,
+    )
 
 
 def atropos_batches(config: GRPOConfig, tokenizer) -> AtroposBatches:

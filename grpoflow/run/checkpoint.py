@@ -33,6 +33,8 @@ logger = logging.getLogger("grpoflow.run.checkpoint")
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.pt"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+BEST = "checkpoint-best"
+"""The copy of the checkpoint with the best metric_for_best_model, beside the rotating ones."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -115,6 +117,24 @@ def save_checkpoint(
         for old in others[: max(0, len(others) - save_total_limit + 1)]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def keep_as_best(checkpoint: str | Path, output_dir: str | Path) -> Path:
+    """Copy the complete `checkpoint` to `output_dir/checkpoint-best`, replacing the previous best
+    by renames only (a crash leaves one or the other whole, plus a temporary directory)."""
+    output_dir = Path(output_dir)
+    staging = output_dir / f".tmp-{BEST}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(checkpoint, staging)
+    _fsync_tree(staging)
+    best = output_dir / BEST
+    previous = output_dir / f".tmp-{BEST}-previous-{os.getpid()}"
+    if best.exists():
+        os.replace(best, previous)
+    os.replace(staging, best)
+    _fsync_dir(output_dir)
+    shutil.rmtree(previous, ignore_errors=True)
+    return best
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:

@@ -33,6 +33,7 @@ from grpoflow.policy.lora import AdapterConfig
 from grpoflow.policy.placement import PlacementConfig
 from grpoflow.policy.tiny import DEFAULT_SEED
 from grpoflow.rewards.params import RewardConfig
+from grpoflow.run.evaluation import EvalConfig
 from grpoflow.run.metrics import LogConfig
 from grpoflow.run.update import AlgorithmConfig, ImportanceCorrection
 
@@ -232,6 +233,8 @@ class GRPOConfig:
     """Asynchronous generation and the importance-sampling correction."""
     log: LogConfig = field(default_factory=LogConfig)
     """What gets logged where (grpoflow.run.metrics)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation on held-out prompts and the best checkpoint (grpoflow.run.evaluation)."""
 
     def __post_init__(self) -> None:
         # The rewards read the completion budget the generation section owns.
@@ -307,6 +310,18 @@ class GRPOConfig:
         )
         if self.off_policy.async_generate:
             self._validate_async()
+        require(
+            self.eval.metric_for_best_model is None or self.eval.during_training,
+            "metric_for_best_model",
+            "unset unless the run evaluates",
+            self.eval.metric_for_best_model,
+            "set eval_dataset and eval_strategy: steps (the best checkpoint is chosen at each evaluation)",
+        )
+        if self.eval.eval_dataset and not self.eval.during_training:
+            logger.warning(
+                "eval_dataset is set but eval_strategy is 'no' and eval_on_start false: the run will not "
+                "evaluate (set eval_strategy: steps, or use `grpoflow eval`)"
+            )
 
     def _validate_atropos(self) -> None:
         """Atropos environments bring the prompts, the sampling and the scores; the run trains and
@@ -334,6 +349,7 @@ class GRPOConfig:
             "tools / environment_factory": self.agent.enabled,
             "dataset": bool(self.data.dataset),
             "reward_funcs / reward_model": bool(self.rewards.reward_funcs or self.rewards.reward_model),
+            "eval_dataset": bool(self.eval.eval_dataset),
         }
         for name, used in clashes.items():
             require(

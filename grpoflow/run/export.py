@@ -42,20 +42,22 @@ def export_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *, bas
                 shutil.copy2(path, output / path.name)
         return output
     tokenizer = load_tokenizer(str(directory))
-    model = _export_base(directory, base, vocab_size=len(tokenizer))
+    model = adapter_base(directory, base, vocab_size=len(tokenizer))
     lora.merge_adapter_checkpoint(model, directory).save_pretrained(output)
     tokenizer.save_pretrained(output)
     return output
 
 
-def _export_base(directory: Path, base: str | None, *, vocab_size: int) -> torch.nn.Module:
-    """The base model of an adapter checkpoint, on the CPU, as its run loaded it."""
+def adapter_base(
+    directory: Path, base: str | None, *, vocab_size: int, device: torch.device | None = None
+) -> torch.nn.Module:
+    """The base model of an adapter checkpoint, on `device` (the CPU), as its run loaded it."""
     run_config = checkpoint.load_trainer_state(directory).get("config", {})
     source = base or run_config.get("model")
     if not source:
         raise ValueError(f"{directory} names no base model in its saved config: pass --base MODEL")
     dtype_name = run_config.get("torch_dtype", "auto")
-    cpu = torch.device("cpu")
+    cpu = device or torch.device("cpu")
     return load_model(
         source,
         PolicyConfig(model=source, trust_remote_code=run_config.get("trust_remote_code", False)),

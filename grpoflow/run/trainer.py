@@ -32,6 +32,7 @@ from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext
+from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.failures import RewardFailureStreaks, RunStopped, reward_failure_message
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.prefetch import RolloutPrefetcher
@@ -82,6 +83,7 @@ class GRPOTrainer:
         run_id: str | None = None,
         rollout: Rollout | None = None,
         batches: ScoredBatches | None = None,
+        evaluator: Evaluator | None = None,
     ) -> None:
         """`per_prompt_seeds`: the engine takes one SamplingParams per prompt (the native engine),
         so each prompt is sampled from its own seed; otherwise one seed per call and rank.
@@ -90,11 +92,15 @@ class GRPOTrainer:
         `rollout`: turns prompts into groups (default: one sampled completion per member;
         `grpoflow.run.rollout.Episodes` plays multi-turn episodes). `batches`: scored groups
         from elsewhere (Atropos), taken instead of sampling `items` and scoring with `rewards`;
-        `engine` then only receives the weights."""
+        `engine` then only receives the weights. `evaluator`: evaluates on held-out prompts as
+        the eval section says."""
         self.config, self.tokenizer, self.run_id = config, tokenizer, run_id
         self.last_reward_errors: list = []
         self.rollout = rollout or SingleTurn(tokenizer)
         self.engine, self.rewards, self.items, self.batches = engine, rewards, items, batches
+        self.evaluator = evaluator
+        self.best_metric: float | None = None
+        """The best metric_for_best_model so far (its checkpoint is checkpoint-best)."""
         if batches is not None:
             self.reward_names = list(batches.reward_names)
             self.reward_weights = torch.ones(len(self.reward_names))
@@ -159,12 +165,20 @@ class GRPOTrainer:
         history = []
         training = self.config.training
         streaks = RewardFailureStreaks(self.reward_names, self.config.rewards.max_consecutive_reward_failures)
+        evaluation = self.config.eval
         try:
+            if self.evaluator is not None and evaluation.eval_on_start and self.step_count == 0:
+                start_metrics = self.evaluate()
+                if metrics_logger is not None:
+                    metrics_logger.log(0, start_metrics)
             while self.step_count < self.total_steps:
                 metrics = self.step(metrics_logger)
+                evaluated = self._evaluation_due()
+                if evaluated:
+                    metrics.update(self.evaluate())
                 history.append(metrics)
                 if metrics_logger is not None:
-                    if self.step_count % self.config.log.logging_steps == 0:
+                    if self.step_count % self.config.log.logging_steps == 0 or evaluated:
                         metrics_logger.log(self.step_count, metrics)
                     metrics_logger.advance(self.step_count, metrics)
                 failing = streaks.update(
@@ -177,12 +191,56 @@ class GRPOTrainer:
                             failing, streaks.limit, self.step_count, saved, self.last_reward_errors
                         )
                     )
+                saved = None
                 if self.step_count % training.save_steps == 0 or self.step_count == self.total_steps:
-                    self.save()
+                    saved = self.save()
+                if evaluated and evaluation.metric_for_best_model is not None:
+                    self._keep_if_best(metrics, saved)
         finally:
             if self.prefetcher is not None:
                 self.prefetcher.close()
         return history
+
+    def evaluate(self) -> dict[str, float]:
+        """Evaluate the current policy on the eval prompts (`eval/...` metrics, global)."""
+        if self.evaluator is None:
+            raise ValueError("this run has no eval_dataset to evaluate on")
+        if self.prefetcher is not None:
+            self.prefetcher.wait()  # the engine is free once the batch generated ahead is done
+        self.engine.wake_up()
+        with self.placement.rollout_context(self.engine):
+            result = self.evaluator(self.engine)
+        self.engine.sleep()
+        return result.metrics
+
+    def _evaluation_due(self) -> bool:
+        evaluation = self.config.eval
+        if self.evaluator is None or evaluation.eval_strategy == "no":
+            return False
+        every = evaluation.eval_steps or self.config.log.logging_steps
+        return self.step_count % every == 0 or self.step_count == self.total_steps
+
+    def _keep_if_best(self, metrics: dict[str, float], saved: Path | None) -> None:
+        """Copy this step's checkpoint (saving one if the step saved none) to checkpoint-best when
+        its metric_for_best_model beats the best so far."""
+        evaluation = self.config.eval
+        name = evaluation.metric_for_best_model
+        if name not in metrics:
+            known = ", ".join(sorted(key for key in metrics if key.startswith("eval/")))
+            raise ValueError(f"metric_for_best_model={name!r} is not an eval metric; this run logs: {known}")
+        if not evaluation.improves(metrics[name], self.best_metric):
+            return
+        self.best_metric = metrics[name]
+        saved = saved or self.save()
+        if self.distributed.is_main:
+            checkpoint.keep_as_best(saved, self.config.training.output_dir)
+            logger.info(
+                "step %d: %s = %.4f is the best so far (checkpoint-best)",
+                self.step_count,
+                name,
+                metrics[name],
+            )
+        self.distributed.barrier()
 
     def step(self, metrics_logger: MetricsLogger | None = None) -> dict[str, float]:
         """One generation batch: roll out, score, compute advantages, update, sync."""
@@ -418,10 +476,12 @@ class GRPOTrainer:
             **sampling,
             "rng": checkpoint.rng_state(),
             "config": self.config.to_flat_dict(),
+            "best_metric": self.best_metric,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.step_count, self.num_tokens = state["step"], state["num_tokens"]
+        self.best_metric = state.get("best_metric")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
