@@ -2,7 +2,7 @@
 
 from grpoflow.algo.advantages import SCALE_MODES, combine_rewards, group_advantages, group_reward_std
 from grpoflow.algo.filters import overlong_mask, select_groups, zero_std_groups
-from grpoflow.algo.importance import SAMPLING_CORRECTION_MODES, sampling_correction
+from grpoflow.algo.importance import SAMPLING_CORRECTION_MODES, sampling_correction, sampling_logp_gap
 from grpoflow.algo.kl import k3_kl
 from grpoflow.algo.logprobs import (
     position_ids_from_mask,
@@ -31,6 +31,7 @@ __all__ = [
     "policy_loss",
     "position_ids_from_mask",
     "sampling_correction",
+    "sampling_logp_gap",
     "select_groups",
     "selective_log_softmax",
     "sequence_logprobs",

@@ -63,15 +63,29 @@ def sampling_correction(
         else:
             weights = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
         counted = weights.flatten() if sequence_level else weights[mask.bool()]
-        gaps = gap[valid].abs()
         metrics = {
             "sampling/importance_sampling_ratio/min": _reduce(counted, torch.amin),
             "sampling/importance_sampling_ratio/mean": _reduce(counted, torch.mean),
             "sampling/importance_sampling_ratio/max": _reduce(counted, torch.amax),
-            "sampling/sampling_logp_difference/mean": _reduce(gaps, torch.mean),
-            "sampling/sampling_logp_difference/max": _reduce(gaps, torch.amax),
+            **_gap_metrics(gap[valid].abs()),
         }
     return weights, metrics
+
+
+def sampling_logp_gap(trainer_logps: Tensor, sampling_logps: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """How far the engine's log-probs of the sampled tokens are from the trainer's, uncorrected:
+    `sampling/sampling_logp_difference/{mean,max}` of |trainer - sampler| over the tokens of
+    `mask` where the engine gave a log-prob (not NaN)."""
+    with torch.no_grad():
+        valid = mask.bool() & ~sampling_logps.isnan()
+        return _gap_metrics((trainer_logps.float() - sampling_logps.float())[valid].abs())
+
+
+def _gap_metrics(gaps: Tensor) -> dict[str, Tensor]:
+    return {
+        "sampling/sampling_logp_difference/mean": _reduce(gaps, torch.mean),
+        "sampling/sampling_logp_difference/max": _reduce(gaps, torch.amax),
+    }
 
 
 def _reduce(values: Tensor, reduce) -> Tensor:

@@ -142,7 +142,7 @@ class GRPOTrainer:
             max_completion_length=config.generation.max_completion_length,
             max_grad_norm=config.training.max_grad_norm,
             sampling_correction=correction
-            if correction.vllm_importance_sampling_correction and copies_weights
+            if _corrects(correction.vllm_importance_sampling_correction, copies_weights)
             else None,
         )
         self._cleanups: list[Callable[[], None]] = []
@@ -259,7 +259,7 @@ class GRPOTrainer:
             advantages, reward_metrics = self._advantages(all_rewards, scored)
             settings = self.update_settings
             if not scored.sampling_logprobs:
-                settings = dataclasses.replace(settings, sampling_correction=None)
+                settings = dataclasses.replace(settings, sampling_correction=None, sampling_logprobs=False)
             with timer("update"):
                 update_metrics = update_policy(
                     self.placement,
@@ -515,6 +515,11 @@ class GRPOTrainer:
             )
         self.distributed.barrier()
         return path
+
+
+def _corrects(setting: bool | None, copies_weights: bool) -> bool:
+    """Whether the importance-sampling correction applies: as set, else for engines with a copy."""
+    return copies_weights if setting is None else setting
 
 
 def _probe_ids(items: list[PromptItem], tokenizer) -> list[int]:

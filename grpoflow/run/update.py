@@ -17,7 +17,13 @@ from typing import Literal
 
 import torch
 
-from grpoflow.algo import micro_batch_scale, policy_loss, sampling_correction, sequence_logprobs
+from grpoflow.algo import (
+    micro_batch_scale,
+    policy_loss,
+    sampling_correction,
+    sampling_logp_gap,
+    sequence_logprobs,
+)
 from grpoflow.options import require
 from grpoflow.policy.placement import Placement, clip_gradients
 from grpoflow.run.distributed import DistributedContext
@@ -69,9 +75,10 @@ class ImportanceCorrection:
     """The importance-sampling correction of rollouts that the trainer's policy did not sample
     itself (TRL's names): the loss is weighted by pi_trainer / pi_sampler (`algo.sampling_correction`)."""
 
-    vllm_importance_sampling_correction: bool = True
-    """Reweight the loss by pi_trainer / pi_sampler on engines that hold their own weights
-    (vllm, vllm_server) and under async_generate."""
+    vllm_importance_sampling_correction: bool | None = None
+    """Reweight the loss by pi_trainer / pi_sampler; unset: on for engines that hold their own
+    weights (vllm, vllm_server, async_generate), off for those that read the policy's (native,
+    hf), whose kernels still round differently from the training forward (the gap is logged)."""
     vllm_importance_sampling_mode: Literal[
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
     ] = "sequence_mask"
@@ -102,6 +109,8 @@ class UpdateSettings:
     max_grad_norm: float
     sampling_correction: ImportanceCorrection | None = None
     """Importance-sampling correction against the engine's log-probs; None trusts them."""
+    sampling_logprobs: bool = True
+    """The batch carries the engine's log-probs (their gap to the trainer's is logged)."""
 
 
 def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
@@ -183,15 +192,19 @@ def update_policy(
     counts: dict[str, int] = defaultdict(int)
     is_weights: list[torch.Tensor | None] = [None] * len(parts)
     model.train()
-    for _ in range(algorithm.num_iterations):
+    for iteration in range(algorithm.num_iterations):
+        first_pass = iteration == 0
         for index, part in enumerate(parts):
             logps, entropy = batch_logprobs(placement, part, settings, entropy=True)
             correction_metrics = {}
+            before_update = old[index] if old is not None else logps.detach()
             if settings.sampling_correction is not None and is_weights[index] is None:
                 # Before the first optimizer step the policy's own log-probs are the old ones.
                 is_weights[index], correction_metrics = _correction_weights(
-                    old[index] if old is not None else logps.detach(), part, settings.sampling_correction
+                    before_update, part, settings.sampling_correction
                 )
+            elif settings.sampling_correction is None and settings.sampling_logprobs and first_pass:
+                correction_metrics = sampling_logp_gap(before_update, part.sampling_logps, part.loss_mask)
             loss, metrics = policy_loss(
                 logps,
                 old[index] if old is not None else None,

@@ -198,3 +198,13 @@ def test_reward_model_and_plugin_rewards_are_weighted_into_the_run(tmp_path):
         step["rewards/echo/mean"] + 0.5 * step["rewards/short/mean"] + 0.1 * step["rewards/reward_model/mean"]
     )
     assert step["reward"] == pytest.approx(weighted, abs=1e-5)
+
+
+def test_the_native_engines_logprob_gap_is_logged_and_its_correction_can_be_turned_on(tmp_path):
+    plain = run(recipe(tmp_path / "plain", max_steps=2))
+    for step in plain:
+        assert 0 <= step["sampling/sampling_logp_difference/mean"] < 1e-3  # the CPU's float32 ops
+        assert "sampling/importance_sampling_ratio/mean" not in step
+    corrected = run(recipe(tmp_path / "corrected", max_steps=2, vllm_importance_sampling_correction=True))
+    for step in corrected:
+        assert step["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-2)
