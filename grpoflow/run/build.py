@@ -115,6 +115,11 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         logger.info("resumed from %s at step %d", resume, trainer.step_count)
     if config.eval.during_training:
         trainer.evaluator = build_evaluator(config, trainer, tokenizer)
+    elif config.eval.eval_dataset:
+        logger.warning(
+            "eval_dataset is set but eval_strategy is 'no' and eval_on_start false: the run will not "
+            "evaluate (set eval_strategy: steps, or use `grpoflow eval`)"
+        )
     if trainer.batches is not None:
         trainer.batches.register(trainer.total_steps, trainer.step_count)
     distributed.barrier()  # every rank has read the directory before rank 0 changes it

@@ -317,11 +317,6 @@ class GRPOConfig:
             self.eval.metric_for_best_model,
             "set eval_dataset and eval_strategy: steps (the best checkpoint is chosen at each evaluation)",
         )
-        if self.eval.eval_dataset and not self.eval.during_training:
-            logger.warning(
-                "eval_dataset is set but eval_strategy is 'no' and eval_on_start false: the run will not "
-                "evaluate (set eval_strategy: steps, or use `grpoflow eval`)"
-            )
 
     def _validate_atropos(self) -> None:
         """Atropos environments bring the prompts, the sampling and the scores; the run trains and
