@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
 import tempfile
@@ -48,10 +49,19 @@ def eval_config(args: argparse.Namespace, engine: str, output: Path, prompts: in
     )
 
 
+def release() -> None:
+    """Free what the last measurement left on the GPU (its model and engine)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def measure_eval(args: argparse.Namespace, engine: str, output: Path, prompts: int) -> dict:
     config = eval_config(args, engine, output, prompts)
     evaluate_model(config)  # warm-up (CUDA graphs, kernels, allocator)
+    release()
     metrics = evaluate_model(config)
+    release()
     return {
         "engine": engine,
         "prompts": int(metrics["eval/num_prompts"]),

@@ -84,6 +84,7 @@ def evaluate_model(config: GRPOConfig) -> dict[str, float]:
     with rewards, torch.no_grad():
         engine.wake_up()
         result = evaluator(engine)
+        engine.sleep()  # frees the KV cache now rather than when the engine is collected
     close = getattr(engine, "close", None)
     if close is not None:
         close()
