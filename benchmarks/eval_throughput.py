@@ -80,7 +80,8 @@ def measure_gap(args: argparse.Namespace, output: Path) -> dict:
             "dataset": ["echo"],
             "reward_funcs": ["echo"],
             "num_generations": 8,
-            "per_device_train_batch_size": 8 * args.prompts,
+            "per_device_train_batch_size": 32,
+            "gradient_accumulation_steps": max(1, 8 * args.prompts // 32),
             "max_completion_length": args.max_tokens,
             "max_prompt_length": 16,
             "max_steps": args.gap_steps,
@@ -102,7 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="the tiny model on the CPU")
     parser.add_argument("--prompts", type=int, default=64, help="eval prompts for the native engine")
-    parser.add_argument("--hf-prompts", type=int, default=16, help="eval prompts for transformers")
+    parser.add_argument("--hf-prompts", type=int, default=8, help="eval prompts for transformers")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--gap-steps", type=int, default=3)
