@@ -36,7 +36,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("components", ("data", "policy"), "prompts of named tasks; the policy being trained"),
     ("agents", ("agents",), "episodes of several turns: tools, environments, their token ids"),
     ("assemblies", ("run", "server"), "one training run; `grpoflow serve`"),
-    ("cli", ("cli", "__main__"), "the command line, over every assembly (and `python -m grpoflow`)"),
+    ("cli", ("cli",), "the command line, over every assembly"),
+    ("entry", ("__main__",), "`python -m grpoflow`: the command line"),
 )
 """Layers from the bottom up (name, parts, reason): each part of the package (its first name under
 grpoflow, or the package itself) imports only itself and parts of lower layers, never another part
