@@ -12,6 +12,7 @@ from grpoflow.engines.base import (
     EngineConfig,
     EngineOptions,
     EngineStats,
+    NonFiniteLogits,
     RolloutEngine,
     SamplingParams,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "EngineConfig",
     "EngineOptions",
     "EngineStats",
+    "NonFiniteLogits",
     "RolloutEngine",
     "SamplingParams",
     "build_engine",

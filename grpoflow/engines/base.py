@@ -109,6 +109,10 @@ class Completion:
         return self.mask if self.mask is not None else [1] * len(self.token_ids)
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model's logits held NaN or infinity while sampling: its weights have diverged."""
+
+
 @dataclass(slots=True)
 class EngineStats:
     """What the last `generate` call did, for logging."""

@@ -34,6 +34,7 @@ from grpoflow.policy.placement import PlacementConfig
 from grpoflow.policy.tiny import DEFAULT_SEED
 from grpoflow.rewards.params import RewardConfig
 from grpoflow.run.evaluation import EvalConfig
+from grpoflow.run.health import HealthConfig
 from grpoflow.run.metrics import LogConfig
 from grpoflow.run.update import AlgorithmConfig, ImportanceCorrection
 
@@ -235,6 +236,8 @@ class GRPOConfig:
     """What gets logged where (grpoflow.run.metrics)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation on held-out prompts and the best checkpoint (grpoflow.run.evaluation)."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """Checks on each step's metrics that warn or stop the run (grpoflow.run.health)."""
 
     def __post_init__(self) -> None:
         # The rewards read the completion budget the generation section owns.

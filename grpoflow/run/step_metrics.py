@@ -38,6 +38,7 @@ def batch_metrics(
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
         "completions/clipped_ratio": truncated.float().mean().item(),
+        "rewards/failed_fraction": all_rewards.isnan().all(dim=1).float().mean().item(),
         "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
     }
     for index, name in enumerate(names):

@@ -26,7 +26,7 @@ import torch
 
 from grpoflow.algo import combine_rewards, group_advantages, overlong_mask, select_groups, zero_std_groups
 from grpoflow.data.prompts import PromptItem, PromptSampler
-from grpoflow.engines import RolloutEngine, SamplingParams
+from grpoflow.engines import NonFiniteLogits, RolloutEngine, SamplingParams
 from grpoflow.policy.placement import Placement
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
@@ -34,6 +34,7 @@ from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.failures import RewardFailureStreaks, RunStopped, reward_failure_message
+from grpoflow.run.health import Finding, HealthMonitor
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.prefetch import RolloutPrefetcher
 from grpoflow.run.rollout import Rollout, ScoredBatches, ScoredGroups, SingleTurn, collate, reward_inputs
@@ -99,6 +100,7 @@ class GRPOTrainer:
         self.rollout = rollout or SingleTurn(tokenizer)
         self.engine, self.rewards, self.items, self.batches = engine, rewards, items, batches
         self.evaluator = evaluator
+        self.health = HealthMonitor(config.health)
         self.best_metric: float | None = None
         """The best metric_for_best_model so far (its checkpoint is checkpoint-best)."""
         if batches is not None:
@@ -172,7 +174,13 @@ class GRPOTrainer:
                 if metrics_logger is not None:
                     metrics_logger.log(0, start_metrics)
             while self.step_count < self.total_steps:
-                metrics = self.step(metrics_logger)
+                try:
+                    metrics = self.step(metrics_logger)
+                except NonFiniteLogits as error:
+                    if self.config.health.health_nonfinite == "off":
+                        raise
+                    step = self.step_count + 1
+                    self._act_on_health([Finding("nonfinite", step, self.step_count, str(error), "stop")])
                 evaluated = self._evaluation_due()
                 if evaluated:
                     metrics.update(self.evaluate())
@@ -181,6 +189,7 @@ class GRPOTrainer:
                     if self.step_count % self.config.log.logging_steps == 0 or evaluated:
                         metrics_logger.log(self.step_count, metrics)
                     metrics_logger.advance(self.step_count, metrics)
+                self._act_on_health(self.health.update(self.step_count, metrics))
                 failing = streaks.update(
                     {name for name in self.reward_names if metrics[f"rewards/{name}/failed_all"] == 1.0}
                 )
@@ -212,6 +221,27 @@ class GRPOTrainer:
             result = self.evaluator(self.engine)
         self.engine.sleep()
         return result.metrics
+
+    def _act_on_health(self, findings: list[Finding]) -> None:
+        """Stop the run (after a checkpoint) on the first finding whose action is stop."""
+        stop = next((finding for finding in findings if finding.action == "stop"), None)
+        if stop is None:
+            return
+        saved = self.save()
+        good = [
+            path
+            for path in checkpoint.list_checkpoints(self.config.training.output_dir)
+            if checkpoint.checkpoint_step(path) < stop.since
+        ]
+        last_good = (
+            f"the last checkpoint before step {stop.since}, when it began: {good[-1]}"
+            if good
+            else (f"no checkpoint precedes step {stop.since}, when it began")
+        )
+        raise RunStopped(
+            f"stopped at step {stop.step}: health check {stop.check} fired ({stop.message}). Checkpoint: {saved}; "
+            f"{last_good}. Set health_{stop.check}: warn (or off) to go on regardless"
+        )
 
     def _evaluation_due(self) -> bool:
         evaluation = self.config.eval

@@ -235,6 +235,8 @@ def update_policy(
         grad_norm = _optimizer_step(placement, optimizer, scheduler, settings, distributed)
         totals["grad_norm"] += grad_norm.detach()
         counts["grad_norm"] += 1
+    totals["weights/nonfinite"] = nonfinite_weights(placement, distributed)
+    counts["weights/nonfinite"] = 1
     return {name: float(totals[name]) / counts[name] for name in totals}
 
 
@@ -274,3 +276,14 @@ def _optimizer_step(
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+def nonfinite_weights(placement: Placement, distributed: DistributedContext) -> torch.Tensor:
+    """1.0 when a trainable weight (on any rank) holds NaN or infinity, else 0.0: one pass over
+    the weights and one sync, so that a diverged update stops the run before it samples."""
+    local = [
+        getattr(p, "_local_tensor", p).detach() for p in placement.module.parameters() if p.requires_grad
+    ]
+    norms = torch._foreach_norm(local) if local else []
+    bad = torch.stack([~torch.isfinite(norm) for norm in norms]).any().float() if norms else torch.zeros(())
+    return distributed.all_reduce(bad.to(placement.device), op="max")

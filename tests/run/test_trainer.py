@@ -11,6 +11,7 @@ from helpers.support import recipe, save_reward_model, write_plugin
 
 from grpoflow.run.build import build_trainer, run
 from grpoflow.run.checkpoint import list_checkpoints
+from grpoflow.run.health import HealthConfig, HealthMonitor
 
 
 def read_jsonl(path):
@@ -23,6 +24,8 @@ def test_reward_rises_on_the_embedded_default(tmp_path):
     history = run(config)
     rewards = [step["reward"] for step in history]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    monitor = HealthMonitor(HealthConfig())  # no health check fires on the packaged task
+    assert [f for step, metrics in enumerate(history, 1) for f in monitor.update(step, metrics)] == []
     assert first < 0.1
     assert last > 2 * first + 0.1, (first, last)
     logged = read_jsonl(tmp_path / "run" / "metrics.jsonl")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from grpoflow.engines.base import NonFiniteLogits
 from grpoflow.engines.native.kv_cache import BlockPool, allocate_cache, num_blocks_for
 from grpoflow.engines.native.model import FamilyModel
 from grpoflow.engines.native.ops import DecodeBatch, TorchOps, prefill_attention
@@ -56,10 +57,17 @@ class Launched:
     event: torch.cuda.Event | None
 
     def wait(self) -> tuple[np.ndarray, np.ndarray]:
-        """Block until the step is done; copies of its tokens (int64) and log-probs."""
+        """Block until the step is done; copies of its tokens (int64) and log-probs. Raises
+        NonFiniteLogits when a row's logits held NaN or infinity (no token could be sampled)."""
         if self.event is not None:
             self.event.synchronize()
-        return self.tokens.numpy().copy(), self.logprobs.numpy().copy()
+        tokens, logprobs = self.tokens.numpy().copy(), self.logprobs.numpy().copy()
+        if not np.isfinite(logprobs).all():
+            raise NonFiniteLogits(
+                "the model's logits hold NaN or infinity, so no token can be sampled: its weights have "
+                "diverged (a learning rate too high, or rewards with huge values) or it was loaded wrong"
+            )
+        return tokens, logprobs
 
 
 class Runner:

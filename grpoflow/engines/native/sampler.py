@@ -164,7 +164,11 @@ def sample_reference(
         tokens = torch.searchsorted(cumulative, targets[:, None], right=True)[:, 0]
         last_allowed = torch.where(weights > 0, torch.arange(scaled.shape[-1], device=scaled.device), -1)
         tokens = torch.minimum(tokens, last_allowed.max(dim=-1).values)  # a target rounded up to the total
-    return tokens, log_probs.gather(1, tokens[:, None])[:, 0]
+    # A row without a finite logit has no token: it gets token 0 (a valid id for the steps already
+    # in flight) and a NaN log-prob, which the engine reports.
+    missing = tokens < 0
+    tokens = tokens.clamp(min=0)
+    return tokens, log_probs.gather(1, tokens[:, None])[:, 0].masked_fill(missing, float("nan"))
 
 
 def sample(
