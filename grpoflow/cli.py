@@ -107,16 +107,21 @@ def allowed_values(hint: object) -> str:
     return f"; one of {', '.join(map(str, typing.get_args(literal)))}" if literal is not None else ""
 
 
-def train(argv: list[str]) -> int:
-    epilog = embedded_note() + "\n\nOptions (YAML keys or --key value):" + describe_options()
+def recipe_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    """A command's parser taking `--config` (a recipe) and leaving every other flag as an option."""
     parser = argparse.ArgumentParser(
-        prog="grpoflow train",
-        description=TRAIN_HELP,
+        prog=prog,
+        description=description,
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", help="a YAML recipe, or the name of a packaged recipe")
-    known, rest = parser.parse_known_args(argv)
+    return parser
+
+
+def train(argv: list[str]) -> int:
+    epilog = embedded_note() + "\n\nOptions (YAML keys or --key value):" + describe_options()
+    known, rest = recipe_parser("grpoflow train", TRAIN_HELP, epilog).parse_known_args(argv)
     from grpoflow.run import torchrun
     from grpoflow.run.build import build_trainer, run
     from grpoflow.run.failures import RunStopped
@@ -158,13 +163,8 @@ def train(argv: list[str]) -> int:
 
 
 def evaluate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="grpoflow eval",
-        description=EVAL_HELP,
-        epilog="Options (YAML keys or --key value): see grpoflow train --help",
-    )
-    parser.add_argument("--config", help="a YAML recipe, or the name of a packaged recipe")
-    known, rest = parser.parse_known_args(argv)
+    epilog = "Options (YAML keys or --key value): see grpoflow train --help"
+    known, rest = recipe_parser("grpoflow eval", EVAL_HELP, epilog).parse_known_args(argv)
     from grpoflow.run.evaluate_model import RESULTS_FILE, evaluate_model, results_table
 
     recipe, overrides = None, {}

@@ -7,6 +7,8 @@ import dataclasses
 import logging
 import math
 import random
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +29,7 @@ from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.output_dir import claim_output_dir
-from grpoflow.run.rollout import Episodes
+from grpoflow.run.rollout import Episodes, Rollout, SingleTurn
 from grpoflow.run.trainer import GRPOTrainer
 
 logger = logging.getLogger("grpoflow")
@@ -57,15 +59,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         )
     )
     tokenizer = config.policy.load_tokenizer()
-    runner = build_episode_runner(
-        config.agent,
-        tokenizer,
-        environment_factory,
-        max_completion_length=config.generation.max_completion_length,
-        max_prompt_length=config.data.max_prompt_length,
-        system=config.data.system,
-        per_prompt_params=config.generation.engine_name == "native",
-    )
+    rollout = build_rollout(config, tokenizer, environment_factory)
     items = [] if atropos else config.data.load_prompts(tokenizer, seed=training.seed)
     model = config.adapter.apply(
         config.policy.build(vocab_size=len(tokenizer), seed=training.seed, device=device)
@@ -101,7 +95,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         distributed=distributed,
         per_prompt_seeds=config.generation.engine_name == "native",
         run_id=claim.run_id,
-        rollout=Episodes(runner, tokenizer) if runner is not None else None,
+        rollout=rollout,
         batches=atropos_batches(config, tokenizer) if atropos else None,
     )
     if workers:
@@ -127,6 +121,21 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         claim.apply()
     distributed.barrier()
     return trainer
+
+
+def build_rollout(config: GRPOConfig, tokenizer, environment_factory: Callable[[], Any] | None) -> Rollout:
+    """What turns a step's prompts into groups: episodes when the agent section asks for them,
+    else one sampled completion per group member."""
+    runner = build_episode_runner(
+        config.agent,
+        tokenizer,
+        environment_factory,
+        max_completion_length=config.generation.max_completion_length,
+        max_prompt_length=config.data.max_prompt_length,
+        system=config.data.system,
+        per_prompt_params=config.generation.engine_name == "native",
+    )
+    return Episodes(runner, tokenizer) if runner is not None else SingleTurn(tokenizer)
 
 
 def build_evaluator(config: GRPOConfig, trainer: GRPOTrainer, tokenizer) -> Evaluator:

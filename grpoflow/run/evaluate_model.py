@@ -20,17 +20,16 @@ from typing import Any
 
 import torch
 
-from grpoflow.agents.setup import build_episode_runner, environment_rewards, load_environment_factory
+from grpoflow.agents.setup import environment_rewards, load_environment_factory
 from grpoflow.policy import lora
 from grpoflow.policy.loading import resolve_device
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
-from grpoflow.run.build import build_rollout_engine, seed_everything
+from grpoflow.run.build import build_rollout, build_rollout_engine, seed_everything
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.export import adapter_base
-from grpoflow.run.rollout import Episodes, SingleTurn
 from grpoflow.run.step_metrics import completion_rows
 
 logger = logging.getLogger("grpoflow")
@@ -55,15 +54,7 @@ def evaluate_model(config: GRPOConfig) -> dict[str, float]:
     )
     items = data.load_prompts(tokenizer, seed=config.training.seed)
     per_prompt_seeds = config.generation.engine_name == "native"
-    runner = build_episode_runner(
-        config.agent,
-        tokenizer,
-        factory,
-        max_completion_length=config.generation.max_completion_length,
-        max_prompt_length=config.data.max_prompt_length,
-        system=config.data.system,
-        per_prompt_params=per_prompt_seeds,
-    )
+    rollout = build_rollout(config, tokenizer, factory)
     model = load_policy(config, len(tokenizer), device).eval().requires_grad_(False)
     engine = build_rollout_engine(config, model, tokenizer, DistributedContext(), None)
     eos = tokenizer.eos_token_id
@@ -75,7 +66,7 @@ def evaluate_model(config: GRPOConfig) -> dict[str, float]:
     evaluator = Evaluator(
         config.eval,
         items,
-        rollout=Episodes(runner, tokenizer) if runner is not None else SingleTurn(tokenizer),
+        rollout=rollout,
         rewards=rewards,
         sampling=sampling,
         per_prompt_seeds=per_prompt_seeds,

@@ -50,12 +50,7 @@ def server(policy, tmp_path_factory):
     ]  # fmt: skip
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     yield f"http://127.0.0.1:{port}"
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    support.stop_process(process, timeout=30)
     log.close()
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from grpoflow.run.infer_workers import free_port
+from helpers.support import stop_process
 
 ENV_SCRIPT = Path(__file__).resolve().parent / "atropos_env.py"
 
@@ -42,15 +43,6 @@ def wait_until_answering(url: str, process: subprocess.Popen, timeout: float) ->
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{url} did not come up (exit code {process.poll()})") from None
             time.sleep(0.05)
-
-
-def stop_process(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 @contextlib.contextmanager

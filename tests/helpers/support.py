@@ -153,3 +153,13 @@ def save_reward_model(directory, chat_template=None):
     Qwen2ForSequenceClassification(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
+
+
+def stop_process(process: subprocess.Popen, timeout: float = 10) -> None:
+    """Terminate `process`, killing it if it has not ended within `timeout` seconds."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
