@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from grpoflow.server import control, episodes, weights
 from grpoflow.server.errors import RequestError
+from grpoflow.server.pools import run_in
 from grpoflow.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -199,7 +200,7 @@ async def server_info(request: Request) -> dict:
             "weight_transfer": {
                 "backend": service.transfer_backend or "http",
                 "backends": ["http", *service.receiver.offered_backends()],
-                "update_open": service.update_open,
+                **service.holds.status(),
             },
             "is_paused": batcher.paused,
             "batching": {
@@ -230,11 +231,14 @@ async def completions(request: Request) -> dict:
     limits = service.limits
     body = parse(CompletionRequest, await read_json(request), limits)
     _sampled_logprobs_only(body.logprobs)
-    prompts = completion_prompts(body, service.tokenizer)
+    requests = service.pools.requests
+    prompts = await run_in(requests, completion_prompts, body, service.tokenizer, limits)
     params = sampling_params(body, completion_max_tokens(body), limits)
     check_prompts(prompts, params.max_tokens, params.n, limits)
     groups = await service.generate(request, prompts, params)
-    return completion_response(body, limits.model_name, prompts, groups, service.tokenizer)
+    return await run_in(
+        requests, completion_response, body, limits.model_name, prompts, groups, service.tokenizer
+    )
 
 
 async def chat_completions(request: Request) -> dict:
@@ -249,12 +253,20 @@ async def chat_completions(request: Request) -> dict:
             "top_logprobs",
         )
     episode_id = episodes.episode_id_of(request, body)
-    prompt = chat_prompt(body, service.tokenizer)
+    requests = service.pools.requests
+    prompt = await run_in(requests, chat_prompt, body, service.tokenizer, limits)
     params = sampling_params(body, chat_max_tokens(body, prompt, limits), limits)
     check_prompts([prompt], params.max_tokens, params.n, limits)
     (group,) = await service.generate(request, [prompt], params)
-    response = chat_response(
-        body, limits.model_name, prompt, group, service.tokenizer, service.config.tool_call_parser
+    response = await run_in(
+        requests,
+        chat_response,
+        body,
+        limits.model_name,
+        prompt,
+        group,
+        service.tokenizer,
+        service.config.tool_call_parser,
     )
     if episode_id is not None:
         service.episodes.record(episode_id, episodes.RecordedTurn.of(body, prompt, group[0], response))
@@ -266,11 +278,12 @@ async def generate(request: Request) -> dict:
     limits = service.limits
     body = parse(GenerateRequest, await read_json(request), limits)
     _sampled_logprobs_only(body.logprobs)
-    prompt = generate_prompt(body, service.tokenizer)
+    requests = service.pools.requests
+    prompt = await run_in(requests, generate_prompt, body, service.tokenizer, limits)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, limits)
     check_prompts([prompt], params.max_tokens, params.n, limits)
     (group,) = await service.generate(request, [prompt], params)
-    return generate_response(body, prompt, group, service.tokenizer)
+    return await run_in(requests, generate_response, body, prompt, group, service.tokenizer)
 
 
 def _sampled_logprobs_only(logprobs: int | None) -> None:

@@ -5,8 +5,9 @@ waiting request goes to the engine at once, in as few `generate` calls as the en
 engine whose `generate` takes one SamplingParams per prompt (the native engine, recognised by its
 `on_error` argument) gets one call per set of distribution fields (temperature, top_p, top_k,
 min_p, repetition_penalty), so requests that differ only in n, max_tokens, seed or stops share a
-call; other engines get one call per distinct SamplingParams. Engine calls run one at a time in a
-worker thread, so the event loop keeps answering, under `lock`, which weight writes take too.
+call; other engines get one call per distinct SamplingParams. Engine calls run one at a time in the
+engine's own worker thread (pools.py), so the event loop keeps answering, under `lock`, which
+weight writes take too.
 
 The gate: while generation is paused (/pause) or held (a weight update, sleep), no batch starts
 and new requests wait in the queue. Closing the gate waits for the running batch, so a weight
@@ -26,10 +27,12 @@ import inspect
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 
 from grpoflow.engines.base import Completion, RolloutEngine, SamplingParams
 from grpoflow.server.errors import RequestError
+from grpoflow.server.pools import DaemonPool, run_in
 
 logger = logging.getLogger("grpoflow.server")
 
@@ -52,8 +55,12 @@ class Job:
 class Batcher:
     """Runs queued requests on `engine` in batches; pause, resume and exclusive holds."""
 
-    def __init__(self, engine: RolloutEngine, *, window_s: float = 0.005) -> None:
+    def __init__(
+        self, engine: RolloutEngine, *, window_s: float = 0.005, executor: Executor | None = None
+    ) -> None:
+        """`executor`: the thread engine calls run in (default: one of the batcher's own)."""
         self.engine, self.window_s = engine, window_s
+        self.executor = executor or DaemonPool(1, "grpoflow-engine")
         self.lock = threading.Lock()
         self.per_prompt = "on_error" in inspect.signature(engine.generate).parameters
         self.paused = False
@@ -108,7 +115,7 @@ class Batcher:
             if not jobs:
                 continue
             try:
-                outcomes = await asyncio.to_thread(self._run, jobs)
+                outcomes = await run_in(self.executor, self._run, jobs)
             except Exception as error:  # a bug here must not stop the loop: fail this batch only
                 outcomes = [_as_request_error(error)] * len(jobs)
             finally:
@@ -158,7 +165,7 @@ class Batcher:
         """Run `function(*args)` in a worker thread between batches, with the engine lock held."""
         await self.hold()
         try:
-            return await asyncio.to_thread(self._locked, function, *args)
+            return await run_in(self.executor, self._locked, function, *args)
         finally:
             await self.release()
 

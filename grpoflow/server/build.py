@@ -32,6 +32,8 @@ def build_service(config: ServeConfig) -> Service:
         vocab_size=model.get_output_embeddings().weight.shape[0],
         eos_token_ids=eos_token_ids(model, tokenizer),
         max_sequences=config.max_sequences_per_request,
+        max_prompt_chars=config.max_prompt_chars or 32 * max_model_len,
+        trust_request_chat_template=config.trust_request_chat_template,
     )
     logger.info(
         "serving %s as %r with the %s engine on %s, max_model_len %d",
@@ -88,11 +90,25 @@ def model_context(model: torch.nn.Module) -> int:
     return stated or DEFAULT_MAX_MODEL_LEN
 
 
+def exposure_warning(config: ServeConfig) -> str | None:
+    """What to tell the operator of a server that listens beyond loopback without a key."""
+    if not config.exposed or config.api_key:
+        return None
+    return (
+        f"listening on {config.host} without --api-key: anyone who reaches port {config.port} can "
+        f"generate, pause the server and replace its weights; set --api-key KEY (clients send it as a "
+        f"bearer token; trainers read vllm_server_api_key or VLLM_API_KEY) or listen on 127.0.0.1"
+    )
+
+
 def serve(config: ServeConfig) -> None:
     """Build the server and answer requests until interrupted."""
     import uvicorn
 
     from grpoflow.server.app import build_app
 
+    warning = exposure_warning(config)
+    if warning is not None:
+        logger.warning(warning)
     app = build_app(build_service(config))
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info")
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_keep_alive=5)

@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 
 from grpoflow.server.errors import RequestError
-from grpoflow.server.service import service_of
+from grpoflow.server.service import client_of, service_of
 
 router = APIRouter()
 
@@ -18,17 +18,18 @@ PAUSE_MODES = ("abort", "wait", "keep")
 async def pause(request: Request) -> dict:
     """Stop starting batches; answers once the running batch has finished. mode=abort (vLLM's
     default) answers the queued requests at once with 'abort' completions; wait and keep keep
-    them queued until /resume."""
+    them queued until /resume. The pause is a lease (--hold-lease-s): another /pause renews it,
+    and past it generation resumes on its own."""
     mode = request.query_params.get("mode", "abort")
     if mode not in PAUSE_MODES:
         raise RequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", 400, "mode")
-    await service_of(request).batcher.pause(mode)
+    await service_of(request).holds.pause(mode, client_of(request, None))
     return {"status": "paused"}
 
 
 @router.post("/resume")
 async def resume(request: Request) -> dict:
-    await service_of(request).batcher.resume()
+    await service_of(request).holds.resume()
     return {"status": "resumed"}
 
 

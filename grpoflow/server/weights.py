@@ -27,6 +27,8 @@ with its status (app.py).
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from typing import Any
 
 import torch
@@ -34,7 +36,8 @@ from fastapi import APIRouter
 from starlette.requests import Request
 
 from grpoflow.server.errors import RequestError
-from grpoflow.server.service import Service, read_json, service_of
+from grpoflow.server.pools import run_in
+from grpoflow.server.service import Service, check_version, client_of, read_body, read_json, service_of
 from grpoflow.transport.checkpoint_receiver import (
     HTTP_FORM,
     RELOAD_METHODS,
@@ -54,11 +57,14 @@ SAFETENSORS_TYPES = ("application/octet-stream", "application/x-safetensors", "a
 
 
 async def apply(service: Service, tensors: dict[str, torch.Tensor]) -> int:
-    """Check, then hand the tensors to the engine between batches (native and hf copy them into
-    the model they generate from, vllm loads them into its own); returns how many. Within an open
-    update (/start_weight_update) an engine with its own weights gets them all at once, at
+    """Check (in a request thread: names, shapes, finite values that fit the parameters' dtypes),
+    then hand the tensors to the engine between batches (native and hf copy them into the model
+    they generate from, vllm loads them into its own); returns how many. Within an open update
+    (/start_weight_update) an engine with its own weights gets them all at once, at
     /finish_weight_update: vLLM rebuilds each layer from the tensors of one load."""
-    check_weights(tensors, service.parameter_shapes())
+    await run_in(
+        service.pools.requests, check_weights, tensors, service.parameter_shapes(), service.parameter_dtypes()
+    )
     if service.update_open and not service.engine.shares_policy_weights:
         service.pending_weights.update(tensors)
         return len(tensors)
@@ -82,7 +88,42 @@ async def receive_collective(service: Service, info: dict) -> dict:
     version = info.get("weight_version")
     if version is not None:
         service.set_version(version)
+    service.holds.renew_update()
     return {**answer, "weight_version": service.weight_version}
+
+
+async def check_transfer_target(request: Request, address: str) -> None:
+    """Refuse (403) a group whose master_address is neither the requesting client's own address
+    nor in --weight-transfer-hosts: the server connects out only to the trainer that asks it to."""
+    allowed = request.app.state.service.config.weight_transfer_hosts
+    if "*" in allowed or address in allowed:
+        return
+    peer = request.client.host if request.client else None
+    resolved = await run_in(service_of(request).pools.requests, addresses_of, address)
+    if peer is not None and (peer in resolved or (_loopback(peer) and any(map(_loopback, resolved)))):
+        return
+    raise RequestError(
+        f"init_info.master_address {address!r} is not this client's address ({peer}): the server joins "
+        f"only the trainer that asks it to; start the server with --weight-transfer-hosts {address} "
+        f"(or '*') if the trainer's group listens on another address",
+        403,
+        "init_info",
+    )
+
+
+def addresses_of(host: str) -> set[str]:
+    """The IP addresses `host` resolves to (none when it does not resolve)."""
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return set()
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 # -- vLLM's weight-transfer endpoints, HTTP backend ---------------------------------------------
@@ -96,6 +137,7 @@ async def init_weight_transfer_engine(request: Request) -> dict:
     if not isinstance(info, dict):
         raise RequestError("init_info must be a JSON object", 400, "init_info")
     if "master_address" in info or info.get("backend") not in (None, "http"):
+        await check_transfer_target(request, str(info.get("master_address", "")))
         answer = await service.receiver.join(info)
         service.transfer_backend = answer["backend"]
         return answer
@@ -114,12 +156,15 @@ async def shutdown_weight_transfer_engine(request: Request) -> dict:
 
 @router.post("/start_weight_update")
 async def start_weight_update(request: Request) -> dict:
+    """Hold generation for an update: 409 while another client's update is open, idempotent (the
+    lease renewed) for the client that opened it."""
     service = service_of(request)
-    if service.update_open:
-        raise RequestError("a weight update is already open: POST /finish_weight_update first", 409)
-    await service.batcher.hold()
-    service.update_open = True
-    return {"message": "Weight update started"}
+    body = await read_json(request, required=False)
+    opened = await service.holds.start_update(client_of(request, body))
+    message = (
+        "Weight update started" if opened else "Weight update already open for this client; lease renewed"
+    )
+    return {"message": message, "lease_s": service.config.hold_lease_s}
 
 
 @router.post("/update_weights")
@@ -127,7 +172,8 @@ async def update_weights(request: Request) -> dict:
     service = service_of(request)
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type in SAFETENSORS_TYPES:
-        tensors = read_bytes(await request.body())
+        body = await read_body(request, service.max_weights_bytes())
+        tensors = await run_in(service.pools.requests, read_bytes, body)
     else:
         body = await read_json(request)
         info = body.get("update_info") if isinstance(body, dict) else None
@@ -137,8 +183,9 @@ async def update_weights(request: Request) -> dict:
             if "names" in info:
                 return await receive_collective(service, info)
             raise RequestError(f"update_info carries no weights: {HTTP_FORM}", 400, "update_info")
-        tensors = read_path(str(info["weights_path"]))
+        tensors = await run_in(service.pools.requests, read_path, str(info["weights_path"]))
     count = await apply(service, tensors)
+    service.holds.renew_update()
     return {"message": "Weights updated", "num_tensors": count}
 
 
@@ -147,14 +194,15 @@ async def finish_weight_update(request: Request) -> dict:
     service = service_of(request)
     body = await read_json(request, required=False)
     version = body.get("weight_version") if isinstance(body, dict) else None
+    if version is not None:
+        check_version(version)
     if service.pending_weights:
-        pending, service.pending_weights = service.pending_weights, {}
+        pending = dict(service.pending_weights)
+        service.pending_weights.clear()
         await load(service, pending)
     if version is not None:
         service.set_version(version)
-    if service.update_open:
-        service.update_open = False
-        await service.batcher.release()
+    await service.holds.finish_update()
     return {"message": "Weight update finished", "weight_version": service.weight_version}
 
 
@@ -163,9 +211,9 @@ async def update_weight_version(request: Request) -> dict:
     service = service_of(request)
     body = await read_json(request)
     version = body.get("new_version") if isinstance(body, dict) else None
-    if version is None or isinstance(version, dict | list):
+    if version is None:
         raise RequestError("send {'new_version': VERSION}", 400, "new_version")
-    service.set_version(version)
+    service.set_version(check_version(version, "new_version"))
     return {"success": True, "new_version": service.weight_version}
 
 
@@ -193,7 +241,7 @@ async def collective_rpc(request: Request) -> dict:
                 400,
                 "kwargs",
             )
-        await apply(service, read_path(str(kwargs["weights_path"])))
+        await apply(service, await run_in(service.pools.requests, read_path, str(kwargs["weights_path"])))
         return {"results": [None]}
     known = ", ".join(RPC_METHODS)
     raise RequestError(f"unknown collective_rpc method {method!r}; this server knows: {known}", 400, "method")

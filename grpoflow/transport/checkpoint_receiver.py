@@ -28,21 +28,27 @@ HTTP_FORM = (
 
 
 def read_path(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, or of every *.safetensors file in a directory."""
+    """The tensors of a safetensors file, or of every *.safetensors file in a directory. Only
+    regular files are opened (a FIFO or device would block the reader), and every failure gets the
+    same answer, so errors do not tell which paths exist on the server."""
     from safetensors.torch import load_file
 
     location = Path(path)
-    files = sorted(location.glob("*.safetensors")) if location.is_dir() else [location]
-    if not location.exists() or not files:
-        raise ReceiveError(f"weights_path {path!r}: no safetensors file there (on the server's disk)")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
+    refused = ReceiveError(
+        f"weights_path {path!r}: no readable safetensors checkpoint there (a .safetensors file, or a "
+        f"directory of them, on the server's disk)"
+    )
+    try:
+        files = sorted(location.glob("*.safetensors")) if location.is_dir() else [location]
+        if not files or not all(file.is_file() for file in files):
+            raise refused
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
             tensors.update(load_file(str(file)))
-        except Exception as error:
-            raise ReceiveError(
-                f"weights_path {path!r}: {file.name} is not a readable safetensors file: {error}"
-            ) from None
+    except ReceiveError:
+        raise
+    except Exception:
+        raise refused from None
     return tensors
 
 
@@ -56,9 +62,14 @@ def read_bytes(data: bytes) -> dict[str, torch.Tensor]:
         raise ReceiveError(f"the body is not a safetensors file ({error}); {HTTP_FORM}") from None
 
 
-def check_weights(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]]) -> None:
+def check_weights(
+    tensors: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, Sequence[int]],
+    dtypes: Mapping[str, torch.dtype] | None = None,
+) -> None:
     """Refuse the update unless every tensor names a parameter of the model (`shapes`, by Hugging
-    Face name), has its shape and is floating point."""
+    Face name), has its shape, is floating point and finite, and (given the parameters' `dtypes`)
+    fits the parameter's dtype without overflowing to infinity."""
     if not tensors:
         raise ReceiveError("the update holds no tensors")
     unknown = [name for name in tensors if name not in shapes]
@@ -76,3 +87,16 @@ def check_weights(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequ
             )
         if not tensor.is_floating_point():
             raise ReceiveError(f"{name} has dtype {tensor.dtype}: weights must be floating point")
+        if not bool(torch.isfinite(tensor).all()):
+            raise ReceiveError(
+                f"{name} holds NaN or infinite values: the update is refused and nothing was applied; "
+                f"check the trainer's weights (a diverged step) before sending them"
+            )
+        target = dtypes.get(name) if dtypes else None
+        if target is not None and target.is_floating_point and tensor.numel():
+            largest = float(tensor.abs().max())
+            if largest > torch.finfo(target).max:
+                raise ReceiveError(
+                    f"{name} holds {largest:.3g}, beyond the largest {target} value "
+                    f"({torch.finfo(target).max:.3g}): it would become infinite; the update is refused"
+                )

@@ -3,8 +3,10 @@
 `CollectiveReceiver.join(init_info)` joins the trainer's group with `{"backend": "gloo" | "nccl",
 "master_address", "master_port", "rank_offset", "world_size", "timeout", "group_id"}` as rank
 `rank_offset` (TRL's and vLLM's field names; a missing backend means NCCL on a CUDA device, gloo on
-a CPU one). The join runs in a worker thread and gives up after `timeout` seconds (default 120), so
-the caller's event loop keeps serving. A new join replaces the old group; `close` leaves it.
+a CPU one). The join runs in a daemon thread of its own (one join at a time; another meanwhile
+is refused with 409) and gives up after `timeout` seconds (default 120, at most 300 whatever the
+client sends), so the caller's event loop and generation keep serving. A new join replaces the old
+group; `close` leaves it. A failed join's answer does not repeat what the remote end sent.
 
 `CollectiveReceiver.receive(update_info, ...)` takes `{"names", "dtype_names", "shapes", "packed":
 true, "buckets", "update_id", "group_id", "weight_version", "timeout"}`, checks every name and shape
@@ -27,13 +29,19 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from grpoflow.threads import in_daemon_thread
 from grpoflow.transport import ReceiveError, collective
 from grpoflow.transport.collective import TransferCancelled, TransferTimeout, UpdatePlan, WeightGroup
 
 logger = logging.getLogger("grpoflow.transport")
 
 DEFAULT_INIT_TIMEOUT_S = 120.0
+MAX_INIT_TIMEOUT_S = 300.0
+"""Longest a join may wait, whatever `timeout` the client sends."""
 DEFAULT_UPDATE_TIMEOUT_S = 600.0
+MAX_UPDATE_TIMEOUT_S = 3600.0
+"""Longest an update's broadcast may stall, whatever `timeout` the client sends."""
+MAX_WORLD_SIZE = 4096
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
 
 Write = Callable[[WeightGroup, UpdatePlan, float], None]
@@ -69,11 +77,13 @@ def into_load(load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> Write:
 
 
 class CollectiveReceiver:
-    """This process's rank in the trainer's weight-transfer group, on `device`."""
+    """This process's rank in the trainer's weight-transfer group, on `device`. Joins run one at a
+    time, each in a daemon thread of its own."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.group: WeightGroup | None = None
+        self.joining = False
 
     def offered_backends(self) -> list[str]:
         return offered_backends(self.device)
@@ -97,15 +107,30 @@ class CollectiveReceiver:
             address, port = str(info["master_address"]), int(info["master_port"])
             rank, world_size = int(info["rank_offset"]), int(info["world_size"])
             timeout = float(info.get("timeout") or DEFAULT_INIT_TIMEOUT_S)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ReceiveError(
                 "init_info: master_port, rank_offset and world_size must be integers, timeout a number",
                 400,
                 "init_info",
             ) from None
-        if not 1 <= rank < world_size:
+        if not 0 < port < 65536:
+            raise ReceiveError(f"init_info.master_port {port} is not in 1..65535", 400, "init_info")
+        if not 1 <= rank < world_size <= MAX_WORLD_SIZE:
             raise ReceiveError(
-                f"rank_offset {rank} must be in 1..world_size-1 ({world_size - 1})", 400, "init_info"
+                f"rank_offset {rank} must be in 1..world_size-1 ({world_size - 1}), world_size at most "
+                f"{MAX_WORLD_SIZE}",
+                400,
+                "init_info",
+            )
+        if not 0 < timeout < float("inf"):
+            raise ReceiveError(f"init_info.timeout {timeout} must be a positive number", 400, "init_info")
+        timeout = min(timeout, MAX_INIT_TIMEOUT_S)
+        if self.joining:
+            raise ReceiveError(
+                "another /init_weight_transfer_engine is still joining a group; retry once it ends "
+                f"(each join gives up after at most {MAX_INIT_TIMEOUT_S:.0f}s)",
+                409,
+                "init_info",
             )
         self.close()
 
@@ -121,12 +146,17 @@ class CollectiveReceiver:
                 group_id=str(info.get("group_id") or ""),
             )
 
+        self.joining = True  # until the thread is done, even if the wait below gives up first
+        future = asyncio.wrap_future(in_daemon_thread(join))
+        future.add_done_callback(lambda _: setattr(self, "joining", False))
         try:
-            group = await asyncio.wait_for(asyncio.to_thread(join), timeout + 10)
+            group = await asyncio.wait_for(asyncio.shield(future), timeout + 10)
         except (TimeoutError, RuntimeError, ValueError) as error:
+            # What the remote end sent stays in the server's log: the answer does not echo it.
+            logger.warning("joining the weight-transfer group at %s:%d failed: %s", address, port, error)
             raise ReceiveError(
                 f"could not join the weight-transfer group at {address}:{port} as rank {rank} of "
-                f"{world_size} ({backend}) within {timeout:.0f}s: {error}; is the trainer joining too?",
+                f"{world_size} ({backend}) within {timeout:.0f}s; is the trainer joining too?",
                 504,
                 "init_info",
             ) from None
@@ -176,8 +206,10 @@ class CollectiveReceiver:
         try:
             plan = UpdatePlan.from_json(info)
             collective.check_plan(plan, shapes)
-            timeout = float(info.get("timeout") or DEFAULT_UPDATE_TIMEOUT_S)
-        except (TypeError, ValueError) as error:
+            timeout = min(float(info.get("timeout") or DEFAULT_UPDATE_TIMEOUT_S), MAX_UPDATE_TIMEOUT_S)
+            if not timeout > 0:
+                raise ValueError(f"timeout {timeout} must be a positive number")
+        except (TypeError, ValueError, OverflowError) as error:
             if update_id is not None:
                 collective.answer(group, int(update_id), accepted=False)
             raise ReceiveError(f"update refused, nothing received: {error}", 400, "update_info") from None

@@ -19,8 +19,9 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def live():
-    """A server shared by a module's tests; tests that change its weights use their own."""
-    server = start_server(tiny_service())
+    """A server shared by a module's tests; tests that change its weights use their own. It renders
+    templates sent in requests (the character tokenizer has none of its own)."""
+    server = start_server(tiny_service(trust_request_chat_template=True))
     yield server
     server.stop()
 
@@ -28,7 +29,7 @@ def live():
 @pytest.fixture
 def fresh():
     """A server of its own, for tests that change weights or pause generation."""
-    server = start_server(tiny_service())
+    server = start_server(tiny_service(trust_request_chat_template=True))
     yield server
     server.stop()
 

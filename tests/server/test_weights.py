@@ -37,7 +37,7 @@ def test_the_weight_transfer_sequence_over_http_holds_generation(fresh, tmp_path
     with httpx.Client(base_url=url, timeout=60) as client:
         nccl = {
             "backend": "nccl",
-            "master_address": "10.0.0.1",
+            "master_address": "127.0.0.1",
             "master_port": 51216,
             "rank_offset": 1,
             "world_size": 2,
@@ -46,7 +46,12 @@ def test_the_weight_transfer_sequence_over_http_holds_generation(fresh, tmp_path
         assert refused.status_code == 400 and "use one of gloo" in refused.json()["error"]["message"]
         assert client.post("/init_weight_transfer_engine", json={"init_info": {}}).status_code == 200
         assert client.post("/start_weight_update", json={}).status_code == 200
-        assert client.post("/start_weight_update", json={}).status_code == 409
+        again = client.post("/start_weight_update", json={})  # the same client: idempotent
+        assert again.status_code == 200 and "lease renewed" in again.json()["message"]
+        other = client.post("/start_weight_update", json={"client_id": "another-trainer"})
+        assert (
+            other.status_code == 409 and "already open for another client" in other.json()["error"]["message"]
+        )
 
         answers = []
         waiting = threading.Thread(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import save, save_file
@@ -27,15 +29,33 @@ def test_a_written_checkpoint_a_file_and_a_body_read_back(tmp_path):
         assert all(torch.equal(tensors[name], tensor) for name, tensor in WEIGHTS.items())
 
 
-def test_unreadable_weights_are_refused_with_a_400(tmp_path):
-    with pytest.raises(ReceiveError, match="no safetensors file there") as missing:
-        read_path(str(tmp_path / "absent"))
-    assert missing.value.status == 400
+def test_unreadable_weights_are_refused_alike_with_a_400(tmp_path):
+    """Missing, garbage and non-regular paths get one answer: errors do not reveal what exists."""
     (tmp_path / "bad.safetensors").write_bytes(b"garbage")
-    with pytest.raises(ReceiveError, match="bad.safetensors is not a readable safetensors file"):
-        read_path(str(tmp_path))
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    answers = []
+    for path in (tmp_path / "absent", tmp_path / "bad.safetensors", fifo, tmp_path):
+        with pytest.raises(ReceiveError, match="no readable safetensors checkpoint there") as refused:
+            read_path(str(path))  # a FIFO is not opened: this would block
+        assert refused.value.status == 400
+        answers.append(refused.value.message.replace(str(path), "PATH"))
+    assert len(set(answers)) == 1
     with pytest.raises(ReceiveError, match="the body is not a safetensors file"):
         read_bytes(b"not safetensors")
+
+
+def test_nonfinite_and_overflowing_weights_are_refused():
+    name = next(iter(WEIGHTS))
+    for bad in (float("nan"), float("inf")):
+        broken = {**WEIGHTS, name: torch.full_like(WEIGHTS[name], bad)}
+        with pytest.raises(ReceiveError, match=f"{name} holds NaN or infinite values"):
+            check_weights(broken, SHAPES)
+    huge = {**WEIGHTS, name: torch.full_like(WEIGHTS[name], 1e39, dtype=torch.float64)}
+    dtypes = dict.fromkeys(SHAPES, torch.bfloat16)
+    with pytest.raises(ReceiveError, match="beyond the largest torch.bfloat16 value"):
+        check_weights(huge, SHAPES, dtypes)
+    check_weights(WEIGHTS, SHAPES, dtypes)
 
 
 def test_every_name_shape_and_dtype_is_checked():
