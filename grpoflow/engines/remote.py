@@ -24,6 +24,7 @@ machines); `auto` takes collective when every server offers it and the trainer i
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from collections.abc import Iterable, Sequence
@@ -71,16 +72,23 @@ class RemoteEngine:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_transfer: str = "auto",
         exclusive_servers: bool = False,
+        api_key: str | None = None,
+        vocab_size: int | None = None,
+        generation_retries: int = 2,
     ) -> None:
         """`sync_dir`: where the checkpoint transport writes (default: GRPOFLOW_WEIGHT_SYNC_DIR, else
         a temporary directory). `exclusive_servers`: every server has this trainer alone (servers
-        the run started), so the collective transport is open to it under torchrun too."""
+        the run started), so the collective transport is open to it under torchrun too. `api_key`:
+        sent to every server (default: VLLM_API_KEY). `vocab_size`: completions holding token ids
+        outside it are refused. `generation_retries`: further tries of a generation request that
+        failed before an answer (sampling is idempotent: nothing is kept from a failed try)."""
         if not urls:
             raise ValueError("RemoteEngine needs at least one server URL")
         if weight_transfer not in WEIGHT_TRANSFERS:
             raise ValueError(f"weight_transfer {weight_transfer!r}; known: {', '.join(WEIGHT_TRANSFERS)}")
         self.urls = list(urls)
-        self.client = ServerClient(self.urls, request_timeout=request_timeout)
+        self.client = ServerClient(self.urls, request_timeout=request_timeout, api_key=api_key)
+        self.vocab_size, self.generation_retries = vocab_size, generation_retries
         self.policy_version = 0
         self.stats = EngineStats()
         self._warned: set[str] = set()
@@ -145,8 +153,18 @@ class RemoteEngine:
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": True,
         }
-        answer = self.client.request("POST", url, "/v1/completions", json=body)
-        choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+        answer = self.client.request(
+            "POST", url, "/v1/completions", json=body, retries=self.generation_retries
+        )
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or not all(
+            isinstance(choice, dict) and isinstance(choice.get("index"), int) for choice in choices
+        ):
+            raise ServerError(
+                f"vLLM server {url} answered POST /v1/completions without a list of indexed choices: "
+                f"{str(answer)[:200]}"
+            )
+        choices = sorted(choices, key=lambda choice: choice["index"])
         if len(choices) != len(prompts) * params.n:
             raise ServerError(
                 f"vLLM server {url} returned {len(choices)} completions for {len(prompts)} prompts "
@@ -158,10 +176,29 @@ class RemoteEngine:
     def _completion(self, url: str, choice: dict) -> Completion:
         token_ids = choice.get("token_ids")
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-        if token_ids is None or logprobs is None or len(logprobs) != len(token_ids):
+        if (
+            not isinstance(token_ids, list)
+            or not isinstance(logprobs, list)
+            or len(logprobs) != len(token_ids)
+        ):
             raise ServerError(
                 f"vLLM server {url} returned no token ids or log-probs for a completion: it needs "
                 f"vLLM >= 0.10 (return_token_ids)"
+            )
+        vocab = self.vocab_size
+        if not all(
+            isinstance(token, int) and token >= 0 and (vocab is None or token < vocab) for token in token_ids
+        ):
+            raise ServerError(
+                f"vLLM server {url} returned token ids outside the policy's vocabulary [0, {vocab}) in "
+                f"completion {choice['index']}: is it serving the same model?"
+            )
+        if not all(
+            isinstance(value, int | float) and math.isfinite(value) and value <= 0 for value in logprobs
+        ):
+            raise ServerError(
+                f"vLLM server {url} returned log-probs that are not finite numbers <= 0 in completion "
+                f"{choice['index']}: its weights may hold NaN or infinite values"
             )
         return Completion(
             token_ids=list(token_ids),
@@ -204,6 +241,14 @@ class RemoteConfig:
     prompts between them."""
     vllm_server_timeout: float = 240.0
     """Seconds to wait for the server to come up."""
+    vllm_server_api_key: str | None = None
+    """Key sent to the rollout servers as `Authorization: Bearer KEY` (their --api-key); unset: the
+    VLLM_API_KEY environment variable, else none."""
+    vllm_server_retries: int = 2
+    """Further tries of a generation request that failed before the server answered (connection
+    refused or reset, 502/503/504), with backoff, within vllm_server_request_timeout."""
+    vllm_server_request_timeout: float = 3600.0
+    """Seconds one generation request may take in all (a total deadline, not per read)."""
     vllm_weight_transfer: Literal["auto", "collective", "checkpoint"] = "auto"
     """How weights reach rollout servers: collective (packed broadcasts over an NCCL or gloo group;
     `grpoflow serve` only), checkpoint (a safetensors directory each server reloads), auto
@@ -213,6 +258,13 @@ class RemoteConfig:
         require(0 < self.vllm_server_port < 65536, "vllm_server_port", "in 1..65535", self.vllm_server_port)
         require(
             self.vllm_server_timeout > 0, "vllm_server_timeout", "> 0 (seconds)", self.vllm_server_timeout
+        )
+        require(self.vllm_server_retries >= 0, "vllm_server_retries", ">= 0", self.vllm_server_retries)
+        require(
+            self.vllm_server_request_timeout > 0,
+            "vllm_server_request_timeout",
+            "> 0 (seconds)",
+            self.vllm_server_request_timeout,
         )
 
 
@@ -227,4 +279,8 @@ def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> RemoteEn
         weight_sync_timeout=max(config.vllm_server_timeout, 600.0),
         weight_transfer=config.vllm_weight_transfer,
         exclusive_servers=options.exclusive_servers,
+        api_key=config.vllm_server_api_key,
+        vocab_size=getattr(getattr(model, "config", None), "vocab_size", None),
+        generation_retries=config.vllm_server_retries,
+        request_timeout=config.vllm_server_request_timeout,
     )

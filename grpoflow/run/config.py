@@ -172,9 +172,13 @@ class WeightSyncConfig:
     with the trainer's and stop the run on a mismatch (cost logged as time/sync_check)."""
     weight_sync_check_tolerance: float = 0.5
     """Largest mean log-prob gap (nats per token) the check accepts."""
+    weight_sync_retries: int = 2
+    """Further tries of a weight sync that failed (a collective group is set up afresh for each);
+    when they fail too, the run stops with a checkpoint of the step just taken."""
 
     def __post_init__(self) -> None:
         require(self.weight_sync_interval > 0, "weight_sync_interval", "> 0", self.weight_sync_interval)
+        require(self.weight_sync_retries >= 0, "weight_sync_retries", ">= 0", self.weight_sync_retries)
         require(
             self.weight_sync_check_tolerance > 0,
             "weight_sync_check_tolerance",

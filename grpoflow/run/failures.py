@@ -1,10 +1,16 @@
-"""When a run stops by itself: a reward function that keeps failing on every sample."""
+"""When a run stops by itself: a reward function that keeps failing on every sample, rollout
+servers that fail past their retries, a weight sync that keeps failing."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from grpoflow.transport import WeightSyncError
+
+logger = logging.getLogger("grpoflow.run")
 
 
 class RunStopped(RuntimeError):
@@ -39,4 +45,40 @@ def reward_failure_message(name: str, steps: int, step: int, saved: Path, errors
         f"stopped at step {step}: reward {name!r} failed on every sample for {steps} steps in a row "
         f"(last error: {last}). Checkpoint: {saved}. Fix the reward and resume with "
         "--resume_from_checkpoint latest (max_consecutive_reward_failures sets the limit; 0 never stops)"
+    )
+
+
+def sync_with_retries(sync: Callable[[], None], retries: int, version: int) -> WeightSyncError | None:
+    """Run `sync` (a weight update to the engine), trying again up to `retries` times after a
+    WeightSyncError; the last error when every try failed, else None."""
+    for attempt in range(retries + 1):
+        try:
+            sync()
+            return None
+        except WeightSyncError as error:
+            logger.warning(
+                "weight sync to version %d failed (try %d of %d): %s",
+                version,
+                attempt + 1,
+                retries + 1,
+                error,
+            )
+            failure = error
+    return failure
+
+
+def server_failure_message(error: Exception, step: int, saved: Path | str) -> str:
+    """Why the run stopped before `step` (the rollout servers failed) and how to go on."""
+    return (
+        f"stopped before step {step}: the rollout server failed past its retries ({error}). Checkpoint: "
+        f"{saved}. Check the server and resume with --resume_from_checkpoint latest"
+    )
+
+
+def sync_failure_message(error: Exception, step: int, retries: int, saved: Path) -> str:
+    """Why the run stopped after `step` (its weights never reached the engine) and how to go on."""
+    return (
+        f"stopped after step {step}: the weight sync failed {retries + 1} time(s) ({error}). Checkpoint "
+        f"of step {step}: {saved}; resuming from it sends its weights first "
+        f"(--resume_from_checkpoint latest)"
     )

@@ -33,7 +33,14 @@ from grpoflow.run import checkpoint
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.evaluation import Evaluator
-from grpoflow.run.failures import RewardFailureStreaks, RunStopped, reward_failure_message
+from grpoflow.run.failures import (
+    RewardFailureStreaks,
+    RunStopped,
+    reward_failure_message,
+    server_failure_message,
+    sync_failure_message,
+    sync_with_retries,
+)
 from grpoflow.run.health import Finding, HealthMonitor
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.prefetch import RolloutPrefetcher
@@ -41,6 +48,7 @@ from grpoflow.run.rollout import Rollout, ScoredBatches, ScoredGroups, SingleTur
 from grpoflow.run.step_metrics import batch_metrics, completion_rows, length_columns
 from grpoflow.run.sync_check import SyncCheck
 from grpoflow.run.update import UpdateSettings, update_policy
+from grpoflow.transport import ServerError, WeightSyncError
 
 logger = logging.getLogger("grpoflow")
 
@@ -123,6 +131,7 @@ class GRPOTrainer:
         self.total_steps = config.total_steps(len(items), self.distributed.world_size)
         self.step_count = 0
         self.num_tokens = 0
+        self.sync_failure: WeightSyncError | None = None
         eos = tokenizer.eos_token_id
         self.sampling = dataclasses.replace(
             config.generation.sampling,
@@ -181,6 +190,18 @@ class GRPOTrainer:
                         raise
                     step = self.step_count + 1
                     self._act_on_health([Finding("nonfinite", step, self.step_count, str(error), "stop")])
+                except ServerError as error:  # past its retries; this step changed nothing yet
+                    saved = self.save() if self.step_count else "none (no step was taken)"
+                    raise RunStopped(server_failure_message(error, self.step_count + 1, saved)) from None
+                if self.sync_failure is not None:
+                    retries, failure, self.sync_failure = (
+                        self.config.sync.weight_sync_retries,
+                        self.sync_failure,
+                        None,
+                    )
+                    raise RunStopped(
+                        sync_failure_message(failure, self.step_count, retries, self.save())
+                    ) from None
                 evaluated = self._evaluation_due()
                 if evaluated:
                     metrics.update(self.evaluate())
@@ -307,8 +328,13 @@ class GRPOTrainer:
             syncs = (self.step_count + 1) % self.config.sync.weight_sync_interval == 0
             with timer("sync"):
                 if syncs:
-                    self.engine.update_weights(
-                        self.placement.rollout_weights(self.engine), self.step_count + 1
+                    version = self.step_count + 1
+                    self.sync_failure = sync_with_retries(
+                        lambda: self.engine.update_weights(
+                            self.placement.rollout_weights(self.engine), version
+                        ),
+                        self.config.sync.weight_sync_retries,
+                        version,
                     )
             check_metrics = {}
             if self.sync_check is not None and syncs:
