@@ -59,7 +59,6 @@ def test_a_value_of_the_wrong_type_names_the_key():
 
 
 def test_a_mapping_option_reads_yaml_mappings_and_name_value_flags():
-    from grpoflow.options.loader import coerce
 
     hint = dict[str, str] | str | None
     assert coerce("env", {"a": "x:A"}, hint) == {"a": "x:A"}
