@@ -67,6 +67,8 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     model = config.adapter.apply(
         config.policy.build(vocab_size=len(tokenizer), seed=training.seed, device=device)
     )
+    if isinstance(rollout, RolloutFunction):  # its ids may use every embedding row, not only the tokenizer's
+        rollout.vocab_size = model.get_input_embeddings().num_embeddings
     ref_model = reference_model(model) if config.algorithm.beta != 0 else None
     if resume is not None:
         load_checkpoint_weights(model, resume)

@@ -223,15 +223,19 @@ class RolloutFunction:
     args: SimpleNamespace
     """The run's options by flat key (`trainer.args`)."""
     per_prompt_params: bool = False
+    vocab_size: int | None = None
+    """Token ids at or above it are refused; unset: the tokenizer's size (the run sets the
+    policy's embedding rows, which may be more)."""
     last_metrics: dict[str, float] = field(default_factory=dict)
     _warned: bool = False
 
     def __call__(
         self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
     ) -> list[Group]:
-        base = params[0] if isinstance(params, list) else params
-        if not items:
+        if not items:  # ranks sharing an engine generate together, with or without prompts
+            engine.generate([], params)
             return []
+        base = params[0] if isinstance(params, list) else params
         num_generations = base.n
         trainer = RolloutTrainer(
             processing_class=self.tokenizer,
@@ -244,7 +248,10 @@ class RolloutFunction:
         )
         prompts = [copy.deepcopy(item.prompt) for item in items for _ in range(num_generations)]
         output = check_rollout_output(
-            self.function(prompts, trainer), len(prompts), len(self.tokenizer), num_generations
+            self.function(prompts, trainer),
+            len(prompts),
+            self.vocab_size or len(self.tokenizer),
+            num_generations,
         )
         if output.logprobs is None and not self._warned:
             self._warned = True

@@ -170,6 +170,14 @@ def test_rows_with_different_prompts_share_the_common_prefix_and_mask_the_rest()
     assert group.sampling_logprobs
 
 
+def test_a_rank_without_prompts_still_calls_the_engine_and_not_the_function():
+    engine = FixedEngine()
+    function = RolloutFunction(
+        lambda prompts, trainer: pytest.fail("called without prompts"), tokenizer(), None
+    )
+    assert function(engine, [], []) == [] and engine.calls == [[]]
+
+
 def test_the_helper_samples_one_completion_per_prompt_with_the_runs_settings():
     engine = FixedEngine()
     trainer = RolloutTrainer(
