@@ -17,10 +17,16 @@ class AgentConfig:
     """Functions the model may call, as import paths (`pkg.module:fn`, `file.py:fn`): type hints
     and a Google-style docstring each, rendered into the prompt by the chat template (TRL's
     `tools`)."""
-    environment_factory: str | None = None
+    environment_factory: dict[str, str] | str | None = None
     """A class (or factory) as an import path: one instance per episode, `reset(**row)` at its
     start, its public methods are tools, `get_reward()` scores it, `respond(text)` answers a turn
-    that calls no tool (TRL's `environment_factory`, plus `respond`)."""
+    that calls no tool (TRL's `environment_factory`, plus `respond`). A mapping of names to
+    import paths (`a=pkg:A,b=file.py:B` on the command line) lets each row's `environment`
+    column pick its class."""
+    rollout_func: str | None = None
+    """A function as an import path that plays a step's rollouts itself (TRL's `rollout_func`):
+    `fn(prompts, trainer)` returns a dict of `prompt_ids`, `completion_ids`, `logprobs`, optionally
+    `env_mask`, and extra keys that reach the reward functions."""
     max_turns: int | None = None
     """Most policy turns per episode; unset: as many as the other limits allow."""
     max_tool_calling_iterations: int | None = None
@@ -39,6 +45,20 @@ class AgentConfig:
             value = getattr(self, name)
             require(value is None or value >= 1, name, ">= 1 (or unset)", value)
         check_tool_call_format(self.tool_call_parser)
+        if isinstance(self.environment_factory, dict):
+            require(
+                bool(self.environment_factory) and all(self.environment_factory),
+                "environment_factory",
+                "an import path, or a non-empty mapping of environment names to import paths",
+                self.environment_factory,
+            )
+        require(
+            self.rollout_func is None or not self.enabled,
+            "rollout_func",
+            "unset when tools or environment_factory are set",
+            self.rollout_func,
+            "a rollout_func plays the whole rollout: call tools and environments inside it, or drop it",
+        )
         require(
             self.environment_timeout > 0, "environment_timeout", "> 0 (seconds)", self.environment_timeout
         )

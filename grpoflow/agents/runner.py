@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from grpoflow.agents.config import AgentConfig
@@ -26,6 +26,17 @@ from grpoflow.threads import in_daemon_thread
 
 logger = logging.getLogger("grpoflow.agents")
 
+EnvironmentFactories = Mapping[str | None, Callable[[], Any]]
+"""Environment classes by the name a row's `environment` column gives; the one key None when
+`environment_factory` names a single class (every row uses it)."""
+
+
+def environment_factories(factory: Callable[[], Any] | Mapping | None) -> EnvironmentFactories | None:
+    """A single factory or a mapping of them, as a mapping (TRL's rule: a single one is keyed None)."""
+    if factory is None:
+        return None
+    return dict(factory) if isinstance(factory, Mapping) else {None: factory}
+
 
 class EpisodeRunner:
     """Runs the episodes of a batch (see the module docstring).
@@ -34,7 +45,8 @@ class EpisodeRunner:
         config: the agent section.
         tokenizer: the policy's tokenizer.
         tools: the plain tool functions (resolved from `config.tools`).
-        environment_factory: builds one environment per episode; None for tools alone.
+        environment_factory: builds one environment per episode; or a mapping of names to such
+            factories, from which each row's `environment` column picks; None for tools alone.
         max_completion_length: token budget of an episode after its prompt.
         max_prompt_length: most tokens of a prompt once tools and `reset`'s text are in it.
         system: the system prompt of the data section.
@@ -47,14 +59,15 @@ class EpisodeRunner:
         tokenizer,
         *,
         tools: Sequence[Callable[..., Any]] = (),
-        environment_factory: Callable[[], Any] | None = None,
+        environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None = None,
         max_completion_length: int,
         max_prompt_length: int | None = None,
         system: str | None = None,
         per_prompt_params: bool = False,
     ) -> None:
         self.config, self.tokenizer = config, tokenizer
-        self.tools, self.environment_factory = list(tools), environment_factory
+        self.tools = list(tools)
+        self.environment_factories = environment_factories(environment_factory)
         self.max_completion_length, self.system = max_completion_length, system
         self.max_prompt_length = max_prompt_length
         self.per_prompt_params = per_prompt_params
@@ -90,9 +103,11 @@ class EpisodeRunner:
     async def _start(self, item: PromptItem, index: int) -> Episode:
         episode = Episode(item, item.prompt, item.prompt_ids, index=index)
         try:
-            if self.environment_factory is not None:
-                episode.environment = self.environment_factory()
-            observation = await self._call(episode, "reset", **item.columns, prompt=item.prompt)
+            columns = item.columns
+            if self.environment_factories is not None:
+                factory, columns = self._select_environment(item.columns)
+                episode.environment = factory()
+            observation = await self._call(episode, "reset", **columns, prompt=item.prompt)
         except Exception as error:
             logger.warning("an episode could not start: %s; it is skipped (no reward)", _describe(error))
             episode.end("error", _describe(error))
@@ -112,6 +127,21 @@ class EpisodeRunner:
             logger.warning("an episode could not start: %s; it is skipped (no reward)", message)
             episode.end("error", message)
         return episode
+
+    def _select_environment(self, columns: dict[str, Any]) -> tuple[Callable[[], Any], dict[str, Any]]:
+        """The factory a row's `environment` column names (TRL's rule; the column is not passed
+        to `reset`), or the single one; the columns `reset` receives."""
+        factories = self.environment_factories
+        if list(factories) == [None]:
+            return factories[None], columns
+        name = columns.get("environment")
+        if name not in factories:
+            known = ", ".join(map(repr, factories))
+            raise ValueError(
+                f"the row's environment column is {name!r}, not one of the names in environment_factory "
+                f"({known}); give the row one of them or add {name!r} to environment_factory"
+            )
+        return factories[name], {key: value for key, value in columns.items() if key != "environment"}
 
     def _generate_turn(
         self, engine: RolloutEngine, active: list[Episode], base: SamplingParams, seeds: dict

@@ -3,52 +3,76 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from grpoflow import imports
 from grpoflow.agents.config import AgentConfig
-from grpoflow.agents.runner import EpisodeRunner
+from grpoflow.agents.runner import EpisodeRunner, environment_factories
 from grpoflow.agents.tools import environment_tools, resolve_tools
 
 
-def load_environment_factory(spec: str | None) -> Callable[[], Any] | None:
-    """The class (or factory function) `environment_factory` names."""
+def load_environment_factory(
+    spec: str | Mapping[str, str] | None,
+) -> Callable[[], Any] | dict[str, Callable[[], Any]] | None:
+    """The class (or factory function) `environment_factory` names, or for a mapping of names
+    to import paths, the mapping of names to classes."""
     if spec is None:
         return None
+    if isinstance(spec, Mapping):
+        return {name: _load_one(path, f"environment_factory[{name!r}]") for name, path in spec.items()}
+    return _load_one(spec, "environment_factory")
+
+
+def _load_one(spec: str, option: str) -> Callable[[], Any]:
     factory = imports.load_object(spec, "Environment")
     if not callable(factory):
-        raise ValueError(
-            f"environment_factory {spec!r} is a {type(factory).__name__}, not a class or function"
-        )
+        raise ValueError(f"{option} {spec!r} is a {type(factory).__name__}, not a class or function")
     if inspect.isclass(factory) and not callable(getattr(factory, "reset", None)):
         raise ValueError(
-            f"environment_factory {spec!r}: {factory.__name__} has no reset method; an environment needs "
+            f"{option} {spec!r}: {factory.__name__} has no reset method; an environment needs "
             "reset(**row), called at the start of each episode (it may return text added to the prompt)"
         )
     return factory
 
 
-def environment_rewards(factory: Callable[[], Any] | None) -> list[tuple[str, Callable[..., Any]]]:
-    """The reward of an environment class with `get_reward`, named after the class (TRL's rule):
-    each episode's environment scores it."""
-    if not inspect.isclass(factory) or not callable(getattr(factory, "get_reward", None)):
-        return []
-    environment_class = factory
+def environment_rewards(
+    factory: Callable[[], Any] | Mapping | None,
+) -> list[tuple[str, Callable[..., Any]]]:
+    """One reward per environment class with `get_reward`, named after the class (TRL's rule):
+    it scores the episodes played in exactly that class and gives None for the others (so two
+    names for one class score once, and a subclass is not scored by its parent's reward)."""
+    classes = dict.fromkeys(
+        factory
+        for factory in (environment_factories(factory) or {}).values()
+        if inspect.isclass(factory) and callable(getattr(factory, "get_reward", None))
+    )
+    rewards: dict[str, Callable[..., Any]] = {}
+    for environment_class in classes:
+        name = environment_class.__name__
+        if name in rewards:
+            raise ValueError(
+                f"two environment classes are named {name!r}; their rewards are named after the class, "
+                "so rename one of them"
+            )
+        rewards[name] = _class_reward(environment_class)
+    return list(rewards.items())
 
+
+def _class_reward(environment_class: type) -> Callable[..., Any]:
     def environment_reward(completions: list, environments: list, **kwargs: Any) -> list[float | None]:
         return [
-            environment.get_reward() if isinstance(environment, environment_class) else None
+            environment.get_reward() if type(environment) is environment_class else None
             for environment in environments
         ]
 
-    return [(environment_class.__name__, environment_reward)]
+    return environment_reward
 
 
 def build_episode_runner(
     config: AgentConfig,
     tokenizer,
-    factory: Callable[[], Any] | None,
+    factory: Callable[[], Any] | Mapping | None,
     *,
     max_completion_length: int,
     max_prompt_length: int | None,
@@ -59,7 +83,8 @@ def build_episode_runner(
     if not config.enabled:
         return None
     tools = resolve_tools(config.tools)
-    has_tools = bool(tools) or (inspect.isclass(factory) and bool(environment_tools(factory)))
+    classes = (environment_factories(factory) or {}).values()
+    has_tools = bool(tools) or any(inspect.isclass(cls) and environment_tools(cls) for cls in classes)
     if has_tools and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "tools are shown to the model by its chat template, and this tokenizer has none: use a chat "

@@ -45,10 +45,12 @@ def tool_schema(function: Callable[..., Any]) -> dict[str, Any]:
 
 
 def environment_tools(environment: Any) -> list[Callable[..., Any]]:
-    """The environment's tools: its public methods other than the hooks (TRL's rule)."""
+    """The environment's tools: its public methods other than the hooks (TRL's rule); given its
+    class, the class's functions."""
+    cls = environment if inspect.isclass(environment) else type(environment)
     return [
         getattr(environment, name)
-        for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
+        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
         if name not in HOOKS and not name.startswith("_")
     ]
 

@@ -145,10 +145,15 @@ def coerce(name: str, value: Any, hint: Any) -> Any:
         is_none = value is None or (isinstance(value, str) and value.lower() in {"none", "null"})
         if is_none and type(None) in args:
             return None
-        return coerce(name, value, next(arg for arg in args if arg is not type(None)))
+        return _first_fitting(name, value, [arg for arg in args if arg is not type(None)])
     if origin in (list, tuple, Sequence):
         items = value if isinstance(value, list | tuple) else _split_list(value)
         return [coerce(name, item, args[0]) for item in items]
+    if origin in (dict, Mapping):
+        return {
+            coerce(name, key, args[0]): coerce(name, item, args[1])
+            for key, item in _mapping(name, value).items()
+        }
     if origin is Literal:
         return _literal(name, value, args)
     if isinstance(value, BareFlag) and hint is not bool:
@@ -159,6 +164,27 @@ def coerce(name: str, value: Any, hint: Any) -> Any:
         return _scalar(value, hint)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be {_KINDS[hint]}; got {value!r}") from None
+
+
+def _first_fitting(name: str, value: Any, hints: list[Any]) -> Any:
+    """`value` as the first type of a union it converts to (a union's types in declared order)."""
+    for hint in hints[:-1]:
+        try:
+            return coerce(name, value, hint)
+        except ValueError:
+            continue
+    return coerce(name, value, hints[-1])
+
+
+def _mapping(name: str, value: Any) -> Mapping[Any, Any]:
+    """A mapping option from YAML (a mapping) or a flag (`a=x,b=y`, or `a=x b=y`)."""
+    if isinstance(value, Mapping):
+        return value
+    items = value if isinstance(value, list | tuple) else _split_list(value)
+    pairs = [str(item).partition("=") for item in items]
+    if not pairs or any(not equals or not key.strip() for key, equals, _ in pairs):
+        raise ValueError(f"{name} must be a mapping: NAME=VALUE pairs separated by commas; got {value!r}")
+    return {key.strip(): item.strip() for key, _, item in pairs}
 
 
 def _literal(name: str, value: Any, allowed: tuple) -> Any:

@@ -7,12 +7,14 @@ import dataclasses
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
+from grpoflow import imports
 from grpoflow.agents.atropos import AtroposClient
 from grpoflow.agents.setup import build_episode_runner, environment_rewards, load_environment_factory
 from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
@@ -30,6 +32,7 @@ from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.output_dir import claim_output_dir
 from grpoflow.run.rollout import Episodes, Rollout, SingleTurn
+from grpoflow.run.rollout_func import RolloutFunction
 from grpoflow.run.trainer import GRPOTrainer
 
 logger = logging.getLogger("grpoflow")
@@ -64,6 +67,8 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     model = config.adapter.apply(
         config.policy.build(vocab_size=len(tokenizer), seed=training.seed, device=device)
     )
+    if isinstance(rollout, RolloutFunction):  # its ids may use every embedding row, not only the tokenizer's
+        rollout.vocab_size = model.get_input_embeddings().num_embeddings
     ref_model = reference_model(model) if config.algorithm.beta != 0 else None
     if resume is not None:
         load_checkpoint_weights(model, resume)
@@ -123,9 +128,18 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     return trainer
 
 
-def build_rollout(config: GRPOConfig, tokenizer, environment_factory: Callable[[], Any] | None) -> Rollout:
-    """What turns a step's prompts into groups: episodes when the agent section asks for them,
-    else one sampled completion per group member."""
+def build_rollout(
+    config: GRPOConfig, tokenizer, environment_factory: Callable[[], Any] | Mapping | None
+) -> Rollout:
+    """What turns a step's prompts into groups: the user's rollout_func when one is named,
+    episodes when the agent section asks for them, else one sampled completion per group member."""
+    if config.agent.rollout_func is not None:
+        return RolloutFunction(
+            imports.load_object(config.agent.rollout_func, "rollout_func"),
+            tokenizer,
+            SimpleNamespace(**config.to_flat_dict()),
+            per_prompt_params=config.generation.engine_name == "native",
+        )
     runner = build_episode_runner(
         config.agent,
         tokenizer,

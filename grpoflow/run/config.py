@@ -349,6 +349,7 @@ class GRPOConfig:
             "async_generate": self.off_policy.async_generate,
             "dynamic_sample": self.algorithm.dynamic_sample,
             "tools / environment_factory": self.agent.enabled,
+            "rollout_func": self.agent.rollout_func is not None,
             "dataset": bool(self.data.dataset),
             "reward_funcs / reward_model": bool(self.rewards.reward_funcs or self.rewards.reward_model),
             "eval_dataset": bool(self.eval.eval_dataset),

@@ -2,7 +2,8 @@
 
 A `Rollout` is what the trainer calls to turn a step's prompts into groups: `SingleTurn` samples
 one completion per member, `Episodes` plays multi-turn episodes (`grpoflow.agents`). Other ways of
-producing groups (a user's rollout function, an agent program) implement the same protocol.
+producing groups implement the same protocol: `grpoflow.run.rollout_func` plays a user's
+rollout function (TRL's `rollout_func`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ class Group:
     """Per completion of an episode: its turns as messages (assistant, tool, user)."""
     environments: list[Any] | None = None
     """Per completion of an episode: its environment instance."""
+    extra_columns: dict[str, list[Any]] | None = None
+    """Columns the rollout made, one value per completion (a rollout function's extra keys);
+    reward functions receive them beside the row's columns, which they override."""
+    sampling_logprobs: bool = True
+    """Whether the completions carry the engine's log-probs (a rollout function may not)."""
 
 
 @dataclass(slots=True)
@@ -136,11 +142,11 @@ def reward_inputs(groups: Sequence[Group]) -> tuple[list, list, list[list[int]],
             else:
                 completions.append(text)
             completion_ids.append(completion.token_ids)
-    names = dict.fromkeys(name for group in groups for name in group.item.columns)
+    names = dict.fromkeys(
+        name for group in groups for name in [*group.item.columns, *(group.extra_columns or {})]
+    )
     for name in names:
-        columns[name] = [
-            group.item.columns.get(name) for group in groups for _ in range(len(group.completions))
-        ]
+        columns[name] = [value for group in groups for value in _column(group, name)]
     if any(group.environments is not None for group in groups):
         columns["environments"] = [
             (group.environments or [None] * len(group.completions))[index]
@@ -148,6 +154,13 @@ def reward_inputs(groups: Sequence[Group]) -> tuple[list, list, list[list[int]],
             for index in range(len(group.completions))
         ]
     return prompts, completions, completion_ids, columns
+
+
+def _column(group: Group, name: str) -> list[Any]:
+    """One value of column `name` per completion of `group`: the rollout's, else the row's."""
+    if group.extra_columns is not None and name in group.extra_columns:
+        return list(group.extra_columns[name])
+    return [group.item.columns.get(name)] * len(group.completions)
 
 
 def episode_groups(tokenizer, episodes: Sequence[Sequence[Any]]) -> list[Group]:

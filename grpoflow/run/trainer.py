@@ -309,7 +309,7 @@ class GRPOTrainer:
                 batch.loss_mask = overlong_mask(batch.loss_mask, batch.truncated)
             advantages, reward_metrics = self._advantages(all_rewards, scored)
             settings = self.update_settings
-            if not scored.sampling_logprobs:
+            if not (scored.sampling_logprobs and all(group.sampling_logprobs for group in scored.groups)):
                 settings = dataclasses.replace(settings, sampling_correction=None, sampling_logprobs=False)
             with timer("update"):
                 update_metrics = update_policy(

@@ -234,3 +234,47 @@ def test_llama3_json_tool_calls_are_answered_too(tokenizer):
     ((episode,),) = run.run(engine, [chat_item(tokenizer)], SamplingParams(n=1))
     assert episode.finish == "stop" and episode.messages[1]["content"] == "9"
     assert run.last_metrics["episodes/tool_calls_mean"] == 1.0
+
+
+class Shout:
+    """A second environment class: answers the first turn in words, then ends; keeps its reset row."""
+
+    def reset(self, **row):
+        self.row, self.turns = row, 0
+
+    def respond(self, text):
+        self.turns += 1
+        return "LOUDER" if self.turns == 1 else None
+
+    def get_reward(self) -> float:
+        return float(self.turns)
+
+
+def test_each_rows_environment_column_picks_its_class_and_an_unknown_name_skips_only_its_row():
+    plain = build_char_tokenizer()
+    rows = [
+        {"environment": "relay", "letters": "ab"},
+        {"environment": "shout", "x": 1},
+        {"environment": "gone"},
+    ]
+    items = [PromptItem("echo a:", plain.encode("echo a:"), row) for row in rows]
+    run = EpisodeRunner(
+        AgentConfig(environment_factory={"relay": "unused", "shout": "unused"}, max_turn_tokens=4),
+        plain,
+        environment_factory={"relay": RelayEnvironment, "shout": Shout},
+        max_completion_length=64,
+    )
+    relay, shout, gone = (
+        group[0] for group in run.run(ScriptedEngine(plain, lambda p: "aaaa"), items, SamplingParams(n=1))
+    )
+    assert type(relay.environment) is RelayEnvironment and relay.turns == 2 and relay.finish == "stop"
+    assert (
+        type(shout.environment) is Shout
+        and shout.turns == 2
+        and shout.environment.row == {"x": 1, "prompt": "echo a:"}
+    )
+    assert (
+        gone.finish == "error"
+        and "'gone', not one of the names in environment_factory ('relay', 'shout')" in gone.error
+    )
+    assert run.last_metrics["episodes/ended_by/error"] == pytest.approx(1 / 3)

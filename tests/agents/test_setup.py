@@ -78,3 +78,56 @@ def test_an_unknown_tool_call_parser_is_named_with_the_known_ones():
 
     with pytest.raises(ValueError, match="tool_call_parser must be one of .*hermes"):
         AgentConfig(tool_call_parser="mistral")
+
+
+def test_a_mapping_of_environments_gives_one_reward_per_class_each_scoring_only_its_own():
+    from tests.agents.test_runner import Shout
+
+    rewards = dict(environment_rewards({"relay": RelayEnvironment, "shout": Shout, "again": Shout}))
+    assert list(rewards) == ["RelayEnvironment", "Shout"]
+    relay, shout = RelayEnvironment(), Shout()
+    relay.reset(letters="ab")
+    relay.respond("aaaa")
+    shout.reset()
+    shout.respond("hi")
+    assert rewards["RelayEnvironment"](completions=[1, 2, 3], environments=[relay, shout, None]) == [
+        0.5,
+        None,
+        None,
+    ]
+    assert rewards["Shout"](completions=[1, 2, 3], environments=[relay, shout, None]) == [None, 1.0, None]
+
+
+def test_environment_factory_mapping_from_yaml_and_from_the_flag(tmp_path):
+    from grpoflow.options import parse_overrides
+
+    path = tmp_path / "envs.py"
+    path.write_text("class Other:\n    def reset(self, **row):\n        pass\n")
+    expected = {"relay": "grpoflow.tasks.relay:RelayEnvironment", "other": f"{path}:Other"}
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"model: tiny\ndataset: relay\nenvironment_factory:\n  relay: grpoflow.tasks.relay:RelayEnvironment\n  other: {path}:Other\n"
+    )
+    from_yaml = load_config(recipe).agent.environment_factory
+    flag = parse_overrides(
+        ["--environment_factory", f"relay=grpoflow.tasks.relay:RelayEnvironment,other={path}:Other"]
+    )
+    from_flag = load_config(RECIPES / "relay.yaml", flag).agent.environment_factory
+    assert from_yaml == from_flag == expected
+    assert (
+        load_config(RECIPES / "relay.yaml").agent.environment_factory
+        == "grpoflow.tasks.relay:RelayEnvironment"
+    )
+    factories = load_environment_factory(from_flag)
+    assert factories["relay"] is RelayEnvironment and factories["other"].__name__ == "Other"
+    with pytest.raises(
+        ValueError, match="environment_factory must be an import path, or a non-empty mapping"
+    ):
+        load_config(None, {"model": "tiny", "dataset": "relay", "environment_factory": {"": "x:Y"}})
+
+
+def test_a_rollout_func_beside_tools_or_environments_is_refused():
+    with pytest.raises(
+        ValueError, match="rollout_func must be unset when tools or environment_factory are set"
+    ):
+        load_config(RECIPES / "relay.yaml", {"rollout_func": "x.py:f"})

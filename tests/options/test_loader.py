@@ -56,3 +56,15 @@ def test_values_are_converted_to_the_declared_type(value, hint, expected):
 def test_a_value_of_the_wrong_type_names_the_key():
     with pytest.raises(ValueError, match="seed must be an integer; got '1.5'"):
         load(Root, {"seed": "1.5"})
+
+
+def test_a_mapping_option_reads_yaml_mappings_and_name_value_flags():
+
+    hint = dict[str, str] | str | None
+    assert coerce("env", {"a": "x:A"}, hint) == {"a": "x:A"}
+    assert coerce("env", "a=x:A, b=y.py:B", hint) == {"a": "x:A", "b": "y.py:B"}
+    assert coerce("env", ["a=x:A", "b=y.py:B"], hint) == {"a": "x:A", "b": "y.py:B"}
+    assert coerce("env", "x:A", hint) == "x:A"  # no NAME=: the plain import path
+    assert coerce("env", "null", hint) is None
+    with pytest.raises(ValueError, match="env must be a mapping: NAME=VALUE pairs"):
+        coerce("env", "a=x,=y", dict[str, str])

@@ -3,6 +3,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from grpoflow.agents.setup import load_environment_factory
+from grpoflow.agents.tools import resolve_tools
 from grpoflow.options import parse_overrides
 from grpoflow.run.config import GRPOConfig, load_config
 
@@ -262,7 +264,17 @@ def test_packaged_recipe_loads():
 @pytest.mark.skipif(not REPO_RECIPES, reason="recipes/ holds no YAML files")
 @pytest.mark.parametrize("recipe", REPO_RECIPES, ids=lambda path: path.name)
 def test_repository_recipes_load(recipe):
-    load_config(recipe)
+    config = load_config(recipe)
+    resolve_tools(config.agent.tools)  # each tool imports and describes itself to the chat template
+    load_environment_factory(config.agent.environment_factory)
+
+
+def test_the_calculator_recipe_gives_qwen_the_calculate_tool_on_gsm8k():
+    config = load_config(Path(__file__).parents[2] / "recipes" / "qwen2.5-1.5b-gsm8k-calculator.yaml")
+    (tool,) = resolve_tools(config.agent.tools)
+    assert tool.__name__ == "calculate" and config.data.dataset == ["gsm8k"]
+    assert config.agent.max_tool_calling_iterations and config.agent.tool_call_parser == "hermes"
+    assert config.rewards.reward_funcs[0] == "accuracy"
 
 
 # unknown keys and bad values
