@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,7 +32,8 @@ from safetensors.torch import save_file
 
 from grpoflow.policy.tiny import DEFAULT_SEED, build_preset_model
 
-BOMB = "{% for i in range(300000000) %}{% endfor %}x"
+BOMB = "{% for i in range(99999) %}{% for j in range(3000) %}{% endfor %}{% endfor %}x"
+"""A 3e8-iteration template within the sandbox's range limit (each range under 100,000)."""
 
 
 def free_port() -> int:
@@ -49,17 +51,17 @@ def rss_mib(pid: int) -> float:
 
 def start_server(port: int, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "grpoflow", "serve", "--model", "tiny", "--device", "cpu"]
-    command += ["--port", str(port), "--trust-request-chat-template", "true", "--hold-lease-s", "30"]
+    command += ["--port", str(port), "--trust-request-chat-template", "--hold-lease-s", "30"]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and process.poll() is None:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return process
         except httpx.HTTPError:
             time.sleep(0.2)
     process.kill()
-    raise RuntimeError(f"the server did not start; see {log}")
+    raise RuntimeError(f"the server did not start:\n{log.read_text()[-2000:]}")
 
 
 async def timed(client: httpx.AsyncClient, method: str, path: str, **kwargs) -> tuple[int, float]:
@@ -76,21 +78,26 @@ async def load(url: str, args: argparse.Namespace, weights: Path, pid: int) -> d
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         health: list[float] = []
         peak = [rss_mib(pid)]
-        done = asyncio.Event()
+        done = threading.Event()
 
-        async def probe() -> None:
-            while not done.is_set():
-                health.append((await timed(client, "GET", "/health"))[1])
-                peak.append(rss_mib(pid))
-                await asyncio.sleep(0.1)
+        def probe() -> None:
+            """/health from a thread and a connection of its own, so the load's own client loop
+            does not delay the probes."""
+            with httpx.Client(base_url=url, timeout=30) as own:
+                while not done.is_set():
+                    start = time.perf_counter()
+                    own.get("/health")
+                    health.append(time.perf_counter() - start)
+                    peak.append(rss_mib(pid))
+                    time.sleep(0.1)
 
         def completion(index: int):
             body = {"prompt": [1 + index % 50, 2, 3], "max_tokens": args.max_tokens, "seed": index}
             return timed(client, "POST", "/v1/completions", json=body)
 
-        async def disconnecting(index: int) -> None:
+        async def disconnecting(index: int) -> tuple[int, float]:
             body = {"prompt": [4, 5, 6], "n": 64, "max_tokens": 256, "ignore_eos": True}
-            await timed(client, "POST", "/v1/completions", json=body, timeout=0.05)
+            return await timed(client, "POST", "/v1/completions", json=body, timeout=0.05)
 
         init = {
             "init_info": {
@@ -128,7 +135,8 @@ async def load(url: str, args: argparse.Namespace, weights: Path, pid: int) -> d
                 await asyncio.sleep(0.2)
             return statuses
 
-        prober = asyncio.create_task(probe())
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
         start = time.perf_counter()
         hostile_tasks = [asyncio.ensure_future(task) for task in hostile]
         update_task = asyncio.ensure_future(updates())
@@ -136,7 +144,7 @@ async def load(url: str, args: argparse.Namespace, weights: Path, pid: int) -> d
         load_seconds = time.perf_counter() - start
         update_statuses = await update_task
         done.set()
-        await prober
+        prober.join()
         hostile_results = [task.result() for task in hostile_tasks if task.done()]
         for task in hostile_tasks:
             task.cancel()

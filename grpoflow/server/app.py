@@ -106,7 +106,9 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("method") != "OPTIONS" and scope["path"] not in OPEN_PATHS:
-            given = Headers(scope=scope).get("authorization", "").encode()
+            # Header values arrive as bytes (Starlette decodes them as latin-1): compare the raw
+            # bytes with the key's UTF-8 bytes, so a non-ASCII key matches what clients send.
+            given = Headers(scope=scope).get("authorization", "").encode("latin-1")
             if not hmac.compare_digest(given, self.expected):
                 error = RequestError("missing or wrong API key: send 'Authorization: Bearer KEY'", 401)
                 response = JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})

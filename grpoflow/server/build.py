@@ -15,6 +15,8 @@ from grpoflow.server.settings import ServeConfig
 
 logger = logging.getLogger("grpoflow.server")
 
+SHUTDOWN_GRACE_S = 10
+"""Seconds SIGTERM waits for open requests (a join or a long generation) before the server exits."""
 DEFAULT_MAX_MODEL_LEN = 2048
 """Context of a model that states none (no max_position_embeddings)."""
 
@@ -111,4 +113,11 @@ def serve(config: ServeConfig) -> None:
     if warning is not None:
         logger.warning(warning)
     app = build_app(build_service(config))
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_keep_alive=5)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="info",
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )

@@ -46,3 +46,12 @@ def test_the_right_key_is_served(guarded):
     assert guarded.get("/v1/models", headers=headers).json()["data"][0]["id"] == "tiny"
     answer = guarded.post("/v1/completions", headers=headers, json={"prompt": [1, 2], "max_tokens": 2})
     assert answer.status_code == 200 and len(answer.json()["choices"]) == 1
+
+
+def test_a_non_ascii_key_matches_its_utf8_bytes(make_service):
+    key = "clé-секрет"
+    with TestClient(build_app(make_service(api_key=key))) as client:
+        raw = f"Bearer {key}".encode()
+        assert client.get("/v1/models", headers=[(b"authorization", raw)]).status_code == 200
+        wrong = f"Bearer {key[:-1]}x".encode()
+        assert client.get("/v1/models", headers=[(b"authorization", wrong)]).status_code == 401
