@@ -237,6 +237,17 @@ def test_weights_changed_in_place_drop_the_cache():
     assert_same(outputs, engine(policy, caching=False).generate(PROMPTS, greedy()))
 
 
+def test_weights_given_new_storage_drop_the_cache():
+    policy = tiny("qwen2")
+    cached = engine(policy)
+    cached.generate(PROMPTS, greedy())
+    for parameter in policy.parameters():  # as a sharded policy gathered into new buffers
+        parameter.data = parameter.detach() * 1.5
+    outputs = cached.generate(PROMPTS, greedy())
+    assert counts(cached) == (sum(map(len, PROMPTS)), 0)
+    assert_same(outputs, engine(policy, caching=False).generate(PROMPTS, greedy()))
+
+
 def test_sleep_and_reset_drop_the_cache(model):
     cached = engine(model)
     cached.generate(PROMPTS, greedy())

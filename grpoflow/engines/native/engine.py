@@ -7,8 +7,9 @@ calls is the KV cache with its prefix-cached blocks, the step buffers and the ca
 an error in one call leaves nothing behind for the next (a failed call also empties the cache).
 
 The engine reads the policy's parameters in place, so it notices new weights itself: a parameter
-with a new address (graphs are captured again) or a new version counter (an optimizer step, a
-LoRA merge, a copy in `update_weights`: the prefix cache is dropped). `update_weights` drops the
+with a new address (graphs are captured again, the prefix cache is dropped) or a new version
+counter (an optimizer step, a LoRA merge, a copy in `update_weights`: the prefix cache is
+dropped). `update_weights` drops the
 prefix cache in any case, for weights changed where no counter sees it (a sharded policy
 gathered into the same storage).
 """
@@ -143,11 +144,10 @@ class NativeEngine:
         if signature != self.weights_signature:
             runner.graphs.clear()  # parameters moved: graphs hold the old addresses
             self.family.refresh_fused()
-            self.weights_signature = signature
         versions = self._versions()
-        if versions != self.weights_versions:
+        if versions != self.weights_versions or signature != self.weights_signature:
             runner.reset_pool()  # new values: cached keys and values are stale
-            self.weights_versions = versions
+            self.weights_signature, self.weights_versions = signature, versions
         try:
             return self._run_steps(book, options)
         except BaseException:
