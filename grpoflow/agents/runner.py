@@ -21,7 +21,7 @@ from grpoflow.agents.render import TurnRenderer
 from grpoflow.agents.tool_calls import parse_tool_calls
 from grpoflow.agents.tools import ToolBox, environment_tools, tool_schema
 from grpoflow.data.prompts import PromptItem, encode_prompt
-from grpoflow.engines import RolloutEngine, SamplingParams
+from grpoflow.engines import PrefillStats, RolloutEngine, SamplingParams, prefill_stats, prefix_cache_metrics
 from grpoflow.threads import in_daemon_thread
 
 logger = logging.getLogger("grpoflow.agents")
@@ -85,14 +85,19 @@ class EpisodeRunner:
         episodes = [episode for group in groups for episode in group]
         seeds = {id(episode): p.seed for group, p in zip(groups, per_item) for episode in group}
         environment_seconds = 0.0
+        prefill: PrefillStats | None = None  # summed over turns, when the engine counts it
         while active := [episode for episode in episodes if episode.finish is None]:
             self._generate_turn(engine, active, per_item[0], seeds)
+            turn = prefill_stats(engine)
+            if turn is not None:
+                prefill = turn if prefill is None else prefill + turn
             before = time.perf_counter()
             self._loop.run_until_complete(
                 self._answer_all([episode for episode in active if episode.finish is None])
             )
             environment_seconds += time.perf_counter() - before
         self.last_metrics = self._metrics(episodes, environment_seconds, time.perf_counter() - started)
+        self.last_metrics.update(prefix_cache_metrics(prefill))
         return groups
 
     async def _start_all(self, items: Sequence[PromptItem], n: int) -> list[list[Episode]]:

@@ -13,8 +13,11 @@ from grpoflow.engines.base import (
     EngineOptions,
     EngineStats,
     NonFiniteLogits,
+    PrefillStats,
     RolloutEngine,
     SamplingParams,
+    prefill_stats,
+    prefix_cache_metrics,
 )
 
 ENGINES: dict[str, str] = {
@@ -41,7 +44,10 @@ __all__ = [
     "EngineOptions",
     "EngineStats",
     "NonFiniteLogits",
+    "PrefillStats",
     "RolloutEngine",
     "SamplingParams",
     "build_engine",
+    "prefill_stats",
+    "prefix_cache_metrics",
 ]

@@ -114,6 +114,41 @@ class NonFiniteLogits(RuntimeError):
 
 
 @dataclass(slots=True)
+class PrefillStats:
+    """Where the keys and values of a call's prompt tokens came from (engines with a prefix cache)."""
+
+    num_prefill_tokens: int = 0
+    """Tokens run through the model in prefill steps (prompts, and sequences prefilled again
+    after a preemption)."""
+    num_cached_tokens: int = 0
+    """Tokens whose keys and values were read from the prefix cache instead."""
+
+    def __add__(self, other: PrefillStats) -> PrefillStats:
+        return PrefillStats(
+            self.num_prefill_tokens + other.num_prefill_tokens,
+            self.num_cached_tokens + other.num_cached_tokens,
+        )
+
+
+def prefill_stats(engine: Any) -> PrefillStats | None:
+    """The prefill stats of `engine`'s last `generate` call; None for an engine that keeps none."""
+    return getattr(getattr(engine, "stats", None), "prefill", None)
+
+
+def prefix_cache_metrics(stats: PrefillStats | None) -> dict[str, float]:
+    """`rollout/prefill_tokens`, `rollout/prefix_cache_hit_tokens` and
+    `rollout/prefix_cache_hit_rate` (cached over cached plus prefilled); {} without stats."""
+    if stats is None:
+        return {}
+    total = stats.num_prefill_tokens + stats.num_cached_tokens
+    return {
+        "rollout/prefill_tokens": float(stats.num_prefill_tokens),
+        "rollout/prefix_cache_hit_tokens": float(stats.num_cached_tokens),
+        "rollout/prefix_cache_hit_rate": stats.num_cached_tokens / total if total else 0.0,
+    }
+
+
+@dataclass(slots=True)
 class EngineStats:
     """What the last `generate` call did, for logging."""
 
@@ -121,6 +156,8 @@ class EngineStats:
     num_generated_tokens: int = 0
     seconds: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    prefill: PrefillStats | None = None
+    """Prefilled and prefix-cached prompt tokens; None where the engine does not count them."""
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from grpoflow.data.prompts import PromptItem
-from grpoflow.engines import Completion, RolloutEngine, SamplingParams
+from grpoflow.engines import Completion, RolloutEngine, SamplingParams, prefill_stats, prefix_cache_metrics
 
 
 @dataclass(slots=True)
@@ -84,7 +84,8 @@ class Rollout(Protocol):
 
 @dataclass(slots=True)
 class SingleTurn:
-    """One completion per group member, sampled in one engine call."""
+    """One completion per group member, sampled in one engine call; its metrics are the engine's
+    prefill and prefix-cache counts, when the engine keeps them."""
 
     tokenizer: Any
     last_metrics: dict[str, float] = field(default_factory=dict)
@@ -92,12 +93,15 @@ class SingleTurn:
     def __call__(
         self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
     ) -> list[Group]:
-        return generate_groups(engine, self.tokenizer, items, params)
+        groups = generate_groups(engine, self.tokenizer, items, params)
+        self.last_metrics = prefix_cache_metrics(prefill_stats(engine))
+        return groups
 
 
 @dataclass(slots=True)
 class Episodes:
-    """Multi-turn episodes played by an `grpoflow.agents.EpisodeRunner`."""
+    """Multi-turn episodes played by an `grpoflow.agents.EpisodeRunner` (its metrics include the
+    engine's prefill and prefix-cache counts summed over the turns)."""
 
     runner: Any
     tokenizer: Any

@@ -92,10 +92,12 @@ def runner(tokenizer, factory=None, tools=(), **limits):
 
 def test_a_tool_episode_is_the_exact_ids_the_engine_saw_with_the_tool_result_masked(tokenizer):
     engine = ScriptedEngine(tokenizer, lambda prompt: "It is 5." if "<|tool|>" in prompt else CALL_ADD)
-    ((episode,),) = runner(tokenizer, Calculator).run(engine, [chat_item(tokenizer)], SamplingParams(n=1))
+    run = runner(tokenizer, Calculator)
+    ((episode,),) = run.run(engine, [chat_item(tokenizer)], SamplingParams(n=1))
     assert episode.finish == "stop" and episode.turns == 2 and episode.tool_calls == 1
     assert [m["role"] for m in episode.messages] == ["assistant", "tool", "assistant"]
     assert episode.messages[1] == {"role": "tool", "name": "add", "content": "5"}
+    assert not any(key.startswith("rollout/") for key in run.last_metrics)  # no engine stats
     first, second = engine.prompts
     assert (
         first == episode.prompt_ids and second == episode.prompt_ids + episode.ids[: len(second) - len(first)]
@@ -200,6 +202,11 @@ def test_with_the_real_engine_every_turn_prompt_is_the_trajectory_so_far_and_env
     groups = run.run(engine, items, [SamplingParams(n=2, seed=s, temperature=1.0) for s in (1, 2)])
     episodes = [episode for group in groups for episode in group]
     assert all(episode.turns == 3 and episode.finish == "stop" for episode in episodes)
+    # each turn's prompt is prefilled or read from the prefix cache, token for token
+    metrics = run.last_metrics
+    assert metrics["rollout/prefill_tokens"] + metrics["rollout/prefix_cache_hit_tokens"] == len(
+        sum(seen, [])
+    )
     for episode in episodes:  # every prompt the engine saw is a prefix of the episode's final sequence
         full = episode.prompt_ids + episode.ids
         assert len({tuple(prompt) for prompt in seen if prompt == full[: len(prompt)]}) == 3

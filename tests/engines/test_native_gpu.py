@@ -182,3 +182,30 @@ def test_memory_fraction_sizes_cache_and_sleep_frees_it():
     assert torch.cuda.memory_allocated() < taken - 2**20
     native.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=4))
     assert native.runner.awake
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_prefix_cache_keeps_outputs_on_cuda(model_type):
+    model = tiny(model_type, device="cuda")
+    prompts = [list(range(3, 40)), [5, 6, 7] * 12, list(range(3, 40))]
+    params = SamplingParams(temperature=0, max_tokens=30, n=2, ignore_eos=True)
+    runs = []
+    for caching in (True, False):
+        config = NativeEngineConfig(
+            max_num_seqs=16, block_size=16, num_kv_blocks=64, enable_prefix_caching=caching
+        )
+        native = NativeEngine(model, config=config)
+        first = native.generate(prompts, params)
+        following = [prompt + group[0].token_ids + [9] * 7 for prompt, group in zip(prompts, first)]
+        second = native.generate(following, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        assert native.runner.use_triton and native.runner.use_graphs
+        runs.append((first, second, native.stats.prefill.num_cached_tokens))
+    (cached_first, cached_second, hits), (plain_first, plain_second, plain_hits) = runs
+    assert hits > 0 and plain_hits == 0
+    for cached, plain in ((cached_first, plain_first), (cached_second, plain_second)):
+        assert [[c.token_ids for c in group] for group in cached] == [
+            [c.token_ids for c in group] for group in plain
+        ]
+        for group, plain_group in zip(cached, plain):
+            for completion, expected in zip(group, plain_group):
+                np.testing.assert_allclose(completion.logprobs, expected.logprobs, atol=1e-4)

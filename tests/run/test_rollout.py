@@ -3,7 +3,9 @@ import torch
 
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, SamplingParams
-from grpoflow.run.rollout import Group, collate, generate_groups, reward_inputs
+from grpoflow.engines.native import NativeEngine, NativeEngineConfig
+from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model
+from grpoflow.run.rollout import Group, SingleTurn, collate, generate_groups, reward_inputs
 
 PAD = 0
 
@@ -169,3 +171,25 @@ def test_left_padding_is_recorded_for_the_batch_and_its_rows():
     assert batch.left_padded
     assert not batch.rows(0, 2).left_padded and batch.rows(1, 3).left_padded
     assert not batch.rows(2, 4).left_padded  # one prompt length: the padding column is cut away
+
+
+def test_single_turn_logs_the_engines_prefill_and_prefix_cache_counts():
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(len(tokenizer), seed=0)
+    engine = NativeEngine(model, config=NativeEngineConfig(block_size=4, max_num_seqs=4, max_model_len=64))
+    text = "a prompt of 21 chars."
+    items = [PromptItem(text, tokenizer.encode(text), {})]
+    rollout = SingleTurn(tokenizer)
+    params = SamplingParams(n=2, max_tokens=3, temperature=0)
+    rollout(engine, items, params)
+    length = len(items[0].prompt_ids)
+    assert rollout.last_metrics == {
+        "rollout/prefill_tokens": float(length),
+        "rollout/prefix_cache_hit_tokens": 0.0,
+        "rollout/prefix_cache_hit_rate": 0.0,
+    }
+    rollout(engine, items, params)  # the same prompt again: all its full blocks but the last token's
+    cached = (length - 1) // 4 * 4
+    assert rollout.last_metrics["rollout/prefix_cache_hit_tokens"] == cached > 0
+    assert rollout.last_metrics["rollout/prefill_tokens"] == length - cached
+    assert rollout.last_metrics["rollout/prefix_cache_hit_rate"] == pytest.approx(cached / length)

@@ -2,9 +2,16 @@
 
 The loop of one `generate` call is: validate, schedule a step (prefill or decode), run it,
 record the sampled tokens, until every sequence has finished. Everything that lives across
-calls is the KV cache, the step buffers and the captured graphs (the runner's); everything
-about the requests (the book and the scheduler) is built per call, so an error in one call
-leaves nothing behind for the next.
+calls is the KV cache with its prefix-cached blocks, the step buffers and the captured graphs
+(the runner's); everything about the requests (the book and the scheduler) is built per call, so
+an error in one call leaves nothing behind for the next (a failed call also empties the cache).
+
+The engine reads the policy's parameters in place, so it notices new weights itself: a parameter
+with a new address (graphs are captured again, the prefix cache is dropped) or a new version
+counter (an optimizer step, a LoRA merge, a copy in `update_weights`: the prefix cache is
+dropped). `update_weights` drops the
+prefix cache in any case, for weights changed where no counter sees it (a sharded policy
+gathered into the same storage).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from grpoflow.engines.base import Completion, EngineStats, SamplingParams
+from grpoflow.engines.base import Completion, EngineStats, PrefillStats, SamplingParams
 from grpoflow.engines.native.generic import GenericRunner
 from grpoflow.engines.native.model import FamilyModel
 from grpoflow.engines.native.requests import RequestBook
@@ -60,6 +67,7 @@ class NativeEngine:
         use_triton = on_cuda and config.use_triton and triton_available()
         self.generic = None if self.family else GenericRunner(model, config.max_num_seqs, use_triton)
         self.weights_signature = self._signature()
+        self.weights_versions = self._versions()
 
     @property
     def path(self) -> str:
@@ -113,26 +121,46 @@ class NativeEngine:
             tokenizer=self.tokenizer,
         )
         options = SamplingOptions.from_params(requests[0] if requests else SamplingParams())
+        prefill = None
         with torch.inference_mode(), _no_autocast(self.model):
-            extra = self._run_family(book, options) if self.family else self.generic.run(book, options)
+            if self.family:
+                extra, prefill = self._run_family(book, options)
+            else:
+                extra = self.generic.run(book, options)
         self.stats = EngineStats(
             num_prompt_tokens=sum(len(book.prompts[index]) for index in book.prompt_of),
             num_generated_tokens=int(book.num_generated.sum()),
             seconds=time.perf_counter() - start,
             extra=extra,
+            prefill=prefill,
         )
         return book.completions(self.policy_version)
 
-    def _run_family(self, book: RequestBook, options: SamplingOptions) -> dict[str, float]:
+    def _run_family(
+        self, book: RequestBook, options: SamplingOptions
+    ) -> tuple[dict[str, float], PrefillStats]:
         runner = self.runner
         signature = self._signature()
         if signature != self.weights_signature:
             runner.graphs.clear()  # parameters moved: graphs hold the old addresses
             self.family.refresh_fused()
-            self.weights_signature = signature
+        versions = self._versions()
+        if versions != self.weights_versions or signature != self.weights_signature:
+            runner.reset_pool()  # new values: cached keys and values are stale
+            self.weights_signature, self.weights_versions = signature, versions
+        try:
+            return self._run_steps(book, options)
+        except BaseException:
+            runner.reset_pool()  # blocks of the failed call stay held otherwise
+            raise
+
+    def _run_steps(
+        self, book: RequestBook, options: SamplingOptions
+    ) -> tuple[dict[str, float], PrefillStats]:
+        runner = self.runner
         scheduler = Scheduler(
             book,
-            runner.new_pool(),
+            runner.pool,
             max_rows=self.config.max_num_seqs,
             block_size=self.config.block_size,
             max_blocks=runner.max_blocks,
@@ -161,12 +189,14 @@ class NativeEngine:
             if launched is None or len(in_flight) > STEPS_IN_FLIGHT:
                 done, results = in_flight.popleft()
                 scheduler.finish(done, *results.wait())
-        return {
+        extra = {
             "prefill_steps": float(prefill_steps),
             "decode_steps": float(decode_steps),
             "decode_context_tokens": float(context_tokens),
             "preemptions": float(scheduler.num_preemptions),
+            "prefix_cached_blocks": float(runner.pool.num_cached),
         }
+        return extra, PrefillStats(scheduler.num_prefill_tokens, scheduler.num_cached_tokens)
 
     def _per_prompt(self, prompts, params) -> list[SamplingParams]:
         requests = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -216,10 +246,16 @@ class NativeEngine:
                 if target.data_ptr() != tensor.data_ptr():
                     target.copy_(tensor)
         self.policy_version = version
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the next prompts are prefilled whole)."""
+        if self.runner is not None:
+            self.runner.reset_pool()
 
     def sleep(self, level: int = 1) -> None:
-        """Release the KV cache, step buffers and graphs; the weights are the policy's and stay
-        (level 2 is the same as level 1)."""
+        """Release the KV cache (cached prefixes included), step buffers and graphs; the weights
+        are the policy's and stay (level 2 is the same as level 1)."""
         if self.runner is not None and self.runner.awake:
             self.runner.release()
 
@@ -230,6 +266,18 @@ class NativeEngine:
 
     def _signature(self) -> tuple[int, ...]:
         return tuple(parameter.data_ptr() for parameter in self.model.parameters())
+
+    def _versions(self) -> tuple[int, ...]:
+        """The parameters' version counters: any in-place write (an optimizer step, `copy_`)
+        moves them."""
+        return tuple(_version_of(parameter) for parameter in self.model.parameters())
+
+
+def _version_of(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor keeps no counter; nothing can write it in place
+        return -1
 
 
 @contextlib.contextmanager

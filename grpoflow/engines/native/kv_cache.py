@@ -1,10 +1,9 @@
-"""The paged KV cache: one tensor, sized from a memory budget, handed out in ref-counted blocks."""
+"""The paged KV cache: one tensor, sized from a memory budget, handed out in blocks (`block_pool`)."""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from grpoflow.engines.native.model import Shape
@@ -62,38 +61,3 @@ def allocate_cache(
         device=device,
         dtype=dtype,
     )
-
-
-class BlockPool:
-    """Free list and reference counts of the cache's blocks (host-side bookkeeping only)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.released: list[int] = []  # blocks given back, reused first
-        self.untouched = 0  # blocks [untouched, num_blocks) were never handed out (no list of them)
-        self.refs = np.zeros(num_blocks, dtype=np.int32)
-
-    @property
-    def num_free(self) -> int:
-        return len(self.released) + self.num_blocks - self.untouched
-
-    def allocate(self, count: int) -> list[int]:
-        assert count <= self.num_free, "caller checks num_free first"
-        reused = min(count, len(self.released))
-        blocks = [self.released.pop() for _ in range(reused)]
-        fresh = count - reused
-        blocks += range(self.untouched, self.untouched + fresh)
-        self.untouched += fresh
-        self.refs[blocks] = 1
-        return blocks
-
-    def share(self, blocks: list[int], times: int = 1) -> None:
-        """`times` more holders of each of `blocks`."""
-        if times and blocks:
-            self.refs[blocks] += times
-
-    def release(self, blocks: list[int]) -> None:
-        for block in blocks:
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                self.released.append(block)

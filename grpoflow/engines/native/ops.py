@@ -170,3 +170,42 @@ def prefill_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
     )
     return out.transpose(1, 2)
+
+
+def cached_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    query_positions: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """Causal attention of each item's new tokens over its keys and values in the paged cache: a
+    cached prefix and the new tokens themselves, stored before this is called.
+
+    q (G, L, Hq, D) at `query_positions` (G, L) (padding repeats the last position); caches
+    (num_blocks, Hkv, block_size, D); pages (G, P) each item's blocks in order, padded with any
+    block; lengths (G,) tokens of each item in the cache. Returns (G, L, Hq, D).
+    """
+    block_size = k_cache.shape[2]
+    position = torch.arange(pages.shape[1] * block_size, device=q.device)
+    blocks = pages[:, position // block_size]  # (G, K)
+    keys = k_cache[blocks, :, position % block_size]  # (G, K, Hkv, D)
+    values = v_cache[blocks, :, position % block_size]
+    stored = (position[None, :] < lengths[:, None])[:, :, None, None]
+    # padding pages and stale slots may hold anything, NaN included
+    keys, values = keys.masked_fill(~stored, 0), values.masked_fill(~stored, 0)
+    visible = position[None, None, :] <= query_positions[:, :, None]  # (G, L, K)
+    if window > 0:
+        visible &= position[None, None, :] > query_positions[:, :, None] - window
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=visible[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)

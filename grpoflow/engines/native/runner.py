@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from grpoflow.engines.base import NonFiniteLogits
-from grpoflow.engines.native.kv_cache import BlockPool, allocate_cache, num_blocks_for
+from grpoflow.engines.native.block_pool import BlockPool
+from grpoflow.engines.native.kv_cache import allocate_cache, num_blocks_for
 from grpoflow.engines.native.model import FamilyModel
-from grpoflow.engines.native.ops import DecodeBatch, TorchOps, prefill_attention
+from grpoflow.engines.native.ops import DecodeBatch, TorchOps, cached_prefill_attention, prefill_attention
 from grpoflow.engines.native.sampler import SamplingOptions, sample
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep
 from grpoflow.engines.native.sizing import NativeEngineConfig
@@ -91,6 +92,7 @@ class Runner:
             self.ops = TorchOps
         family.build_rotary_tables(max_model_len)
         self.cache: torch.Tensor | None = None
+        self.pool: BlockPool | None = None
         self.num_blocks = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.seen: torch.Tensor | None = None
@@ -104,6 +106,7 @@ class Runner:
         shape, device = self.family.shape, self.device
         self.num_blocks = num_blocks_for(shape, self.config, self.max_model_len, device, self.dtype)
         self.cache = allocate_cache(shape, self.num_blocks, self.block_size, device, self.dtype)
+        self.pool = BlockPool(self.num_blocks, caching=self.config.enable_prefix_caching)
         rows = self.max_rows
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         # positions, slots, context lengths, sampling keys
@@ -121,15 +124,19 @@ class Runner:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def release(self) -> None:
-        """Drop the cache, the buffers and the graphs (which point into them)."""
+        """Drop the cache (and what the pool knew of it), the buffers and the graphs (which point
+        into them)."""
         self.graphs.clear()
+        self.pool = None
         self.cache = self.input_ids = self.meta = self.block_table = self.logits = None
         self.seen = self.graph_pool = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def new_pool(self) -> BlockPool:
-        return BlockPool(self.num_blocks)
+    def reset_pool(self) -> None:
+        """Every block free and unkeyed: after new weights, or a call that failed half way."""
+        if self.pool is not None:
+            self.pool = BlockPool(self.num_blocks, caching=self.config.enable_prefix_caching)
 
     def begin(self, options: SamplingOptions) -> None:
         """Per-call state: the seen-token mask when a repetition penalty is asked for."""
@@ -139,23 +146,31 @@ class Runner:
             self.seen = torch.zeros(self.max_rows, vocab_size, dtype=torch.bool, device=self.device)
 
     def prefill(self, step: PrefillStep, keys: np.ndarray, options: SamplingOptions) -> Launched:
-        """Run the items' tokens, fork the children, sample their first tokens (C,)."""
+        """Run the items' tokens past their cached prefixes, fork the children, sample their first
+        tokens (C,)."""
         device, block_size = self.device, self.block_size
-        num_items, length = len(step.tokens), max(map(len, step.tokens))
+        starts = np.array(step.starts, dtype=np.int64)
+        lengths = np.array([len(tokens) for tokens in step.tokens], dtype=np.int64)
+        num_items, length = len(step.tokens), int((lengths - starts).max())
         ids = np.zeros((num_items, length), dtype=np.int64)
         slots = np.full((num_items, length), -1, dtype=np.int64)
-        lengths = np.array([len(tokens) for tokens in step.tokens], dtype=np.int64)
-        for item, (tokens, blocks) in enumerate(zip(step.tokens, step.blocks)):
-            position = np.arange(len(tokens))
-            ids[item, : len(tokens)] = tokens
-            slots[item, : len(tokens)] = (
+        for item, (tokens, start, blocks) in enumerate(zip(step.tokens, step.starts, step.blocks)):
+            position = np.arange(start, len(tokens))
+            ids[item, : len(position)] = tokens[start:]
+            slots[item, : len(position)] = (
                 np.array(blocks)[position // block_size] * block_size + position % block_size
             )
-        positions = np.minimum(np.arange(length)[None, :], lengths[:, None] - 1)  # (G, L)
-        last = np.arange(num_items) * length + lengths - 1
+        # (G, L); padding repeats the last position
+        positions = np.minimum(starts[:, None] + np.arange(length)[None, :], lengths[:, None] - 1)
+        last = np.arange(num_items) * length + lengths - starts - 1
         shape, family = self.family.shape, self.family
-
         positions_t, slots_t = _to(positions.reshape(-1), device), _to(slots.reshape(-1), device)
+        pages = None
+        if starts.any():  # some items read a cached prefix: attend over the cache
+            pages = np.zeros((num_items, max(map(len, step.blocks))), dtype=np.int64)
+            for item, blocks in enumerate(step.blocks):
+                pages[item, : len(blocks)] = blocks
+            pages, query_positions, lengths_t = (_to(a, device) for a in (pages, positions, lengths))
 
         def attend(index, q, k, v, qk_norm):
             caches = self.cache[index]
@@ -163,9 +178,21 @@ class Runner:
                 q, k, v, family.cos, family.sin, positions_t, slots_t, caches[0], caches[1], qk_norm
             )
             q = q.view(num_items, length, shape.num_heads, shape.head_dim)
-            k = k.view(num_items, length, shape.num_kv_heads, shape.head_dim)
-            v = v.view(num_items, length, shape.num_kv_heads, shape.head_dim)
-            out = prefill_attention(q, k, v, family.scale, family.windows[index])
+            if pages is not None:
+                out = cached_prefill_attention(
+                    q,
+                    caches[0],
+                    caches[1],
+                    pages,
+                    query_positions,
+                    lengths_t,
+                    family.scale,
+                    family.windows[index],
+                )
+            else:
+                k = k.view(num_items, length, shape.num_kv_heads, shape.head_dim)
+                v = v.view(num_items, length, shape.num_kv_heads, shape.head_dim)
+                out = prefill_attention(q, k, v, family.scale, family.windows[index])
             return out.reshape(num_items * length, shape.num_heads, shape.head_dim)
 
         logits = family.forward(_to(ids.reshape(-1), device), attend, self.ops, last_index=_to(last, device))

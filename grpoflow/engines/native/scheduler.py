@@ -6,6 +6,13 @@ its children share its full blocks and get a copy of its last, partial block. Wh
 out, the most recently admitted sequence is preempted: it frees its row and blocks and waits to
 be prefilled again from its prompt and what it has generated so far.
 
+With prefix caching (`BlockPool.caching`) an item first takes the cached blocks of its longest
+known prefix and prefills only the rest, always at least its last token (its logits are sampled).
+Its own full prompt blocks are keyed when it is admitted: their values are written by the prefill
+launched next, before any later step (or a later item of the same step, whose attention reads the
+cache after every item's keys and values are stored) reads them. A sequence's blocks filled by
+decoding are keyed when it retires, up to the last token fed to the model.
+
 Steps are scheduled one ahead of their results (the engine launches step t+1 before it reads
 step t's tokens), so the scheduler counts tokens in flight (`scheduled`) apart from tokens
 recorded, and tags each row with an epoch that changes when the row is retired or preempted:
@@ -21,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from grpoflow.engines.native.kv_cache import BlockPool
+from grpoflow.engines.native.block_pool import BlockPool, chain_keys
 from grpoflow.engines.native.requests import RequestBook
 
 
@@ -39,8 +46,11 @@ class PrefillStep:
 
     tokens: list[list[int]]
     """Token ids of each item."""
+    starts: list[int]
+    """Tokens of each item whose keys and values are already in its blocks (a cached prefix);
+    the item prefills the tokens from there."""
     blocks: list[list[int]]
-    """Cache blocks that receive each item's keys and values."""
+    """Cache blocks that hold each item's keys and values, the cached prefix's first."""
     copies: list[tuple[int, int]]
     """(source, destination) blocks to copy after the prefill: children's private last blocks."""
     child_item: np.ndarray
@@ -112,6 +122,8 @@ class Scheduler:
         self.admission: dict[int, int] = {}
         self.admitted = 0
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # tokens run through prefill steps
+        self.num_cached_tokens = 0  # tokens whose keys and values came from the prefix cache
         self.min_prefill_rows = max(1, max_rows // 8)
 
     @property
@@ -131,22 +143,31 @@ class Scheduler:
         return self._decode()
 
     def _admit(self) -> PrefillStep | None:
-        tokens, blocks, copies, child_item, child_rows = [], [], [], [], []
+        tokens, starts, blocks, copies, child_item, child_rows = [], [], [], [], [], []
         longest = 0
         while self.waiting and self.free_rows:
             item = self.waiting[0]
             count = min(len(item.sequences), len(self.free_rows))
             length = len(item.tokens)
-            num_blocks = math.ceil(length / self.block_size)
+            keys = chain_keys(item.tokens, self.block_size) if self.pool.caching else []
+            cached = self.pool.take_cached(keys[: (length - 1) // self.block_size])
+            start = len(cached) * self.block_size
+            num_blocks = math.ceil(length / self.block_size) - len(cached)
             partial = length % self.block_size != 0
             reserve = count if self.num_running or tokens else 0
-            if self.pool.num_free < num_blocks + (count - 1) * partial + reserve:
+            fits = self.pool.num_free >= num_blocks + (count - 1) * partial + reserve
+            if not fits or (
+                tokens and (len(tokens) + 1) * max(longest, length - start) > self.max_prefill_tokens
+            ):
+                self.pool.release(cached)
                 break
-            if tokens and (len(tokens) + 1) * max(longest, length) > self.max_prefill_tokens:
-                break
-            longest = max(longest, length)
-            prompt_blocks = self.pool.allocate(num_blocks)
+            longest = max(longest, length - start)
+            prompt_blocks = cached + self.pool.allocate(num_blocks)
+            self.pool.register(prompt_blocks[len(cached) :], keys[len(cached) :])
+            self.num_prefill_tokens += length - start
+            self.num_cached_tokens += start
             tokens.append(item.tokens)
+            starts.append(start)
             blocks.append(prompt_blocks)
             # The children share the prompt's full blocks; each but the first gets its own copy of
             # a partial last block.
@@ -174,6 +195,7 @@ class Scheduler:
         self.scheduled[sequences] += 1
         return PrefillStep(
             tokens=tokens,
+            starts=starts,
             blocks=blocks,
             copies=copies,
             child_item=np.array(child_item, dtype=np.int64),
@@ -252,6 +274,8 @@ class Scheduler:
         self.num_waiting += 1
 
     def _retire(self, row: int) -> None:
+        if self.pool.caching:
+            self._register_written(row)
         self.pool.release(self.row_blocks[row])
         self.row_blocks[row] = []
         self.row_num_blocks[row] = 0
@@ -259,6 +283,15 @@ class Scheduler:
         self.row_epoch[row] += 1
         del self.admission[row]
         heapq.heappush(self.free_rows, row)
+
+    def _register_written(self, row: int) -> None:
+        """Key the row's full blocks whose values are final: every token up to the last recorded
+        one, which (like any token in flight after it) may not have been fed to the model."""
+        sequence = int(self.row_sequence[row])
+        tokens = self.book.sequence_tokens(sequence)
+        num_full = (len(tokens) - 1) // self.block_size
+        blocks = self.row_blocks[row][:num_full]
+        self.pool.register(blocks, chain_keys(tokens, self.block_size, len(blocks)))
 
     def finish(self, step: PrefillStep | DecodeStep, tokens: np.ndarray, logprobs: np.ndarray) -> None:
         """Record a step's tokens (indexed like step.rows for a prefill, by row for a decode),

@@ -30,6 +30,11 @@ class NativeEngineConfig(EngineConfig):
     their identity; done once, when the engine is built) so that each group runs as one product."""
     force_generic: bool = False
     """Run every model through the generic path (the HF module with its own cache)."""
+    enable_prefix_caching: bool = True
+    """Keep the KV blocks of prompts and completions across generate calls, keyed by their
+    tokens, so a prompt that starts with a cached prefix (a GRPO group's shared prompt, a
+    multi-turn episode's earlier turns) prefills only the rest; dropped when the weights change,
+    on sleep and by `reset_prefix_cache` (family path only)."""
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
