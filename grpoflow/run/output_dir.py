@@ -33,8 +33,9 @@ logger = logging.getLogger("grpoflow")
 RUN_FILE = "run.json"
 LOG_FILES = ("metrics.jsonl", "completions.jsonl")
 """Files of one row per logged step, each row with its `step`."""
-RUN_FILES = (RUN_FILE, *LOG_FILES, "runs")
-"""What a run writes into its output directory besides checkpoints (`runs` is TensorBoard's)."""
+RUN_FILES = (RUN_FILE, *LOG_FILES, "runs", "report.html")
+"""What a run writes into its output directory besides checkpoints (`runs` is TensorBoard's,
+`report.html` the run report's)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from helpers.support import recipe
 from grpoflow import cli
 from grpoflow.run.build import run
 from grpoflow.run.failures import RunStopped
+from grpoflow.run.output_dir import claim_output_dir
 from grpoflow.run.report import REPORT_FILE, write_at_end, write_report
 from grpoflow.run.report.plots import PLOTS
 from grpoflow.run.report.run_files import read_metrics, read_samples
@@ -190,6 +191,13 @@ def test_a_run_stopped_early_still_gets_its_report(tmp_path):
         run(config)
     page = read_page(tmp_path / "run" / REPORT_FILE)
     assert page.summary["reward"][2] == "2" and "grad_norm" in page.plots
+
+
+def test_a_new_run_in_the_directory_discards_the_old_report(tmp_path):
+    directory = write_run(tmp_path / "run", [{"step": 1, "reward": 0.5}])
+    (directory / REPORT_FILE).write_text("<html></html>")
+    claim = claim_output_dir(directory, None, overwrite=True)
+    assert directory / REPORT_FILE in claim.discard
 
 
 def test_a_line_cut_short_by_a_running_run_is_skipped(tmp_path):
