@@ -30,7 +30,6 @@ class PlotSpec:
     ylabel: str = ""
     style: Literal["lines", "stacked"] = "lines"
     """lines: one line per metric; stacked: areas stacked per step (parts of a whole)."""
-    log_scale: bool = False
     total: str | None = None
     """A metric drawn as a line over a stack: the whole its parts add up to (or overlap in)."""
 
@@ -138,8 +137,6 @@ def draw_png(spec: PlotSpec, series: Sequence[Series], total: Series | None = No
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     if spec.ylabel:
         axes.set_ylabel(spec.ylabel)
-    if spec.log_scale:
-        axes.set_yscale("log")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8, loc="best")  # names the metric even when one is drawn (memory/...)
     buffer = io.BytesIO()
