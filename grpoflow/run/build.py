@@ -286,7 +286,7 @@ def run(config: GRPOConfig, trainer: GRPOTrainer | None = None) -> list[dict[str
         if metrics_logger is not None:
             metrics_logger.close()
         trainer.close()
-        # Finished or stopped (max_steps, a health check), the run gets its report; not when the
-        # user interrupts it (`grpoflow report OUTPUT_DIR` writes it then).
+        # Finished, or stopped early (a health check, failing rewards), the run gets its report;
+        # not when the user interrupts it (`grpoflow report OUTPUT_DIR` writes it then).
         if metrics_logger is not None and config.log.html_report and not interrupted:
             report.write_at_end(config.training.output_dir)
