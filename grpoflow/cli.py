@@ -1,5 +1,5 @@
-"""`grpoflow train`, `grpoflow eval`, `grpoflow export`, `grpoflow serve` (and the commands that grow
-beside them)."""
+"""`grpoflow train`, `grpoflow eval`, `grpoflow export`, `grpoflow report`, `grpoflow serve` (and the
+commands that grow beside them)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ EVAL_HELP = (
     "num_generations_eval samples per prompt with the run's engine, rewards and agent options; prints "
     "pass@k, maj@k, avg@n, each reward's mean, lengths and tokens/s, and writes eval_results.json and "
     "eval_completions.jsonl into --output_dir (default outputs/eval). Takes train's options."
+)
+REPORT_HELP = (
+    "Write a run's report: one self-contained HTML file with plots of its metrics (reward, each "
+    "reward function, evaluation, KL, entropy, lengths, clip and importance ratios, gradient norm, "
+    "learning rate, time per phase, tokens/s, memory) and its highest- and lowest-advantage sample "
+    "completions at a few steps. Works on a finished or a running run; needs matplotlib "
+    "(pip install 'grpoflow[report]')."
 )
 SERVE_HELP = (
     "Serve a model for rollouts over vLLM's HTTP protocol (/v1/completions, /v1/chat/completions, "
@@ -214,6 +221,24 @@ def export(argv: list[str]) -> int:
     return 0
 
 
+def report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="grpoflow report", description=REPORT_HELP)
+    parser.add_argument("output_dir", metavar="OUTPUT_DIR", help="the output_dir of a run")
+    parser.add_argument(
+        "--output", metavar="FILE", help="where the HTML goes (default: OUTPUT_DIR/report.html)"
+    )
+    args = parser.parse_args(argv)
+    from grpoflow.run.report import write_report
+
+    try:
+        written = write_report(args.output_dir, args.output)
+    except (ValueError, ImportError) as error:
+        print(f"grpoflow report: {error}", file=sys.stderr)
+        return 2
+    print(written.summary())
+    return 0
+
+
 def serve(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="grpoflow serve", description=SERVE_HELP)
     if not argv:
@@ -239,11 +264,12 @@ def serve(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "eval": evaluate, "export": export, "serve": serve}
+COMMANDS = {"train": train, "eval": evaluate, "export": export, "report": report, "serve": serve}
 USAGE = (
     "usage: grpoflow {train} [options]   (grpoflow train --help)\n"
     "       grpoflow {eval} --model MODEL_OR_CHECKPOINT --eval_dataset DATA --reward_funcs ... [options]\n"
     "       grpoflow {export} --checkpoint DIR --output OUT [--base MODEL]\n"
+    "       grpoflow {report} OUTPUT_DIR [--output FILE]\n"
     "       grpoflow {serve} --model MODEL [--engine native|hf|vllm] [--port 8000] ...   (grpoflow serve --help)"
 )
 

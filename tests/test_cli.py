@@ -132,7 +132,17 @@ def test_an_interrupted_run_says_where_it_stopped_and_how_to_resume(tmp_path):
 def test_the_last_line_counts_reward_errors(tmp_path, capsys):
     plugin = tmp_path / "plugin.py"
     plugin.write_text("def broken(completions, **kwargs):\n    raise RuntimeError('down')\n")
-    argv = ["train", "--max_steps", "1", "--output_dir", str(tmp_path / "run"), "--report_to", "none"]
+    argv = [
+        "train",
+        "--max_steps",
+        "1",
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--report_to",
+        "none",
+        "--html_report",
+        "false",
+    ]
     assert cli.main([*argv, "--reward_funcs", "echo", f"{plugin}:broken", "--disable_tqdm", "true"]) == 0
     assert "reward errors (logged as warnings)" in capsys.readouterr().out
 
@@ -151,7 +161,17 @@ def test_a_reward_failing_on_every_sample_stops_the_run_with_a_checkpoint(tmp_pa
     plugin = tmp_path / "plugin.py"
     plugin.write_text("def broken(completions, **kwargs):\n    raise RuntimeError('service down')\n")
     output = tmp_path / "run"
-    argv = ["train", "--max_steps", "10", "--output_dir", str(output), "--report_to", "none"]
+    argv = [
+        "train",
+        "--max_steps",
+        "10",
+        "--output_dir",
+        str(output),
+        "--report_to",
+        "none",
+        "--html_report",
+        "false",
+    ]
     argv += ["--reward_funcs", "echo", f"{plugin}:broken", "--disable_tqdm", "true"]
     assert cli.main([*argv, "--max_consecutive_reward_failures", "3"]) == 1
     message = capsys.readouterr().err.strip().splitlines()[-1]

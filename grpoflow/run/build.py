@@ -23,7 +23,7 @@ from grpoflow.policy import lora, placement
 from grpoflow.policy.loading import load_checkpoint_weights, reference_model, resolve_device
 from grpoflow.policy.offload import OptimizerOffload
 from grpoflow.rewards import RewardRunner
-from grpoflow.run import checkpoint, infer_workers
+from grpoflow.run import checkpoint, infer_workers, report
 from grpoflow.run.atropos_batches import AtroposBatches
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext, init_distributed
@@ -123,7 +123,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         trainer.batches.register(trainer.total_steps, trainer.step_count)
     distributed.barrier()  # every rank has read the directory before rank 0 changes it
     if distributed.is_main:
-        claim.apply()
+        claim.apply(settings=config.to_flat_dict())
     distributed.barrier()
     return trainer
 
@@ -267,7 +267,7 @@ def build_optimizer(
 def run(config: GRPOConfig, trainer: GRPOTrainer | None = None) -> list[dict[str, float]]:
     """Train (building the trainer unless given); the metrics of every step."""
     trainer = trainer or build_trainer(config)
-    metrics_logger = None
+    metrics_logger, interrupted = None, False
     if trainer.distributed.is_main:  # rank 0 logs the metrics averaged over ranks
         metrics_logger = MetricsLogger(
             config.training.output_dir,
@@ -279,7 +279,14 @@ def run(config: GRPOConfig, trainer: GRPOTrainer | None = None) -> list[dict[str
         )
     try:
         return trainer.train(metrics_logger)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         if metrics_logger is not None:
             metrics_logger.close()
         trainer.close()
+        # Finished, or stopped early (a health check, failing rewards), the run gets its report;
+        # not when the user interrupts it (`grpoflow report OUTPUT_DIR` writes it then).
+        if metrics_logger is not None and config.log.html_report and not interrupted:
+            report.write_at_end(config.training.output_dir)

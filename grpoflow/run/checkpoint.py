@@ -206,6 +206,7 @@ BOOKKEEPING_KEYS = frozenset(
         "log_completions",
         "report_to",
         "disable_tqdm",
+        "html_report",
         "save_steps",
         "save_total_limit",
     }

@@ -32,6 +32,9 @@ class LogConfig:
     """Metric sinks besides metrics.jsonl."""
     disable_tqdm: bool = False
     """Turn off the live progress bar."""
+    html_report: bool = True
+    """Write report.html (plots of the metrics, sample completions) into output_dir when the run
+    ends; needs matplotlib (pip install 'grpoflow[report]'). `grpoflow report` writes it any time."""
 
     def __post_init__(self) -> None:
         require(self.logging_steps > 0, "logging_steps", "> 0", self.logging_steps)

@@ -24,6 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from grpoflow.run.checkpoint import checkpoint_run_id, checkpoint_step, list_checkpoints, resolve_checkpoint
 
@@ -32,8 +33,9 @@ logger = logging.getLogger("grpoflow")
 RUN_FILE = "run.json"
 LOG_FILES = ("metrics.jsonl", "completions.jsonl")
 """Files of one row per logged step, each row with its `step`."""
-RUN_FILES = (RUN_FILE, *LOG_FILES, "runs")
-"""What a run writes into its output directory besides checkpoints (`runs` is TensorBoard's)."""
+RUN_FILES = (RUN_FILE, *LOG_FILES, "runs", "report.html")
+"""What a run writes into its output directory besides checkpoints (`runs` is TensorBoard's,
+`report.html` the run report's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +50,9 @@ class RunClaim:
     discard: list[Path] = field(default_factory=list)
     """Files of another run (or of this run past `resume_step`) deleted by `apply`."""
 
-    def apply(self) -> None:
-        """Delete what is discarded, record the run, cut its logs back to `resume_step`."""
+    def apply(self, settings: dict[str, Any] | None = None) -> None:
+        """Delete what is discarded, record the run (with its `settings`, the flat config, for
+        tools that read the directory such as its report), cut its logs back to `resume_step`."""
         for path in self.discard:
             if path.is_dir():
                 shutil.rmtree(path)
@@ -59,7 +62,9 @@ class RunClaim:
         record = {"run_id": self.run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if self.resume is not None:
             record["resumed_from"] = str(self.resume)
-        _write_atomically(self.output_dir / RUN_FILE, json.dumps(record) + "\n")
+        if settings is not None:
+            record["config"] = settings
+        _write_atomically(self.output_dir / RUN_FILE, json.dumps(record, default=str) + "\n")
         for name in LOG_FILES:
             cut_log(self.output_dir / name, self.resume_step)
 

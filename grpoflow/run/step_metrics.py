@@ -1,9 +1,10 @@
 """What a step logs about its batch: completion lengths, per-reward means, and the rows of
-completions.jsonl."""
+completions.jsonl; and about the process: its peak memory."""
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -66,3 +67,14 @@ def completion_rows(
             }
         )
     return rows
+
+
+def peak_host_memory_gib() -> float | None:
+    """The training process's peak resident memory in GiB since it started (None where the
+    platform does not report it)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20  # bytes on macOS, KiB elsewhere

@@ -45,7 +45,7 @@ from grpoflow.run.health import Finding, HealthMonitor
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.prefetch import RolloutPrefetcher
 from grpoflow.run.rollout import Rollout, ScoredBatches, ScoredGroups, SingleTurn, collate, reward_inputs
-from grpoflow.run.step_metrics import batch_metrics, completion_rows, length_columns
+from grpoflow.run.step_metrics import batch_metrics, completion_rows, length_columns, peak_host_memory_gib
 from grpoflow.run.sync_check import SyncCheck
 from grpoflow.run.update import UpdateSettings, update_policy
 from grpoflow.transport import ServerError, WeightSyncError
@@ -499,6 +499,9 @@ class GRPOTrainer:
         }
         if self.device.type == "cuda":
             metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        host_peak = peak_host_memory_gib()
+        if host_peak is not None:
+            metrics["memory/max_rss_gib"] = host_peak
         for phase, seconds in timer.seconds.items():
             metrics[f"time/{phase}"] = seconds
         if self.batches is None:

@@ -15,7 +15,12 @@ from grpoflow.tasks.relay import RelayEnvironment
 
 
 def relay(tmp_path, **overrides):
-    values = {"output_dir": str(tmp_path / "run"), "report_to": ["none"], "disable_tqdm": True}
+    values = {
+        "output_dir": str(tmp_path / "run"),
+        "report_to": ["none"],
+        "disable_tqdm": True,
+        "html_report": False,
+    }
     return load_config(RECIPES / "relay.yaml", {**values, "per_device_train_batch_size": 32, **overrides})
 
 

@@ -25,8 +25,9 @@ QUICK = {
     "max_steps": 4,
     "per_device_train_batch_size": 16,
     "save_steps": 1000,
+    "html_report": False,
 }
-"""A few small steps of the embedded default, no sinks but metrics.jsonl."""
+"""A few small steps of the embedded default, no sinks but metrics.jsonl (and no report)."""
 
 VLLM_TINY_SHAPE = dict(
     hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2, intermediate_size=256
@@ -72,6 +73,7 @@ RUN = {
     "num_iterations": 2,
     "beta": 0.05,
     "log_completions": True,
+    "html_report": False,
 }
 """A run small enough for two CPU processes: 4 steps of 2 prompts x 8 completions per rank."""
 
