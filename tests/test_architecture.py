@@ -35,7 +35,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("tasks", ("tasks",), "packaged tasks: their rows and the rewards they register"),
     ("components", ("data", "policy"), "prompts of named tasks; the policy being trained"),
     ("agents", ("agents",), "episodes of several turns: tools, environments, their token ids"),
-    ("assemblies", ("run", "server"), "one training run; `grpoflow serve`"),
+    ("serving", ("server",), "`grpoflow serve`: the policy over vLLM's HTTP protocol"),
+    ("assemblies", ("run",), "one training run (which may host the serve app for agent programs)"),
     ("cli", ("cli",), "the command line, over every assembly"),
     ("entry", ("__main__",), "`python -m grpoflow`: the command line"),
 )

@@ -1,5 +1,6 @@
-"""The agent section: what turns a single completion into an episode of several turns (option
-names follow TRL's GRPOConfig and ms-swift)."""
+"""The agent section: what turns a single completion into an episode of several turns, played by
+grpoflow (tools, an environment) or by an agent program of the user's own (option names follow
+TRL's GRPOConfig and ms-swift)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,15 @@ class AgentConfig:
     environment_timeout: float = 60.0
     """Seconds a tool call, `reset`, `respond` or `get_reward` may take; past it the episode ends
     with its error recorded (a tool's error is shown to the model instead)."""
+    agent_program: str | None = None
+    """An agent written against the `openai` client, as an import path (`pkg.module:fn`,
+    `file.py:fn`): `async def agent(client, model, row) -> float | None`, one call per episode,
+    sampling from the policy through chat completions; its return value is the episode's reward
+    (grpoflow.run.agent_programs)."""
+    agent_concurrency: int = 64
+    """Episodes of agent_program in flight at once."""
+    agent_timeout: float = 600.0
+    """Seconds one agent_program episode may take; past it the episode ends with no reward."""
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_tool_calling_iterations", "max_turn_tokens"):
@@ -61,6 +71,16 @@ class AgentConfig:
         )
         require(
             self.environment_timeout > 0, "environment_timeout", "> 0 (seconds)", self.environment_timeout
+        )
+        require(self.agent_concurrency >= 1, "agent_concurrency", ">= 1", self.agent_concurrency)
+        require(self.agent_timeout > 0, "agent_timeout", "> 0 (seconds)", self.agent_timeout)
+        require(
+            self.agent_program is None or not (self.enabled or self.rollout_func),
+            "agent_program",
+            "unset with tools, environment_factory or rollout_func",
+            self.agent_program,
+            "an agent program plays its episodes itself (its tools are its own): drop tools, "
+            "environment_factory and rollout_func, or drop agent_program",
         )
 
     @property

@@ -24,6 +24,7 @@ from grpoflow.policy.loading import load_checkpoint_weights, reference_model, re
 from grpoflow.policy.offload import OptimizerOffload
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint, infer_workers, report
+from grpoflow.run.agent_programs import AgentPrograms, program_rewards
 from grpoflow.run.atropos_batches import AtroposBatches
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext, init_distributed
@@ -58,7 +59,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         None
         if atropos
         else RewardRunner.from_config(  # first: a missing package stops here
-            config.rewards, device=device, extra=environment_rewards(environment_factory)
+            config.rewards, device=device, extra=rollout_rewards(config, environment_factory)
         )
     )
     tokenizer = config.policy.load_tokenizer()
@@ -103,6 +104,8 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         rollout=rollout,
         batches=atropos_batches(config, tokenizer) if atropos else None,
     )
+    if isinstance(rollout, AgentPrograms):
+        trainer.add_cleanup(rollout.close)
     if workers:
         trainer.add_cleanup(workers.close)
         if resume is None:  # the servers start from the model's files; the policy may differ
@@ -131,14 +134,24 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
 def build_rollout(
     config: GRPOConfig, tokenizer, environment_factory: Callable[[], Any] | Mapping | None
 ) -> Rollout:
-    """What turns a step's prompts into groups: the user's rollout_func when one is named,
-    episodes when the agent section asks for them, else one sampled completion per group member."""
-    if config.agent.rollout_func is not None:
+    """What turns a step's prompts into groups: the user's rollout_func when one is named, an agent
+    program's episodes, episodes of tools or an environment, else one sampled completion per
+    group member."""
+    agent = config.agent
+    if agent.rollout_func is not None:
         return RolloutFunction(
-            imports.load_object(config.agent.rollout_func, "rollout_func"),
+            imports.load_object(agent.rollout_func, "rollout_func"),
             tokenizer,
             SimpleNamespace(**config.to_flat_dict()),
             per_prompt_params=config.generation.engine_name == "native",
+        )
+    if agent.agent_program is not None:
+        return AgentPrograms(
+            agent,
+            tokenizer,
+            model_name=config.policy.model,
+            max_model_len=config.generation.engine.max_model_len or config.max_model_len,
+            tool_call_parser=agent.tool_call_parser,
         )
     runner = build_episode_runner(
         config.agent,
@@ -150,6 +163,15 @@ def build_rollout(
         per_prompt_params=config.generation.engine_name == "native",
     )
     return Episodes(runner, tokenizer) if runner is not None else SingleTurn(tokenizer)
+
+
+def rollout_rewards(
+    config: GRPOConfig, environment_factory: Callable[[], Any] | Mapping | None
+) -> list[tuple[str, Callable[..., Any]]]:
+    """Rewards the rollout brings beside reward_funcs: an environment's `get_reward`, what an
+    agent program returns."""
+    extra = environment_rewards(environment_factory)
+    return extra + program_rewards() if config.agent.agent_program is not None else extra
 
 
 def build_evaluator(config: GRPOConfig, trainer: GRPOTrainer, tokenizer) -> Evaluator:

@@ -289,9 +289,15 @@ class GRPOConfig:
             "pass --dataset (e.g. gsm8k, or a jsonl file)",
         )
         require(
-            bool(self.rewards.reward_funcs or self.rewards.reward_model or self.agent.environment_factory),
+            bool(
+                self.rewards.reward_funcs
+                or self.rewards.reward_model
+                or self.agent.environment_factory
+                or self.agent.agent_program
+            ),
             "reward_funcs",
-            "set (or reward_model, or an environment_factory whose environment has get_reward)",
+            "set (or reward_model, an environment_factory whose environment has get_reward, or an "
+            "agent_program)",
             [],
             "a run needs a reward: set reward_funcs (e.g. accuracy format) or reward_model",
         )
@@ -317,6 +323,18 @@ class GRPOConfig:
         )
         if self.off_policy.async_generate:
             self._validate_async()
+        require(
+            not (
+                self.agent.agent_program
+                and self.generation.engine_name == "vllm"
+                and self.vllm.vllm_tensor_parallel_size > 1
+            ),
+            "vllm_tensor_parallel_size",
+            "1 with agent_program",
+            self.vllm.vllm_tensor_parallel_size,
+            "ranks sharing a colocated vLLM engine must generate together, which an agent program's "
+            "requests cannot: use one GPU per engine, or vllm_mode: server",
+        )
         require(
             self.eval.metric_for_best_model is None or self.eval.during_training,
             "metric_for_best_model",
@@ -350,6 +368,7 @@ class GRPOConfig:
             "dynamic_sample": self.algorithm.dynamic_sample,
             "tools / environment_factory": self.agent.enabled,
             "rollout_func": self.agent.rollout_func is not None,
+            "agent_program": bool(self.agent.agent_program),
             "dataset": bool(self.data.dataset),
             "reward_funcs / reward_model": bool(self.rewards.reward_funcs or self.rewards.reward_model),
             "eval_dataset": bool(self.eval.eval_dataset),

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from grpoflow.agents.setup import environment_rewards, load_environment_factory
+from grpoflow.agents.setup import load_environment_factory
 from grpoflow.policy import lora
 from grpoflow.policy.loading import resolve_device
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
-from grpoflow.run.build import build_rollout, build_rollout_engine, seed_everything
+from grpoflow.run.build import build_rollout, build_rollout_engine, rollout_rewards, seed_everything
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.evaluation import Evaluator
@@ -45,7 +45,7 @@ def evaluate_model(config: GRPOConfig) -> dict[str, float]:
     seed_everything(config.training.seed)
     device = resolve_device(config.policy.device)
     factory = load_environment_factory(config.agent.environment_factory)
-    rewards = RewardRunner.from_config(config.rewards, device=device, extra=environment_rewards(factory))
+    rewards = RewardRunner.from_config(config.rewards, device=device, extra=rollout_rewards(config, factory))
     tokenizer = config.policy.load_tokenizer()
     data = dataclasses.replace(
         config.data,
@@ -76,9 +76,10 @@ def evaluate_model(config: GRPOConfig) -> dict[str, float]:
         engine.wake_up()
         result = evaluator(engine)
         engine.sleep()  # frees the KV cache now rather than when the engine is collected
-    close = getattr(engine, "close", None)
-    if close is not None:
-        close()
+    for part in (rollout, engine):  # an agent program's policy server, then the engine
+        close = getattr(part, "close", None)
+        if close is not None:
+            close()
     write_results(config, result.metrics, evaluator, time.perf_counter() - started)
     rows = completion_rows(result.groups, result.rewards, torch.zeros(len(result.rewards)), rewards.names)
     output = Path(config.training.output_dir)

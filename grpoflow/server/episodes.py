@@ -35,6 +35,7 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.requests import Request
 
+from grpoflow.agents.trajectory import EPISODE_HEADER
 from grpoflow.engines.base import Completion
 from grpoflow.server.errors import RequestError
 from grpoflow.server.protocol import ChatCompletionRequest
@@ -42,7 +43,6 @@ from grpoflow.server.responses import LOGPROB_FLOOR
 
 logger = logging.getLogger("grpoflow.server")
 
-EPISODE_HEADER = "X-Episode-Id"
 EPISODE_ID = re.compile(r"[A-Za-z0-9._:@-]{1,256}")
 """What an episode id may hold: it is a path segment of /v1/episodes/{id}."""
 

@@ -1,0 +1,175 @@
+"""`grpoflow serve`'s app hosted around an engine another part of the process owns: a training
+run's in-process engine, served to the run's agent programs on 127.0.0.1.
+
+uvicorn runs in a daemon thread with an event loop of its own, on a free port, behind a random API
+key. The engine is borrowed, never closed, and shared with its owner through the batcher's gate:
+`open()` lets requests reach the engine, `close()` stops new batches and returns once the running
+one has finished. The owner keeps the gate closed whenever it uses the engine itself (a weight
+update, sleep, its own generation), so the two never run the engine at once; requests arriving
+meanwhile wait for the next `open()`. The batcher's engine calls run in one worker thread that
+has the engine's CUDA device as its current device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpoflow.engines.base import RolloutEngine
+from grpoflow.server.build import eos_token_ids
+from grpoflow.server.protocol import Limits
+from grpoflow.server.service import Service
+from grpoflow.server.settings import ServeConfig
+
+logger = logging.getLogger("grpoflow.server")
+
+STARTUP_TIMEOUT_S = 60.0
+
+
+class BorrowedEngine:
+    """An engine seen through the server: every attribute is the engine's, but the server cannot
+    close it (its owner does)."""
+
+    close = None
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        object.__setattr__(self, "_engine", engine)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._engine, name, value)
+
+
+@dataclass
+class HostedServer:
+    """A running hosted server: where it listens, its key, and its gate (module docstring)."""
+
+    url: str
+    """http://127.0.0.1:PORT (the OpenAI base URL is `url + "/v1"`)."""
+    api_key: str
+    model_name: str
+    service: Service
+    server: Any
+    """The uvicorn.Server."""
+    thread: threading.Thread
+    loop: asyncio.AbstractEventLoop
+    is_open: bool = False
+
+    def open(self) -> None:
+        """Let requests reach the engine."""
+        if not self.is_open:
+            self._run(self.service.batcher.release())
+            self.is_open = True
+
+    def close(self) -> None:
+        """Start no new batch; returns once the running one has finished."""
+        if self.is_open:
+            self._run(self.service.batcher.hold())
+            self.is_open = False
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def _run(self, coroutine) -> None:
+        asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+
+def host_engine(
+    engine: RolloutEngine,
+    tokenizer,
+    model: torch.nn.Module,
+    *,
+    engine_name: str,
+    model_name: str,
+    max_model_len: int,
+    device: torch.device,
+    tool_call_parser: str = "auto",
+    max_recorded_episodes: int = 1024,
+) -> HostedServer:
+    """Serve `engine` (which generates `model`'s policy; a meta module names its parameters when
+    the engine keeps its own weights) on 127.0.0.1, its gate closed until `open()`."""
+    import uvicorn
+
+    from grpoflow.server.app import build_app
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = ServeConfig(
+        model=model_name,
+        engine=engine_name,
+        host="127.0.0.1",
+        port=port,
+        api_key=secrets.token_urlsafe(24),
+        max_model_len=max_model_len,
+        device=device.type if device.type in ("cpu", "cuda") else "auto",
+        tool_call_parser=tool_call_parser,
+        max_recorded_episodes=max_recorded_episodes,
+    )
+    output = model.get_output_embeddings()
+    limits = Limits(
+        model_name=model_name,
+        max_model_len=max_model_len,
+        vocab_size=output.weight.shape[0] if output is not None else len(tokenizer),
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        max_sequences=config.max_sequences_per_request,
+    )
+    service = Service(
+        config=config,
+        engine=BorrowedEngine(engine),
+        model=model,
+        device=device,
+        tokenizer=tokenizer,
+        limits=limits,
+    )
+    server = uvicorn.Server(uvicorn.Config(build_app(service), log_level="warning", lifespan="on"))
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(_engine_executor(device))
+    thread = threading.Thread(
+        target=_serve, args=(loop, server, sock), name="grpoflow-hosted-server", daemon=True
+    )
+    thread.start()
+    _wait_until_started(server, thread)
+    hosted = HostedServer(
+        f"http://127.0.0.1:{port}", config.api_key, model_name, service, server, thread, loop, is_open=True
+    )
+    hosted.close()
+    logger.info("serving the policy to agent programs at %s/v1", hosted.url)
+    return hosted
+
+
+def _serve(loop: asyncio.AbstractEventLoop, server, sock: socket.socket) -> None:
+    asyncio.set_event_loop(loop)
+    loop.run_until_complete(server.serve(sockets=[sock]))
+
+
+def _engine_executor(device: torch.device) -> concurrent.futures.ThreadPoolExecutor:
+    """One worker thread for the batcher's engine calls, on the engine's CUDA device."""
+
+    def on_device() -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="grpoflow-hosted-engine", initializer=on_device
+    )
+
+
+def _wait_until_started(server, thread: threading.Thread) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the policy server for agent programs did not start (see the log above)")
+        time.sleep(0.01)
