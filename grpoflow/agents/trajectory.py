@@ -44,7 +44,8 @@ class Trajectory:
     num_dropped: int
     """Recorded turns left out: they are not part of the longest chaining run."""
     truncated: bool
-    """The last kept turn hit its token limit, or the sequence was cut at max_completion_length."""
+    """The sequence reached max_completion_length (and was cut there if it ran past it). A turn
+    that ends at its own max_tokens does not truncate the episode: the program saw it and went on."""
     policy_version: int
     """The oldest policy version that sampled a kept turn."""
 
@@ -84,7 +85,6 @@ def chain_turns(turns: Sequence[Mapping[str, Any]], max_completion_length: int) 
         ids += inserted + completion
         mask += [0] * len(inserted) + [1] * len(completion)
         logprobs += [0.0] * len(inserted) + [float(value) for value in turn["completion_logprobs"]]
-    truncated = kept[-1]["finish_reason"] == "length" or len(ids) > max_completion_length
     return Trajectory(
         prompt_ids=prompt,
         ids=ids[:max_completion_length],
@@ -92,6 +92,6 @@ def chain_turns(turns: Sequence[Mapping[str, Any]], max_completion_length: int) 
         logprobs=logprobs[:max_completion_length],
         num_turns=len(kept),
         num_dropped=len(turns) - len(kept),
-        truncated=truncated,
+        truncated=len(ids) >= max_completion_length,
         policy_version=min(int(turn["policy_version"]) for turn in kept),
     )

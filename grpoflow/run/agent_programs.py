@@ -61,8 +61,9 @@ logger = logging.getLogger("grpoflow.agents")
 PROGRAM_REWARD = "agent_program"
 """The reward column of what the program returns."""
 ENDINGS = ("stop", "length", "budget", "timeout", "error")
-"""How an episode ended: its program returned (last turn stopped, or hit its token limit); a
-request past max_completion_length was refused; agent_timeout; an error or no recorded turn."""
+"""How an episode ended: its program returned (within max_completion_length, or having used all of
+it); a request past max_completion_length was refused; agent_timeout; an error or no recorded
+turn."""
 LOGGED_ERRORS = 3
 """Failed episodes logged one by one per rollout; the rest are counted."""
 
@@ -339,6 +340,8 @@ class AgentPrograms:
             texts.append(last["message"].get("content") or "")
             conversations.append([*last["messages"][len(first["messages"]) :], last["message"]])
             outcome.num_dropped = trajectory.num_dropped
+            if trajectory.truncated and outcome.ending == "stop":
+                outcome.ending = "length"
         for outcome in outcomes:
             outcome.num_turns, outcome.turns = len(outcome.turns), []
         return Group(
