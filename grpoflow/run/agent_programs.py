@@ -288,6 +288,8 @@ class AgentPrograms:
                 outcome.ending, outcome.error = "error", f"its turns could not be fetched: {error}"
             if not outcome.turns and outcome.error is None:
                 outcome.ending, outcome.error = "error", "the program made no chat completion request"
+            if outcome.error is not None:
+                outcome.reward = None  # a failed episode trains with advantage 0
             return outcome
 
     async def _run(self, endpoint: Endpoint, episode_id: str, budget, row: dict[str, Any]) -> Any:
@@ -325,7 +327,7 @@ class AgentPrograms:
         for index, trajectory in enumerate(trajectories):  # a group trains from one shared prompt
             if trajectory is not None and trajectory.prompt_ids[:1] != kept[0].prompt_ids[:1]:
                 trajectories[index] = None
-                outcomes[index].ending = "error"
+                outcomes[index].ending, outcomes[index].reward = "error", None
                 outcomes[index].error = "its first prompt shares no token with its group's first episode's"
         shared = common_prefix([t.prompt_ids for t in trajectories if t is not None])
         completions, texts, conversations = [], [], []

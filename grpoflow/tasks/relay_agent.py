@@ -30,7 +30,10 @@ async def play(client: Any, model: str, row: dict) -> float:
     scores = []
     for index, letter in enumerate(letters):
         reply = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=TURN_LENGTH, extra_body={"chat_template": CHAT_TEMPLATE}
+            model=model,
+            messages=messages,
+            max_tokens=TURN_LENGTH,
+            extra_body={"chat_template": CHAT_TEMPLATE},
         )
         text = reply.choices[0].message.content or ""
         scores.append(sum(char == letter for char in text[:TURN_LENGTH]) / TURN_LENGTH)
