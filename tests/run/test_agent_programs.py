@@ -5,6 +5,7 @@ failures, hangs, rewritten histories and spent budgets end only their own episod
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import pytest
@@ -17,11 +18,16 @@ pytest.importorskip("uvicorn")
 from helpers import agent_programs  # noqa: E402
 from helpers.native_fixtures import forward_logprobs  # noqa: E402
 
+from grpoflow import cli  # noqa: E402
 from grpoflow.agents.config import AgentConfig  # noqa: E402
+from grpoflow.cli import RECIPES  # noqa: E402
 from grpoflow.data.prompts import PromptItem  # noqa: E402
 from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpoflow.run.agent_programs import PROGRAM_REWARD, AgentPrograms, load_agent_program, program_rewards  # noqa: E402
+from grpoflow.run.build import run  # noqa: E402
+from grpoflow.run.config import load_config  # noqa: E402
+from grpoflow.run.evaluate_model import RESULTS_FILE  # noqa: E402
 from grpoflow.run.rollout import collate, reward_inputs  # noqa: E402
 
 TURN_TOKENS = 6
@@ -197,3 +203,21 @@ def test_bad_programs_are_explained(tmp_path):
         load_agent_program(f"{path}:two")
     with pytest.raises(ValueError, match="is a int, not a function"):
         load_agent_program(f"{path}:VALUE")
+
+
+@pytest.mark.slow
+def test_a_run_trains_on_an_agent_programs_episodes_and_grpoflow_eval_plays_them_too(tmp_path, capsys):
+    values = {"output_dir": str(tmp_path / "run"), "report_to": ["none"], "disable_tqdm": True}
+    values |= {"per_device_train_batch_size": 16, "max_steps": 3, "log_completions": True}
+    history = run(load_config(RECIPES / "relay-agent.yaml", values))
+    step = history[-1]
+    assert step["episodes/turns_mean"] == 3 and step["episodes/errors"] == 0
+    assert 0.5 < step["episodes/masked_token_fraction"] < 0.9 and step["time/agent"] > 0
+    assert 0 <= step["rewards/agent_program/mean"] <= 1 and math.isfinite(step["loss"])
+    row = json.loads((tmp_path / "run" / "completions.jsonl").read_text().splitlines()[0])
+    assert set(row["rewards"]) == {PROGRAM_REWARD}
+    output = tmp_path / "eval"
+    flags = ["--config", "relay-agent", "--eval_dataset", "relay#4", "--num_generations_eval", "2"]
+    assert cli.main(["eval", *flags, "--output_dir", str(output), "--report_to", "none"]) == 0
+    metrics = json.loads((output / RESULTS_FILE).read_text())["metrics"]
+    assert metrics["eval/num_prompts"] == 4 and "eval/rewards/agent_program/mean" in metrics

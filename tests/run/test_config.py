@@ -414,3 +414,40 @@ def test_total_steps_count_the_global_batch_over_ranks():
 def test_async_generation_is_refused_for_an_engine_inside_the_trainer():
     with pytest.raises(ValueError, match="async_generate needs a rollout server"):
         build(async_generate=True)
+
+
+# agent programs
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"tools": ["m:f"]}, "agent_program must be unset with tools or environment_factory"),
+        ({"environment_factory": "m:E"}, "agent_program must be unset with tools or environment_factory"),
+        ({"agent_concurrency": 0}, "agent_concurrency must be >= 1"),
+        ({"agent_timeout": 0}, "agent_timeout must be > 0"),
+        (
+            {"use_vllm": True, "vllm_tensor_parallel_size": 2},
+            "vllm_tensor_parallel_size must be 1 with agent_program",
+        ),
+        (
+            {
+                "atropos_url": "http://x",
+                "use_vllm": True,
+                "vllm_mode": "server",
+                "max_steps": 3,
+                "dataset": [],
+            },
+            "agent_program must be unset with atropos_url",
+        ),
+    ],
+)
+def test_agent_program_settings_that_cannot_work_are_refused(overrides, words):
+    with pytest.raises(ValueError, match=words):
+        build(agent_program="m:agent", **overrides)
+
+
+def test_an_agent_program_is_a_reward_of_its_own():
+    config = build(agent_program="m:agent", reward_funcs=[])
+    assert config.agent.agent_program == "m:agent" and config.agent.agent_concurrency == 64
+    assert config.agent.agent_timeout == 600.0 and not config.agent.enabled
