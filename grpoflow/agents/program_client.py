@@ -9,7 +9,8 @@ for), `max_tokens` is capped by `max_turn_tokens` and by what the episode has le
 completion, less the first turn's prompt), and a seed per turn derived from the prompt's keeps a
 seeded run reproducible. Messages, tools, `tool_choice`, stops and the chat template stay the
 program's. A request past the budget, or after the episode has ended (its timeout, the end of the
-rollout), is answered here with a 400 and never reaches the server.
+rollout), is answered here with a 400 and never reaches the server; one the server refuses for
+its context (`max_tokens` past max_model_len) spends the budget as well.
 
 Needs `openai` (and its `httpx`): import this module only when an agent program runs.
 """
@@ -90,7 +91,10 @@ class EpisodeBudget:
         return rewritten
 
     def record(self, status: int, content: bytes) -> None:
-        """Count an answered turn's tokens from its `usage`."""
+        """Count an answered turn's tokens from its `usage`; a conversation the server's context
+        cannot hold with the turn's max_tokens spends the budget too."""
+        if status == 400 and _names_max_tokens(content):
+            self.exhausted = True
         if status != 200:
             return
         try:
@@ -106,6 +110,13 @@ class EpisodeBudget:
     def _refuse(self, message: str) -> str:
         self.refusals.append(message)
         return message
+
+
+def _names_max_tokens(content: bytes) -> bool:
+    try:
+        return json.loads(content)["error"]["param"] == "max_tokens"
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _asked_max_tokens(body: dict[str, Any]) -> int | None:

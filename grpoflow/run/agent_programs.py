@@ -337,6 +337,8 @@ class AgentPrograms:
                 texts.append("")
                 conversations.append([])
                 continue
+            if outcome.ending == "budget":  # ended by the run's limits, not by the program
+                trajectory = replace(trajectory, truncated=True)
             completions.append(training_completion(trajectory, len(shared)))
             first, last = outcome.turns[0], outcome.turns[-1]
             texts.append(last["message"].get("content") or "")

@@ -65,8 +65,10 @@ def test_a_request_past_the_budget_or_after_the_end_is_refused():
     assert "this episode has ended" in budget.rewrite({})
 
 
-def test_failed_answers_are_not_counted():
+def test_failed_answers_are_not_counted_and_a_full_context_spends_the_budget():
     budget = EpisodeBudget(SAMPLING)
-    budget.record(400, b'{"error": {}}')
+    budget.record(400, b'{"error": {"param": "messages"}}')
     budget.record(200, b"not json")
-    assert budget.turns == 0 and budget.used == 0
+    assert budget.turns == 0 and budget.used == 0 and not budget.exhausted
+    budget.record(400, b'{"error": {"message": "exceed this model\'s context", "param": "max_tokens"}}')
+    assert budget.exhausted and budget.turns == 0
