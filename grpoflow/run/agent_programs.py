@@ -136,6 +136,7 @@ class AgentPrograms:
         model_name: the name the program passes as `model` to a hosted engine.
         max_model_len: the in-process engine's context.
         tool_call_parser: how the hosted server reads tool calls.
+        server_api_key: the rollout servers' API key (vllm_mode server), if they have one.
     """
 
     def __init__(
@@ -146,12 +147,14 @@ class AgentPrograms:
         model_name: str,
         max_model_len: int,
         tool_call_parser: str = "auto",
+        server_api_key: str | None = None,
     ) -> None:
         self.config, self.tokenizer = config, tokenizer
         self.program = load_agent_program(config.agent_program)
         self.asynchronous = is_async(self.program)
         self.model_name, self.max_model_len = model_name, max_model_len
         self.tool_call_parser = tool_call_parser
+        self.server_api_key = server_api_key or "EMPTY"
         self.last_metrics: dict[str, float] = {}
         self.hosted = None
         self._hosted_engine: RolloutEngine | None = None
@@ -194,7 +197,7 @@ class AgentPrograms:
         if urls:  # rollout servers: the programs sample from them directly
             for url in urls:
                 self._check_records_episodes(url)
-            return [Endpoint(url, "EMPTY", name) for url, name in zip(urls, engine.model_names)]
+            return [Endpoint(url, self.server_api_key, name) for url, name in zip(urls, engine.model_names)]
         if self._hosted_engine is not engine:
             from grpoflow.server.hosted import host_engine
 
@@ -220,7 +223,8 @@ class AgentPrograms:
             return
         import httpx
 
-        answer = httpx.get(f"{url}/v1/episodes", timeout=30)
+        headers = {"Authorization": f"Bearer {self.server_api_key}"}
+        answer = httpx.get(f"{url}/v1/episodes", headers=headers, timeout=30)
         if answer.status_code != 200:
             raise ValueError(
                 f"agent_program needs rollout servers that record agent episodes, and {url} answered "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import random
 from collections.abc import Callable, Mapping
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from grpoflow.agents.atropos import AtroposClient
 from grpoflow.agents.setup import build_episode_runner, environment_rewards, load_environment_factory
 from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
 from grpoflow.engines.colocate import ColocateLayout
+from grpoflow.engines.remote_client import API_KEY_ENV
 from grpoflow.policy import lora, placement
 from grpoflow.policy.loading import load_checkpoint_weights, reference_model, resolve_device
 from grpoflow.policy.offload import OptimizerOffload
@@ -152,6 +154,7 @@ def build_rollout(
             model_name=config.policy.model,
             max_model_len=config.generation.engine.max_model_len or config.max_model_len,
             tool_call_parser=agent.tool_call_parser,
+            server_api_key=config.remote.vllm_server_api_key or os.environ.get(API_KEY_ENV),
         )
     runner = build_episode_runner(
         config.agent,

@@ -28,15 +28,7 @@ def build_service(config: ServeConfig) -> Service:
         model, engine, device, max_model_len = _vllm_parts(config, tokenizer)
     else:
         model, engine, device, max_model_len = _in_process_parts(config, tokenizer)
-    limits = Limits(
-        model_name=config.model_name,
-        max_model_len=max_model_len,
-        vocab_size=model.get_output_embeddings().weight.shape[0],
-        eos_token_ids=eos_token_ids(model, tokenizer),
-        max_sequences=config.max_sequences_per_request,
-        max_prompt_chars=config.max_prompt_chars or 32 * max_model_len,
-        trust_request_chat_template=config.trust_request_chat_template,
-    )
+    limits = served_limits(config, model, tokenizer, max_model_len)
     logger.info(
         "serving %s as %r with the %s engine on %s, max_model_len %d",
         config.model,
@@ -47,6 +39,20 @@ def build_service(config: ServeConfig) -> Service:
     )
     return Service(
         config=config, engine=engine, model=model, device=device, tokenizer=tokenizer, limits=limits
+    )
+
+
+def served_limits(config: ServeConfig, model: torch.nn.Module, tokenizer, max_model_len: int) -> Limits:
+    """What requests to a server of `config` serving `model` may ask for."""
+    output = model.get_output_embeddings()
+    return Limits(
+        model_name=config.model_name,
+        max_model_len=max_model_len,
+        vocab_size=output.weight.shape[0] if output is not None else len(tokenizer),
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        max_sequences=config.max_sequences_per_request,
+        max_prompt_chars=config.max_prompt_chars or 32 * max_model_len,
+        trust_request_chat_template=config.trust_request_chat_template,
     )
 
 

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from grpoflow.engines.base import RolloutEngine
-from grpoflow.server.build import eos_token_ids
-from grpoflow.server.protocol import Limits
+from grpoflow.server.build import served_limits
 from grpoflow.server.service import Service
 from grpoflow.server.settings import ServeConfig
 
@@ -117,15 +116,9 @@ def host_engine(
         device=device.type if device.type in ("cpu", "cuda") else "auto",
         tool_call_parser=tool_call_parser,
         max_recorded_episodes=max_recorded_episodes,
+        trust_request_chat_template=True,  # its only clients are programs the run already runs
     )
-    output = model.get_output_embeddings()
-    limits = Limits(
-        model_name=model_name,
-        max_model_len=max_model_len,
-        vocab_size=output.weight.shape[0] if output is not None else len(tokenizer),
-        eos_token_ids=eos_token_ids(model, tokenizer),
-        max_sequences=config.max_sequences_per_request,
-    )
+    limits = served_limits(config, model, tokenizer, max_model_len)
     service = Service(
         config=config,
         engine=BorrowedEngine(engine),

@@ -422,8 +422,15 @@ def test_async_generation_is_refused_for_an_engine_inside_the_trainer():
 @pytest.mark.parametrize(
     "overrides, words",
     [
-        ({"tools": ["m:f"]}, "agent_program must be unset with tools or environment_factory"),
-        ({"environment_factory": "m:E"}, "agent_program must be unset with tools or environment_factory"),
+        ({"tools": ["m:f"]}, "agent_program must be unset with tools, environment_factory or rollout_func"),
+        (
+            {"environment_factory": "m:E"},
+            "agent_program must be unset with tools, environment_factory or rollout_func",
+        ),
+        (
+            {"rollout_func": "m:f"},
+            "agent_program must be unset with tools, environment_factory or rollout_func",
+        ),
         ({"agent_concurrency": 0}, "agent_concurrency must be >= 1"),
         ({"agent_timeout": 0}, "agent_timeout must be > 0"),
         (
