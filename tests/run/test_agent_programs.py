@@ -221,3 +221,32 @@ def test_a_run_trains_on_an_agent_programs_episodes_and_grpoflow_eval_plays_them
     assert cli.main(["eval", *flags, "--output_dir", str(output), "--report_to", "none"]) == 0
     metrics = json.loads((output / RESULTS_FILE).read_text())["metrics"]
     assert metrics["eval/num_prompts"] == 4 and "eval/rewards/agent_program/mean" in metrics
+
+
+@pytest.mark.slow
+def test_with_rollout_servers_the_programs_sample_from_them_and_their_episodes_are_taken(
+    tokenizer, model, tmp_path
+):
+    from grpoflow.engines.remote import RemoteEngine
+    from grpoflow.run.infer_workers import RolloutServers
+
+    tokenizer.save_pretrained(tmp_path / "model")
+    model.save_pretrained(tmp_path / "model")
+    with RolloutServers(["--model", str(tmp_path / "model")], [None], tmp_path / "logs") as servers:
+        servers.wait_until_healthy(120)
+        engine = RemoteEngine(servers.urls)
+        agent = rollout(tokenizer, "dispatch")
+        try:
+            (group,) = agent(
+                engine, items({"id": "remote", "question": "hi", "behaviour": "ok"}), params(1, n=2)
+            )
+        finally:
+            agent.close()
+            engine.close()
+        assert agent.hosted is None  # nothing hosted: the servers record the episodes
+        seen = agent_programs.SEEN.pop("remote")
+        assert sorted(c.token_ids for c in group.completions) == sorted(
+            turn["completion_ids"] for turn in seen
+        )
+        assert [outcome.reward for outcome in group.environments] == [0.25, 0.25]
+        assert httpx.get(f"{servers.urls[0]}/v1/episodes", timeout=10).json()["data"] == []  # taken
