@@ -44,9 +44,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from grpoflow import imports
 from grpoflow.agents.config import AgentConfig
@@ -55,6 +53,11 @@ from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, RolloutEngine, SamplingParams
 from grpoflow.run.rollout import Group
 from grpoflow.threads import in_daemon_thread
+
+if TYPE_CHECKING:
+    import httpx
+
+    from grpoflow.agents.program_client import EpisodeBudget
 
 logger = logging.getLogger("grpoflow.agents")
 
@@ -203,15 +206,11 @@ class AgentPrograms:
 
             if self.hosted is not None:
                 self.hosted.stop()
-            module = served_module(engine)
             self.hosted = host_engine(
                 engine,
                 self.tokenizer,
-                module,
-                engine_name=engine_label(engine),
                 model_name=self.model_name,
                 max_model_len=self.max_model_len,
-                device=engine_device(module),
                 tool_call_parser=self.tool_call_parser,
                 max_recorded_episodes=max(1024, 2 * self.config.agent_concurrency),
             )
@@ -255,7 +254,13 @@ class AgentPrograms:
         return played
 
     async def _play(
-        self, gate, fetcher, endpoint: Endpoint, item: PromptItem, params: SamplingParams, seed: int | None
+        self,
+        gate: asyncio.Semaphore,
+        fetcher: httpx.AsyncClient,
+        endpoint: Endpoint,
+        item: PromptItem,
+        params: SamplingParams,
+        seed: int | None,
     ) -> ProgramOutcome:
         from grpoflow.agents.program_client import EpisodeBudget, RunSampling
 
@@ -296,7 +301,9 @@ class AgentPrograms:
                 outcome.reward = None  # a failed episode trains with advantage 0
             return outcome
 
-    async def _run(self, endpoint: Endpoint, episode_id: str, budget, row: dict[str, Any]) -> Any:
+    async def _run(
+        self, endpoint: Endpoint, episode_id: str, budget: EpisodeBudget, row: dict[str, Any]
+    ) -> Any:
         from grpoflow.agents.program_client import episode_client
 
         timeout = self.config.agent_timeout
@@ -402,7 +409,9 @@ class AgentPrograms:
             )
 
 
-async def take_episode(fetcher, endpoint: Endpoint, episode_id: str) -> list[dict[str, Any]]:
+async def take_episode(
+    fetcher: httpx.AsyncClient, endpoint: Endpoint, episode_id: str
+) -> list[dict[str, Any]]:
     """An episode's recorded turns, deleted from the server; [] when it recorded none."""
     headers = {"Authorization": f"Bearer {endpoint.api_key}"}
     answer = await fetcher.get(f"{endpoint.url}/v1/episodes/{episode_id}", headers=headers)
@@ -453,31 +462,3 @@ def reward_value(value: Any) -> float | None:
 def short(row: dict[str, Any], limit: int = 200) -> str:
     text = repr(row)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def served_module(engine: RolloutEngine) -> torch.nn.Module:
-    """The module the engine generates from; for an engine with its own weights (vLLM), its model
-    on the meta device (names and shapes)."""
-    module = getattr(engine, "model", None)
-    if isinstance(module, torch.nn.Module):
-        return module
-    from grpoflow.server.vllm_backend import meta_module
-
-    return meta_module(str(engine.model_dir), trust_remote_code=False)
-
-
-def engine_device(module: torch.nn.Module) -> torch.device:
-    device = next(module.parameters()).device
-    if device.type != "meta":
-        return device
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-
-
-def engine_label(engine: RolloutEngine) -> str:
-    """The `grpoflow serve --engine` name of an in-process engine."""
-    module = type(engine).__module__
-    return next((name for name in ("vllm", "hf") if module.endswith(f".{name}")), "native")

@@ -88,27 +88,26 @@ class HostedServer:
 def host_engine(
     engine: RolloutEngine,
     tokenizer,
-    model: torch.nn.Module,
     *,
-    engine_name: str,
     model_name: str,
     max_model_len: int,
-    device: torch.device,
     tool_call_parser: str = "auto",
     max_recorded_episodes: int = 1024,
 ) -> HostedServer:
-    """Serve `engine` (which generates `model`'s policy; a meta module names its parameters when
-    the engine keeps its own weights) on 127.0.0.1, its gate closed until `open()`."""
+    """Serve `engine` as `model_name` on 127.0.0.1, its gate closed until `open()`."""
     import uvicorn
 
     from grpoflow.server.app import build_app
+
+    model = served_module(engine)
+    device = engine_device(model)
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = ServeConfig(
         model=model_name,
-        engine=engine_name,
+        engine=engine_label(engine),
         host="127.0.0.1",
         port=port,
         api_key=secrets.token_urlsafe(24),
@@ -166,3 +165,31 @@ def _wait_until_started(server, thread: threading.Thread) -> None:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the policy server for agent programs did not start (see the log above)")
         time.sleep(0.01)
+
+
+def served_module(engine: RolloutEngine) -> torch.nn.Module:
+    """The module the engine generates from; for an engine with its own weights (vLLM), its model
+    on the meta device (names and shapes)."""
+    module = getattr(engine, "model", None)
+    if isinstance(module, torch.nn.Module):
+        return module
+    from grpoflow.server.vllm_backend import meta_module
+
+    return meta_module(str(engine.model_dir), trust_remote_code=False)
+
+
+def engine_device(module: torch.nn.Module) -> torch.device:
+    device = next(module.parameters()).device
+    if device.type != "meta":
+        return device
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def engine_label(engine: RolloutEngine) -> str:
+    """The `grpoflow serve --engine` name of an in-process engine."""
+    module = type(engine).__module__
+    return next((name for name in ("vllm", "hf") if module.endswith(f".{name}")), "native")

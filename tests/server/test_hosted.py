@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 
@@ -39,15 +38,7 @@ def hosted():
     model = build_tiny_model(len(tokenizer), model_type="llama").eval()
     options = EngineOptions(engine=EngineConfig(max_model_len=256, max_num_seqs=8))
     engine = ClosingEngine(build_engine("native", model, tokenizer, options))
-    server = host_engine(
-        engine,
-        tokenizer,
-        model,
-        engine_name="native",
-        model_name="policy",
-        max_model_len=256,
-        device=torch.device("cpu"),
-    )
+    server = host_engine(engine, tokenizer, model_name="policy", max_model_len=256)
     yield server, engine
     server.stop()
 
