@@ -191,7 +191,7 @@ def build_evaluator(config: GRPOConfig, trainer: GRPOTrainer, tokenizer) -> Eval
         rewards=trainer.rewards,
         sampling=trainer.sampling,
         distributed=trainer.distributed,
-        per_prompt_seeds=trainer.per_prompt_seeds,
+        per_prompt_seeds=trainer.draws.per_prompt_seeds,
         batch_size=config.generation_batch_size,
     )
 

@@ -86,6 +86,13 @@ class EvalConfig:
             return self.greater_is_better
         return not (self.metric_for_best_model or "").endswith(("loss", "length"))
 
+    def due(self, step: int, total_steps: int, logging_steps: int) -> bool:
+        """Whether to evaluate after `step` (eval_steps, else every logging_steps, and at the end)."""
+        if self.eval_strategy == "no":
+            return False
+        every = self.eval_steps or logging_steps
+        return step % every == 0 or step == total_steps
+
     def improves(self, value: float, best: float | None) -> bool:
         """Whether metric value `value` beats `best` (None: nothing yet)."""
         if best is None:

@@ -29,6 +29,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from grpoflow.options import require
@@ -269,3 +270,18 @@ class HealthMonitor:
             if finding.action == "warn":
                 logger.warning("step %d: health check %s: %s", step, finding.check, finding.message)
         return findings
+
+
+def stop_message(stop: Finding, saved: Path, checkpoints: Mapping[int, Path]) -> str:
+    """Why the run stopped on `stop`, the checkpoint just `saved`, and the last of the run's
+    `checkpoints` (by step) taken before the problem began."""
+    good = [path for step, path in sorted(checkpoints.items()) if step < stop.since]
+    last_good = (
+        f"the last checkpoint before step {stop.since}, when it began: {good[-1]}"
+        if good
+        else f"no checkpoint precedes step {stop.since}, when it began"
+    )
+    return (
+        f"stopped at step {stop.step}: health check {stop.check} fired ({stop.message}). Checkpoint: "
+        f"{saved}; {last_good}. Set health_{stop.check}: warn (or off) to go on regardless"
+    )

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from grpoflow.algo import select_groups
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, RolloutEngine, SamplingParams, prefill_stats, prefix_cache_metrics
 
@@ -264,3 +265,23 @@ def collate(groups: Sequence[Group], pad_token_id: int, device: torch.device) ->
         left_padded=len({len(prompt) for prompt, _ in pairs}) > 1,
         loss_mask=loss_mask.to(device),
     )
+
+
+def subset_groups(scored: ScoredGroups, keep: torch.Tensor, num_generations: int) -> ScoredGroups:
+    """The groups where `keep` (num_groups,) is true, with their reward rows (errors stay with
+    the caller, which collects them once per round)."""
+    return ScoredGroups(
+        select_groups(scored.groups, keep, 1),
+        select_groups(scored.rewards, keep, num_generations),
+        rounds=scored.rounds,
+    )
+
+
+def merge_groups(
+    parts: list[ScoredGroups], num_groups: int, errors: list, rounds: int, failed: frozenset[str]
+) -> ScoredGroups:
+    """The first `num_groups` groups over `parts`, in order."""
+    groups = [group for part in parts for group in part.groups][:num_groups]
+    size = sum(len(group.completions) for group in groups)
+    rewards = torch.cat([part.rewards for part in parts])[:size]
+    return ScoredGroups(groups, rewards, errors, rounds, failed)

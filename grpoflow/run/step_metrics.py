@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
-from grpoflow.run.rollout import Group, RolloutBatch, reward_inputs
+from grpoflow.run.rollout import Group, RolloutBatch, ScoredGroups, reward_inputs
 
 
 def length_columns(batch: RolloutBatch) -> torch.Tensor:
@@ -78,3 +81,49 @@ def peak_host_memory_gib() -> float | None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**30 if sys.platform == "darwin" else peak / 2**20  # bytes on macOS, KiB elsewhere
+
+
+class Timer:
+    """Wall-clock seconds per phase of a step; `synchronize` waits for the GPU at each phase's end
+    (off in a background thread, where it would wait for the trainer's kernels too)."""
+
+    def __init__(self, synchronize: bool = True) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.synchronize = synchronize and torch.cuda.is_available()
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.synchronize:
+                torch.cuda.synchronize()
+            self.seconds[phase] += time.perf_counter() - start
+
+
+def rank_metrics(
+    scored: ScoredGroups,
+    batch: RolloutBatch,
+    timer: Timer,
+    reward_names: Sequence[str],
+    device: torch.device,
+    rollout_metrics: dict[str, float],
+) -> dict[str, float]:
+    """This rank's share of a step's metrics, to be summed, maxed or averaged over ranks: reward
+    failures, rollout tokens/s, peak memory, seconds per phase and the rollout's own metrics."""
+    rollout_seconds = max(timer.seconds["rollout"], 1e-9)
+    metrics = {
+        "rewards/num_errors": float(len(scored.errors)),
+        **{f"rewards/{name}/failed_all": float(name in scored.failed_everywhere) for name in reward_names},
+        "tokens_per_second/rollout": batch.loss_mask.sum().item() / rollout_seconds,
+    }
+    if device.type == "cuda":
+        metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    host_peak = peak_host_memory_gib()
+    if host_peak is not None:
+        metrics["memory/max_rss_gib"] = host_peak
+    for phase, seconds in timer.seconds.items():
+        metrics[f"time/{phase}"] = seconds
+    metrics.update(rollout_metrics)
+    return metrics

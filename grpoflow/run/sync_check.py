@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from grpoflow.algo import sequence_logprobs
+from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import RolloutEngine, SamplingParams
 from grpoflow.policy.placement import Placement
 
@@ -66,3 +67,10 @@ class SyncCheck:
             model.train(was_training)
         engine = torch.tensor(engine_logprobs, dtype=torch.float32)
         return (logps[0].float().cpu() - engine).abs().mean().item()
+
+
+def probe_ids(items: Sequence[PromptItem], tokenizer) -> list[int]:
+    """The prompt the weight-sync check scores: the end of the first prompt, or a fixed text."""
+    if items:
+        return items[0].prompt_ids[-32:]
+    return tokenizer("The weights of the policy and the rollout engine agree.")["input_ids"]

@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from grpoflow.algo import combine_rewards, group_advantages, overlong_mask, select_groups, zero_std_groups
-from grpoflow.data.prompts import PromptItem, PromptSampler
-from grpoflow.engines import NonFiniteLogits, RolloutEngine, SamplingParams
+from grpoflow.algo import combine_rewards, group_advantages, overlong_mask, zero_std_groups
+from grpoflow.data.prompts import PromptItem
+from grpoflow.engines import NonFiniteLogits, RolloutEngine
 from grpoflow.policy.placement import Placement
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
@@ -41,35 +38,32 @@ from grpoflow.run.failures import (
     sync_failure_message,
     sync_with_retries,
 )
-from grpoflow.run.health import Finding, HealthMonitor
+from grpoflow.run.health import Finding, HealthMonitor, stop_message
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.prefetch import RolloutPrefetcher
-from grpoflow.run.rollout import Rollout, ScoredBatches, ScoredGroups, SingleTurn, collate, reward_inputs
-from grpoflow.run.step_metrics import batch_metrics, completion_rows, length_columns, peak_host_memory_gib
-from grpoflow.run.sync_check import SyncCheck
+from grpoflow.run.prompt_draws import PromptDraws
+from grpoflow.run.rollout import (
+    Rollout,
+    ScoredBatches,
+    ScoredGroups,
+    SingleTurn,
+    collate,
+    merge_groups,
+    reward_inputs,
+    subset_groups,
+)
+from grpoflow.run.step_metrics import (
+    Timer,
+    batch_metrics,
+    completion_rows,
+    length_columns,
+    rank_metrics,
+)
+from grpoflow.run.sync_check import SyncCheck, probe_ids
 from grpoflow.run.update import UpdateSettings, update_policy
 from grpoflow.transport import ServerError, WeightSyncError
 
 logger = logging.getLogger("grpoflow")
-
-
-class Timer:
-    """Wall-clock seconds per phase of a step; `synchronize` waits for the GPU at each phase's end
-    (off in a background thread, where it would wait for the trainer's kernels too)."""
-
-    def __init__(self, synchronize: bool = True) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.synchronize = synchronize and torch.cuda.is_available()
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.synchronize:
-                torch.cuda.synchronize()
-            self.seconds[phase] += time.perf_counter() - start
 
 
 class GRPOTrainer:
@@ -121,12 +115,7 @@ class GRPOTrainer:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.placement, self.ref_placement = placement, ref_placement
         self.device = placement.device
-        self.sampler = PromptSampler(
-            len(items), seed=config.training.seed, shuffle=config.data.dataset_shuffle
-        )
         self.distributed = distributed or DistributedContext()
-        self.per_prompt_seeds = per_prompt_seeds
-        self.seed_generator = torch.Generator().manual_seed(config.training.seed)
         self.num_prompts = config.generation_batch_size // config.generation.num_generations
         self.total_steps = config.total_steps(len(items), self.distributed.world_size)
         self.step_count = 0
@@ -138,10 +127,18 @@ class GRPOTrainer:
             n=config.generation.num_generations,
             stop_token_ids=[eos] if eos is not None else [],
         )
+        self.draws = PromptDraws(
+            len(items),
+            seed=config.training.seed,
+            shuffle=config.data.dataset_shuffle,
+            sampling=self.sampling,
+            distributed=self.distributed,
+            per_prompt_seeds=per_prompt_seeds,
+        )
         copies_weights = not engine.shares_policy_weights
         sync = config.sync
         self.sync_check = (
-            SyncCheck(_probe_ids(items, tokenizer), tolerance=sync.weight_sync_check_tolerance)
+            SyncCheck(probe_ids(items, tokenizer), tolerance=sync.weight_sync_check_tolerance)
             if sync.weight_sync_check and copies_weights
             else None
         )
@@ -202,7 +199,9 @@ class GRPOTrainer:
                     raise RunStopped(
                         sync_failure_message(failure, self.step_count, retries, self.save())
                     ) from None
-                evaluated = self._evaluation_due()
+                evaluated = self.evaluator is not None and evaluation.due(
+                    self.step_count, self.total_steps, self.config.log.logging_steps
+                )
                 if evaluated:
                     metrics.update(self.evaluate())
                 history.append(metrics)
@@ -249,27 +248,9 @@ class GRPOTrainer:
         if stop is None:
             return
         saved = self.save()
-        good = [
-            path
-            for path in checkpoint.list_checkpoints(self.config.training.output_dir)
-            if checkpoint.checkpoint_step(path) < stop.since
-        ]
-        last_good = (
-            f"the last checkpoint before step {stop.since}, when it began: {good[-1]}"
-            if good
-            else (f"no checkpoint precedes step {stop.since}, when it began")
-        )
-        raise RunStopped(
-            f"stopped at step {stop.step}: health check {stop.check} fired ({stop.message}). Checkpoint: {saved}; "
-            f"{last_good}. Set health_{stop.check}: warn (or off) to go on regardless"
-        )
-
-    def _evaluation_due(self) -> bool:
-        evaluation = self.config.eval
-        if self.evaluator is None or evaluation.eval_strategy == "no":
-            return False
-        every = evaluation.eval_steps or self.config.log.logging_steps
-        return self.step_count % every == 0 or self.step_count == self.total_steps
+        output_dir = self.config.training.output_dir
+        steps = {checkpoint.checkpoint_step(path): path for path in checkpoint.list_checkpoints(output_dir)}
+        raise RunStopped(stop_message(stop, saved, steps))
 
     def _keep_if_best(self, metrics: dict[str, float], saved: Path | None) -> None:
         """Copy this step's checkpoint (saving one if the step saved none) to checkpoint-best when
@@ -343,7 +324,18 @@ class GRPOTrainer:
         self.step_count += 1
         self.num_tokens += int(all_lengths[:, 3].sum() + all_lengths[:, 2].sum())
         metrics = self.distributed.reduce_metrics(
-            {**update_metrics, **check_metrics, **self._rank_metrics(scored, batch, timer)}
+            {
+                **update_metrics,
+                **check_metrics,
+                **rank_metrics(
+                    scored,
+                    batch,
+                    timer,
+                    self.reward_names,
+                    self.device,
+                    self.rollout.last_metrics if self.batches is None else {},
+                ),
+            }
         )
         metrics.update({name: float(value) for name, value in reward_metrics.items()})
         metrics.update(batch_metrics(all_rewards, all_lengths, self.reward_names))
@@ -408,7 +400,7 @@ class GRPOTrainer:
         self.prefetcher.launch(produce, self._sampling_state())
 
     def _sampling_state(self) -> dict:
-        return {"sampler": self.sampler.state_dict(), "seed_generator": self.seed_generator.get_state()}
+        return self.draws.state_dict()
 
     def _advantages(
         self, all_rewards: torch.Tensor, scored: ScoredGroups
@@ -448,10 +440,10 @@ class GRPOTrainer:
             if share == 0:
                 break
             rounds_run += 1
-            indices, seeds = self._take_prompts(share)
+            indices, seeds = self.draws.take(share)
             items = [self.items[index] for index in indices[:missing]]
             with timer("rollout"):
-                sampling = self._sampling_for(seeds[:missing])
+                sampling = self.draws.sampling_for(seeds[:missing])
                 groups = self.rollout(self.engine, items, sampling)
             if missing == 0:
                 continue
@@ -466,47 +458,9 @@ class GRPOTrainer:
             errors.extend(scored.errors)
             flat = combine_rewards(scored.rewards, self.reward_weights)
             flat_mask = zero_std_groups(flat, g)
-            kept.append(_subset(scored, ~flat_mask, g))
-            spare.append(_subset(scored, flat_mask, g))
-        return _merge(kept + spare, self.num_prompts, errors, rounds_run, failed or frozenset())
-
-    def _take_prompts(self, count: int) -> tuple[list[int], list[int]]:
-        """This rank's next `count` prompt indices and a sampling seed for each, both sliced out
-        of the global batch's (`count * world_size`), so neither depends on the number of ranks."""
-        rank, world_size = self.distributed.rank, self.distributed.world_size
-        indices = self.sampler.take_shard(count, rank, world_size)
-        seeds = torch.randint(0, 2**62, (count * world_size,), generator=self.seed_generator)
-        return indices, seeds[rank * count : (rank + 1) * count].tolist()
-
-    def _sampling_for(self, seeds: list[int]) -> SamplingParams | list[SamplingParams]:
-        if self.per_prompt_seeds:
-            return [dataclasses.replace(self.sampling, seed=seed) for seed in seeds]
-        if self.distributed.world_size > 1 and seeds:
-            # Without a seed every rank's engine would draw the same random numbers.
-            return dataclasses.replace(self.sampling, seed=seeds[0])
-        return self.sampling
-
-    def _rank_metrics(self, scored: ScoredGroups, batch, timer: Timer) -> dict[str, float]:
-        """This rank's share of the metrics, to be summed, maxed or averaged over ranks."""
-        rollout_seconds = max(timer.seconds["rollout"], 1e-9)
-        metrics = {
-            "rewards/num_errors": float(len(scored.errors)),
-            **{
-                f"rewards/{name}/failed_all": float(name in scored.failed_everywhere)
-                for name in self.reward_names
-            },
-            "tokens_per_second/rollout": batch.loss_mask.sum().item() / rollout_seconds,
-        }
-        if self.device.type == "cuda":
-            metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        host_peak = peak_host_memory_gib()
-        if host_peak is not None:
-            metrics["memory/max_rss_gib"] = host_peak
-        for phase, seconds in timer.seconds.items():
-            metrics[f"time/{phase}"] = seconds
-        if self.batches is None:
-            metrics.update(self.rollout.last_metrics)
-        return metrics
+            kept.append(subset_groups(scored, ~flat_mask, g))
+            spare.append(subset_groups(scored, flat_mask, g))
+        return merge_groups(kept + spare, self.num_prompts, errors, rounds_run, failed or frozenset())
 
     def add_cleanup(self, function: Callable[[], None]) -> None:
         """Call `function` in `close()` (e.g. to stop rollout servers the run started)."""
@@ -543,10 +497,7 @@ class GRPOTrainer:
         self.best_metric = state.get("best_metric")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(state["sampler"])
-        if "seed_generator" in state:
-            self.seed_generator.set_state(state["seed_generator"])
-        else:
+        if not self.draws.load_state_dict(state):
             logger.warning(
                 "the checkpoint holds no sampling-seed state: sampling restarts from the run's seed"
             )
@@ -579,30 +530,3 @@ class GRPOTrainer:
 def _corrects(setting: bool | None, copies_weights: bool) -> bool:
     """Whether the importance-sampling correction applies: as set, else for engines with a copy."""
     return copies_weights if setting is None else setting
-
-
-def _probe_ids(items: list[PromptItem], tokenizer) -> list[int]:
-    """The prompt the weight-sync check scores: the end of the first prompt, or a fixed text."""
-    if items:
-        return items[0].prompt_ids[-32:]
-    return tokenizer("The weights of the policy and the rollout engine agree.")["input_ids"]
-
-
-def _subset(scored: ScoredGroups, keep: torch.Tensor, num_generations: int) -> ScoredGroups:
-    """The groups where `keep` (num_groups,) is true, with their reward rows (errors stay with
-    the caller, which collects them once per round)."""
-    return ScoredGroups(
-        select_groups(scored.groups, keep, 1),
-        select_groups(scored.rewards, keep, num_generations),
-        rounds=scored.rounds,
-    )
-
-
-def _merge(
-    parts: list[ScoredGroups], num_groups: int, errors: list, rounds: int, failed: frozenset[str]
-) -> ScoredGroups:
-    """The first `num_groups` groups over `parts`, in order."""
-    groups = [group for part in parts for group in part.groups][:num_groups]
-    size = sum(len(group.completions) for group in groups)
-    rewards = torch.cat([part.rewards for part in parts])[:size]
-    return ScoredGroups(groups, rewards, errors, rounds, failed)
