@@ -9,17 +9,19 @@ from collections.abc import Callable
 from typing import Any
 
 
+def run_into(future: concurrent.futures.Future, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Run `fn(*args, **kwargs)` into `future` (its result or its error), unless it was cancelled."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as error:
+        future.set_exception(error)
+
+
 def in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
     """Start `fn(*args, **kwargs)` in a daemon thread of its own; its future."""
     future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def target() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as error:
-            future.set_exception(error)
-
-    threading.Thread(target=target, name=f"grpoflow-{getattr(fn, '__name__', 'work')}", daemon=True).start()
+    name = f"grpoflow-{getattr(fn, '__name__', 'work')}"
+    threading.Thread(target=run_into, args=(future, fn, *args), kwargs=kwargs, name=name, daemon=True).start()
     return future

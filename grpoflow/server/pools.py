@@ -23,6 +23,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
+from grpoflow.threads import run_into
+
 T = TypeVar("T")
 
 
@@ -58,12 +60,7 @@ class DaemonPool(Executor):
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             future, fn, args, kwargs = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as error:
-                future.set_exception(error)
+            run_into(future, fn, *args, **kwargs)
 
 
 class Pools:

@@ -1,20 +1,12 @@
 import pytest
 import torch
+from helpers.native_fixtures import one_thread  # noqa: F401 (a fixture)
 
 from grpoflow.engines import EngineConfig, EngineOptions, RolloutEngine, SamplingParams, build_engine
 from grpoflow.engines.hf import HFEngine, left_pad
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model
 
 TEMPERATURE = 0.7
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models are tiny: a second thread only adds contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

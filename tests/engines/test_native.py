@@ -13,6 +13,7 @@ from helpers.native_fixtures import (
     chi_square_critical,
     forward_logprobs,
     hf_greedy,
+    one_thread,  # noqa: F401 (a fixture)
     tiny,
 )
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -23,14 +24,6 @@ from grpoflow.engines.native.sampler import SamplingOptions, filter_thresholds, 
 from grpoflow.policy.tiny import build_char_tokenizer
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(2, 40)), [3] * 17]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def engine(model, **kwargs) -> NativeEngine:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.native_fixtures import tiny
+from helpers.native_fixtures import one_thread, tiny  # noqa: F401 (a fixture)
 
 from grpoflow.engines.base import PrefillStats, SamplingParams, prefix_cache_metrics
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
@@ -17,14 +17,6 @@ from grpoflow.engines.native.ops import cached_prefill_attention, prefill_attent
 BLOCK = 4
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(2, 40)), [3] * 17]
 CACHEABLE = sum((len(prompt) - 1) // BLOCK * BLOCK for prompt in PROMPTS)  # 4 + 0 + 36 + 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

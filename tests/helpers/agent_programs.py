@@ -24,6 +24,7 @@ TOOLS = [
         },
     }
 ]
+"""One OpenAI-style tool, `add`, offered by the programs and the episode tests."""
 ARGUMENTS = {"a": 2, "b": 3}
 TEMPLATE = (
     r"{%- if tools %}{{- 's:tools' }}{%- for tool in tools %}{{- ' ' + tool.function.name }}{%- endfor %}"

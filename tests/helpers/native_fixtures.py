@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 
 from grpoflow.policy.tiny import build_tiny_model
@@ -64,3 +65,13 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 
     keep = expected_bins > 0
     statistic = ((observed_bins[keep] - expected_bins[keep]) ** 2 / expected_bins[keep]).sum().item()
     return statistic, int(keep.sum().item()) - 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The models are tiny: a second thread only adds contention on a busy machine (a module
+    importing this fixture runs its tests on one torch thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

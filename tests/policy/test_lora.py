@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("peft")
 
 from helpers import support  # noqa: E402
+from helpers.native_fixtures import one_thread  # noqa: E402, F401 (a fixture)
 
 from grpoflow import cli  # noqa: E402
 from grpoflow.algo import sequence_logprobs  # noqa: E402
@@ -32,15 +33,6 @@ LORA = {"train_type": "lora", "modules_to_save": ["model.norm"]}
 """The tiny model ties its output head to embeddings of std 0.02 and ends in an RMSNorm, so with
 those frozen its logits stay within about +-1.3: LoRA on the linear layers alone cannot move the
 policy far. Training the final norm's 64 gains beside the adapters lifts that bound."""
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model's matrices gain nothing from threads, which stall on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def recipe(tmp_path, **overrides):

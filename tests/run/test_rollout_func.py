@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.support import read_jsonl, recipe
 
 from grpoflow.agents import RolloutTrainer, generate_rollout_completions
 from grpoflow.algo.losses import policy_loss
@@ -17,7 +18,6 @@ from grpoflow.policy.tiny import build_char_tokenizer
 from grpoflow.run.build import run
 from grpoflow.run.rollout import collate, reward_inputs
 from grpoflow.run.rollout_func import RolloutFunction, check_rollout_output
-from tests.helpers.support import read_jsonl, recipe
 
 # Written as TRL's OpenEnv documentation writes a rollout function (only the import differs).
 TRL_STYLE = """

@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 import torch
+from helpers.agent_programs import TOOLS
 
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model
 from grpoflow.run.infer_workers import RolloutServers
@@ -33,20 +34,6 @@ QWEN_STYLE_TEMPLATE = (
 )
 """Qwen2.5's layout of tools, tool calls and tool answers, spelled in the character tokenizer."""
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two numbers.",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-                "required": ["a", "b"],
-            },
-        },
-    }
-]
 QUESTION = {"role": "user", "content": "What is 2 + 3?"}
 ARGUMENTS = '{"a": 2, "b": 3}'
 MAX_RECORDED = 3
