@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from helpers.environments import Shout
 
 from grpoflow.agents.config import AgentConfig
 from grpoflow.agents.render import TurnRenderer
@@ -241,20 +242,6 @@ def test_llama3_json_tool_calls_are_answered_too(tokenizer):
     ((episode,),) = run.run(engine, [chat_item(tokenizer)], SamplingParams(n=1))
     assert episode.finish == "stop" and episode.messages[1]["content"] == "9"
     assert run.last_metrics["episodes/tool_calls_mean"] == 1.0
-
-
-class Shout:
-    """A second environment class: answers the first turn in words, then ends; keeps its reset row."""
-
-    def reset(self, **row):
-        self.row, self.turns = row, 0
-
-    def respond(self, text):
-        self.turns += 1
-        return "LOUDER" if self.turns == 1 else None
-
-    def get_reward(self) -> float:
-        return float(self.turns)
 
 
 def test_each_rows_environment_column_picks_its_class_and_an_unknown_name_skips_only_its_row():

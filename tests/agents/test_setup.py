@@ -86,7 +86,7 @@ def test_an_unknown_tool_call_parser_is_named_with_the_known_ones():
 
 
 def test_a_mapping_of_environments_gives_one_reward_per_class_each_scoring_only_its_own():
-    from tests.agents.test_runner import Shout
+    from helpers.environments import Shout
 
     rewards = dict(environment_rewards({"relay": RelayEnvironment, "shout": Shout, "again": Shout}))
     assert list(rewards) == ["RelayEnvironment", "Shout"]
