@@ -187,3 +187,42 @@ def test_an_error_about_a_recipe_setting_says_where_it_came_from(tmp_path, capsy
     assert "prompt of 155 tokens > max_prompt_length=16" in message
     assert "max_prompt_length=16 set by the embedded default recipe" in message
     assert "--max_prompt_length overrides it" in message
+
+
+OPTIONAL = (
+    "httpx",
+    "openai",
+    "fastapi",
+    "uvicorn",
+    "starlette",
+    "matplotlib",
+    "vllm",
+    "peft",
+    "datasets",
+    "math_verify",
+    "atroposlib",
+    "tensorboard",
+    "trl",
+)
+"""Packages of the extras: the core (`pip install grpoflow`) has none of them."""
+
+
+@pytest.mark.slow
+def test_the_embedded_default_trains_on_the_core_dependencies_alone(tmp_path):
+    """`pip install grpoflow` without extras: `grpoflow train` runs, and the report is skipped with
+    a line saying how to get it."""
+    import subprocess
+
+    blocker = (  # a module set to None in sys.modules is one Python cannot import or find
+        "import sys\n"
+        f"sys.modules.update(dict.fromkeys({OPTIONAL!r}))\n"
+        "from grpoflow.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    flags = ["train", "--max_steps", "3", "--output_dir", str(tmp_path / "run"), "--disable_tqdm", "true"]
+    done = subprocess.run(
+        [sys.executable, "-c", blocker, *flags], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pip install 'grpoflow[report]'" in done.stderr + done.stdout
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()

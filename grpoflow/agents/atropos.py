@@ -23,8 +23,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from grpoflow.options import require
 
 logger = logging.getLogger("grpoflow.agents.atropos")
@@ -209,6 +207,8 @@ class AtroposClient:
     def __init__(self, config: AtroposConfig) -> None:
         if config.atropos_url is None:
             raise ValueError("AtroposClient needs atropos_url, the address of the trajectory API (run-api)")
+        import httpx  # the atropos extra: the core imports this module for AtroposConfig alone
+
         self.config = config
         self.url = config.atropos_url.rstrip("/")
         self.http = httpx.Client(base_url=self.url, timeout=config.atropos_timeout)
@@ -306,6 +306,8 @@ class AtroposClient:
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         """The JSON answer of one request; errors name the URL and what to do."""
+        import httpx
+
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.ConnectError:
