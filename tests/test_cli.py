@@ -33,7 +33,10 @@ def test_unknown_key_is_a_usage_error(capsys):
 
 def test_bad_value_is_a_usage_error(capsys):
     assert cli.main(["train", "--loss_type", "foo"]) == 2
-    assert "loss_type must be one of grpo, bnpo, dr_grpo, dapo" in capsys.readouterr().err
+    assert (
+        "loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo"
+        in capsys.readouterr().err
+    )
 
 
 def test_unknown_recipe_is_a_usage_error(capsys):
@@ -101,7 +104,7 @@ def test_train_help_gives_each_option_its_documentation_allowed_values_and_the_e
         cli.main(["train", "--help"])
     out = capsys.readouterr().out
     assert (
-        "--loss_type (default: 'dapo'; one of grpo, bnpo, dr_grpo, dapo)  How per-token losses are reduced."
+        "--loss_type (default: 'dapo'; one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo)  Per-token surrogate and reduction (`algo.LOSS_TYPES`)."
         in out
     )
     assert "the embedded recipe applies" in out and "max_prompt_length=16" in out

@@ -13,15 +13,21 @@ from grpoflow.algo.logprobs import (
 from grpoflow.algo.losses import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_REDUCTIONS,
+    LOSS_TYPES,
+    LossType,
     micro_batch_scale,
     policy_loss,
 )
+from grpoflow.algo.surrogates import SurrogateSettings
 
 __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_REDUCTIONS",
+    "LOSS_TYPES",
+    "LossType",
     "SAMPLING_CORRECTION_MODES",
     "SCALE_MODES",
+    "SurrogateSettings",
     "combine_rewards",
     "group_advantages",
     "group_reward_std",

@@ -1,8 +1,8 @@
-"""The clipped policy-gradient loss of GRPO, DAPO, Dr. GRPO and GSPO, as one function.
+"""The policy loss of the GRPO family: a per-token surrogate, a KL penalty, and a reduction.
 
-All variants share the PPO surrogate `-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)` per
-token and differ in the importance ratio `r` and in how per-token losses become a scalar. The math
-matches TRL 1.16's `GRPOTrainer`; where that departs from the papers:
+A `loss_type` names a surrogate (`surrogates.py`: clipped, CISPO, SAPO, VESPO) and a reduction that
+turns masked per-token losses into a scalar. The math matches TRL 1.16's `GRPOTrainer`; where that
+departs from the papers:
 
 - GRPO (`loss_type="grpo"`): per-sequence token mean, then mean over sequences, as in the paper.
   The KL penalty is Schulman's k3 estimator added to every token's loss; it is added after the
@@ -19,23 +19,35 @@ matches TRL 1.16's `GRPOTrainer`; where that departs from the papers:
   generation batch (`num_items_in_batch`), so micro-batches add up to the paper's token-level
   loss. `epsilon_high > epsilon_low` is DAPO's clip-higher. Dynamic sampling and the overlong
   filter live in `filters.py`; the overlong *reward shaping* is a reward function.
+- CISPO (`"cispo"`) and VESPO (`"vespo"`) reduce as DAPO does; SAPO (`"sapo"`) as GRPO does.
+- LUSPO (`"luspo"`): the clipped surrogate summed over each sequence's tokens, then averaged over
+  sequences, so that at sequence level each sequence weighs by its length (meant for
+  `importance_sampling_level="sequence"`).
 - GSPO (`importance_sampling_level="sequence"`): `r = exp(mean_t log(pi / pi_old))` per sequence,
   with the gradient flowing through the mean (the paper's GSPO, not GSPO-token). The per-sequence
   loss is then reduced by `loss_type` like a per-token one: "grpo" gives the paper's mean over
   sequences, while "dapo" and "bnpo" weigh each sequence by its number of tokens.
-- `delta` (INTELLECT-2's two-sided clipping) also caps `r` at `delta`, which bounds the loss of
-  tokens with negative advantage and a large ratio.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from grpoflow.algo.kl import k3_kl
+from grpoflow.algo.surrogates import (
+    Surrogate,
+    SurrogateInputs,
+    SurrogateSettings,
+    cispo,
+    clipped,
+    masked_mean,
+    sapo,
+    vespo,
+)
 
 
 def _reduce_grpo(per_token_loss: Tensor, mask: Tensor, **_) -> Tensor:
@@ -69,6 +81,10 @@ def _reduce_dapo(
     return (per_token_loss * mask).sum() / num_items.clamp(min=1.0)
 
 
+def _reduce_luspo(per_token_loss: Tensor, mask: Tensor, **_) -> Tensor:
+    return (per_token_loss * mask).sum(dim=-1).mean()
+
+
 @dataclass(frozen=True, slots=True)
 class LossReduction:
     """How one loss type turns masked per-token losses into a scalar."""
@@ -84,27 +100,52 @@ LOSS_REDUCTIONS: dict[str, LossReduction] = {
     "bnpo": LossReduction(_reduce_bnpo, global_normalizer=False),
     "dr_grpo": LossReduction(_reduce_dr_grpo, global_normalizer=True),
     "dapo": LossReduction(_reduce_dapo, global_normalizer=True),
+    "luspo": LossReduction(_reduce_luspo, global_normalizer=False),
 }
-"""Loss reductions by `loss_type`."""
+"""Loss reductions by the name of the loss type that introduced them."""
 
 
-def _reduction(loss_type: str) -> LossReduction:
-    if loss_type not in LOSS_REDUCTIONS:
-        raise ValueError(f"Unknown loss_type {loss_type!r}; known: {sorted(LOSS_REDUCTIONS)}.")
-    return LOSS_REDUCTIONS[loss_type]
+@dataclass(frozen=True, slots=True)
+class LossType:
+    """A per-token surrogate and the reduction of its per-token losses."""
+
+    surrogate: Surrogate
+    reduction: LossReduction
+    weighs_sampler_mismatch: bool = True
+    """False when the surrogate folds the sampler-mismatch weights in itself (VESPO)."""
+
+
+LOSS_TYPES: dict[str, LossType] = {
+    "grpo": LossType(clipped, LOSS_REDUCTIONS["grpo"]),
+    "bnpo": LossType(clipped, LOSS_REDUCTIONS["bnpo"]),
+    "dr_grpo": LossType(clipped, LOSS_REDUCTIONS["dr_grpo"]),
+    "dapo": LossType(clipped, LOSS_REDUCTIONS["dapo"]),
+    "luspo": LossType(clipped, LOSS_REDUCTIONS["luspo"]),
+    "cispo": LossType(cispo, LOSS_REDUCTIONS["dapo"]),
+    "sapo": LossType(sapo, LOSS_REDUCTIONS["grpo"]),
+    "vespo": LossType(vespo, LOSS_REDUCTIONS["dapo"], weighs_sampler_mismatch=False),
+}
+"""Loss types by `loss_type` name; a plugin adds one by adding an entry."""
+
+
+def _loss_type(loss_type: str) -> LossType:
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"Unknown loss_type {loss_type!r}; known: {sorted(LOSS_TYPES)}.")
+    return LOSS_TYPES[loss_type]
 
 
 def micro_batch_scale(loss_type: str, num_micro_batches: int) -> float:
     """Factor by which to multiply each micro-batch's loss before accumulating gradients.
 
-    With "dapo" and "dr_grpo" the caller passes the generation batch's totals
+    With "dapo", "dr_grpo", "cispo" and "vespo" the caller passes the generation batch's totals
     (`num_items_in_batch`, `num_sequences_in_batch`) to every micro-batch, so the micro-batch
-    losses already sum to the full-batch loss: the factor is 1. "grpo" and "bnpo" are means over
-    their micro-batch, so the factor is `1 / num_micro_batches` (exact for equal micro-batches).
+    losses already sum to the full-batch loss: the factor is 1. "grpo", "bnpo", "sapo" and "luspo"
+    are means over their micro-batch, so the factor is `1 / num_micro_batches` (exact for equal
+    micro-batches).
     """
     if num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}.")
-    return 1.0 if _reduction(loss_type).global_normalizer else 1.0 / num_micro_batches
+    return 1.0 if _loss_type(loss_type).reduction.global_normalizer else 1.0 / num_micro_batches
 
 
 def _token_log_weights(log_ratio: Tensor, mask: Tensor) -> Tensor:
@@ -121,25 +162,6 @@ IMPORTANCE_SAMPLING_LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "sequence": _sequence_log_weights,
 }
 """`(log_ratio (batch, seq), mask (batch, seq)) -> log importance weights (batch, seq) or (batch, 1)`."""
-
-
-def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean over unmasked tokens; over sequences when `values` is per sequence `(batch, 1)`."""
-    if values.size(-1) == 1 and mask.size(-1) != 1:
-        return values.mean()
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def _clip_metrics(
-    ratio: Tensor, advantages: Tensor, mask: Tensor, epsilon_low: float, epsilon_high: float
-) -> dict[str, Tensor]:
-    is_low = (ratio < 1 - epsilon_low) & (advantages < 0)
-    is_high = (ratio > 1 + epsilon_high) & (advantages > 0)
-    return {
-        "clip_ratio/low_mean": _masked_mean(is_low.float(), mask),
-        "clip_ratio/high_mean": _masked_mean(is_high.float(), mask),
-        "clip_ratio/region_mean": _masked_mean((is_low | is_high).float(), mask),
-    }
 
 
 def policy_loss(
@@ -160,8 +182,9 @@ def policy_loss(
     num_sequences_in_batch: int | None = None,
     is_weights: Tensor | None = None,
     kl_bias_correction: bool = True,
+    surrogate_settings: SurrogateSettings | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate loss plus an optional k3 KL penalty, reduced as `loss_type` says.
+    """Per-token surrogate plus an optional k3 KL penalty, reduced as `loss_type` says.
 
     Args:
         logps: `(batch, seq)` log-probabilities of the completion tokens under the policy (with grad).
@@ -171,27 +194,31 @@ def policy_loss(
         mask: `(batch, seq)`, 1 on completion tokens that count in the loss.
         ref_logps: `(batch, seq)` reference log-probabilities; required when `beta != 0`.
         beta: weight of the per-token KL penalty.
-        epsilon_low, epsilon_high: clip range `[1 - epsilon_low, 1 + epsilon_high]`.
+        epsilon_low, epsilon_high: clip range `[1 - epsilon_low, 1 + epsilon_high]` (CISPO caps
+            its weight at `epsilon_high`).
         delta: if set, the ratio is also capped at `delta` (two-sided clipping).
-        loss_type: a key of `LOSS_REDUCTIONS`.
+        loss_type: a key of `LOSS_TYPES`.
         importance_sampling_level: a key of `IMPORTANCE_SAMPLING_LEVELS` ("sequence" is GSPO).
         max_completion_length: the generation limit; required by "dr_grpo".
-        num_items_in_batch: completion tokens in the whole generation batch ("dapo");
-            defaults to `mask.sum()`.
+        num_items_in_batch: completion tokens in the whole generation batch ("dapo", "cispo",
+            "vespo"); defaults to `mask.sum()`.
         num_sequences_in_batch: completions in the whole generation batch ("dr_grpo");
             defaults to `batch`.
         is_weights: `(batch, seq)` or `(batch, 1)` importance-sampling correction weights (e.g.
             trainer-vs-sampler mismatch); they multiply the surrogate, not the KL term.
         kl_bias_correction: multiply the per-token KL by the importance ratio (TRL's
             `use_bias_correction_kl`); False gives the GRPO paper's plain k3 penalty.
+        surrogate_settings: SAPO temperatures and VESPO shape parameters; the epsilons and
+            `delta` given here take precedence over its own.
 
     Returns:
         loss: 0-dim tensor with grad.
-        metrics: 0-dim detached tensors: `clip_ratio/low_mean`, `clip_ratio/high_mean`,
-            `clip_ratio/region_mean` (token means, or sequence means at sequence level) and,
-            when `beta != 0`, `kl` (token mean of the KL term as it enters the loss, before `beta`).
+        metrics: 0-dim detached tensors: the surrogate's (`clip_ratio/{low,high,region}_mean`
+            for the clipped types, token means or sequence means at sequence level;
+            `cispo_clip_ratio`; `vespo/phi_seq_mean`) and, when `beta != 0`, `kl` (token mean of
+            the KL term as it enters the loss, before `beta`).
     """
-    reduction = _reduction(loss_type)
+    kind = _loss_type(loss_type)
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(
             f"Unknown importance_sampling_level {importance_sampling_level!r}; known: "
@@ -199,28 +226,28 @@ def policy_loss(
         )
     if beta != 0.0 and ref_logps is None:
         raise ValueError("beta != 0 adds a KL penalty to the reference model; pass ref_logps.")
+    settings = replace(
+        surrogate_settings or SurrogateSettings(),
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        delta=delta,
+    )
     mask = mask.to(logps.dtype)
     old_logps = logps.detach() if old_logps is None else old_logps
     advantages = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # (batch, 1 or seq)
 
-    log_weights = IMPORTANCE_SAMPLING_LEVELS[importance_sampling_level](logps - old_logps, mask)
-    ratio = torch.exp(log_weights)  # (batch, seq) or (batch, 1)
-    kl = None
+    log_ratio = logps - old_logps
+    ratio = torch.exp(IMPORTANCE_SAMPLING_LEVELS[importance_sampling_level](log_ratio, mask))
+    inputs = SurrogateInputs(logps, log_ratio, ratio, advantages, mask, is_weights)
+    per_token_loss, metrics = kind.surrogate(inputs, settings)  # (batch, seq) or (batch, 1)
+    if is_weights is not None and kind.weighs_sampler_mismatch:
+        per_token_loss = per_token_loss * is_weights
     if beta != 0.0:
         kl = k3_kl(logps, ref_logps) * (ratio if kl_bias_correction else 1.0)  # (batch, seq)
-    clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    if delta is not None:
-        ratio = torch.clamp(ratio, max=delta)
-    per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
-    if is_weights is not None:
-        per_token_loss = per_token_loss * is_weights
-
-    metrics = _clip_metrics(ratio, advantages, mask, epsilon_low, epsilon_high)
-    if kl is not None:
         per_token_loss = per_token_loss + beta * kl
-        metrics["kl"] = _masked_mean(kl, mask)
+        metrics["kl"] = masked_mean(kl, mask)
 
-    loss = reduction.reduce(
+    loss = kind.reduction.reduce(
         per_token_loss,
         mask,
         max_completion_length=max_completion_length,

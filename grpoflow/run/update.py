@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 
 from grpoflow.algo import (
+    SurrogateSettings,
     micro_batch_scale,
     policy_loss,
     sampling_correction,
@@ -44,8 +45,20 @@ class AlgorithmConfig:
     """Upper clamp on the unclipped ratio (two-sided clipping); off when None."""
     num_iterations: int = 1
     """Policy updates per generation batch."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """How per-token losses are reduced."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    """Per-token surrogate and reduction (`algo.LOSS_TYPES`)."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO gate temperature for tokens with positive advantage."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO gate temperature for tokens with zero or negative advantage."""
+    vespo_k_pos: float = 2.0
+    """VESPO power exponent for non-negative advantages (down-weights ratios below 1)."""
+    vespo_lambda_pos: float = 3.0
+    """VESPO decay for non-negative advantages (down-weights ratios above 1)."""
+    vespo_k_neg: float = 3.0
+    """VESPO power exponent for negative advantages."""
+    vespo_lambda_neg: float = 2.0
+    """VESPO decay for negative advantages."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide advantages by the std of the group, of the batch, or not at all."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
@@ -68,6 +81,29 @@ class AlgorithmConfig:
             self.delta is None or self.delta > 1, "delta", "> 1 (an upper bound on the ratio)", self.delta
         )
         require(self.max_resample_times >= 0, "max_resample_times", ">= 0", self.max_resample_times)
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            require(getattr(self, name) > 0, name, "> 0 (it divides the gate)", getattr(self, name))
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            require(getattr(self, name) >= 0, name, ">= 0", getattr(self, name))
+
+    def surrogate_settings(self) -> SurrogateSettings:
+        """The loss's hyperparameters as `algo.policy_loss` takes them."""
+        return SurrogateSettings(
+            epsilon_low=self.epsilon,
+            epsilon_high=self.epsilon_high or self.epsilon,
+            delta=self.delta,
+            **{name: getattr(self, name) for name in _SURROGATE_OPTIONS},
+        )
+
+
+_SURROGATE_OPTIONS = (
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -187,6 +223,7 @@ def update_policy(
     num_items = distributed.all_reduce(batch.loss_mask.sum()).clamp(min=1)
     num_micro_batches = len(parts) * distributed.world_size
     scale = micro_batch_scale(algorithm.loss_type, num_micro_batches)
+    surrogate_settings = algorithm.surrogate_settings()
     # Metrics stay on the device until the end: a float() per micro-batch would stall the GPU.
     totals: dict[str, torch.Tensor | float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
@@ -221,6 +258,7 @@ def update_policy(
                 num_items_in_batch=num_items,
                 num_sequences_in_batch=len(batch) * distributed.world_size,
                 is_weights=is_weights[index],
+                surrogate_settings=surrogate_settings,
             )
             metrics.update(correction_metrics)
             (loss * scale).backward()

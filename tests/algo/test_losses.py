@@ -5,7 +5,32 @@ import torch
 
 from grpoflow.algo import micro_batch_scale, policy_loss
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+SOFT = dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)
+VESPO = dict(vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
+
+
+def reference_token_loss(loss_type, ratio, advantage, logp, options):
+    """One token's surrogate loss, before sampler-mismatch weights and KL."""
+    eps_low, eps_high, delta = options["epsilon_low"], options["epsilon_high"], options["delta"]
+    if loss_type == "cispo":
+        return -min(ratio, eps_high) * advantage * logp
+    if loss_type == "sapo":
+        tau = SOFT["sapo_temperature_pos"] if advantage > 0 else SOFT["sapo_temperature_neg"]
+        return -4 / tau / (1 + math.exp(-tau * (ratio - 1))) * advantage
+    clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
+    capped = ratio if delta is None else min(ratio, delta)
+    return -min(capped * advantage, clipped * advantage)
+
+
+def reference_vespo_weight(log_ratios, log_is_weights, advantage):
+    """VESPO's phi(w) of one sequence, from its tokens' log-ratios and log sampler weights."""
+    log_w = sum(min(max(value, -20.0), 20.0) for value in log_ratios)
+    log_w += sum(min(max(value, math.log(1e-8)), 20.0) for value in log_is_weights)
+    log_w = min(max(log_w, math.log(1e-8)), 20.0)
+    sign = "pos" if advantage >= 0 else "neg"
+    k, lam = VESPO[f"vespo_k_{sign}"], VESPO[f"vespo_lambda_{sign}"]
+    return math.exp(lam) * math.exp(log_w) ** k * math.exp(-lam * math.exp(log_w))
 
 
 def reference_loss(tensors: dict, options: dict) -> float:
@@ -16,34 +41,45 @@ def reference_loss(tensors: dict, options: dict) -> float:
     """
     logps, old_logps, ref_logps = tensors["logps"], tensors["old_logps"], tensors["ref_logps"]
     mask, advantages, is_weights = tensors["mask"], tensors["advantages"], tensors["is_weights"]
-    eps_low, eps_high, delta, beta = (
-        options[key] for key in ("epsilon_low", "epsilon_high", "delta", "beta")
-    )
+    beta, loss_type = options["beta"], options["loss_type"]
     batch, seq = len(mask), len(mask[0])
     per_token = [[0.0] * seq for _ in range(batch)]
     for i in range(batch):
         valid = [t for t in range(seq) if mask[i][t]]
         sequence_log_ratio = sum(logps[i][t] - old_logps[i][t] for t in valid) / max(len(valid), 1)
+        phi = reference_vespo_weight(
+            [logps[i][t] - old_logps[i][t] for t in valid],
+            [math.log(w) for w in is_weights[i]] if options["is_weights"] is not None else [],
+            advantages[i],
+        )
         for t in range(seq):
             token_log_ratio = logps[i][t] - old_logps[i][t]
             ratio = math.exp(
                 sequence_log_ratio if options["importance_sampling_level"] == "sequence" else token_log_ratio
             )
-            clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
-            capped = ratio if delta is None else min(ratio, delta)
-            loss = -min(capped * advantages[i], clipped * advantages[i]) * is_weights[i][t]
+            if loss_type == "vespo":
+                loss = -phi * advantages[i] * logps[i][t]
+            else:
+                loss = reference_token_loss(loss_type, ratio, advantages[i], logps[i][t], options)
+                loss *= is_weights[i][t]
             if beta:
                 d = ref_logps[i][t] - logps[i][t]
                 loss += beta * (math.exp(d) - d - 1) * (ratio if options["kl_bias_correction"] else 1.0)
             per_token[i][t] = loss
     sums = [sum(per_token[i][t] for t in range(seq) if mask[i][t]) for i in range(batch)]
     counts = [sum(row) for row in mask]
+    sequence_mean = sum(total / max(count, 1) for total, count in zip(sums, counts)) / batch
+    global_token_mean = sum(sums) / options["num_items_in_batch"]
     return {
-        "grpo": sum(total / max(count, 1) for total, count in zip(sums, counts)) / batch,
+        "grpo": sequence_mean,
+        "sapo": sequence_mean,
         "bnpo": sum(sums) / max(sum(counts), 1),
         "dr_grpo": sum(sums) / (batch * options["max_completion_length"]),
-        "dapo": sum(sums) / options["num_items_in_batch"],
-    }[options["loss_type"]]
+        "dapo": global_token_mean,
+        "cispo": global_token_mean,
+        "vespo": global_token_mean,
+        "luspo": sum(sums) / batch,
+    }[loss_type]
 
 
 def random_inputs(batch=4, seq=6, seed=0):
@@ -148,8 +184,10 @@ def test_micro_batches_add_up_to_the_full_batch(loss_type):
 
 def test_errors_name_the_known_choices():
     logps, old_logps, ref_logps, advantages, mask = random_inputs()
-    with pytest.raises(ValueError, match=r"\['bnpo', 'dapo', 'dr_grpo', 'grpo'\]"):
-        policy_loss(logps, old_logps, advantages, mask, loss_type="cispo")
+    with pytest.raises(
+        ValueError, match=r"\['bnpo', 'cispo', 'dapo', 'dr_grpo', 'grpo', 'luspo', 'sapo', 'vespo'\]"
+    ):
+        policy_loss(logps, old_logps, advantages, mask, loss_type="ppo")
     with pytest.raises(ValueError, match=r"\['sequence', 'token'\]"):
         policy_loss(logps, old_logps, advantages, mask, importance_sampling_level="seq")
     with pytest.raises(ValueError, match="ref_logps"):
@@ -157,7 +195,7 @@ def test_errors_name_the_known_choices():
     with pytest.raises(ValueError, match="max_completion_length"):
         policy_loss(logps, old_logps, advantages, mask, loss_type="dr_grpo")
     with pytest.raises(ValueError, match="known"):
-        micro_batch_scale("sapo", 2)
+        micro_batch_scale("ppo", 2)
 
 
 @pytest.mark.parametrize("kl_bias_correction", [True, False])
@@ -182,3 +220,43 @@ def test_on_policy_kl_gradient_closed_form(kl_bias_correction):
     expected = (1 - torch.exp(d) + (k3 if kl_bias_correction else 0)) / 2
     torch.testing.assert_close(logps.grad, expected)
     torch.testing.assert_close(metrics["kl"], k3.mean())
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "normalizer"),
+    [("grpo", [6, 2]), ("sapo", [6, 2]), ("cispo", [4, 4]), ("vespo", [4, 4]), ("luspo", [2, 2])],
+)
+def test_on_policy_gradient_is_the_plain_policy_gradient(loss_type, normalizer):
+    # At ratio 1 every surrogate's gradient is -A_i / normalizer: the clip is inactive, CISPO's
+    # weight is min(1, epsilon_high) = 1, SAPO's gate has slope 4 * sigmoid'(0) = 1 and VESPO's phi(1) = 1.
+    logps = torch.tensor([[-0.3, -1.2, -0.7], [-2.0, -0.1, -0.5]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    advantages = torch.tensor([1.0, -2.0])
+    loss, _ = policy_loss(logps, None, advantages, mask, loss_type=loss_type, epsilon_high=1.5)
+    loss.backward()
+    expected = -advantages.unsqueeze(1) / torch.tensor(normalizer).unsqueeze(1) * mask
+    torch.testing.assert_close(logps.grad, expected.float())
+
+
+def test_cispo_weight_is_capped_and_carries_no_gradient():
+    old_logps = torch.zeros(1, 2)
+    logps = torch.log(torch.tensor([[0.5, 4.0]])).requires_grad_()
+    loss, metrics = policy_loss(
+        logps, old_logps, torch.ones(1), torch.ones(1, 2), loss_type="cispo", epsilon_high=2.0
+    )
+    loss.backward()
+    # weights min(r, 2) = [0.5, 2], detached: d/dlogp = -weight * A / num_tokens
+    torch.testing.assert_close(logps.grad, torch.tensor([[-0.25, -1.0]]))
+    assert metrics["cispo_clip_ratio"].item() == pytest.approx(0.5)
+
+
+def test_sapo_gate_fades_away_from_ratio_one():
+    old_logps = torch.zeros(1, 3)
+    logps = torch.log(torch.tensor([[1.0, 2.0, 6.0]])).requires_grad_()
+    loss, _ = policy_loss(logps, old_logps, torch.ones(1), torch.ones(1, 3), loss_type="sapo")
+    loss.backward()
+    # d/dlogp of -4 sigmoid(r - 1) A / 3 is -4 sigmoid'(r - 1) r / 3
+    ratio = torch.tensor([1.0, 2.0, 6.0])
+    slope = torch.sigmoid(ratio - 1) * (1 - torch.sigmoid(ratio - 1))
+    torch.testing.assert_close(logps.grad, (-4 * slope * ratio / 3).unsqueeze(0))
+    assert logps.grad[0, 2].abs() < 0.1 < logps.grad[0, 0].abs()

@@ -9,10 +9,19 @@ padding, while `sequence_logprobs` numbers them from the attention mask.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 
-from grpoflow.algo import combine_rewards, group_advantages, micro_batch_scale, policy_loss, sequence_logprobs
+from grpoflow.algo import (
+    SurrogateSettings,
+    combine_rewards,
+    group_advantages,
+    micro_batch_scale,
+    policy_loss,
+    sequence_logprobs,
+)
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -100,7 +109,19 @@ LOSS_CASES = {
     "gspo-dapo-kl": dict(loss_type="dapo", importance_sampling_level="sequence", beta=0.05, epsilon=0.05),
     "dapo-delta": dict(loss_type="dapo", delta=1.25),
     "dapo-is-weights": dict(loss_type="dapo", beta=0.05),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.5),
+    "cispo-kl": dict(loss_type="cispo", beta=0.05, epsilon_high=1.5),
+    "sapo": dict(loss_type="sapo"),
+    "sapo-kl-temperatures": dict(
+        loss_type="sapo", beta=0.05, sapo_temperature_pos=0.8, sapo_temperature_neg=2.0
+    ),
+    "luspo-kl": dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.05, epsilon=0.05),
+    "vespo": dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_neg=2.5),
+    "vespo-is-weights": dict(loss_type="vespo", beta=0.05),
 }
+SURROGATE_OPTIONS = [
+    field.name for field in fields(SurrogateSettings) if field.name.startswith(("sapo", "vespo"))
+]
 BATCH, PROMPT_LENGTH, COMPLETION_LENGTHS = 4, 4, [6, 4, 1, 5]
 
 
@@ -159,7 +180,7 @@ def test_loss_and_gradients_match_trl(tmp_path, tiny_checkpoint, case, num_micro
     model.train()
     # Normally set by the training loop; `_compute_loss` divides by it for grpo, bnpo and dr_grpo.
     trainer.current_gradient_accumulation_steps = num_micro_batches
-    with_is_weights = case == "dapo-is-weights"
+    with_is_weights = case.endswith("is-weights")
     if with_is_weights:
         # `_compute_loss` applies the sampler-mismatch ratio only on its vLLM path; nothing else reads these.
         trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
@@ -197,6 +218,9 @@ def test_loss_and_gradients_match_trl(tmp_path, tiny_checkpoint, case, num_micro
         num_sequences_in_batch=BATCH * num_micro_batches,
         is_weights=inputs.get("importance_sampling_ratio"),
         kl_bias_correction=trainer.args.use_bias_correction_kl,
+        surrogate_settings=SurrogateSettings(
+            **{name: getattr(trainer.args, name) for name in SURROGATE_OPTIONS}
+        ),
     )
     loss = loss * micro_batch_scale(trainer.loss_type, num_micro_batches)
     loss.backward()
@@ -208,4 +232,7 @@ def test_loss_and_gradients_match_trl(tmp_path, tiny_checkpoint, case, num_micro
         assert value.item() == pytest.approx(trl_metrics[name], abs=1e-5), name
     mask = completion_mask.float()
     assert ((entropy * mask).sum() / mask.sum()).item() == pytest.approx(trl_metrics["entropy"], abs=1e-5)
-    assert metrics["clip_ratio/region_mean"] > 0  # the inputs exercise the clipped branch
+    # the inputs exercise the clipped branch
+    clip_metric = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean"}.get(trainer.loss_type)
+    if trainer.loss_type != "sapo":
+        assert metrics[clip_metric or "clip_ratio/region_mean"] > 0

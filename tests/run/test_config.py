@@ -294,7 +294,7 @@ def test_unknown_key_without_close_match():
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"loss_type": "foo"}, "loss_type must be one of grpo, bnpo, dr_grpo, dapo; got 'foo'"),
+        ({"loss_type": "foo"}, "loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo; got 'foo'"),
         ({"scale_rewards": "std"}, "scale_rewards must be one of group, batch, none"),
         ({"num_generations": 1}, "num_generations must be >= 2"),
         ({"top_p": 0}, r"top_p must be in \(0, 1\], got 0"),
@@ -304,6 +304,8 @@ def test_unknown_key_without_close_match():
         ({"learning_rate": -1}, "learning_rate must be > 0"),
         ({"beta": -0.1}, "beta must be >= 0"),
         ({"delta": 0.5}, "delta must be > 1"),
+        ({"sapo_temperature_neg": 0}, r"sapo_temperature_neg must be > 0 \(it divides the gate\), got 0"),
+        ({"vespo_lambda_pos": -1}, "vespo_lambda_pos must be >= 0, got -1"),
         ({"max_steps": 0}, "max_steps must be > 0, or -1"),
         ({"warmup_ratio": 1.0}, r"warmup_ratio must be in \[0, 1\)"),
         ({"save_total_limit": 0}, "save_total_limit must be > 0"),
