@@ -1,6 +1,7 @@
 """The GRPO-family algorithm as pure tensor functions: advantages, log-probs, KL, losses, filters."""
 
 from grpoflow.algo.advantages import SCALE_MODES, combine_rewards, group_advantages, group_reward_std
+from grpoflow.algo.estimators import ADV_ESTIMATORS, adv_estimator, register_adv_estimator
 from grpoflow.algo.filters import overlong_mask, select_groups, zero_std_groups
 from grpoflow.algo.importance import SAMPLING_CORRECTION_MODES, sampling_correction, sampling_logp_gap
 from grpoflow.algo.kl import k3_kl
@@ -21,6 +22,7 @@ from grpoflow.algo.losses import (
 from grpoflow.algo.surrogates import SurrogateSettings
 
 __all__ = [
+    "ADV_ESTIMATORS",
     "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_REDUCTIONS",
     "LOSS_TYPES",
@@ -28,6 +30,7 @@ __all__ = [
     "SAMPLING_CORRECTION_MODES",
     "SCALE_MODES",
     "SurrogateSettings",
+    "adv_estimator",
     "combine_rewards",
     "group_advantages",
     "group_reward_std",
@@ -36,6 +39,7 @@ __all__ = [
     "overlong_mask",
     "policy_loss",
     "position_ids_from_mask",
+    "register_adv_estimator",
     "sampling_correction",
     "sampling_logp_gap",
     "select_groups",

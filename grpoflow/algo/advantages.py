@@ -48,7 +48,7 @@ def combine_rewards(rewards: Tensor, weights: Tensor) -> Tensor:
     return combined.masked_fill(all_missing, float("nan"))
 
 
-def _nan_mean_std(values: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+def nan_mean_std(values: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     """Mean and n-1 standard deviation along `dim`, ignoring NaNs (keeps `dim`).
 
     The mean of no valid values is 0 and the standard deviation of fewer than two is 0.
@@ -84,7 +84,7 @@ def group_reward_std(rewards: Tensor, num_generations: int) -> Tensor:
     Returns:
         `(num_groups,)`; 0 for a group with fewer than two valid rewards.
     """
-    _, std = _nan_mean_std(_group(rewards, num_generations), dim=1)
+    _, std = nan_mean_std(_group(rewards, num_generations), dim=1)
     return std.squeeze(1)
 
 
@@ -93,7 +93,7 @@ def _scale_by_group_std(grouped: Tensor, group_std: Tensor) -> Tensor:
 
 
 def _scale_by_batch_std(grouped: Tensor, group_std: Tensor) -> Tensor:
-    _, batch_std = _nan_mean_std(grouped.reshape(-1), dim=0)
+    _, batch_std = nan_mean_std(grouped.reshape(-1), dim=0)
     return batch_std + STD_EPSILON
 
 
@@ -162,20 +162,34 @@ def group_advantages(
     the advantages are `0.5 / (0.7071 + 1e-4) * [1, -1, -1, 1]`.
     """
     scale = _resolve_scale_mode(scale_rewards)
-    if isinstance(num_generations, int):
-        grouped, real = _group(rewards, num_generations), None  # (num_groups, G)
-    else:
-        grouped, real = _padded_groups(rewards, num_generations)
-    group_mean, group_std = _nan_mean_std(grouped, dim=1)  # (num_groups, 1) each
+    grouped, real = grouped_rewards(rewards, num_generations)  # (num_groups, G)
+    group_mean, group_std = nan_mean_std(grouped, dim=1)  # (num_groups, 1) each
     advantages = torch.nan_to_num((grouped - group_mean) / scale(grouped, group_std), nan=0.0)
     advantages = advantages.reshape(-1) if real is None else advantages[real]
+    return advantages, reward_metrics(rewards, grouped)
 
-    batch_mean, batch_std = _nan_mean_std(rewards, dim=0)
-    group_std = group_std.squeeze(1)
+
+def grouped_rewards(rewards: Tensor, num_generations: int | Sequence[int]) -> tuple[Tensor, Tensor | None]:
+    """`(batch,)` -> `(num_groups, G)`, and for groups of different sizes (padded with NaN to the
+    largest) the mask of real entries, else None."""
+    if isinstance(num_generations, int):
+        return _group(rewards, num_generations), None
+    return _padded_groups(rewards, num_generations)
+
+
+def reward_metrics(rewards: Tensor, grouped: Tensor) -> dict[str, Tensor]:
+    """The reward statistics every advantage estimator logs, detached 0-dim tensors.
+
+    Args:
+        rewards: `(batch,)`, NaN where missing.
+        grouped: the same as `(num_groups, G)`, padded with NaN.
+    """
+    batch_mean, batch_std = nan_mean_std(rewards, dim=0)
+    group_std = nan_mean_std(grouped, dim=1)[1].squeeze(1)
     metrics = {
         "reward": batch_mean.squeeze(0),
         "reward_std": batch_std.squeeze(0),
         "reward_group_std": group_std.mean(),
         "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean(),
     }
-    return advantages, {name: value.detach() for name, value in metrics.items()}
+    return {name: value.detach() for name, value in metrics.items()}

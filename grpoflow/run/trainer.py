@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from grpoflow.algo import combine_rewards, group_advantages, overlong_mask, zero_std_groups
+from grpoflow.algo import combine_rewards, overlong_mask, zero_std_groups
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import NonFiniteLogits, RolloutEngine
 from grpoflow.policy.placement import Placement
@@ -102,6 +102,7 @@ class GRPOTrainer:
         self.rollout = rollout or SingleTurn(tokenizer)
         self.engine, self.rewards, self.items, self.batches = engine, rewards, items, batches
         self.evaluator = evaluator
+        self.estimate_advantages = config.algorithm.advantage_estimator()
         self.health = HealthMonitor(config.health)
         self.best_metric: float | None = None
         """The best metric_for_best_model so far (its checkpoint is checkpoint-best)."""
@@ -410,7 +411,7 @@ class GRPOTrainer:
         than num_generations come from one process)."""
         rewards = combine_rewards(all_rewards, self.reward_weights.to(all_rewards.device))
         sizes = scored.group_sizes or self.config.generation.num_generations
-        advantages, metrics = group_advantages(rewards, sizes, self.config.algorithm.scale_rewards)
+        advantages, metrics = self.estimate_advantages(rewards, sizes, self.config.algorithm.scale_rewards)
         size, rank = len(rewards) // self.distributed.world_size, self.distributed.rank
         advantages = advantages[rank * size : (rank + 1) * size]
         if scored.zero_advantage is not None:

@@ -11,6 +11,7 @@ split into the same micro-batches.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
@@ -18,6 +19,7 @@ from typing import Literal
 import torch
 
 from grpoflow.algo import (
+    ADV_ESTIMATORS,
     SurrogateSettings,
     micro_batch_scale,
     policy_loss,
@@ -25,10 +27,14 @@ from grpoflow.algo import (
     sampling_logp_gap,
     sequence_logprobs,
 )
+from grpoflow.algo.estimators import AdvantageEstimator
+from grpoflow.imports import load_object
 from grpoflow.options import require
 from grpoflow.policy.placement import Placement, clip_gradients
 from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.rollout import RolloutBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,8 +65,11 @@ class AlgorithmConfig:
     """VESPO power exponent for negative advantages."""
     vespo_lambda_neg: float = 2.0
     """VESPO decay for negative advantages."""
+    adv_estimator: str = "grpo"
+    """How rewards become advantages: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline
+    (`algo.ADV_ESTIMATORS`), or an estimator's import path (`pkg.module:fn`, `file.py:fn`)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Divide advantages by the std of the group, of the batch, or not at all."""
+    """Divide advantages by the std of the group, of the batch, or not at all (adv_estimator grpo)."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """Ratio per token (GRPO) or per sequence (GSPO)."""
     mask_truncated_completions: bool = False
@@ -81,10 +90,28 @@ class AlgorithmConfig:
             self.delta is None or self.delta > 1, "delta", "> 1 (an upper bound on the ratio)", self.delta
         )
         require(self.max_resample_times >= 0, "max_resample_times", ">= 0", self.max_resample_times)
+        require(
+            self.adv_estimator in ADV_ESTIMATORS or ":" in self.adv_estimator,
+            "adv_estimator",
+            f"one of {', '.join(ADV_ESTIMATORS)} or an import path 'pkg.module:function'",
+            self.adv_estimator,
+        )
+        if self.adv_estimator != "grpo" and self.scale_rewards != "group":
+            logger.warning(
+                "scale_rewards=%s is ignored: it applies to adv_estimator grpo", self.scale_rewards
+            )
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             require(getattr(self, name) > 0, name, "> 0 (it divides the gate)", getattr(self, name))
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             require(getattr(self, name) >= 0, name, ">= 0", getattr(self, name))
+
+    def advantage_estimator(self) -> AdvantageEstimator:
+        """The estimator `adv_estimator` names, imported when it is an import path."""
+        if self.adv_estimator in ADV_ESTIMATORS:
+            return ADV_ESTIMATORS[self.adv_estimator]
+        estimator = load_object(self.adv_estimator, "adv_estimator")
+        require(callable(estimator), "adv_estimator", "a function's import path", self.adv_estimator)
+        return estimator
 
     def surrogate_settings(self) -> SurrogateSettings:
         """The loss's hyperparameters as `algo.policy_loss` takes them."""

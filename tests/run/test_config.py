@@ -294,7 +294,10 @@ def test_unknown_key_without_close_match():
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"loss_type": "foo"}, "loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo; got 'foo'"),
+        (
+            {"loss_type": "foo"},
+            "loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo; got 'foo'",
+        ),
         ({"scale_rewards": "std"}, "scale_rewards must be one of group, batch, none"),
         ({"num_generations": 1}, "num_generations must be >= 2"),
         ({"top_p": 0}, r"top_p must be in \(0, 1\], got 0"),
@@ -306,6 +309,7 @@ def test_unknown_key_without_close_match():
         ({"delta": 0.5}, "delta must be > 1"),
         ({"sapo_temperature_neg": 0}, r"sapo_temperature_neg must be > 0 \(it divides the gate\), got 0"),
         ({"vespo_lambda_pos": -1}, "vespo_lambda_pos must be >= 0, got -1"),
+        ({"adv_estimator": "ppo"}, "adv_estimator must be one of grpo, rloo, .* or an import path"),
         ({"max_steps": 0}, "max_steps must be > 0, or -1"),
         ({"warmup_ratio": 1.0}, r"warmup_ratio must be in \[0, 1\)"),
         ({"save_total_limit": 0}, "save_total_limit must be > 0"),
@@ -460,3 +464,17 @@ def test_an_agent_program_is_a_reward_of_its_own():
     config = build(agent_program="m:agent", reward_funcs=[])
     assert config.agent.agent_program == "m:agent" and config.agent.agent_concurrency == 64
     assert config.agent.agent_timeout == 600.0 and not config.agent.enabled
+
+
+def test_adv_estimator_by_name_or_import_path():
+    from grpoflow.algo import ADV_ESTIMATORS
+    from grpoflow.algo.estimators import rloo_advantages
+
+    assert (
+        build(adv_estimator="reinforce_plus_plus").algorithm.advantage_estimator()
+        is ADV_ESTIMATORS["reinforce_plus_plus"]
+    )
+    by_path = build(adv_estimator="grpoflow.algo.estimators:rloo_advantages").algorithm
+    assert by_path.advantage_estimator() is rloo_advantages
+    with pytest.raises(ValueError, match="has no attribute 'nothing'"):
+        build(adv_estimator="grpoflow.algo.estimators:nothing").algorithm.advantage_estimator()
