@@ -4,7 +4,7 @@ from grpoflow.algo.advantages import SCALE_MODES, combine_rewards, group_advanta
 from grpoflow.algo.estimators import ADV_ESTIMATORS, adv_estimator, register_adv_estimator
 from grpoflow.algo.filters import overlong_mask, select_groups, zero_std_groups
 from grpoflow.algo.importance import SAMPLING_CORRECTION_MODES, sampling_correction, sampling_logp_gap
-from grpoflow.algo.kl import k3_kl
+from grpoflow.algo.kl import KL_ESTIMATORS, k3_kl, kl_estimate, sequence_kl
 from grpoflow.algo.logprobs import (
     position_ids_from_mask,
     selective_log_softmax,
@@ -22,6 +22,7 @@ from grpoflow.algo.losses import (
 from grpoflow.algo.surrogates import SurrogateSettings
 
 __all__ = [
+    "KL_ESTIMATORS",
     "ADV_ESTIMATORS",
     "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_REDUCTIONS",
@@ -35,6 +36,7 @@ __all__ = [
     "group_advantages",
     "group_reward_std",
     "k3_kl",
+    "kl_estimate",
     "micro_batch_scale",
     "overlong_mask",
     "policy_loss",
@@ -44,6 +46,7 @@ __all__ = [
     "sampling_logp_gap",
     "select_groups",
     "selective_log_softmax",
+    "sequence_kl",
     "sequence_logprobs",
     "token_logprobs_from_hidden",
     "zero_std_groups",

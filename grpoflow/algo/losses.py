@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from grpoflow.algo.kl import k3_kl
+from grpoflow.algo.kl import kl_estimate
 from grpoflow.algo.surrogates import (
     Surrogate,
     SurrogateInputs,
@@ -183,8 +183,9 @@ def policy_loss(
     is_weights: Tensor | None = None,
     kl_bias_correction: bool = True,
     surrogate_settings: SurrogateSettings | None = None,
+    kl_estimator: str = "k3",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token surrogate plus an optional k3 KL penalty, reduced as `loss_type` says.
+    """Per-token surrogate plus an optional KL penalty, reduced as `loss_type` says.
 
     Args:
         logps: `(batch, seq)` log-probabilities of the completion tokens under the policy (with grad).
@@ -210,6 +211,7 @@ def policy_loss(
             `use_bias_correction_kl`); False gives the GRPO paper's plain k3 penalty.
         surrogate_settings: SAPO temperatures and VESPO shape parameters; the epsilons and
             `delta` given here take precedence over its own.
+        kl_estimator: a key of `kl.KL_ESTIMATORS` for the per-token KL penalty.
 
     Returns:
         loss: 0-dim tensor with grad.
@@ -243,7 +245,9 @@ def policy_loss(
     if is_weights is not None and kind.weighs_sampler_mismatch:
         per_token_loss = per_token_loss * is_weights
     if beta != 0.0:
-        kl = k3_kl(logps, ref_logps) * (ratio if kl_bias_correction else 1.0)  # (batch, seq)
+        kl = kl_estimate(logps, ref_logps, kl_estimator) * (
+            ratio if kl_bias_correction else 1.0
+        )  # (batch, seq)
         per_token_loss = per_token_loss + beta * kl
         metrics["kl"] = masked_mean(kl, mask)
 

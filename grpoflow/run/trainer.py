@@ -60,7 +60,7 @@ from grpoflow.run.step_metrics import (
     rank_metrics,
 )
 from grpoflow.run.sync_check import SyncCheck, probe_ids
-from grpoflow.run.update import UpdateSettings, update_policy
+from grpoflow.run.update import UpdateSettings, reward_kl, update_policy
 from grpoflow.transport import ServerError, WeightSyncError
 
 logger = logging.getLogger("grpoflow")
@@ -289,7 +289,12 @@ class GRPOTrainer:
             all_lengths = self.distributed.all_gather(length_columns(batch))
             if self.config.algorithm.mask_truncated_completions:
                 batch.loss_mask = overlong_mask(batch.loss_mask, batch.truncated)
-            advantages, reward_metrics = self._advantages(all_rewards, scored)
+            all_kl = None
+            if self.config.algorithm.kl_in_reward and self.ref_placement is not None:
+                with timer("reward_kl"):
+                    kl = reward_kl(self.placement, self.ref_placement, batch, self.update_settings)
+                    all_kl = self.distributed.all_gather(kl)
+            advantages, reward_metrics = self._advantages(all_rewards, scored, all_kl)
             settings = self.update_settings
             if not (scored.sampling_logprobs and all(group.sampling_logprobs for group in scored.groups)):
                 settings = dataclasses.replace(settings, sampling_correction=None, sampling_logprobs=False)
@@ -404,14 +409,21 @@ class GRPOTrainer:
         return self.draws.state_dict()
 
     def _advantages(
-        self, all_rewards: torch.Tensor, scored: ScoredGroups
+        self, all_rewards: torch.Tensor, scored: ScoredGroups, all_kl: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This rank's advantages (batch,) and the reward metrics, from the rewards of the global
         batch (global_batch, num_rewards); `scored` is this rank's share (groups of other sizes
-        than num_generations come from one process)."""
+        than num_generations come from one process). `all_kl`: each completion's KL to the
+        reference (global_batch,), subtracted times beta from its reward (kl_in_reward)."""
         rewards = combine_rewards(all_rewards, self.reward_weights.to(all_rewards.device))
         sizes = scored.group_sizes or self.config.generation.num_generations
-        advantages, metrics = self.estimate_advantages(rewards, sizes, self.config.algorithm.scale_rewards)
+        scale_rewards = self.config.algorithm.scale_rewards
+        advantages, metrics = self.estimate_advantages(rewards, sizes, scale_rewards)
+        if all_kl is not None:  # the metrics stay those of the task's rewards
+            all_kl = all_kl.to(rewards)
+            penalized = rewards - self.config.algorithm.beta * all_kl
+            advantages, _ = self.estimate_advantages(penalized, sizes, scale_rewards)
+            metrics = {**metrics, "reward_kl": all_kl.mean()}
         size, rank = len(rewards) // self.distributed.world_size, self.distributed.rank
         advantages = advantages[rank * size : (rank + 1) * size]
         if scored.zero_advantage is not None:

@@ -25,6 +25,7 @@ from grpoflow.algo import (
     policy_loss,
     sampling_correction,
     sampling_logp_gap,
+    sequence_kl,
     sequence_logprobs,
 )
 from grpoflow.algo.estimators import AdvantageEstimator
@@ -43,6 +44,11 @@ class AlgorithmConfig:
 
     beta: float = 0.0
     """KL coefficient; 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    """Per-token KL estimator (`algo.KL_ESTIMATORS`); low_var_kl is verl's clipped k3."""
+    kl_in_reward: bool = False
+    """Subtract beta x the completion's summed KL from its reward before advantages, instead of
+    adding the KL to the loss."""
     epsilon: float = 0.2
     """Lower clip range of the importance ratio."""
     epsilon_high: float | None = None
@@ -90,6 +96,13 @@ class AlgorithmConfig:
             self.delta is None or self.delta > 1, "delta", "> 1 (an upper bound on the ratio)", self.delta
         )
         require(self.max_resample_times >= 0, "max_resample_times", ">= 0", self.max_resample_times)
+        require(
+            not self.kl_in_reward or self.beta > 0,
+            "beta",
+            "> 0 under kl_in_reward",
+            self.beta,
+            "set beta (the KL coefficient) or turn kl_in_reward off",
+        )
         require(
             self.adv_estimator in ADV_ESTIMATORS or ":" in self.adv_estimator,
             "adv_estimator",
@@ -217,6 +230,24 @@ def frozen_logprobs(
         model.train(was_training)
 
 
+def reward_kl(
+    placement: Placement, ref_placement: Placement, batch: RolloutBatch, settings: UpdateSettings
+) -> torch.Tensor:
+    """Each completion's KL to the reference, `(batch,)`: the sum over its loss tokens of the
+    `kl_estimator` between the placed policy (before the update) and the reference model."""
+    parts = micro_batches(batch, settings.micro_batch_size)
+    logps = frozen_logprobs(placement, parts, settings)
+    with ref_placement.in_use():
+        ref = frozen_logprobs(ref_placement, parts, settings)
+    estimator = settings.algorithm.kl_estimator
+    return torch.cat(
+        [
+            sequence_kl(policy, reference, part.loss_mask, estimator)
+            for policy, reference, part in zip(logps, ref, parts)
+        ]
+    )
+
+
 def update_policy(
     placement: Placement,
     optimizer: torch.optim.Optimizer,
@@ -244,7 +275,7 @@ def update_policy(
         starts.append(starts[-1] + len(part))
     old = frozen_logprobs(placement, parts, settings) if algorithm.num_iterations > 1 else None
     ref = None
-    if ref_placement is not None:
+    if ref_placement is not None and not algorithm.kl_in_reward:
         with ref_placement.in_use():
             ref = frozen_logprobs(ref_placement, parts, settings)
     num_items = distributed.all_reduce(batch.loss_mask.sum()).clamp(min=1)
@@ -275,7 +306,8 @@ def update_policy(
                 advantages[starts[index] : starts[index + 1]],
                 part.loss_mask,
                 ref_logps=ref[index] if ref is not None else None,
-                beta=algorithm.beta,
+                beta=0.0 if algorithm.kl_in_reward else algorithm.beta,
+                kl_estimator=algorithm.kl_estimator,
                 epsilon_low=algorithm.epsilon,
                 epsilon_high=algorithm.epsilon_high or algorithm.epsilon,
                 delta=algorithm.delta,

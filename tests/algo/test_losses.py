@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from grpoflow.algo import micro_batch_scale, policy_loss
+from grpoflow.algo import kl_estimate, micro_batch_scale, policy_loss
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 SOFT = dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)
@@ -260,3 +260,22 @@ def test_sapo_gate_fades_away_from_ratio_one():
     slope = torch.sigmoid(ratio - 1) * (1 - torch.sigmoid(ratio - 1))
     torch.testing.assert_close(logps.grad, (-4 * slope * ratio / 3).unsqueeze(0))
     assert logps.grad[0, 2].abs() < 0.1 < logps.grad[0, 0].abs()
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "low_var_kl"])
+def test_kl_estimator_chooses_the_penalty(estimator):
+    logps, old_logps, ref_logps, _, mask = random_inputs(seed=3)
+    loss, metrics = policy_loss(
+        logps,
+        old_logps,
+        torch.zeros(4, dtype=torch.float64),
+        mask,
+        ref_logps=ref_logps,
+        beta=0.5,
+        loss_type="bnpo",
+        kl_bias_correction=False,
+        kl_estimator=estimator,
+    )
+    expected = (kl_estimate(logps, ref_logps, estimator) * mask).sum() / mask.sum()
+    torch.testing.assert_close(loss, 0.5 * expected)
+    torch.testing.assert_close(metrics["kl"], expected)

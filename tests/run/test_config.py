@@ -309,6 +309,8 @@ def test_unknown_key_without_close_match():
         ({"delta": 0.5}, "delta must be > 1"),
         ({"sapo_temperature_neg": 0}, r"sapo_temperature_neg must be > 0 \(it divides the gate\), got 0"),
         ({"vespo_lambda_pos": -1}, "vespo_lambda_pos must be >= 0, got -1"),
+        ({"kl_in_reward": True}, "beta must be > 0 under kl_in_reward, got 0.0: set beta"),
+        ({"kl_estimator": "k4"}, "kl_estimator must be one of k1, k2, k3, low_var_kl; got 'k4'"),
         ({"adv_estimator": "ppo"}, "adv_estimator must be one of grpo, rloo, .* or an import path"),
         ({"max_steps": 0}, "max_steps must be > 0, or -1"),
         ({"warmup_ratio": 1.0}, r"warmup_ratio must be in \[0, 1\)"),
