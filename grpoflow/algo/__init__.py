@@ -1,8 +1,15 @@
 """The GRPO-family algorithm as pure tensor functions: advantages, log-probs, KL, losses, filters."""
 
-from grpoflow.algo.advantages import SCALE_MODES, combine_rewards, group_advantages, group_reward_std
+from grpoflow.algo.advantages import (
+    SCALE_MODES,
+    combine_rewards,
+    group_advantages,
+    group_reward_std,
+    normalize_then_sum_advantages,
+)
+from grpoflow.algo.entropy import AdaptiveEntropy, entropy_bonus, high_entropy_mask
 from grpoflow.algo.estimators import ADV_ESTIMATORS, adv_estimator, register_adv_estimator
-from grpoflow.algo.filters import overlong_mask, select_groups, zero_std_groups
+from grpoflow.algo.filters import off_policy_mask, overlong_mask, select_groups, zero_std_groups
 from grpoflow.algo.importance import SAMPLING_CORRECTION_MODES, sampling_correction, sampling_logp_gap
 from grpoflow.algo.kl import KL_ESTIMATORS, k3_kl, kl_estimate, sequence_kl
 from grpoflow.algo.logprobs import (
@@ -22,6 +29,7 @@ from grpoflow.algo.losses import (
 from grpoflow.algo.surrogates import SurrogateSettings
 
 __all__ = [
+    "AdaptiveEntropy",
     "KL_ESTIMATORS",
     "ADV_ESTIMATORS",
     "IMPORTANCE_SAMPLING_LEVELS",
@@ -35,9 +43,13 @@ __all__ = [
     "combine_rewards",
     "group_advantages",
     "group_reward_std",
+    "entropy_bonus",
+    "high_entropy_mask",
     "k3_kl",
     "kl_estimate",
     "micro_batch_scale",
+    "normalize_then_sum_advantages",
+    "off_policy_mask",
     "overlong_mask",
     "policy_loss",
     "position_ids_from_mask",

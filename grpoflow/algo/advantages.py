@@ -193,3 +193,38 @@ def reward_metrics(rewards: Tensor, grouped: Tensor) -> dict[str, Tensor]:
         "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean(),
     }
     return {name: value.detach() for name, value in metrics.items()}
+
+
+def normalize_then_sum_advantages(
+    rewards_per_func: Tensor, weights: Tensor, num_generations: int | Sequence[int]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GDPO's decoupled normalisation (TRL's `multi_objective_aggregation="normalize_then_sum"`).
+
+    Each reward function's rewards are normalised within their group, `(r - mean) / (std + 1e-4)`,
+    then summed with `weights`, and the sums normalised over the whole batch the same way, so one
+    function with a wide range cannot drown the others' group-relative signal.
+
+    Args:
+        rewards_per_func: `(batch, num_funcs)`; NaN where a function gave no reward.
+        weights: `(num_funcs,)`.
+        num_generations: the group size, or each group's own size.
+
+    Returns:
+        advantages: `(batch,)`; 0 for a sample with no reward at all.
+        metrics: as `group_advantages`'s, of the weighted sums of the raw rewards, except
+            `frac_reward_zero_std`, which says whether the batch's std of the aggregate is 0.
+    """
+    combined = combine_rewards(rewards_per_func, weights)  # validates the shapes
+    normalized = []
+    for column in rewards_per_func.unbind(dim=1):
+        grouped, real = grouped_rewards(column, num_generations)
+        mean, std = nan_mean_std(grouped, dim=1)
+        scaled = (grouped - mean) / (std + STD_EPSILON)
+        normalized.append(scaled.reshape(-1) if real is None else scaled[real])
+    aggregate = combine_rewards(torch.stack(normalized, dim=1), weights)
+    aggregate = aggregate.masked_fill(torch.isnan(combined), float("nan"))
+    mean, std = nan_mean_std(aggregate, dim=0)
+    advantages = torch.nan_to_num((aggregate - mean) / (std + STD_EPSILON), nan=0.0)
+    metrics = reward_metrics(combined, grouped_rewards(combined, num_generations)[0])
+    metrics["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().squeeze(0).detach()
+    return advantages, metrics

@@ -1,4 +1,4 @@
-"""DAPO's batch filters: dynamic sampling and the overlong filter.
+"""DAPO's batch filters (dynamic sampling, the overlong filter) and DeepSeek-V3.2's off-policy mask.
 
 DAPO resamples until every group in the batch has a non-zero reward spread; here
 `zero_std_groups` finds the groups to drop and `select_groups` keeps the rest, and the trainer
@@ -70,3 +70,27 @@ def select_groups(values: Rows, keep_groups: Tensor, num_generations: int) -> Ro
     if isinstance(values, Tensor):
         return values[keep_rows.to(values.device)]
     return [value for value, keep in zip(values, keep_rows.tolist()) if keep]
+
+
+def off_policy_mask(
+    advantages: Tensor, logps: Tensor, sampling_logps: Tensor, mask: Tensor, threshold: float
+) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask: drop a completion with negative advantage whose
+    mean per-token `log pi_sampler - log pi` over its tokens exceeds `threshold`.
+
+    Args:
+        advantages: `(batch,)`, or `(batch, 1 or seq)`.
+        logps: `(batch, seq)` the policy's log-probs now (detached here).
+        sampling_logps: `(batch, seq)` log-probs under the policy that sampled; NaN where unknown
+            (counted as no divergence).
+        mask: `(batch, seq)`, 1 on completion tokens.
+        threshold: the paper's delta.
+
+    Returns:
+        `(batch, 1)` (`(batch, seq)` for per-token advantages) of `logps`' dtype: 1 keeps, 0 drops.
+    """
+    mask = mask.to(logps.dtype)
+    divergence = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
+    mean_divergence = (divergence * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    advantages = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    return ((advantages >= 0) | (mean_divergence <= threshold)).to(mask.dtype)

@@ -61,9 +61,9 @@ def _gather_log_prob(logits: Tensor, index: Tensor) -> Tensor:
     return target - torch.logsumexp(logits, dim=-1)
 
 
-def _entropy(logits: Tensor) -> Tensor:
-    """`(rows, vocab)` -> `(rows,)` entropy of `softmax(logits)`, without gradient."""
-    with torch.no_grad():
+def _entropy(logits: Tensor, differentiable: bool = False) -> Tensor:
+    """`(rows, vocab)` -> `(rows,)` entropy of `softmax(logits)`, with gradient only if asked."""
+    with torch.set_grad_enabled(differentiable and torch.is_grad_enabled()):
         log_probs = torch.log_softmax(logits, dim=-1)
         return -(log_probs.exp() * log_probs).sum(dim=-1)
 
@@ -97,6 +97,7 @@ def token_logprobs_from_hidden(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     compute_entropy: bool = False,
     bias: Tensor | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities of `targets` under `softmax(lm_head(hidden) / temperature)`.
 
@@ -109,10 +110,11 @@ def token_logprobs_from_hidden(
             `(chunk_size, vocab)`, in the forward pass or in backward.
         compute_entropy: also return the entropy of each temperature-scaled distribution.
         bias: `(vocab,)`, only with a weight tensor.
+        entropy_grad: the entropy carries a gradient (for an entropy bonus in the loss).
 
     Returns:
         log_probs: `(batch, seq)` float32.
-        entropy: `(batch, seq)` float32 without gradient, or None.
+        entropy: `(batch, seq)` float32, without gradient unless `entropy_grad`, or None.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}.")
@@ -122,7 +124,9 @@ def token_logprobs_from_hidden(
         weight, bias = _linear_parameters(lm_head, bias)
         flat_hidden = hidden.reshape(-1, hidden.size(-1))
         pieces = [
-            _LinearLogProb.apply(hidden_chunk, weight, bias, target_chunk, temperature, compute_entropy)
+            _LinearLogProb.apply(
+                hidden_chunk, weight, bias, target_chunk, temperature, compute_entropy, entropy_grad
+            )
             for hidden_chunk, target_chunk in zip(
                 flat_hidden.split(chunk_size), targets.reshape(-1).split(chunk_size)
             )
@@ -138,7 +142,7 @@ def token_logprobs_from_hidden(
 
     def score_chunk(hidden_chunk: Tensor, target_chunk: Tensor) -> tuple[Tensor, Tensor | None]:
         logits = project(hidden_chunk).float() / temperature  # (chunk, vocab)
-        entropy = _entropy(logits) if compute_entropy else None
+        entropy = _entropy(logits, entropy_grad) if compute_entropy else None
         return _gather_log_prob(logits, target_chunk), entropy
 
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
@@ -164,11 +168,13 @@ class _LinearLogProb(torch.autograd.Function):
     """`log_softmax(hidden @ weight.T + bias) / T)[target]` for one chunk of tokens, in float32.
 
     Saves the hidden chunk and the per-token logsumexp; the backward pass recomputes the logits
-    once and overwrites them with the gradient. Entropy (optional) carries no gradient.
+    once and overwrites them with the gradient. Entropy (optional) carries a gradient only under
+    `entropy_grad`: `dH/dz = -p * (log p + H)` for the scaled logits `z`, added in the eager path.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy, entropy_grad=False):
+        ctx.set_materialize_grads(False)
         logits = F.linear(hidden, weight, bias)  # (chunk, vocab)
         kernels = _fused_kernels(logits)
         if kernels is not None:
@@ -184,30 +190,37 @@ class _LinearLogProb(torch.autograd.Function):
                 # H = logsumexp - sum(p * logits), p = exp(logits - logsumexp)
                 weighted = (logits - logsumexp.unsqueeze(-1)).exp_().mul_(logits).sum(-1)
                 entropy = logsumexp - weighted
-        if entropy is not None:
+        if entropy is not None and not entropy_grad:
             ctx.mark_non_differentiable(entropy)
-        ctx.save_for_backward(hidden, weight, bias, targets, logsumexp)
+        ctx.save_for_backward(hidden, weight, bias, targets, logsumexp, entropy if entropy_grad else None)
         ctx.temperature = temperature
         return log_probs, entropy
 
     @staticmethod
-    def backward(ctx, grad_log_probs, _grad_entropy):
-        hidden, weight, bias, targets, logsumexp = ctx.saved_tensors
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, bias, targets, logsumexp, entropy = ctx.saved_tensors
         temperature = ctx.temperature
         grad = F.linear(hidden, weight, bias)
-        kernels = _fused_kernels(grad)
+        if grad_log_probs is None:
+            grad_log_probs = logsumexp.new_zeros(logsumexp.shape)
+        kernels = _fused_kernels(grad) if grad_entropy is None else None
         if kernels is not None:
             kernels.fused_log_softmax_backward_(grad, targets, logsumexp, grad_log_probs, temperature)
         else:
-            grad = grad.float().div_(temperature)
-            grad.sub_(logsumexp.unsqueeze(-1)).exp_().mul_(-grad_log_probs.unsqueeze(-1))
+            grad = grad.float().div_(temperature).sub_(logsumexp.unsqueeze(-1))  # log p
+            probs = grad.exp()
+            if grad_entropy is not None:  # -p * (log p + H) * dL/dH
+                grad.add_(entropy.unsqueeze(-1)).mul_(probs).mul_(-grad_entropy.unsqueeze(-1))
+            else:
+                grad.zero_()
+            grad.sub_(probs.mul_(grad_log_probs.unsqueeze(-1)))
             grad.scatter_add_(-1, targets.unsqueeze(-1), grad_log_probs.unsqueeze(-1))
             grad = grad.div_(temperature).to(hidden.dtype)
         # grad: d loss / d (hidden @ weight.T + bias), (chunk, vocab)
         grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 FUSED_LOG_SOFTMAX = True
@@ -231,7 +244,12 @@ def _load_kernels():
 
 
 def _logprobs_from_logits(
-    logits: Tensor, targets: Tensor, temperature: float, chunk_size: int, compute_entropy: bool
+    logits: Tensor,
+    targets: Tensor,
+    temperature: float,
+    chunk_size: int,
+    compute_entropy: bool,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Like `token_logprobs_from_hidden` for logits a model already produced: `(b, s, vocab)`."""
     flat_logits = logits.reshape(-1, logits.size(-1))
@@ -240,7 +258,7 @@ def _logprobs_from_logits(
         scaled = rows.float() / temperature
         log_probs.append(_gather_log_prob(scaled, ids))
         if compute_entropy:
-            entropies.append(_entropy(scaled))
+            entropies.append(_entropy(scaled, entropy_grad))
     log_probs = _concat(log_probs, flat_logits).view(targets.shape)
     entropy = _concat(entropies, flat_logits).view(targets.shape) if compute_entropy else None
     return log_probs, entropy
@@ -276,6 +294,7 @@ def sequence_logprobs(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     compute_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities of the last `logits_to_keep` tokens of each sequence.
 
@@ -290,11 +309,11 @@ def sequence_logprobs(
         attention_mask: `(batch, seq)`, 1 on real tokens; None when no row has padding before
             a scored token (right padding only), which lets attention run on its causal fast path.
         logits_to_keep: number of completion tokens at the end of each row to score.
-        temperature, chunk_size, compute_entropy: as in `token_logprobs_from_hidden`.
+        temperature, chunk_size, compute_entropy, entropy_grad: as in `token_logprobs_from_hidden`.
 
     Returns:
         log_probs: `(batch, logits_to_keep)` float32.
-        entropy: `(batch, logits_to_keep)` float32 without gradient, or None.
+        entropy: `(batch, logits_to_keep)` float32, with gradient only under `entropy_grad`, or None.
     """
     if not 0 < logits_to_keep < input_ids.size(1):
         raise ValueError(
@@ -316,10 +335,12 @@ def sequence_logprobs(
             use_cache=False,
         )
         logits = outputs.logits[:, -(logits_to_keep + 1) : -1]
-        return _logprobs_from_logits(logits, targets, temperature, chunk_size, compute_entropy)
+        return _logprobs_from_logits(logits, targets, temperature, chunk_size, compute_entropy, entropy_grad)
     decoder, head = parts
     outputs = decoder(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )
     hidden = outputs.last_hidden_state[:, -(logits_to_keep + 1) : -1]
-    return token_logprobs_from_hidden(hidden, head, targets, temperature, chunk_size, compute_entropy)
+    return token_logprobs_from_hidden(
+        hidden, head, targets, temperature, chunk_size, compute_entropy, entropy_grad=entropy_grad
+    )

@@ -184,6 +184,7 @@ def policy_loss(
     kl_bias_correction: bool = True,
     surrogate_settings: SurrogateSettings | None = None,
     kl_estimator: str = "k3",
+    loss_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token surrogate plus an optional KL penalty, reduced as `loss_type` says.
 
@@ -212,6 +213,8 @@ def policy_loss(
         surrogate_settings: SAPO temperatures and VESPO shape parameters; the epsilons and
             `delta` given here take precedence over its own.
         kl_estimator: a key of `kl.KL_ESTIMATORS` for the per-token KL penalty.
+        loss_weights: `(batch, seq)` or `(batch, 1)` 0/1 weights of the surrogate (the off-policy
+            mask, the high-entropy token mask); the KL term and the normaliser keep every token.
 
     Returns:
         loss: 0-dim tensor with grad.
@@ -242,6 +245,8 @@ def policy_loss(
     ratio = torch.exp(IMPORTANCE_SAMPLING_LEVELS[importance_sampling_level](log_ratio, mask))
     inputs = SurrogateInputs(logps, log_ratio, ratio, advantages, mask, is_weights)
     per_token_loss, metrics = kind.surrogate(inputs, settings)  # (batch, seq) or (batch, 1)
+    if loss_weights is not None:
+        per_token_loss = per_token_loss * loss_weights
     if is_weights is not None and kind.weighs_sampler_mismatch:
         per_token_loss = per_token_loss * is_weights
     if beta != 0.0:

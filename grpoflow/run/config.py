@@ -33,10 +33,11 @@ from grpoflow.policy.lora import AdapterConfig
 from grpoflow.policy.placement import PlacementConfig
 from grpoflow.policy.tiny import DEFAULT_SEED
 from grpoflow.rewards.params import RewardConfig
+from grpoflow.run.algorithm import AlgorithmConfig
 from grpoflow.run.evaluation import EvalConfig
 from grpoflow.run.health import HealthConfig
 from grpoflow.run.metrics import LogConfig
-from grpoflow.run.update import AlgorithmConfig, ImportanceCorrection
+from grpoflow.run.update import ImportanceCorrection
 
 logger = logging.getLogger("grpoflow")
 

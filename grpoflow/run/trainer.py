@@ -27,6 +27,7 @@ from grpoflow.engines import NonFiniteLogits, RolloutEngine
 from grpoflow.policy.placement import Placement
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
+from grpoflow.run.algorithm import batch_advantages
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.evaluation import Evaluator
@@ -103,6 +104,7 @@ class GRPOTrainer:
         self.engine, self.rewards, self.items, self.batches = engine, rewards, items, batches
         self.evaluator = evaluator
         self.estimate_advantages = config.algorithm.advantage_estimator()
+        self.entropy_control = config.algorithm.entropy_control()
         self.health = HealthMonitor(config.health)
         self.best_metric: float | None = None
         """The best metric_for_best_model so far (its checkpoint is checkpoint-best)."""
@@ -308,6 +310,7 @@ class GRPOTrainer:
                     settings,
                     self.ref_placement,
                     self.distributed,
+                    self.entropy_control,
                 )
             if self.prefetcher is not None:
                 with timer("rollout_wait"):
@@ -415,16 +418,16 @@ class GRPOTrainer:
         batch (global_batch, num_rewards); `scored` is this rank's share (groups of other sizes
         than num_generations come from one process). `all_kl`: each completion's KL to the
         reference (global_batch,), subtracted times beta from its reward (kl_in_reward)."""
-        rewards = combine_rewards(all_rewards, self.reward_weights.to(all_rewards.device))
         sizes = scored.group_sizes or self.config.generation.num_generations
-        scale_rewards = self.config.algorithm.scale_rewards
-        advantages, metrics = self.estimate_advantages(rewards, sizes, scale_rewards)
-        if all_kl is not None:  # the metrics stay those of the task's rewards
-            all_kl = all_kl.to(rewards)
-            penalized = rewards - self.config.algorithm.beta * all_kl
-            advantages, _ = self.estimate_advantages(penalized, sizes, scale_rewards)
-            metrics = {**metrics, "reward_kl": all_kl.mean()}
-        size, rank = len(rewards) // self.distributed.world_size, self.distributed.rank
+        advantages, metrics = batch_advantages(
+            self.config.algorithm,
+            self.estimate_advantages,
+            all_rewards,
+            self.reward_weights.to(all_rewards.device),
+            sizes,
+            all_kl,
+        )
+        size, rank = len(all_rewards) // self.distributed.world_size, self.distributed.rank
         advantages = advantages[rank * size : (rank + 1) * size]
         if scored.zero_advantage is not None:
             advantages = advantages.masked_fill(scored.zero_advantage.to(advantages.device), 0.0)

@@ -11,7 +11,6 @@ split into the same micro-batches.
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
@@ -19,131 +18,22 @@ from typing import Literal
 import torch
 
 from grpoflow.algo import (
-    ADV_ESTIMATORS,
-    SurrogateSettings,
+    AdaptiveEntropy,
+    entropy_bonus,
+    high_entropy_mask,
     micro_batch_scale,
+    off_policy_mask,
     policy_loss,
     sampling_correction,
     sampling_logp_gap,
     sequence_kl,
     sequence_logprobs,
 )
-from grpoflow.algo.estimators import AdvantageEstimator
-from grpoflow.imports import load_object
 from grpoflow.options import require
 from grpoflow.policy.placement import Placement, clip_gradients
+from grpoflow.run.algorithm import AlgorithmConfig
 from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.rollout import RolloutBatch
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, slots=True)
-class AlgorithmConfig:
-    """The GRPO-family objective."""
-
-    beta: float = 0.0
-    """KL coefficient; 0 loads no reference model."""
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
-    """Per-token KL estimator (`algo.KL_ESTIMATORS`); low_var_kl is verl's clipped k3."""
-    kl_in_reward: bool = False
-    """Subtract beta x the completion's summed KL from its reward before advantages, instead of
-    adding the KL to the loss."""
-    epsilon: float = 0.2
-    """Lower clip range of the importance ratio."""
-    epsilon_high: float | None = None
-    """Upper clip range (DAPO clip-higher); defaults to epsilon."""
-    delta: float | None = None
-    """Upper clamp on the unclipped ratio (two-sided clipping); off when None."""
-    num_iterations: int = 1
-    """Policy updates per generation batch."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
-    """Per-token surrogate and reduction (`algo.LOSS_TYPES`)."""
-    sapo_temperature_pos: float = 1.0
-    """SAPO gate temperature for tokens with positive advantage."""
-    sapo_temperature_neg: float = 1.05
-    """SAPO gate temperature for tokens with zero or negative advantage."""
-    vespo_k_pos: float = 2.0
-    """VESPO power exponent for non-negative advantages (down-weights ratios below 1)."""
-    vespo_lambda_pos: float = 3.0
-    """VESPO decay for non-negative advantages (down-weights ratios above 1)."""
-    vespo_k_neg: float = 3.0
-    """VESPO power exponent for negative advantages."""
-    vespo_lambda_neg: float = 2.0
-    """VESPO decay for negative advantages."""
-    adv_estimator: str = "grpo"
-    """How rewards become advantages: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline
-    (`algo.ADV_ESTIMATORS`), or an estimator's import path (`pkg.module:fn`, `file.py:fn`)."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Divide advantages by the std of the group, of the batch, or not at all (adv_estimator grpo)."""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    """Ratio per token (GRPO) or per sequence (GSPO)."""
-    mask_truncated_completions: bool = False
-    """Truncated completions carry no loss (DAPO overlong filtering; alias overlong_filter)."""
-    dynamic_sample: bool = False
-    """Drop groups whose rewards have zero spread and sample more prompts (DAPO)."""
-    max_resample_times: int = 3
-    """Most extra sampling rounds per step under dynamic_sample."""
-    logprob_chunk_size: int = 1024
-    """Tokens per chunk when computing log-probs, bounding the fp32 logits in memory."""
-
-    def __post_init__(self) -> None:
-        require(self.beta >= 0, "beta", ">= 0", self.beta)
-        for name in ("epsilon", "epsilon_high", "num_iterations", "logprob_chunk_size"):
-            value = getattr(self, name)
-            require(value is None or value > 0, name, "> 0", value)
-        require(
-            self.delta is None or self.delta > 1, "delta", "> 1 (an upper bound on the ratio)", self.delta
-        )
-        require(self.max_resample_times >= 0, "max_resample_times", ">= 0", self.max_resample_times)
-        require(
-            not self.kl_in_reward or self.beta > 0,
-            "beta",
-            "> 0 under kl_in_reward",
-            self.beta,
-            "set beta (the KL coefficient) or turn kl_in_reward off",
-        )
-        require(
-            self.adv_estimator in ADV_ESTIMATORS or ":" in self.adv_estimator,
-            "adv_estimator",
-            f"one of {', '.join(ADV_ESTIMATORS)} or an import path 'pkg.module:function'",
-            self.adv_estimator,
-        )
-        if self.adv_estimator != "grpo" and self.scale_rewards != "group":
-            logger.warning(
-                "scale_rewards=%s is ignored: it applies to adv_estimator grpo", self.scale_rewards
-            )
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            require(getattr(self, name) > 0, name, "> 0 (it divides the gate)", getattr(self, name))
-        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            require(getattr(self, name) >= 0, name, ">= 0", getattr(self, name))
-
-    def advantage_estimator(self) -> AdvantageEstimator:
-        """The estimator `adv_estimator` names, imported when it is an import path."""
-        if self.adv_estimator in ADV_ESTIMATORS:
-            return ADV_ESTIMATORS[self.adv_estimator]
-        estimator = load_object(self.adv_estimator, "adv_estimator")
-        require(callable(estimator), "adv_estimator", "a function's import path", self.adv_estimator)
-        return estimator
-
-    def surrogate_settings(self) -> SurrogateSettings:
-        """The loss's hyperparameters as `algo.policy_loss` takes them."""
-        return SurrogateSettings(
-            epsilon_low=self.epsilon,
-            epsilon_high=self.epsilon_high or self.epsilon,
-            delta=self.delta,
-            **{name: getattr(self, name) for name in _SURROGATE_OPTIONS},
-        )
-
-
-_SURROGATE_OPTIONS = (
-    "sapo_temperature_pos",
-    "sapo_temperature_neg",
-    "vespo_k_pos",
-    "vespo_lambda_pos",
-    "vespo_k_neg",
-    "vespo_lambda_neg",
-)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,7 +84,12 @@ def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
 
 
 def batch_logprobs(
-    placement: Placement, batch: RolloutBatch, settings: UpdateSettings, *, entropy: bool = False
+    placement: Placement,
+    batch: RolloutBatch,
+    settings: UpdateSettings,
+    *,
+    entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (batch, completion_len) of the completion tokens under the placed model."""
     model = placement.module
@@ -211,6 +106,7 @@ def batch_logprobs(
             temperature=settings.temperature,
             chunk_size=settings.algorithm.logprob_chunk_size,
             compute_entropy=entropy,
+            entropy_grad=entropy_grad,
         ),
     )
 
@@ -257,9 +153,13 @@ def update_policy(
     settings: UpdateSettings,
     ref_placement: Placement | None = None,
     distributed: DistributedContext | None = None,
+    entropy_control: AdaptiveEntropy | None = None,
 ) -> dict[str, float]:
     """Run `num_iterations` optimizer steps of the placed policy on one generation batch (with the
     placed reference model's log-probs, if any); return averaged metrics.
+
+    entropy_control: the entropy bonus's coefficient, carried over steps (it moves after each
+    optimizer step under adaptive control); None makes one from `settings.algorithm`.
 
     advantages: (batch,). Tokens without a loss (inserted by an environment, or of completions
     masked out, e.g. truncated ones under overlong filtering) must have zeros in `batch.loss_mask`. Under `distributed`, `batch` is this rank's
@@ -282,15 +182,19 @@ def update_policy(
     num_micro_batches = len(parts) * distributed.world_size
     scale = micro_batch_scale(algorithm.loss_type, num_micro_batches)
     surrogate_settings = algorithm.surrogate_settings()
+    entropy_control = entropy_control or algorithm.entropy_control()
     # Metrics stay on the device until the end: a float() per micro-batch would stall the GPU.
     totals: dict[str, torch.Tensor | float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     is_weights: list[torch.Tensor | None] = [None] * len(parts)
+    window: list = [0.0, 0.0]  # entropy sum and token count of the entropy bonus's tokens this step
     model.train()
     for iteration in range(algorithm.num_iterations):
         first_pass = iteration == 0
         for index, part in enumerate(parts):
-            logps, entropy = batch_logprobs(placement, part, settings, entropy=True)
+            logps, entropy = batch_logprobs(
+                placement, part, settings, entropy=True, entropy_grad=entropy_control.enabled
+            )
             correction_metrics = {}
             before_update = old[index] if old is not None else logps.detach()
             if settings.sampling_correction is not None and is_weights[index] is None:
@@ -300,10 +204,15 @@ def update_policy(
                 )
             elif settings.sampling_correction is None and settings.sampling_logprobs and first_pass:
                 correction_metrics = sampling_logp_gap(before_update, part.sampling_logps, part.loss_mask)
+            part_advantages = advantages[starts[index] : starts[index + 1]]
+            sampled_by = part.sampling_logps if settings.sampling_logprobs else before_update
+            token_mask, loss_weights = _token_weights(
+                algorithm, logps, entropy, part, part_advantages, sampled_by
+            )
             loss, metrics = policy_loss(
                 logps,
                 old[index] if old is not None else None,
-                advantages[starts[index] : starts[index + 1]],
+                part_advantages,
                 part.loss_mask,
                 ref_logps=ref[index] if ref is not None else None,
                 beta=0.0 if algorithm.kl_in_reward else algorithm.beta,
@@ -318,23 +227,59 @@ def update_policy(
                 num_sequences_in_batch=len(batch) * distributed.world_size,
                 is_weights=is_weights[index],
                 surrogate_settings=surrogate_settings,
+                loss_weights=loss_weights,
             )
             metrics.update(correction_metrics)
-            (loss * scale).backward()
+            total = loss * scale
+            if entropy_control.enabled:
+                effective = part.loss_mask if token_mask is None else part.loss_mask * token_mask
+                bonus = entropy_bonus(entropy, effective)
+                total = total - entropy_control.applied_coef() * bonus / num_micro_batches
+                window[0] += (entropy.detach() * effective).sum()
+                window[1] += effective.sum()
+                metrics["policy_loss"] = loss.detach() * scale * num_micro_batches
+            total.backward()
             # The whole batch's loss as this micro-batch estimates it; the mean over micro-batches
             # and ranks is the whole batch's loss.
-            metrics["loss"] = loss.detach() * scale * num_micro_batches
-            if entropy is not None:
-                mask = part.loss_mask.to(entropy.dtype)
-                metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+            metrics["loss"] = total.detach() * num_micro_batches
+            mask = part.loss_mask.to(entropy.dtype)
+            metrics["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
             for name, value in metrics.items():
                 _accumulate(totals, counts, name, value.detach())
+        if entropy_control.enabled:
+            window_totals = distributed.all_reduce(torch.stack([window[0], window[1]]).float())
+            entropy_control.step(float(window_totals[0] / window_totals[1].clamp(min=1)))
+            totals["entropy_coef"] += entropy_control.coef
+            counts["entropy_coef"] += 1
+            window = [0.0, 0.0]
         grad_norm = _optimizer_step(placement, optimizer, scheduler, settings, distributed)
         totals["grad_norm"] += grad_norm.detach()
         counts["grad_norm"] += 1
     totals["weights/nonfinite"] = nonfinite_weights(placement, distributed)
     counts["weights/nonfinite"] = 1
     return {name: float(totals[name]) / counts[name] for name in totals}
+
+
+def _token_weights(
+    algorithm: AlgorithmConfig,
+    logps: torch.Tensor,
+    entropy: torch.Tensor,
+    part: RolloutBatch,
+    advantages: torch.Tensor,
+    sampling_logps: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The high-entropy token mask (top_entropy_quantile) and the surrogate's weights: that mask
+    times the off-policy sequence mask (off_policy_mask_threshold); None for what is off."""
+    token_mask = None
+    if algorithm.top_entropy_quantile < 1.0:
+        token_mask = high_entropy_mask(entropy.detach(), part.loss_mask, algorithm.top_entropy_quantile)
+    weights = token_mask
+    if algorithm.off_policy_mask_threshold is not None:
+        kept = off_policy_mask(
+            advantages, logps, sampling_logps, part.loss_mask, algorithm.off_policy_mask_threshold
+        )
+        weights = kept if weights is None else weights * kept
+    return token_mask, weights
 
 
 def _accumulate(totals: dict, counts: dict, name: str, value: torch.Tensor) -> None:

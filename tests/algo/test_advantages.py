@@ -4,7 +4,7 @@ import statistics
 import pytest
 import torch
 
-from grpoflow.algo import combine_rewards, group_advantages, group_reward_std
+from grpoflow.algo import combine_rewards, group_advantages, group_reward_std, normalize_then_sum_advantages
 
 NAN = float("nan")
 
@@ -114,3 +114,17 @@ def test_groups_of_different_sizes_match_each_group_computed_alone(scale_rewards
 def test_group_sizes_must_cover_the_rewards():
     with pytest.raises(ValueError, match="do not split the 4 rewards"):
         group_advantages(torch.zeros(4), [2, 3])
+
+
+def test_normalize_then_sum_normalizes_each_reward_in_its_group_then_the_sum_over_the_batch():
+    # Function 0 spreads 0/1 in one group, function 1 spreads 0/100 in the other: after per-group
+    # normalisation both groups carry about the same signal, +-(d / 2) / (std + 1e-4).
+    rewards = torch.tensor([[1.0, 5.0], [0.0, 5.0], [3.0, 100.0], [3.0, 0.0]], dtype=torch.float64)
+    advantages, metrics = normalize_then_sum_advantages(rewards, torch.tensor([1.0, 1.0]), 2)
+    small, large = 0.5 / (math.sqrt(0.5) + 1e-4), 50 / (math.sqrt(5000) + 1e-4)
+    aggregate = torch.tensor([small, -small, large, -large], dtype=torch.float64)
+    expected = (aggregate - aggregate.mean()) / (aggregate.std() + 1e-4)
+    torch.testing.assert_close(advantages, expected)
+    assert metrics["reward"].item() == pytest.approx((6 + 5 + 103 + 3) / 4)
+    by_sizes, _ = normalize_then_sum_advantages(rewards, torch.tensor([1.0, 1.0]), [2, 2])
+    torch.testing.assert_close(by_sizes, advantages)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from grpoflow.algo import overlong_mask, select_groups, zero_std_groups
+from grpoflow.algo import off_policy_mask, overlong_mask, select_groups, zero_std_groups
 
 NAN = float("nan")
 
@@ -36,3 +36,14 @@ def test_dynamic_sampling_pipeline_keeps_only_informative_groups():
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
     keep = ~zero_std_groups(rewards, 2)
     assert select_groups(rewards, keep, 2).tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_off_policy_mask_drops_negative_advantages_that_drifted_too_far():
+    logps = torch.zeros(4, 3)
+    # mean log(pi_sampler / pi) over each row's tokens: 1.0, 1.0, 0.0, NaN tokens count as 0
+    sampling = torch.tensor([[1.0, 1.0, 9.0], [1.0, 1.0, 1.0], [0.5, -0.5, 0.0], [float("nan"), 3.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]])
+    advantages = torch.tensor([1.0, -1.0, -1.0, -1.0])
+    kept = off_policy_mask(advantages, logps, sampling, mask, threshold=0.5)
+    # row 0 positive: kept; row 1 drifted 1.0 > 0.5: dropped; row 2 drift 0: kept; row 3 drift 1.0
+    torch.testing.assert_close(kept, torch.tensor([[1.0], [0.0], [1.0], [0.0]]))

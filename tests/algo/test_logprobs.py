@@ -181,3 +181,44 @@ def test_rejects_logits_to_keep_without_predecessor(tiny_model):
     input_ids, attention_mask = padded_batch([2], [3], prompt_width=2, completion_width=3)
     with pytest.raises(ValueError, match="logits_to_keep"):
         sequence_logprobs(tiny_model, input_ids, attention_mask, 5)
+
+
+class _Scaled(nn.Module):
+    """A head that is not an nn.Linear: the checkpointed path."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+        self.weight = linear.weight
+
+    def forward(self, hidden):
+        return self.linear(hidden)
+
+
+@pytest.mark.parametrize("head_kind", ["linear", "weight", "module"])
+def test_entropy_gradient_matches_full_logits(head_kind):
+    torch.manual_seed(0)
+    batch, seq, hidden_size, vocab, temperature = 2, 4, 8, 13, 0.8
+    linear = nn.Linear(hidden_size, vocab, bias=head_kind != "weight")
+    hidden = torch.randn(batch, seq, hidden_size, requires_grad=True)
+    targets = torch.randint(0, vocab, (batch, seq))
+    up_logp, up_entropy = torch.randn(batch, seq), torch.randn(batch, seq)
+
+    full = linear(hidden)
+    expected = (naive_logprobs(full, targets, temperature) * up_logp).sum()
+    expected = expected + (naive_entropy(full, temperature) * up_entropy).sum()
+    expected_grads = torch.autograd.grad(expected, [hidden, linear.weight])
+
+    head = {"linear": linear, "weight": linear.weight, "module": _Scaled(linear)}[head_kind]
+    log_probs, entropy = token_logprobs_from_hidden(
+        hidden, head, targets, temperature, chunk_size=3, compute_entropy=True, entropy_grad=True
+    )
+    grads = torch.autograd.grad(
+        (log_probs * up_logp).sum() + (entropy * up_entropy).sum(), [hidden, linear.weight]
+    )
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad)
+    plain, _ = token_logprobs_from_hidden(
+        hidden, head, targets, temperature, chunk_size=3, compute_entropy=True
+    )
+    assert _ is not None and not _.requires_grad

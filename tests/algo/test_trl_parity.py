@@ -17,8 +17,12 @@ import torch
 from grpoflow.algo import (
     SurrogateSettings,
     combine_rewards,
+    entropy_bonus,
     group_advantages,
+    high_entropy_mask,
     micro_batch_scale,
+    normalize_then_sum_advantages,
+    off_policy_mask,
     policy_loss,
     sequence_logprobs,
 )
@@ -98,6 +102,31 @@ def test_advantages_match_trl(tmp_path, tiny_checkpoint, scale_rewards):
         assert metrics["frac_reward_zero_std"].item() == pytest.approx(trl_metrics["frac_reward_zero_std"])
 
 
+def test_normalize_then_sum_matches_trl(tmp_path, tiny_checkpoint):
+    trainer = build_trainer(
+        tmp_path,
+        tiny_checkpoint,
+        per_device_train_batch_size=len(REWARDS),
+        max_completion_length=3,
+        reward_weights=REWARD_WEIGHTS,
+        multi_objective_aggregation="normalize_then_sum",
+    )
+    trainer.model.train()
+    inputs = [
+        {"prompt": f"prompt {row // NUM_GENERATIONS}", "r0": as_optional(r0), "r1": as_optional(r1)}
+        for row, (r0, r1) in enumerate(REWARDS.tolist())
+    ]
+    trl_advantages = trainer._generate_and_score_completions(inputs)["advantages"]
+    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+    advantages, metrics = normalize_then_sum_advantages(
+        REWARDS, torch.tensor(REWARD_WEIGHTS), NUM_GENERATIONS
+    )
+    torch.testing.assert_close(advantages, trl_advantages, rtol=1e-5, atol=1e-5)
+    for name in ("reward", "reward_std", "frac_reward_zero_std"):
+        assert metrics[name].item() == pytest.approx(trl_metrics[name], abs=1e-5), name
+
+
 LOSS_CASES = {
     "dapo": dict(loss_type="dapo", epsilon_high=0.28),
     "dapo-kl-temperature": dict(loss_type="dapo", beta=0.05, temperature=0.7),
@@ -118,6 +147,12 @@ LOSS_CASES = {
     "luspo-kl": dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.05, epsilon=0.05),
     "vespo": dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_neg=2.5),
     "vespo-is-weights": dict(loss_type="vespo", beta=0.05),
+    "dapo-entropy-bonus": dict(loss_type="dapo", entropy_coef=0.05),
+    "grpo-top-entropy-bonus": dict(loss_type="grpo", top_entropy_quantile=0.4, entropy_coef=0.1),
+    "sapo-off-policy-mask": dict(loss_type="sapo", off_policy_mask_threshold=0.1),
+    "dapo-off-policy-mask-top-entropy-kl": dict(
+        loss_type="dapo", off_policy_mask_threshold=0.05, top_entropy_quantile=0.5, beta=0.05
+    ),
 }
 SURROGATE_OPTIONS = [
     field.name for field in fields(SurrogateSettings) if field.name.startswith(("sapo", "vespo"))
@@ -185,6 +220,8 @@ def test_loss_and_gradients_match_trl(tmp_path, tiny_checkpoint, case, num_micro
         # `_compute_loss` applies the sampler-mismatch ratio only on its vLLM path; nothing else reads these.
         trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
     inputs = loss_inputs(model, trainer.temperature, trainer.beta != 0, with_is_weights, num_micro_batches)
+    if trainer.off_policy_mask_threshold is not None:  # negative advantages, one far off-policy
+        inputs["advantages"] = inputs["advantages"] * torch.tensor([1.0, -1.0, -1.0, 1.0])
 
     trl_loss = trainer._compute_loss(model, inputs)
     trl_loss.backward()
@@ -192,6 +229,7 @@ def test_loss_and_gradients_match_trl(tmp_path, tiny_checkpoint, case, num_micro
     trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
 
     completion_mask = inputs["completion_mask"]
+    args = trainer.args
     logps, entropy = sequence_logprobs(
         model,
         torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
@@ -200,7 +238,23 @@ def test_loss_and_gradients_match_trl(tmp_path, tiny_checkpoint, case, num_micro
         trainer.temperature,
         chunk_size=5,
         compute_entropy=True,
+        entropy_grad=args.entropy_coef != 0,
     )
+    token_mask = torch.ones_like(logps)
+    if args.top_entropy_quantile < 1:
+        token_mask = high_entropy_mask(entropy, completion_mask, args.top_entropy_quantile)
+        assert 0 < (token_mask * completion_mask).sum() < completion_mask.sum()  # some tokens dropped
+    loss_weights = token_mask
+    if args.off_policy_mask_threshold is not None:
+        kept = off_policy_mask(
+            inputs["advantages"],
+            logps,
+            inputs["old_per_token_logps"],
+            completion_mask,
+            args.off_policy_mask_threshold,
+        )
+        loss_weights = loss_weights * kept
+        assert 0 < kept.sum() < len(kept)  # some completions dropped
     loss, metrics = policy_loss(
         logps,
         inputs["old_per_token_logps"],
@@ -210,19 +264,21 @@ def test_loss_and_gradients_match_trl(tmp_path, tiny_checkpoint, case, num_micro
         beta=trainer.beta,
         epsilon_low=trainer.epsilon_low,
         epsilon_high=trainer.epsilon_high,
-        delta=trainer.args.delta,
+        delta=args.delta,
         loss_type=trainer.loss_type,
         importance_sampling_level=trainer.importance_sampling_level,
         max_completion_length=trainer.max_completion_length,
         num_items_in_batch=inputs["num_items_in_batch"],
         num_sequences_in_batch=BATCH * num_micro_batches,
         is_weights=inputs.get("importance_sampling_ratio"),
-        kl_bias_correction=trainer.args.use_bias_correction_kl,
-        surrogate_settings=SurrogateSettings(
-            **{name: getattr(trainer.args, name) for name in SURROGATE_OPTIONS}
-        ),
+        kl_bias_correction=args.use_bias_correction_kl,
+        surrogate_settings=SurrogateSettings(**{name: getattr(args, name) for name in SURROGATE_OPTIONS}),
+        loss_weights=loss_weights,
     )
     loss = loss * micro_batch_scale(trainer.loss_type, num_micro_batches)
+    if args.entropy_coef:
+        bonus = entropy_bonus(entropy, completion_mask * token_mask)
+        loss = loss - args.entropy_coef * bonus / num_micro_batches
     loss.backward()
 
     torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-5)
@@ -231,7 +287,9 @@ def test_loss_and_gradients_match_trl(tmp_path, tiny_checkpoint, case, num_micro
     for name, value in metrics.items():
         assert value.item() == pytest.approx(trl_metrics[name], abs=1e-5), name
     mask = completion_mask.float()
-    assert ((entropy * mask).sum() / mask.sum()).item() == pytest.approx(trl_metrics["entropy"], abs=1e-5)
+    assert ((entropy.detach() * mask).sum() / mask.sum()).item() == pytest.approx(
+        trl_metrics["entropy"], abs=1e-5
+    )
     # the inputs exercise the clipped branch
     clip_metric = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean"}.get(trainer.loss_type)
     if trainer.loss_type != "sapo":

@@ -311,6 +311,25 @@ def test_unknown_key_without_close_match():
         ({"vespo_lambda_pos": -1}, "vespo_lambda_pos must be >= 0, got -1"),
         ({"kl_in_reward": True}, "beta must be > 0 under kl_in_reward, got 0.0: set beta"),
         ({"kl_estimator": "k4"}, "kl_estimator must be one of k1, k2, k3, low_var_kl; got 'k4'"),
+        ({"entropy_coef": -0.1}, "entropy_coef must be >= 0, got -0.1"),
+        ({"top_entropy_quantile": 1.5}, r"top_entropy_quantile must be in \[0, 1\], got 1.5"),
+        (
+            {"off_policy_mask_threshold": -1},
+            r"off_policy_mask_threshold must be >= 0 \(or null: off\), got -1",
+        ),
+        (
+            {"use_adaptive_entropy": True, "entropy_coef_min": 0.5, "entropy_coef_max": 0.1},
+            r"entropy_coef_min must be at most entropy_coef_max \(0.1\), got 0.5",
+        ),
+        ({"use_adaptive_entropy": True, "entropy_coef_delta": 0}, "entropy_coef_delta must be > 0, got 0"),
+        (
+            {"multi_objective_aggregation": "normalize_then_sum", "adv_estimator": "rloo"},
+            "multi_objective_aggregation must be sum_then_normalize with another adv_estimator",
+        ),
+        (
+            {"multi_objective_aggregation": "sum"},
+            "multi_objective_aggregation must be one of sum_then_normalize",
+        ),
         ({"adv_estimator": "ppo"}, "adv_estimator must be one of grpo, rloo, .* or an import path"),
         ({"max_steps": 0}, "max_steps must be > 0, or -1"),
         ({"warmup_ratio": 1.0}, r"warmup_ratio must be in \[0, 1\)"),

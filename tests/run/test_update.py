@@ -9,9 +9,9 @@ import torch
 
 from grpoflow.policy.placement import Placement
 from grpoflow.policy.tiny import build_tiny_model
+from grpoflow.run.algorithm import AlgorithmConfig
 from grpoflow.run.rollout import RolloutBatch
 from grpoflow.run.update import (
-    AlgorithmConfig,
     ImportanceCorrection,
     UpdateSettings,
     batch_logprobs,

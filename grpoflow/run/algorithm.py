@@ -1,0 +1,226 @@
+"""The options of the GRPO-family objective: loss, advantages, KL and entropy terms.
+
+Names and defaults follow TRL 1.16's GRPOConfig; `adv_estimator`, `kl_estimator` and
+`kl_in_reward` follow verl, which TRL has no names for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from grpoflow.algo import (
+    ADV_ESTIMATORS,
+    AdaptiveEntropy,
+    SurrogateSettings,
+    combine_rewards,
+    normalize_then_sum_advantages,
+)
+from grpoflow.algo.estimators import AdvantageEstimator
+from grpoflow.imports import load_object
+from grpoflow.options import require
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    """The GRPO-family objective."""
+
+    beta: float = 0.0
+    """KL coefficient; 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    """Per-token KL estimator (`algo.KL_ESTIMATORS`); low_var_kl is verl's clipped k3."""
+    kl_in_reward: bool = False
+    """Subtract beta x the completion's summed KL from its reward before advantages, instead of
+    adding the KL to the loss."""
+    epsilon: float = 0.2
+    """Lower clip range of the importance ratio."""
+    epsilon_high: float | None = None
+    """Upper clip range (DAPO clip-higher); defaults to epsilon."""
+    delta: float | None = None
+    """Upper clamp on the unclipped ratio (two-sided clipping); off when None."""
+    num_iterations: int = 1
+    """Policy updates per generation batch."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    """Per-token surrogate and reduction (`algo.LOSS_TYPES`)."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO gate temperature for tokens with positive advantage."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO gate temperature for tokens with zero or negative advantage."""
+    vespo_k_pos: float = 2.0
+    """VESPO power exponent for non-negative advantages (down-weights ratios below 1)."""
+    vespo_lambda_pos: float = 3.0
+    """VESPO decay for non-negative advantages (down-weights ratios above 1)."""
+    vespo_k_neg: float = 3.0
+    """VESPO power exponent for negative advantages."""
+    vespo_lambda_neg: float = 2.0
+    """VESPO decay for negative advantages."""
+    adv_estimator: str = "grpo"
+    """How rewards become advantages: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline
+    (`algo.ADV_ESTIMATORS`), or an estimator's import path (`pkg.module:fn`, `file.py:fn`)."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """Several rewards: sum them, then compute advantages; or normalise each in its group, sum,
+    and normalise the sum over the batch (GDPO)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide advantages by the std of the group, of the batch, or not at all (adv_estimator grpo)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """Ratio per token (GRPO) or per sequence (GSPO)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (mean per-token entropy) subtracted from the loss; the starting
+    value under use_adaptive_entropy."""
+    use_adaptive_entropy: bool = False
+    """Move entropy_coef after each optimizer step towards entropy_target (Skywork-OR1)."""
+    entropy_coef_min: float = 0.0
+    """Lower bound of the adaptive entropy coefficient."""
+    entropy_coef_max: float = 1.0
+    """Upper bound of the adaptive entropy coefficient."""
+    entropy_coef_delta: float = 0.005
+    """Step of the adaptive entropy coefficient per optimizer step."""
+    entropy_target: float = 0.2
+    """Entropy (nats per token) at or below which the adaptive bonus applies and grows."""
+    top_entropy_quantile: float = 1.0
+    """Share of completion tokens, highest entropy first, that carry policy loss (1: all)."""
+    off_policy_mask_threshold: float | None = None
+    """Drop negative-advantage completions whose mean log(pi_sampler / pi) exceeds this (DeepSeek-V3.2)."""
+    mask_truncated_completions: bool = False
+    """Truncated completions carry no loss (DAPO overlong filtering; alias overlong_filter)."""
+    dynamic_sample: bool = False
+    """Drop groups whose rewards have zero spread and sample more prompts (DAPO)."""
+    max_resample_times: int = 3
+    """Most extra sampling rounds per step under dynamic_sample."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk when computing log-probs, bounding the fp32 logits in memory."""
+
+    def __post_init__(self) -> None:
+        require(self.beta >= 0, "beta", ">= 0", self.beta)
+        for name in ("epsilon", "epsilon_high", "num_iterations", "logprob_chunk_size"):
+            value = getattr(self, name)
+            require(value is None or value > 0, name, "> 0", value)
+        require(
+            self.delta is None or self.delta > 1, "delta", "> 1 (an upper bound on the ratio)", self.delta
+        )
+        require(self.max_resample_times >= 0, "max_resample_times", ">= 0", self.max_resample_times)
+        require(
+            not self.kl_in_reward or self.beta > 0,
+            "beta",
+            "> 0 under kl_in_reward",
+            self.beta,
+            "set beta (the KL coefficient) or turn kl_in_reward off",
+        )
+        require(
+            self.adv_estimator in ADV_ESTIMATORS or ":" in self.adv_estimator,
+            "adv_estimator",
+            f"one of {', '.join(ADV_ESTIMATORS)} or an import path 'pkg.module:function'",
+            self.adv_estimator,
+        )
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            require(
+                self.adv_estimator == "grpo" and not self.kl_in_reward,
+                "multi_objective_aggregation",
+                "sum_then_normalize with another adv_estimator or kl_in_reward",
+                self.multi_objective_aggregation,
+                "normalize_then_sum computes the advantages itself",
+            )
+        if self.adv_estimator != "grpo" and self.scale_rewards != "group":
+            logger.warning(
+                "scale_rewards=%s is ignored: it applies to adv_estimator grpo", self.scale_rewards
+            )
+        self._check_entropy_options()
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            require(getattr(self, name) > 0, name, "> 0 (it divides the gate)", getattr(self, name))
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            require(getattr(self, name) >= 0, name, ">= 0", getattr(self, name))
+
+    def _check_entropy_options(self) -> None:
+        require(self.entropy_coef >= 0, "entropy_coef", ">= 0", self.entropy_coef)
+        require(
+            0 <= self.top_entropy_quantile <= 1,
+            "top_entropy_quantile",
+            "in [0, 1]",
+            self.top_entropy_quantile,
+        )
+        threshold = self.off_policy_mask_threshold
+        require(
+            threshold is None or threshold >= 0, "off_policy_mask_threshold", ">= 0 (or null: off)", threshold
+        )
+        if not self.use_adaptive_entropy:
+            return
+        require(self.entropy_coef_delta > 0, "entropy_coef_delta", "> 0", self.entropy_coef_delta)
+        require(self.entropy_target >= 0, "entropy_target", ">= 0", self.entropy_target)
+        require(
+            self.entropy_coef_min <= self.entropy_coef_max,
+            "entropy_coef_min",
+            f"at most entropy_coef_max ({self.entropy_coef_max})",
+            self.entropy_coef_min,
+        )
+
+    def entropy_control(self) -> AdaptiveEntropy:
+        """A fresh entropy coefficient as the options set it."""
+        return AdaptiveEntropy(
+            coef=self.entropy_coef,
+            adaptive=self.use_adaptive_entropy,
+            target=self.entropy_target,
+            delta=self.entropy_coef_delta,
+            coef_min=self.entropy_coef_min,
+            coef_max=self.entropy_coef_max,
+        )
+
+    def advantage_estimator(self) -> AdvantageEstimator:
+        """The estimator `adv_estimator` names, imported when it is an import path."""
+        if self.adv_estimator in ADV_ESTIMATORS:
+            return ADV_ESTIMATORS[self.adv_estimator]
+        estimator = load_object(self.adv_estimator, "adv_estimator")
+        require(callable(estimator), "adv_estimator", "a function's import path", self.adv_estimator)
+        return estimator
+
+    def surrogate_settings(self) -> SurrogateSettings:
+        """The loss's hyperparameters as `algo.policy_loss` takes them."""
+        return SurrogateSettings(
+            epsilon_low=self.epsilon,
+            epsilon_high=self.epsilon_high or self.epsilon,
+            delta=self.delta,
+            **{name: getattr(self, name) for name in _SURROGATE_OPTIONS},
+        )
+
+
+_SURROGATE_OPTIONS = (
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+)
+
+
+def batch_advantages(
+    algorithm: AlgorithmConfig,
+    estimator: AdvantageEstimator,
+    rewards_per_func: torch.Tensor,
+    weights: torch.Tensor,
+    num_generations: int | list[int],
+    kl: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Advantages `(batch,)` and reward metrics of a whole batch, as `algorithm` says.
+
+    Args:
+        rewards_per_func: `(batch, num_funcs)`, NaN where a function gave no reward.
+        weights: `(num_funcs,)` reward weights.
+        num_generations: the group size, or each group's own size.
+        kl: `(batch,)` each completion's KL to the reference under kl_in_reward: `beta * kl` is
+            subtracted from its reward (the metrics stay those of the task's rewards, plus
+            `reward_kl`, the mean KL).
+    """
+    if algorithm.multi_objective_aggregation == "normalize_then_sum":
+        return normalize_then_sum_advantages(rewards_per_func, weights, num_generations)
+    rewards = combine_rewards(rewards_per_func, weights)
+    advantages, metrics = estimator(rewards, num_generations, algorithm.scale_rewards)
+    if kl is not None:
+        kl = kl.to(rewards)
+        advantages, _ = estimator(rewards - algorithm.beta * kl, num_generations, algorithm.scale_rewards)
+        metrics = {**metrics, "reward_kl": kl.mean()}
+    return advantages, metrics
