@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from grpoflow.algo import (
+    AdaptiveEntropy,
     SurrogateSettings,
     combine_rewards,
     entropy_bonus,
@@ -294,3 +295,54 @@ def test_loss_and_gradients_match_trl(tmp_path, tiny_checkpoint, case, num_micro
     clip_metric = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean"}.get(trainer.loss_type)
     if trainer.loss_type != "sapo":
         assert metrics[clip_metric or "clip_ratio/region_mean"] > 0
+
+
+def test_adaptive_entropy_matches_trl(tmp_path, tiny_checkpoint):
+    config = dict(
+        loss_type="dapo",
+        entropy_coef=0.1,
+        use_adaptive_entropy=True,
+        entropy_target=50.0,
+        entropy_coef_delta=0.05,
+    )
+    trainer = build_trainer(
+        tmp_path, tiny_checkpoint, num_generations=2, per_device_train_batch_size=BATCH, **config
+    )
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = loss_inputs(model, trainer.temperature, False, False, 1)
+    args = trainer.args
+    control = AdaptiveEntropy(
+        coef=args.entropy_coef,
+        adaptive=True,
+        target=args.entropy_target,
+        delta=args.entropy_coef_delta,
+        coef_min=args.entropy_coef_min,
+        coef_max=args.entropy_coef_max,
+    )
+    mask = inputs["completion_mask"]
+    for _ in range(3):  # no bonus before the first measurement, then a rising coefficient
+        trl_loss = trainer._compute_loss(model, inputs)
+        trl_loss.backward()
+        trl_grads = gradients(model)
+        logps, entropy = sequence_logprobs(
+            model,
+            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            torch.cat([inputs["prompt_mask"], mask], dim=1),
+            mask.size(1),
+            trainer.temperature,
+            compute_entropy=True,
+            entropy_grad=True,
+        )
+        loss, _ = policy_loss(
+            logps, inputs["old_per_token_logps"], inputs["advantages"], mask, num_items_in_batch=mask.sum()
+        )
+        loss = loss - control.applied_coef() * entropy_bonus(entropy, mask)
+        loss.backward()
+        torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-5)
+        for name, grad in gradients(model).items():
+            torch.testing.assert_close(grad, trl_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+        control.step(entropy_bonus(entropy.detach(), mask).item())
+        assert control.coef == pytest.approx(trainer.entropy_coef)
+    assert control.coef == pytest.approx(0.25)
