@@ -54,3 +54,26 @@ def test_fused_extreme_logits(monkeypatch):
     eager = _run(False, hidden, weight, targets, 1.0, monkeypatch)
     assert torch.isfinite(fused[0]).all() and torch.isfinite(fused[2]).all()
     torch.testing.assert_close(fused[0], eager[0], atol=1e-3, rtol=1e-4)
+
+
+def test_entropy_gradient_through_the_fused_forward_matches_full_logits(monkeypatch):
+    monkeypatch.setattr(logprobs, "FUSED_LOG_SOFTMAX", True)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    vocab, temperature = 10_007, 0.7
+    hidden = torch.randn(2, 150, 64, device="cuda", generator=generator).requires_grad_(True)
+    weight = (torch.randn(vocab, 64, device="cuda", generator=generator) * 0.3).requires_grad_(True)
+    targets = torch.randint(0, vocab, (2, 150), device="cuda", generator=generator)
+    up_logp = torch.linspace(-1.0, 1.0, 300, device="cuda").view(2, 150)
+    up_entropy = torch.linspace(1.0, -0.5, 300, device="cuda").view(2, 150)
+
+    log_probs = torch.log_softmax((hidden @ weight.t()).float() / temperature, dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    expected = torch.autograd.grad((chosen * up_logp).sum() + (entropy * up_entropy).sum(), [hidden, weight])
+
+    log_probs, entropy = token_logprobs_from_hidden(
+        hidden, weight, targets, temperature, chunk_size=96, compute_entropy=True, entropy_grad=True
+    )
+    grads = torch.autograd.grad((log_probs * up_logp).sum() + (entropy * up_entropy).sum(), [hidden, weight])
+    for grad, expected_grad in zip(grads, expected):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-3, rtol=1e-3)
