@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from grpoflow.algo.truncation import Truncation, truncated_scores
+
 DEFAULT_CHUNK_SIZE = 4096
 """Tokens projected to the vocabulary at a time."""
 
@@ -65,7 +67,8 @@ def _entropy(logits: Tensor, differentiable: bool = False) -> Tensor:
     """`(rows, vocab)` -> `(rows,)` entropy of `softmax(logits)`, with gradient only if asked."""
     with torch.set_grad_enabled(differentiable and torch.is_grad_enabled()):
         log_probs = torch.log_softmax(logits, dim=-1)
-        return -(log_probs.exp() * log_probs).sum(dim=-1)
+        # Tokens outside a truncated support have log p = -inf and p = 0: they add nothing.
+        return -(log_probs.exp() * log_probs.masked_fill(log_probs == -torch.inf, 0)).sum(dim=-1)
 
 
 def _concat(pieces: list[Tensor], like: Tensor) -> Tensor:
@@ -98,8 +101,10 @@ def token_logprobs_from_hidden(
     compute_entropy: bool = False,
     bias: Tensor | None = None,
     entropy_grad: bool = False,
+    truncation: Truncation | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Log-probabilities of `targets` under `softmax(lm_head(hidden) / temperature)`.
+    """Log-probabilities of `targets` under `softmax(lm_head(hidden) / temperature)`, or under it
+    renormalised over the tokens that `truncation` keeps (each target kept).
 
     Args:
         hidden: `(batch, seq, hidden)` last hidden states; position t predicts `targets[:, t]`.
@@ -111,6 +116,8 @@ def token_logprobs_from_hidden(
         compute_entropy: also return the entropy of each temperature-scaled distribution.
         bias: `(vocab,)`, only with a weight tensor.
         entropy_grad: the entropy carries a gradient (for an entropy bonus in the loss).
+        truncation: top-k/top-p/min-p replayed on the scaled logits (the entropy is then the
+            truncated distribution's); None or inactive: the whole vocabulary.
 
     Returns:
         log_probs: `(batch, seq)` float32.
@@ -120,7 +127,8 @@ def token_logprobs_from_hidden(
         raise ValueError(f"temperature must be > 0, got {temperature}.")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
-    if isinstance(lm_head, nn.Linear | Tensor):
+    truncation = truncation if truncation is not None and truncation.active else None
+    if isinstance(lm_head, nn.Linear | Tensor) and truncation is None:
         weight, bias = _linear_parameters(lm_head, bias)
         flat_hidden = hidden.reshape(-1, hidden.size(-1))
         pieces = [
@@ -141,7 +149,7 @@ def token_logprobs_from_hidden(
     project, weight = _projection(lm_head, bias)
 
     def score_chunk(hidden_chunk: Tensor, target_chunk: Tensor) -> tuple[Tensor, Tensor | None]:
-        logits = project(hidden_chunk).float() / temperature  # (chunk, vocab)
+        logits = truncated_scores(project(hidden_chunk).float() / temperature, truncation, target_chunk)
         entropy = _entropy(logits, entropy_grad) if compute_entropy else None
         return _gather_log_prob(logits, target_chunk), entropy
 
@@ -250,12 +258,13 @@ def _logprobs_from_logits(
     chunk_size: int,
     compute_entropy: bool,
     entropy_grad: bool = False,
+    truncation: Truncation | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Like `token_logprobs_from_hidden` for logits a model already produced: `(b, s, vocab)`."""
     flat_logits = logits.reshape(-1, logits.size(-1))
     log_probs, entropies = [], []
     for rows, ids in zip(flat_logits.split(chunk_size), targets.reshape(-1).split(chunk_size)):
-        scaled = rows.float() / temperature
+        scaled = truncated_scores(rows.float() / temperature, truncation, ids)
         log_probs.append(_gather_log_prob(scaled, ids))
         if compute_entropy:
             entropies.append(_entropy(scaled, entropy_grad))
@@ -295,6 +304,7 @@ def sequence_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     compute_entropy: bool = False,
     entropy_grad: bool = False,
+    truncation: Truncation | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities of the last `logits_to_keep` tokens of each sequence.
 
@@ -309,7 +319,8 @@ def sequence_logprobs(
         attention_mask: `(batch, seq)`, 1 on real tokens; None when no row has padding before
             a scored token (right padding only), which lets attention run on its causal fast path.
         logits_to_keep: number of completion tokens at the end of each row to score.
-        temperature, chunk_size, compute_entropy, entropy_grad: as in `token_logprobs_from_hidden`.
+        temperature, chunk_size, compute_entropy, entropy_grad, truncation: as in
+            `token_logprobs_from_hidden`.
 
     Returns:
         log_probs: `(batch, logits_to_keep)` float32.
@@ -335,12 +346,21 @@ def sequence_logprobs(
             use_cache=False,
         )
         logits = outputs.logits[:, -(logits_to_keep + 1) : -1]
-        return _logprobs_from_logits(logits, targets, temperature, chunk_size, compute_entropy, entropy_grad)
+        return _logprobs_from_logits(
+            logits, targets, temperature, chunk_size, compute_entropy, entropy_grad, truncation
+        )
     decoder, head = parts
     outputs = decoder(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )
     hidden = outputs.last_hidden_state[:, -(logits_to_keep + 1) : -1]
     return token_logprobs_from_hidden(
-        hidden, head, targets, temperature, chunk_size, compute_entropy, entropy_grad=entropy_grad
+        hidden,
+        head,
+        targets,
+        temperature,
+        chunk_size,
+        compute_entropy,
+        entropy_grad=entropy_grad,
+        truncation=truncation,
     )

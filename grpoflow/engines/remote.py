@@ -37,7 +37,7 @@ import torch
 from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
 from grpoflow.engines.remote_capabilities import choose_transfer, discover
 from grpoflow.engines.remote_client import ServerClient, server_urls
-from grpoflow.engines.vllm import finish_reason, sampling_fields, truncates_distribution
+from grpoflow.engines.vllm import finish_reason, penalises_repetition, sampling_fields
 from grpoflow.options import require
 from grpoflow.transport import WEIGHT_TRANSFERS, ServerError
 from grpoflow.transport.checkpoint_sender import CheckpointSender
@@ -123,11 +123,11 @@ class RemoteEngine:
         for index, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {index} is empty: give at least one token")
-        if truncates_distribution(params) and "truncated" not in self._warned:
-            self._warned.add("truncated")
+        if penalises_repetition(params) and "penalised" not in self._warned:
+            self._warned.add("penalised")
             warnings.warn(
-                "vLLM reports log-probs under the truncated distribution it samples from "
-                "(top_p/top_k/min_p/repetition_penalty); the trainer's are untruncated",
+                "the server reports log-probs with the repetition penalty applied; the trainer's "
+                "are unpenalised, so their gap includes the penalty",
                 stacklevel=2,
             )
         start = time.perf_counter()

@@ -14,8 +14,9 @@ the rank's shard.
 
 Log-probs: vLLM is built with `logprobs_mode="processed_logprobs"`, so the log-prob it reports
 for a sampled token is `log_softmax(logits / temperature)`, as the trainer computes it. With
-top_p, top_k, min_p or a repetition penalty active, vLLM reports the log-prob under the
-truncated, renormalised distribution it actually sampled from; the trainer does not truncate.
+top_p, top_k or min_p active, vLLM reports the log-prob under the truncated, renormalised
+distribution it actually sampled from, and the trainer replays the same filters on its logits
+(`replay_sampling_truncation`); a repetition penalty is in vLLM's log-probs only.
 
 vLLM is imported only when an engine is built, so this module's helpers (the sampling-field
 mapping) also serve the HTTP client in `remote.py` without vLLM installed. vLLM servers load
@@ -69,9 +70,10 @@ def sampling_fields(params: SamplingParams) -> dict:
     )
 
 
-def truncates_distribution(params: SamplingParams) -> bool:
-    """Whether vLLM samples from a distribution other than softmax(logits / temperature)."""
-    return params.top_p < 1 or params.top_k > 0 or params.min_p > 0 or params.repetition_penalty != 1
+def penalises_repetition(params: SamplingParams) -> bool:
+    """Whether vLLM's log-probs include a repetition penalty, which the trainer does not replay
+    (it replays top_p/top_k/min_p: `replay_sampling_truncation`)."""
+    return params.repetition_penalty != 1
 
 
 def finish_reason(reason: str | None, where: str) -> str:
@@ -203,11 +205,11 @@ class VLLMEngine:
         for index, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {index} is empty: give at least one token")
-        if truncates_distribution(params):
+        if penalises_repetition(params):
             self._warn_once(
-                "truncated",
-                "vLLM reports log-probs under the truncated distribution it samples from "
-                "(top_p/top_k/min_p/repetition_penalty); the trainer's are untruncated",
+                "penalised",
+                "vLLM reports log-probs with the repetition penalty applied; the trainer's are "
+                "unpenalised, so their gap includes the penalty",
             )
         self.wake_up()
         start = time.perf_counter()

@@ -94,6 +94,11 @@ class AlgorithmConfig:
     """Most extra sampling rounds per step under dynamic_sample."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk when computing log-probs, bounding the fp32 logits in memory."""
+    replay_sampling_truncation: bool = True
+    """Under top_p/top_k/min_p, score every completion token (policy, old and reference log-probs)
+    under the same filters replayed on the trainer's logits, renormalised over the kept tokens, as
+    the engines report them; false: over the whole vocabulary (TRL), which biases the importance
+    ratio by the kept mass (TRL #6789)."""
 
     def __post_init__(self) -> None:
         require(self.beta >= 0, "beta", ">= 0", self.beta)

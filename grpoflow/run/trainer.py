@@ -61,7 +61,7 @@ from grpoflow.run.step_metrics import (
     rank_metrics,
 )
 from grpoflow.run.sync_check import SyncCheck, probe_ids
-from grpoflow.run.update import UpdateSettings, reward_kl, update_policy
+from grpoflow.run.update import UpdateSettings, replayed_truncation, reward_kl, update_policy
 from grpoflow.transport import ServerError, WeightSyncError
 
 logger = logging.getLogger("grpoflow")
@@ -155,6 +155,7 @@ class GRPOTrainer:
             sampling_correction=correction
             if _corrects(correction.vllm_importance_sampling_correction, copies_weights)
             else None,
+            truncation=replayed_truncation(config.generation.sampling, config.algorithm),
         )
         self._cleanups: list[Callable[[], None]] = []
         self.prefetcher: RolloutPrefetcher[ScoredGroups] | None = (

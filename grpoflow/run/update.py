@@ -29,6 +29,8 @@ from grpoflow.algo import (
     sequence_kl,
     sequence_logprobs,
 )
+from grpoflow.algo.truncation import Truncation
+from grpoflow.engines import SamplingParams
 from grpoflow.options import require
 from grpoflow.policy.placement import Placement, clip_gradients
 from grpoflow.run.algorithm import AlgorithmConfig
@@ -77,6 +79,15 @@ class UpdateSettings:
     """Importance-sampling correction against the engine's log-probs; None trusts them."""
     sampling_logprobs: bool = True
     """The batch carries the engine's log-probs (their gap to the trainer's is logged)."""
+    truncation: Truncation | None = None
+    """top-k/top-p/min-p replayed on the trainer's logits (`replay_sampling_truncation`)."""
+
+
+def replayed_truncation(sampling: SamplingParams, algorithm: AlgorithmConfig) -> Truncation | None:
+    """The filters the trainer replays on its logits: the run's top-k/top-p/min-p under
+    `replay_sampling_truncation`, else None."""
+    truncation = Truncation(top_k=max(sampling.top_k, 0), top_p=sampling.top_p, min_p=sampling.min_p)
+    return truncation if algorithm.replay_sampling_truncation and truncation.active else None
 
 
 def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
@@ -107,6 +118,7 @@ def batch_logprobs(
             chunk_size=settings.algorithm.logprob_chunk_size,
             compute_entropy=entropy,
             entropy_grad=entropy_grad,
+            truncation=settings.truncation,
         ),
     )
 

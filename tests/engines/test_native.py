@@ -20,7 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from grpoflow.engines.base import RolloutEngine, SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
-from grpoflow.engines.native.sampler import SamplingOptions, filter_thresholds, sample, sample_reference
+from grpoflow.engines.native.sampler import SamplingOptions, sample, sample_reference
 from grpoflow.policy.tiny import build_char_tokenizer
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(2, 40)), [3] * 17]
@@ -144,8 +144,8 @@ def test_engine_first_tokens_follow_softmax():
 
 def test_filters_reduce_to_thresholds():
     scaled = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
-    assert filter_thresholds(scaled, SamplingOptions.from_params(SamplingParams(top_k=2))).item() == 2.0
-    assert filter_thresholds(scaled, SamplingOptions.from_params(SamplingParams(top_p=0.5))).item() == 3.0
+    assert SamplingOptions.from_params(SamplingParams(top_k=2)).truncation.thresholds(scaled).item() == 2.0
+    assert SamplingOptions.from_params(SamplingParams(top_p=0.5)).truncation.thresholds(scaled).item() == 3.0
     tokens, logprobs = sample_reference(scaled, torch.zeros(1, dtype=torch.long), 1.0, True, None)
     assert tokens.item() == 0
     assert logprobs.item() == pytest.approx(scaled.log_softmax(-1)[0, 0].item())

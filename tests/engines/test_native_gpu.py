@@ -11,7 +11,7 @@ from helpers.native_fixtures import FAMILIES, forward_logprobs, hf_greedy, tiny
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.engines.native.ops import DecodeBatch, TorchOps
-from grpoflow.engines.native.sampler import SamplingOptions, filter_thresholds, sample_reference
+from grpoflow.engines.native.sampler import SamplingOptions, sample_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -135,7 +135,7 @@ def test_sample_kernel_matches_reference(greedy, filters):
     options = SamplingOptions.from_params(
         SamplingParams(temperature=0.8, top_p=0.9 if filters else 1.0, top_k=50 if filters else 0)
     )
-    thresholds = filter_thresholds(logits.float() / 0.8, options)
+    thresholds = options.truncation.thresholds(logits.float() / 0.8)
     inverse = 1.0 if greedy else 1 / 0.8
     tokens, logprobs = sample_rows(logits, keys, inverse, greedy, thresholds)
     ref_tokens, ref_logprobs = sample_reference(logits, keys, inverse, greedy, thresholds)

@@ -20,7 +20,7 @@ SAMPLER = """
 import numpy as np, torch
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native.kernels import sample_rows
-from grpoflow.engines.native.sampler import SamplingOptions, filter_thresholds, sample_reference
+from grpoflow.engines.native.sampler import SamplingOptions, sample_reference
 
 torch.manual_seed(0)
 logits = (torch.randn(48, 3000) * 3).to(torch.bfloat16)
@@ -28,7 +28,7 @@ keys = torch.from_numpy(np.random.default_rng(0).integers(0, 2**32, 48))
 for greedy, filters in [(True, False), (False, False), (False, True)]:
     options = SamplingOptions.from_params(SamplingParams(temperature=0.8, top_p=0.9 if filters else 1.0, top_k=50 if filters else 0))
     inverse = 1.0 if greedy else 1 / 0.8
-    thresholds = filter_thresholds(logits.float() * inverse, options) if filters else None
+    thresholds = options.truncation.thresholds(logits.float() * inverse) if filters else None
     out = torch.full((48,), -7, dtype=torch.int64)
     tokens, logprobs = sample_rows(logits, keys, inverse, greedy, thresholds, tokens_out=out)
     ref_tokens, ref_logprobs = sample_reference(logits, keys, inverse, greedy, thresholds)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from grpoflow.engines import ENGINES, SamplingParams
-from grpoflow.engines.vllm import sampling_fields, truncates_distribution
+from grpoflow.engines.vllm import penalises_repetition, sampling_fields
 from grpoflow.run.config import load_config
 
 
@@ -25,5 +25,5 @@ def test_sampling_fields_ask_for_the_sampled_token_logprob():
     fields = sampling_fields(params)
     assert fields["logprobs"] == 0 and fields["top_k"] == -1 and fields["stop_token_ids"] == [1]
     assert (fields["n"], fields["max_tokens"], fields["temperature"], fields["seed"]) == (4, 9, 0.5, 3)
-    assert not truncates_distribution(params)
-    assert truncates_distribution(SamplingParams(top_p=0.9))
+    assert not penalises_repetition(params) and not penalises_repetition(SamplingParams(top_p=0.9))
+    assert penalises_repetition(SamplingParams(repetition_penalty=1.1))

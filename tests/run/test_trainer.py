@@ -211,3 +211,15 @@ def test_the_native_engines_logprob_gap_is_logged_and_its_correction_can_be_turn
     corrected = run(recipe(tmp_path / "corrected", max_steps=2, vllm_importance_sampling_correction=True))
     for step in corrected:
         assert step["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-2)
+
+
+def test_truncated_sampling_is_replayed_so_the_engines_logprobs_match_the_trainers(tmp_path):
+    replayed = run(recipe(tmp_path / "replayed", max_steps=2, top_p=0.8, top_k=20))
+    unreplayed = run(
+        recipe(tmp_path / "full", max_steps=2, top_p=0.8, top_k=20, replay_sampling_truncation=False)
+    )
+    for step in replayed:
+        assert step["sampling/sampling_logp_difference/mean"] < 1e-3  # the CPU's float32 ops
+    for step in unreplayed:
+        # The whole vocabulary's log-probs sit log(kept mass) below the engine's: a bias, not noise.
+        assert step["sampling/sampling_logp_difference/mean"] > 1e-2

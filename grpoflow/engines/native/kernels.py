@@ -282,7 +282,10 @@ def _sample_kernel(
         prefix = prefix_mass * tl.exp(prefix_max - row_max)  # the cumulative allowed mass at each chunk's end
         bits = _hash32(tl.load(keys_ptr + row).to(tl.uint32) ^ tl.full([], 0x9E3779B1, tl.uint32))
         target = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        target = target * tl.sum(tl.where(chunk_ids == num_chunks - 1, prefix, 0.0), axis=0)
+        kept_mass = tl.sum(tl.where(chunk_ids == num_chunks - 1, prefix, 0.0), axis=0)
+        target = target * kept_mass
+        if HAS_THRESHOLD:  # the log-prob under the distribution drawn from: renormalised over the kept
+            log_total = tl.log(kept_mass)
         below = (chunk_ids < num_chunks) & (prefix <= target)
         chosen = tl.minimum(tl.sum(below.to(tl.int32), axis=0), num_chunks - 1)
         running = tl.sum(tl.where(chunk_ids == chosen - 1, prefix, 0.0), axis=0)

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from grpoflow.algo.draws import row_keys, sequence_seeds
 from grpoflow.engines.base import Completion, SamplingParams
-from grpoflow.engines.native.sampler import row_keys, sequence_seeds
 
 
 class RequestBook:

@@ -1,0 +1,101 @@
+"""Keyed draws: a token sampled from a row of logits by one uniform that a counter-based hash
+derives from the row's key, so anyone holding the logits and the key draws the same token.
+
+The native engine samples this way (its Triton kernel sums in another order, so the two can part
+only where the uniform falls within rounding of a boundary between two tokens), and the trainer
+replays the engine's draws on its own logits for sampling that is on-policy by construction
+(`grpoflow.run.on_policy`). A sequence's key stream depends on (seed, prompt index, sample index)
+and the index of the token being drawn, never on the batch it was sampled in.
+
+A token is drawn by inversion: the first, in vocabulary order over the tokens the truncation
+keeps, whose cumulative probability exceeds the uniform.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B1
+MUL1 = 0x7FEB352D
+MUL2 = 0x846CA68B
+
+
+def hash32_numpy(x: np.ndarray) -> np.ndarray:
+    """lowbias32 integer hash on uint32 values (a bijection with good avalanche)."""
+    x = np.asarray(x, dtype=np.uint64) & MASK32
+    x ^= x >> 16
+    x = (x * MUL1) & MASK32
+    x ^= x >> 15
+    x = (x * MUL2) & MASK32
+    x ^= x >> 16
+    return x
+
+
+def hash32_torch(x: Tensor) -> Tensor:
+    """The same hash on int64 tensors holding uint32 values (products wrap, masks keep 32 bits)."""
+    x = x & MASK32
+    x = x ^ (x >> 16)
+    x = (x * MUL1) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * MUL2) & MASK32
+    return x ^ (x >> 16)
+
+
+def sequence_seeds(seed: int, prompt_index: np.ndarray, sample_index: np.ndarray) -> np.ndarray:
+    """uint32 seed of each sequence from a seed, its prompt and its sample index."""
+    base = hash32_numpy(np.uint64(seed & MASK32) ^ hash32_numpy(np.uint64((seed >> 32) & MASK32)))
+    mixed = hash32_numpy(base ^ hash32_numpy(np.asarray(prompt_index).astype(np.uint64) * 2 + 1))
+    return hash32_numpy(mixed + hash32_numpy(np.asarray(sample_index).astype(np.uint64) * 2 + 2))
+
+
+def row_keys(seeds: np.ndarray, token_index: np.ndarray) -> np.ndarray:
+    """int64 key of the draw of token `token_index` (0 = the first completion token) of each
+    sequence."""
+    return hash32_numpy(seeds ^ hash32_numpy(np.asarray(token_index).astype(np.uint64) * GOLDEN)).astype(
+        np.int64
+    )
+
+
+def row_uniforms(keys: Tensor) -> Tensor:
+    """(B,) int64 keys -> (B,) float32 uniforms in (0, 1), 24 bits each (the Triton kernel's)."""
+    bits = hash32_torch(keys ^ GOLDEN)
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+def keyed_draw(
+    logits: Tensor,
+    keys: Tensor,
+    inverse_temperature: float,
+    greedy: bool,
+    thresholds: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """Draw one token per row. logits (B, V) any float dtype; keys (B,) int64; thresholds (B,)
+    smallest scaled logit in the draw (`Truncation.thresholds`) or None.
+
+    Returns tokens (B,) int64 and their log-probs (B,) float32 under the distribution drawn from:
+    `log_softmax(logits * inverse_temperature)` renormalised over the kept tokens (the whole
+    vocabulary without thresholds; greedy rows score at temperature 1 over the whole vocabulary).
+    """
+    scaled = logits.float() * inverse_temperature
+    allowed = torch.ones_like(scaled, dtype=torch.bool)
+    if thresholds is not None:
+        allowed = scaled >= thresholds[:, None]
+    if greedy:
+        log_probs = scaled.log_softmax(dim=-1)
+        tokens = scaled.masked_fill(~allowed, -torch.inf).argmax(dim=-1)
+    else:
+        log_probs = scaled.masked_fill(~allowed, -torch.inf).log_softmax(dim=-1)
+        weights = torch.where(allowed, (scaled - scaled.max(dim=-1, keepdim=True).values).exp(), 0)
+        cumulative = weights.double().cumsum(dim=-1)
+        targets = row_uniforms(keys).double() * cumulative[:, -1]
+        tokens = torch.searchsorted(cumulative, targets[:, None], right=True)[:, 0]
+        last_allowed = torch.where(weights > 0, torch.arange(scaled.shape[-1], device=scaled.device), -1)
+        tokens = torch.minimum(tokens, last_allowed.max(dim=-1).values)  # a target rounded up to the total
+    # A row without a finite logit has no token: it gets token 0 (a valid id for the steps already
+    # in flight) and a NaN log-prob, which the engine reports.
+    missing = tokens < 0
+    tokens = tokens.clamp(min=0)
+    return tokens, log_probs.gather(1, tokens[:, None])[:, 0].masked_fill(missing, float("nan"))
