@@ -51,6 +51,12 @@ class SamplingParams:
     """Keep generating past stop tokens (benchmarks)."""
     seed: int | None = field(default=None, metadata=NOT_AN_OPTION)
     """Seed for this request's sampling; None draws from the engine's generator."""
+    sample_offset: int = field(default=0, metadata=NOT_AN_OPTION)
+    """Index of the first of the `n` samples in a seeded request's streams (native engine: to
+    continue sample j of an earlier request with the same seed)."""
+    token_offset: int = field(default=0, metadata=NOT_AN_OPTION)
+    """Index in each sample's stream of the first token to draw (native engine: to continue a
+    completion whose first `token_offset` tokens end the prompt)."""
 
     def __post_init__(self) -> None:
         require_min("n", self.n, 1)
@@ -59,6 +65,8 @@ class SamplingParams:
         require(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         require(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
         require(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+        require(self.sample_offset >= 0, "sample_offset", ">= 0", self.sample_offset)
+        require(self.token_offset >= 0, "token_offset", ">= 0", self.token_offset)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -33,10 +33,12 @@ from grpoflow.run.distributed import DistributedContext, init_distributed
 from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import MetricsLogger
+from grpoflow.run.on_policy import OnPolicySingleTurn
 from grpoflow.run.output_dir import claim_output_dir
 from grpoflow.run.rollout import Episodes, Rollout, SingleTurn
 from grpoflow.run.rollout_func import RolloutFunction
 from grpoflow.run.trainer import GRPOTrainer
+from grpoflow.run.update import replayed_truncation
 
 logger = logging.getLogger("grpoflow")
 
@@ -86,6 +88,15 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         world_size=distributed.world_size,
         engine_shares_weights=engine.shares_policy_weights,
     )
+    if config.generation.on_policy_sampling:
+        rollout = OnPolicySingleTurn(
+            tokenizer,
+            policy_placement,
+            micro_batch_size=config.training.per_device_train_batch_size,
+            temperature=config.generation.sampling.temperature,
+            truncation=replayed_truncation(config.generation.sampling, config.algorithm),
+            chunk_size=config.algorithm.logprob_chunk_size,
+        )
     steps = config.total_steps(len(items), distributed.world_size)
     optimizer, scheduler = build_optimizer(
         model, config, steps * config.algorithm.num_iterations, sharded=policy_placement.is_sharded

@@ -68,6 +68,10 @@ class GenerationConfig:
     `grpoflow serve` on each and trains against them in server mode (0: none)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Sizes of the native engine (gpu_memory_utilization, max_num_seqs, max_model_len)."""
+    on_policy_sampling: bool = False
+    """Native engine: make every completion token an exact draw from the trainer's own forward
+    (the trainer replays the engine's keyed draws on its logits and the engine continues from the
+    first disagreement), so the sampled tokens' log-probs are the trainer's (grpoflow.run.on_policy)."""
 
     def __post_init__(self) -> None:
         require_min("num_generations", self.num_generations, 2, " (group-relative advantages need a group)")
@@ -324,6 +328,8 @@ class GRPOConfig:
         )
         if self.off_policy.async_generate:
             self._validate_async()
+        if self.generation.on_policy_sampling:
+            self._validate_on_policy()
         require(
             not (
                 self.agent.agent_program
@@ -381,6 +387,35 @@ class GRPOConfig:
                 "unset with atropos_url",
                 used,
                 "Atropos environments choose the prompts, sample and score: drop it, or drop atropos_url",
+            )
+
+    def _validate_on_policy(self) -> None:
+        """The trainer replays the native engine's draws of single-turn completions."""
+        engine = self.generation.engine_name
+        require(
+            engine == "native",
+            "on_policy_sampling",
+            f"false with the {engine} engine",
+            True,
+            "on_policy_sampling replays the native engine's keyed draws: use rollout_engine: native "
+            "without use_vllm",
+        )
+        clashes = {
+            "tools / environment_factory": self.agent.enabled,
+            "rollout_func": self.agent.rollout_func is not None,
+            "agent_program": bool(self.agent.agent_program),
+            "atropos_url": bool(self.atropos.atropos_url),
+            "repetition_penalty != 1": self.generation.sampling.repetition_penalty != 1,
+            "replay_sampling_truncation: false": not self.algorithm.replay_sampling_truncation,
+        }
+        for name, used in clashes.items():
+            require(
+                not used,
+                "on_policy_sampling",
+                f"false with {name}",
+                True,
+                "on_policy_sampling covers single-turn completions drawn with temperature and "
+                "top_k/top_p/min_p replayed by the trainer: drop one of the two",
             )
 
     def _validate_async(self) -> None:

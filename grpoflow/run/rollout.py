@@ -236,6 +236,13 @@ class RolloutBatch:
 def collate(groups: Sequence[Group], pad_token_id: int, device: torch.device) -> RolloutBatch:
     """Pad every completion of every group into one batch of tensors on `device`."""
     pairs = [(group.item.prompt_ids, c) for group in groups for c in group.completions]
+    return collate_pairs(pairs, pad_token_id, device)
+
+
+def collate_pairs(
+    pairs: Sequence[tuple[Sequence[int], Completion]], pad_token_id: int, device: torch.device
+) -> RolloutBatch:
+    """Pad `(prompt ids, completion)` pairs into one batch of tensors on `device`."""
     batch = len(pairs)
     prompt_len = max(len(prompt) for prompt, _ in pairs)
     completion_len = max(1, max(len(c.token_ids) for _, c in pairs))

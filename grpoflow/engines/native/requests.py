@@ -37,7 +37,7 @@ class RequestBook:
             if errors[index] is not None:
                 continue
             prompt_of += [index] * request.n
-            sample_of += range(request.n)
+            sample_of += range(request.sample_offset, request.sample_offset + request.n)
             limit += [min(request.max_tokens, max_model_len - len(prompt))] * request.n
         self.prompt_of = np.array(prompt_of, dtype=np.int64)
         self.sample_of = np.array(sample_of, dtype=np.int64)
@@ -50,6 +50,8 @@ class RequestBook:
         self.done = np.zeros(num_sequences, dtype=bool)
         self.finish_reason: list[str] = ["length"] * num_sequences
         self.seeds = self._seeds(seed)
+        offsets = np.array([request.token_offset for request in self.params] + [0], dtype=np.int64)
+        self.token_offsets = offsets[self.prompt_of]
         self.stop_ids = self._stop_id_table()
         self.stop_strings = [tuple(request.stop) for request in self.params]
         self._converted: tuple[list, list, list[int]] | None = None  # see convert_ahead
@@ -98,7 +100,7 @@ class RequestBook:
         """Sampling keys (int64) for token `token_index` (default: the next) of each sequence."""
         if token_index is None:
             token_index = self.num_generated[sequences]
-        return row_keys(self.seeds[sequences], token_index)
+        return row_keys(self.seeds[sequences], token_index + self.token_offsets[sequences])
 
     def record(self, sequences: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> np.ndarray:
         """Append one sampled token per sequence; returns the ids of sequences that finished."""

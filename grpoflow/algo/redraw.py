@@ -1,0 +1,106 @@
+"""The trainer's own draws of completion tokens: the keyed draw (`grpoflow.algo.draws`) replayed
+on the training forward's logits.
+
+A native-engine completion is a sequence of keyed draws, each from the engine's logits. Replaying
+every draw with the same key on the trainer's logits of the same prefix gives the token the
+trainer's distribution puts at that uniform; where the two agree the token is an exact draw from
+the trainer's forward. `grpoflow.run.on_policy` continues each completion from its first
+disagreement, so that every token ends up drawn from the trainer's forward.
+
+The log-probs come from `token_logprobs_from_hidden`, the function the update scores tokens with,
+on the same hidden states: they equal the update's wherever its forward computes the same hidden
+states (same rows, same padding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from grpoflow.algo.draws import keyed_draw
+from grpoflow.algo.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    _decoder_and_head,
+    position_ids_from_mask,
+    token_logprobs_from_hidden,
+)
+from grpoflow.algo.truncation import Truncation
+
+
+@torch.no_grad()
+def redraw_from_hidden(
+    hidden: Tensor,
+    head: nn.Module | Tensor,
+    keys: Tensor,
+    temperature: float,
+    truncation: Truncation | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[Tensor, Tensor]:
+    """Keyed draws from `softmax(head(hidden) / temperature)` (truncated when asked).
+
+    Args:
+        hidden: `(batch, seq, hidden)`; position t's state draws token t.
+        head: the output projection, an `nn.Linear` or its weight `(vocab, hidden)`.
+        keys: `(batch, seq)` int64, the draws' keys (`row_keys`).
+
+    Returns:
+        tokens: `(batch, seq)` int64, the token each key draws.
+        log_probs: `(batch, seq)` float32, their log-probs as the update computes them.
+    """
+    weight = head.weight if isinstance(head, nn.Module) else head
+    bias = head.bias if isinstance(head, nn.Linear) else None
+    truncation = truncation if truncation is not None and truncation.active else None
+    flat_hidden = hidden.reshape(-1, hidden.size(-1))
+    pieces = []
+    for hidden_chunk, key_chunk in zip(flat_hidden.split(chunk_size), keys.reshape(-1).split(chunk_size)):
+        logits = F.linear(hidden_chunk, weight, bias)  # (chunk, vocab), as the update projects
+        thresholds = truncation.thresholds(logits.float() / temperature) if truncation else None
+        pieces.append(keyed_draw(logits, key_chunk, 1.0 / temperature, False, thresholds)[0])
+    tokens = torch.cat(pieces).view(keys.shape) if pieces else keys.new_zeros(keys.shape)
+    log_probs, _ = token_logprobs_from_hidden(
+        hidden, head, tokens, temperature, chunk_size, truncation=truncation
+    )
+    return tokens, log_probs
+
+
+@torch.no_grad()
+def sequence_redraws(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    keys: Tensor,
+    temperature: float,
+    truncation: Truncation | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[Tensor, Tensor]:
+    """The trainer's keyed draws of the last `keys.shape[1]` tokens of each sequence, from the
+    decoder body as `sequence_logprobs` runs it.
+
+    Args:
+        input_ids: `(batch, seq)` prompt then completion tokens, prompts left-padded.
+        attention_mask: `(batch, seq)`, or None without padding before a completion token.
+        keys: `(batch, completion_len)` int64 keys of the completion's draws.
+
+    Returns:
+        `(batch, completion_len)` tokens and their log-probs (`redraw_from_hidden`).
+    """
+    length = keys.shape[1]
+    if not 0 < length < input_ids.size(1):
+        raise ValueError(f"keys cover {length} completion tokens of sequences of {input_ids.size(1)}")
+    parts = _decoder_and_head(model)
+    if parts is None:
+        raise ValueError(
+            f"{type(model).__name__} transforms its logits after the output projection "
+            "(soft-capping or scaling): on_policy_sampling cannot replay its draws"
+        )
+    decoder, head = parts
+    if attention_mask is None:
+        position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+    else:
+        position_ids = position_ids_from_mask(attention_mask)
+    outputs = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
+    hidden = outputs.last_hidden_state[:, -(length + 1) : -1]
+    return redraw_from_hidden(hidden, head, keys, temperature, truncation, chunk_size)

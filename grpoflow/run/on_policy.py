@@ -1,0 +1,235 @@
+"""Sampling that is on-policy by construction (`on_policy_sampling`): every completion token is
+an exact draw from the trainer's own forward, and its log-prob is the trainer's.
+
+The native engine draws each token with a keyed uniform (`grpoflow.algo.draws`) from logits that
+its decode kernels compute, which round differently from the training forward. Here the trainer
+replays every draw with the same key on its own logits of the same prefix
+(`grpoflow.algo.redraw`). Up to the first disagreement the engine's tokens are the trainer's
+draws; at the first disagreement the trainer's token replaces the engine's, and the engine
+continues the completion from there with the same key stream (`SamplingParams.sample_offset`,
+`token_offset`), which the next round checks in turn. A completion is done when the trainer's
+replay agrees with every token, so each token is the draw of the trainer's distribution at its key,
+as if the trainer had sampled it itself; the engine only proposes.
+
+Rounds after the first check only the completions that changed. Whenever anything changed, a
+last pass replays every completion in the rows and padding of the update's micro-batches, whose
+log-probs then are those the update computes from the same hidden states; a disagreement there
+(the forward's rounding depends on the batch's shape) starts another round. A completion still
+changing after `MAX_ROUNDS` keeps its unchecked tail (counted in `on_policy/unchecked_tokens`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from grpoflow.algo.draws import row_keys, sequence_seeds
+from grpoflow.algo.redraw import sequence_redraws
+from grpoflow.algo.truncation import Truncation
+from grpoflow.data.prompts import PromptItem
+from grpoflow.engines import Completion, RolloutEngine, SamplingParams
+from grpoflow.policy.placement import Placement
+from grpoflow.run.rollout import Group, SingleTurn, collate_pairs
+
+MAX_ROUNDS = 32
+"""Rounds of replay and continuation before a completion keeps its unchecked tail."""
+CONTINUE = "continue"
+"""The finish reason of a draft the engine must continue."""
+
+
+@dataclass(slots=True)
+class _Draft:
+    """One completion being made on-policy."""
+
+    prompt: list[int]
+    params: SamplingParams
+    sample: int
+    seed: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    checked: int = 0
+    """Leading tokens the trainer's replay has confirmed."""
+    policy_version: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.checked >= len(self.tokens)
+
+    def completion(self) -> Completion:
+        return Completion(list(self.tokens), list(self.logprobs), self.finish_reason, self.policy_version)
+
+
+@dataclass(slots=True)
+class OnPolicySingleTurn:
+    """`SingleTurn` whose completions the trainer's forward redraws (see the module docstring)."""
+
+    tokenizer: object
+    placement: Placement
+    micro_batch_size: int
+    temperature: float
+    truncation: Truncation | None = None
+    chunk_size: int = 1024
+    last_metrics: dict[str, float] = field(default_factory=dict)
+
+    def __call__(
+        self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
+    ) -> list[Group]:
+        start = time.perf_counter()
+        inner = SingleTurn(self.tokenizer)
+        groups = inner(engine, items, params)
+        requests = [params] * len(items) if isinstance(params, SamplingParams) else list(params)
+        drafts = [
+            [
+                _draft(item.prompt_ids, request, sample, completion)
+                for sample, completion in enumerate(group.completions)
+            ]
+            for item, request, group in zip(items, requests, groups, strict=True)
+        ]
+        counts = self._settle(engine, drafts)
+        for group, members in zip(groups, drafts):
+            group.completions = [draft.completion() for draft in members]
+            group.texts = [
+                self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group.completions
+            ]
+        self.last_metrics = {
+            **inner.last_metrics,
+            **{f"on_policy/{name}": float(value) for name, value in counts.items()},
+            "on_policy/seconds": time.perf_counter() - start,
+        }
+        return groups
+
+    def _settle(self, engine: RolloutEngine, drafts: list[list[_Draft]]) -> dict[str, int]:
+        everyone = [draft for members in drafts for draft in members if draft.finish_reason != "error"]
+        counts = {"rounds": 0, "replaced_tokens": 0, "continued_tokens": 0, "unchecked_tokens": 0}
+        pending, full_pass = everyone, True
+        while counts["rounds"] < MAX_ROUNDS:
+            counts["rounds"] += 1
+            changed = self._replay(pending)
+            if not changed and full_pass:
+                return counts
+            counts["replaced_tokens"] += len(changed)
+            self._continue(engine, [draft for draft in changed if draft.finish_reason == CONTINUE], counts)
+            pending = [draft for draft in everyone if not draft.done]
+            full_pass = not pending
+            if full_pass:  # every change is checked: confirm them all in the update's layout
+                for draft in everyone:
+                    draft.checked = 0
+                pending = everyone
+        counts["unchecked_tokens"] = sum(len(draft.tokens) - draft.checked for draft in everyone)
+        return counts
+
+    def _replay(self, drafts: list[_Draft]) -> list[_Draft]:
+        """Replay the drafts' draws on the trainer's forward, micro-batch by micro-batch in their
+        order; cut each at its first disagreement and put the trainer's token there. Returns the
+        drafts that changed."""
+        changed = []
+        for start in range(0, len(drafts), self.micro_batch_size):
+            part = drafts[start : start + self.micro_batch_size]
+            tokens, logprobs = self._redraw(part)
+            for row, draft in enumerate(part):
+                length = len(draft.tokens)
+                ours = tokens[row, :length].tolist()
+                draft.logprobs = logprobs[row, :length].tolist()
+                first = next((t for t in range(draft.checked, length) if ours[t] != draft.tokens[t]), None)
+                if first is None:
+                    draft.checked = length
+                    continue
+                draft.tokens = draft.tokens[:first] + [ours[first]]
+                draft.logprobs = draft.logprobs[: first + 1]
+                draft.checked = first + 1
+                draft.finish_reason = self._finish(draft)
+                changed.append(draft)
+        return changed
+
+    def _redraw(self, drafts: list[_Draft]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, width) trainer draws and log-probs for the drafts, in the rows and padding the
+        update gives them (`collate`, then `RolloutBatch.rows`)."""
+        pairs = [(draft.prompt, draft.completion()) for draft in drafts]
+        batch = collate_pairs(pairs, self._pad_id(), self.placement.device)
+        batch = batch.rows(0, len(batch))
+        width = batch.completion_ids.shape[1]
+        steps = np.arange(width)
+        keys = np.stack([row_keys(np.full(width, draft.seed, dtype=np.uint64), steps) for draft in drafts])
+        input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+        mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1) if batch.left_padded else None
+        model = self.placement.module
+        was_training = model.training
+        model.eval()
+        try:
+            return self.placement.sharded_forward(
+                lambda: sequence_redraws(
+                    model,
+                    input_ids,
+                    mask,
+                    torch.from_numpy(keys).to(input_ids.device),
+                    self.temperature,
+                    self.truncation,
+                    self.chunk_size,
+                )
+            )
+        finally:
+            model.train(was_training)
+
+    def _finish(self, draft: _Draft) -> str:
+        """How a completion whose last token the trainer just drew ends: 'stop', 'length', or
+        'continue' when the engine must go on."""
+        params = draft.params
+        if not params.ignore_eos and draft.tokens[-1] in set(params.stop_token_ids):
+            return "stop"
+        if params.stop:
+            tail = self.tokenizer.decode(draft.tokens[-(max(map(len, params.stop)) + 8) :])
+            if any(string in tail for string in params.stop):
+                return "stop"
+        if len(draft.tokens) >= params.max_tokens:
+            return "length"
+        return CONTINUE
+
+    def _continue(self, engine: RolloutEngine, drafts: list[_Draft], counts: dict[str, int]) -> None:
+        """The engine continues each draft past its last token, on the same key stream."""
+        if not drafts:
+            return
+        requests = [
+            dataclasses.replace(
+                draft.params,
+                n=1,
+                sample_offset=draft.sample,
+                token_offset=len(draft.tokens),
+                max_tokens=draft.params.max_tokens - len(draft.tokens),
+            )
+            for draft in drafts
+        ]
+        outputs = engine.generate([draft.prompt + draft.tokens for draft in drafts], requests)
+        for draft, (completion,) in zip(drafts, outputs, strict=True):
+            if completion.finish_reason == "error":  # no room left in the model's context
+                draft.finish_reason = "length"
+                continue
+            draft.tokens += completion.token_ids
+            draft.logprobs += completion.logprobs
+            draft.finish_reason = completion.finish_reason
+            counts["continued_tokens"] += len(completion.token_ids)
+
+    def _pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return pad if pad is not None else 0
+
+
+def _draft(prompt: Sequence[int], params: SamplingParams, sample: int, completion: Completion) -> _Draft:
+    if params.seed is None:
+        raise ValueError("on_policy_sampling replays seeded draws: give each prompt's SamplingParams a seed")
+    seed = int(sequence_seeds(params.seed, np.zeros(1, dtype=np.int64), np.array([sample]))[0])
+    return _Draft(
+        prompt=list(prompt),
+        params=params,
+        sample=sample,
+        seed=seed,
+        tokens=list(completion.token_ids),
+        logprobs=list(completion.logprobs),
+        finish_reason=completion.finish_reason,
+        policy_version=completion.policy_version,
+    )

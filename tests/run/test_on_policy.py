@@ -1,0 +1,129 @@
+"""Sampling on-policy by construction (CPU, float32): an engine whose model differs from the
+trainer's only proposes; the completions come out as the trainer's own keyed draws."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers.native_fixtures import tiny
+from helpers.support import recipe
+
+from grpoflow.algo import sequence_logprobs
+from grpoflow.algo.truncation import Truncation
+from grpoflow.data.prompts import PromptItem
+from grpoflow.engines import SamplingParams
+from grpoflow.engines.native import NativeEngine, NativeEngineConfig
+from grpoflow.policy.placement import Placement
+from grpoflow.run.build import run
+from grpoflow.run.on_policy import OnPolicySingleTurn
+from grpoflow.run.rollout import SingleTurn, collate
+
+
+class Tokens:
+    """A tokenizer of ids: a text is its ids joined."""
+
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids))
+
+
+PROMPTS = [[3, 4, 5], [7, 8, 9, 10, 11], [12]]
+
+
+def items():
+    return [PromptItem(prompt=str(p), prompt_ids=p, columns={}) for p in PROMPTS]
+
+
+def params(**overrides):
+    base = dict(n=4, max_tokens=12, temperature=1.0, stop_token_ids=(1,))
+    return [SamplingParams(**{**base, **overrides}, seed=100 + index) for index in range(len(PROMPTS))]
+
+
+def engine(model):
+    return NativeEngine(model, config=NativeEngineConfig(max_num_seqs=16, block_size=4, num_kv_blocks=256))
+
+
+def perturbed(model, scale):
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale * parameter.std())
+    return other
+
+
+@pytest.mark.parametrize("sampling", [{}, {"top_p": 0.8, "top_k": 20}])
+def test_completions_are_the_trainers_own_draws_whatever_the_engine_proposes(sampling):
+    torch.manual_seed(0)
+    policy = tiny()
+    request = params(**sampling)
+    truncation = Truncation(top_k=20, top_p=0.8) if sampling else None
+    # What the trainer's own sampler draws: the native engine on the trainer's weights (float32:
+    # its kernels agree with the training forward on every draw here).
+    expected = SingleTurn(Tokens())(engine(policy), items(), request)
+    proposer = engine(perturbed(policy, 0.2))  # a different model proposes
+    proposed = SingleTurn(Tokens())(proposer, items(), request)
+    assert [c.token_ids for g in proposed for c in g.completions] != [
+        c.token_ids for g in expected for c in g.completions
+    ]
+    rollout = OnPolicySingleTurn(
+        Tokens(), Placement(module=policy, device=torch.device("cpu")), 5, 1.0, truncation
+    )
+    groups = rollout(proposer, items(), request)
+    for ours, theirs in zip(groups, expected):
+        assert [c.token_ids for c in ours.completions] == [c.token_ids for c in theirs.completions]
+        assert [c.finish_reason for c in ours.completions] == [c.finish_reason for c in theirs.completions]
+    metrics = rollout.last_metrics
+    assert metrics["on_policy/replaced_tokens"] > 0 and metrics["on_policy/rounds"] >= 2
+    assert metrics["on_policy/unchecked_tokens"] == 0
+    # The log-probs are the trainer's forward's in the update's layout, bit for bit.
+    batch = collate(groups, 0, torch.device("cpu"))
+    for start in range(0, len(batch), 5):
+        part = batch.rows(start, min(start + 5, len(batch)))
+        input_ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)
+        mask = torch.cat([part.prompt_mask, part.completion_mask], dim=1) if part.left_padded else None
+        with torch.no_grad():
+            logps, _ = sequence_logprobs(
+                policy, input_ids, mask, part.completion_ids.shape[1], truncation=truncation
+            )
+        assert torch.equal(logps * part.completion_mask, part.sampling_logps)
+
+
+def test_an_engine_on_the_trainers_weights_needs_one_round():
+    torch.manual_seed(0)
+    policy = tiny()
+    rollout = OnPolicySingleTurn(Tokens(), Placement(module=policy, device=torch.device("cpu")), 4, 1.0)
+    rollout(engine(policy), items(), params())
+    assert rollout.last_metrics["on_policy/rounds"] == 1
+    assert rollout.last_metrics["on_policy/replaced_tokens"] == 0
+
+
+def test_unseeded_requests_are_refused():
+    policy = tiny()
+    rollout = OnPolicySingleTurn(Tokens(), Placement(module=policy, device=torch.device("cpu")), 4, 1.0)
+    with pytest.raises(ValueError, match="seed"):
+        rollout(engine(policy), items(), SamplingParams(n=2, max_tokens=4))
+
+
+def test_a_run_with_on_policy_sampling_trains_with_no_gap(tmp_path):
+    history = run(recipe(tmp_path, max_steps=2, on_policy_sampling=True, top_p=0.9))
+    for step in history:
+        assert step["on_policy/rounds"] >= 1 and step["on_policy/unchecked_tokens"] == 0
+        assert step["sampling/sampling_logp_difference/max"] < 1e-5
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"use_vllm": True}, "vllm"),
+        ({"rollout_engine": "hf"}, "hf"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty"),
+        ({"replay_sampling_truncation": False}, "replay_sampling_truncation"),
+    ],
+)
+def test_on_policy_sampling_refuses_what_it_cannot_replay(tmp_path, overrides, named):
+    with pytest.raises(ValueError, match=f"on_policy_sampling.*{named}"):
+        recipe(tmp_path, on_policy_sampling=True, **overrides)
