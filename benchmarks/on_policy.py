@@ -1,0 +1,175 @@
+"""What on-policy sampling costs per GRPO step, and the engine/trainer log-prob gap with and without it.
+
+    python benchmarks/on_policy.py              # random Qwen2-0.5B shape, bf16, on the GPU
+    python benchmarks/on_policy.py --smoke      # a tiny model on the CPU, to check the script
+
+The workload is grpo_step.py's standard one (64 prompts x 8, prompt 128, 256 new tokens, micro-batch
+32, gradient checkpointing) through the native engine, once as it samples by default and once with
+`on_policy_sampling` (modes ending in _truncated: with top_p 0.9, top_k 50). Each mode runs
+in its own subprocess; the first `--warmup` steps are left out. For each mode the table gives the
+step time, the rollout time (which includes the trainer's replay), the replay's own seconds, its
+rounds and replaced tokens, and the gap between the log-probs the batch carries for its sampled
+tokens and those the update's forward computes (`sampling/sampling_logp_difference`, nats per
+token). Results go to benchmarks/results/ as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+KEYS = (
+    "time/step",
+    "time/rollout",
+    "on_policy/seconds",
+    "on_policy/rounds",
+    "on_policy/replaced_tokens",
+    "on_policy/continued_tokens",
+    "on_policy/unchecked_tokens",
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "completions/mean_length",
+)
+
+
+def reward_length(completions, **kwargs):
+    return [len(text) / 256 for text in completions]
+
+
+def write_inputs(directory: Path, smoke: bool, num_prompts: int) -> tuple[Path, Path]:
+    from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model, build_tiny_model
+
+    tokenizer = build_char_tokenizer()
+    if smoke:
+        model = build_tiny_model(len(tokenizer), dtype=torch.bfloat16)
+    else:
+        model = build_preset_model("qwen2-0.5b", len(tokenizer), dtype=torch.bfloat16)
+    model.save_pretrained(directory / "model")
+    tokenizer.save_pretrained(directory / "model")
+    rng = random.Random(0)
+    with open(directory / "prompts.jsonl", "w") as handle:
+        for _ in range(num_prompts):
+            handle.write(json.dumps({"prompt": "".join(rng.choice("abcdefghij") for _ in range(128))}) + "\n")
+    return directory / "model", directory / "prompts.jsonl"
+
+
+def config_values(args, mode: str, model_dir: Path, prompts: Path) -> dict:
+    values = {
+        "model": str(model_dir),
+        "dataset": str(prompts),
+        "reward_funcs": [f"{Path(__file__).resolve()}:reward_length"],
+        "num_generations": 8,
+        "per_device_train_batch_size": args.micro_batch,
+        "gradient_accumulation_steps": args.prompts * 8 // args.micro_batch,
+        "max_prompt_length": 128,
+        "max_completion_length": args.new_tokens,
+        "gradient_checkpointing": True,
+        "learning_rate": 1e-6,
+        "max_steps": args.steps,
+        "rollout_engine": "native",
+        "gpu_memory_utilization": 0.35,
+        "output_dir": str(Path(args.workdir) / mode),
+        "save_steps": 10_000,
+        "report_to": ["none"],
+        "disable_tqdm": True,
+        "dataset_shuffle": False,
+        "on_policy_sampling": mode.startswith("on_policy"),
+    }
+    if mode.endswith("truncated"):
+        values.update(top_p=0.9, top_k=50)
+    return values
+
+
+def run_child(args) -> None:
+    from grpoflow.run.build import build_trainer
+    from grpoflow.run.config import load_config
+
+    workdir = Path(args.workdir)
+    config = load_config(None, config_values(args, args.child, workdir / "model", workdir / "prompts.jsonl"))
+    trainer = build_trainer(config)
+    steps = []
+    for _ in range(args.steps):
+        steps.append(trainer.step())
+        shown = {key: round(steps[-1][key], 4) for key in KEYS if key in steps[-1]}
+        print(args.child, shown, flush=True)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    Path(args.out).write_text(json.dumps({"steps": steps, "peak_gib": peak}))
+
+
+def summarize(mode: str, result: dict, warmup: int) -> dict:
+    steps = result["steps"][warmup:] or result["steps"]
+    row = {"mode": mode, "peak_gib": result["peak_gib"]}
+    for key in KEYS:
+        values = [step[key] for step in steps if key in step]
+        if values:
+            row[key] = max(values) if key.endswith("/max") else sum(values) / len(values)
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    columns = [
+        ("mode", "mode", "{}"),
+        ("step s", "time/step", "{:.3f}"),
+        ("rollout s", "time/rollout", "{:.3f}"),
+        ("replay s", "on_policy/seconds", "{:.3f}"),
+        ("rounds", "on_policy/rounds", "{:.1f}"),
+        ("replaced", "on_policy/replaced_tokens", "{:.1f}"),
+        ("gap mean", "sampling/sampling_logp_difference/mean", "{:.2e}"),
+        ("gap max", "sampling/sampling_logp_difference/max", "{:.2e}"),
+        ("mean len", "completions/mean_length", "{:.0f}"),
+    ]
+    print(" | ".join(title for title, _, _ in columns))
+    for row in rows:
+        print(" | ".join(fmt.format(row[key]) if key in row else "-" for _, key, fmt in columns))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--modes", default="default,on_policy", help="of default, on_policy, *_truncated")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.warmup, args.prompts, args.micro_batch, args.new_tokens = 2, 0, 4, 8, 16
+    if args.child:
+        run_child(args)
+        return
+    modes = args.modes.split(",")
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        write_inputs(Path(workdir), args.smoke, args.prompts * args.steps)
+        for mode in modes:
+            out = Path(workdir) / f"{mode}.json"
+            command = [sys.executable, __file__, "--child", mode, "--workdir", workdir, "--out", str(out)]
+            command += ["--steps", str(args.steps), "--prompts", str(args.prompts)]
+            command += ["--micro-batch", str(args.micro_batch), "--new-tokens", str(args.new_tokens)]
+            subprocess.run(command, check=True)
+            rows.append(summarize(mode, json.loads(out.read_text()), args.warmup))
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    RESULTS.mkdir(exist_ok=True)
+    name = f"{datetime.date.today()}-on-policy-{'smoke' if args.smoke else device.replace(' ', '_')}.json"
+    (RESULTS / name).write_text(json.dumps({"device": device, "args": vars(args), "rows": rows}, indent=2))
+    print(f"device: {device}; results: benchmarks/results/{name}")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
