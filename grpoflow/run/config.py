@@ -37,6 +37,7 @@ from grpoflow.run.algorithm import AlgorithmConfig
 from grpoflow.run.evaluation import EvalConfig
 from grpoflow.run.health import HealthConfig
 from grpoflow.run.metrics import LogConfig
+from grpoflow.run.plan import PlanConfig
 from grpoflow.run.update import ImportanceCorrection, UpdateSettings
 
 logger = logging.getLogger("grpoflow")
@@ -243,6 +244,8 @@ class GRPOConfig:
     """Evaluation on held-out prompts and the best checkpoint (grpoflow.run.evaluation)."""
     health: HealthConfig = field(default_factory=HealthConfig)
     """Checks on each step's metrics that warn or stop the run (grpoflow.run.health)."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """The memory plan made before step 1 (grpoflow.run.plan)."""
 
     def __post_init__(self) -> None:
         # The rewards read the completion budget the generation section owns.
