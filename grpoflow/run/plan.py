@@ -61,9 +61,14 @@ def model_shape(config, on_gpu: bool) -> ModelShape:
     if preset is not None:
         from grpoflow.policy.tiny import PRESETS, build_char_tokenizer
 
-        values = {"intermediate_size": 128, "vocab_size": len(build_char_tokenizer()), **PRESETS[preset]}
+        values = {
+            "intermediate_size": 128,
+            "vocab_size": len(build_char_tokenizer()),
+            "tie_word_embeddings": True,
+            **PRESETS[preset],
+        }
         values.pop("max_position_embeddings", None)
-        return ModelShape(**values, tie_word_embeddings=True, dtype_bytes=dtype_bytes)
+        return ModelShape(**values, dtype_bytes=dtype_bytes)
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(policy.model, trust_remote_code=policy.trust_remote_code)
