@@ -169,6 +169,30 @@ def train(argv: list[str]) -> int:
     return 0
 
 
+def plan(argv: list[str]) -> int:
+    """Print the run's memory plan (config only: no weights load)."""
+    epilog = "The run's options as for grpoflow train; gpu_memory_gib plans for a GPU of that size."
+    known, rest = recipe_parser(
+        "grpoflow plan", "Predict each GPU's peak memory, by part.", epilog
+    ).parse_known_args(argv)
+    from grpoflow.run.plan import format_plan, gpu_capacity, run_plan
+
+    try:
+        overrides = options.parse_overrides(rest)
+        config = load_config(resolve_recipe(known.config, overrides), overrides)
+        capacity = gpu_capacity(config)
+        if capacity is None:
+            raise ValueError("no GPU is visible: pass --gpu_memory_gib (e.g. 80) to plan for one")
+        memory, blocks = run_plan(config, capacity)
+    except ValueError as error:
+        print(f"grpoflow plan: {error}", file=sys.stderr)
+        return 2
+    print(format_plan(memory))
+    if blocks is not None:
+        print(f"native engine KV cache: {blocks} blocks")
+    return 0 if memory.fits else 1
+
+
 def evaluate(argv: list[str]) -> int:
     epilog = "Options (YAML keys or --key value): see grpoflow train --help"
     known, rest = recipe_parser("grpoflow eval", EVAL_HELP, epilog).parse_known_args(argv)
@@ -264,9 +288,17 @@ def serve(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "eval": evaluate, "export": export, "report": report, "serve": serve}
+COMMANDS = {
+    "train": train,
+    "plan": plan,
+    "eval": evaluate,
+    "export": export,
+    "report": report,
+    "serve": serve,
+}
 USAGE = (
     "usage: grpoflow {train} [options]   (grpoflow train --help)\n"
+    "       grpoflow {plan} [--config FILE] [--gpu_memory_gib GIB] [options]\n"
     "       grpoflow {eval} --model MODEL_OR_CHECKPOINT --eval_dataset DATA --reward_funcs ... [options]\n"
     "       grpoflow {export} --checkpoint DIR --output OUT [--base MODEL]\n"
     "       grpoflow {report} OUTPUT_DIR [--output FILE]\n"

@@ -26,8 +26,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("root", (PACKAGE,), "the package's own __init__, run before any of its modules: imports none of them"),
     (
         "foundations",
-        ("algo", "options", "hub", "imports", "threads"),
-        "pure tensor maths; config loading that knows no particular config; the model hub; user code by import path and in daemon threads",
+        ("algo", "options", "hub", "imports", "threads", "phases"),
+        "pure tensor maths; config loading that knows no particular config; the model hub; user code by import path and in daemon threads; seconds per phase of a step",
     ),
     ("transport", ("transport",), "moving weights to rollout engines, sender and receiver sides"),
     ("engines", ("engines",), "rollout engines, their interface and the one definition of sampling settings"),

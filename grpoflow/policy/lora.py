@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from grpoflow.options import require
+from grpoflow.phases import phase
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,20 +120,21 @@ def merged_adapters(model: nn.Module) -> Iterator[None]:
 
     Every adapted layer computes `(W + alpha / r * B A) x` from W's own storage (addresses are kept,
     so engines holding views or captured CUDA graphs see the merged values) and skips the LoRA
-    branch. Leaving, PEFT's unmerge subtracts the update again, which rounds (by up to an ulp in
+    branch (the `merge` phase; leaving, `unmerge`). Leaving, PEFT's unmerge subtracts the update again, which rounds (by up to an ulp in
     bfloat16); repeated every step the frozen base would drift, so the base weights are kept on
     the CPU and copied back bit for bit. Costs one CPU copy of the adapted weights per call.
     """
     if not is_peft_model(model):
         yield
         return
-    saved = [(tensor, tensor.detach().to("cpu", copy=True)) for tensor in _adapted_base_weights(model)]
+    with phase("merge"):
+        saved = [(tensor, tensor.detach().to("cpu", copy=True)) for tensor in _adapted_base_weights(model)]
     try:
-        with torch.no_grad():
+        with phase("merge"), torch.no_grad():
             model.merge_adapter()
         yield
     finally:
-        with torch.no_grad():
+        with phase("unmerge"), torch.no_grad():
             model.unmerge_adapter()
             for tensor, original in saved:
                 tensor.copy_(original)

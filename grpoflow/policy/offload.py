@@ -23,6 +23,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from grpoflow.phases import phase
+
 CPU = torch.device("cpu")
 
 
@@ -45,29 +47,33 @@ def move_module(module: nn.Module, device: torch.device) -> int:
             seen.add(id(tensor))
             tensor.data = move_tensor(tensor.data, device)
             moved += tensor.numel() * tensor.element_size()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     return moved
 
 
 def release_memory() -> None:
-    """Collect garbage and return the caching allocator's free blocks to the driver."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    """Collect garbage and return the caching allocator's free blocks to the driver (part of the
+    `offload` phase)."""
+    with phase("offload"):
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 @contextmanager
 def module_offloaded(module: nn.Module, home: torch.device, *, gc_collect: bool = False) -> Iterator[int]:
     """Within the block `module` lives on the CPU; leaving, it goes back to `home`. Yields the
-    bytes moved out."""
-    moved = move_module(module, CPU)
+    bytes moved out. The moves are charged to the `offload` and `reload` phases."""
+    with phase("offload"):
+        moved = move_module(module, CPU)
     if gc_collect:
         release_memory()
     try:
         yield moved
     finally:
-        move_module(module, home)
+        with phase("reload"):
+            move_module(module, home)
 
 
 class OptimizerOffload:
@@ -88,13 +94,15 @@ class OptimizerOffload:
     def load(self) -> None:
         """Every offloaded state tensor back on its parameter's device."""
         if self.offloaded_bytes:
-            self._move(lambda parameter: parameter.device)
+            with phase("reload"):
+                self._move(lambda parameter: parameter.device)
         self.offloaded_bytes = 0
 
     def offload(self) -> None:
         """Every state tensor to the CPU (scalars such as AdamW's step count stay where the
         optimizer keeps them)."""
-        self.offloaded_bytes = self._move(lambda _parameter: CPU)
+        with phase("offload"):
+            self.offloaded_bytes = self._move(lambda _parameter: CPU)
         if self.gc_collect:
             release_memory()
 

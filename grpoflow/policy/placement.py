@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from grpoflow.options import require
+from grpoflow.phases import phase
 from grpoflow.policy import lora, offload
 
 logger = logging.getLogger("grpoflow")
@@ -156,18 +157,21 @@ class Placement:
     @contextmanager
     def full_parameters(self) -> Iterator[None]:
         """Within the block a sharded model holds its full (gathered) parameters as plain tensors,
-        also across forward calls; leaving, they are freed. A no-op for a replicated model."""
+        also across forward calls; leaving, they are freed (both in the `gather` phase). A no-op
+        for a replicated model."""
         units = self.units
         root = units[0] if units else None
-        for unit in units:
-            unit.set_reshard_after_forward(False, recurse=False)
-            unit.unshard()
+        with phase("gather"):
+            for unit in units:
+                unit.set_reshard_after_forward(False, recurse=False)
+                unit.unshard()
         try:
             yield
         finally:
-            for unit in units:
-                unit.reshard()
-                unit.set_reshard_after_forward(unit is not root, recurse=False)
+            with phase("gather"):
+                for unit in units:
+                    unit.reshard()
+                    unit.set_reshard_after_forward(unit is not root, recurse=False)
 
     @contextmanager
     def rollout_context(self, engine) -> Iterator[None]:
@@ -190,11 +194,13 @@ class Placement:
 
     @contextmanager
     def _on_device(self) -> Iterator[None]:
-        offload.move_module(self.module, self.device)
+        with phase("reload"):
+            offload.move_module(self.module, self.device)
         try:
             yield
         finally:
-            offload.move_module(self.module, offload.CPU)
+            with phase("offload"):
+                offload.move_module(self.module, offload.CPU)
             if self.gc_collect:
                 offload.release_memory()
 

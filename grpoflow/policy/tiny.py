@@ -85,8 +85,19 @@ PRESETS: dict[str, dict] = {
         intermediate_size=4864,
         max_position_embeddings=32768,
     ),
+    "qwen2.5-7b": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
 }
-"""Shapes of randomly initialised models; `qwen2-0.5b` is Qwen2-0.5B's shape (benchmarks)."""
+"""Shapes of randomly initialised models; `qwen2-0.5b` is Qwen2-0.5B's (and Qwen2.5-0.5B's) shape,
+`qwen2.5-7b` Qwen2.5-7B's (benchmarks)."""
 
 
 def build_preset_model(name: str, tokenizer_size: int, **kwargs) -> PreTrainedModel:

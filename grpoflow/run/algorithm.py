@@ -229,3 +229,26 @@ def batch_advantages(
         advantages, _ = estimator(rewards - algorithm.beta * kl, num_generations, algorithm.scale_rewards)
         metrics = {**metrics, "reward_kl": kl.mean()}
     return advantages, metrics
+
+
+def rank_advantages(
+    algorithm: AlgorithmConfig,
+    estimator: AdvantageEstimator,
+    all_rewards: torch.Tensor,
+    weights: torch.Tensor,
+    num_generations: int | list[int],
+    rank_slice: slice,
+    zero_advantage: torch.Tensor | None = None,
+    all_kl: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One rank's advantages `(batch,)` and the reward metrics, from the rewards of the global
+    batch `(global_batch, num_funcs)` (`batch_advantages` over it, then this rank's `rank_slice`).
+    `zero_advantage`: `(batch,)` bool, completions that train with advantage 0; `all_kl`: each
+    completion's KL to the reference `(global_batch,)` under kl_in_reward."""
+    advantages, metrics = batch_advantages(
+        algorithm, estimator, all_rewards, weights.to(all_rewards.device), num_generations, all_kl
+    )
+    advantages = advantages[rank_slice]
+    if zero_advantage is not None:
+        advantages = advantages.masked_fill(zero_advantage.to(advantages.device), 0.0)
+    return advantages, metrics

@@ -35,6 +35,7 @@ from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.on_policy import OnPolicySingleTurn
 from grpoflow.run.output_dir import claim_output_dir
+from grpoflow.run.plan import check_plan
 from grpoflow.run.rollout import Episodes, Rollout, SingleTurn
 from grpoflow.run.rollout_func import RolloutFunction
 from grpoflow.run.trainer import GRPOTrainer
@@ -51,8 +52,11 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         training.output_dir, training.resume_from_checkpoint, training.overwrite_output_dir
     )
     resume = claim.resume
+    kv_blocks = check_plan(config)  # before anything heavy loads
     distributed, device = init_distributed(resolve_device(config.policy.device))
     check_world(config, distributed)
+    if device.type != "cuda":
+        kv_blocks = None
     if device.type == "cuda":
         # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
         # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
@@ -79,7 +83,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         load_checkpoint_weights(model, resume)
     distributed.broadcast_parameters(model)
     workers = infer_workers.start_for_run(config, distributed, next(model.parameters()).dtype)
-    engine = build_rollout_engine(config, model, tokenizer, distributed, workers)
+    engine = build_rollout_engine(config, model, tokenizer, distributed, workers, kv_blocks)
     policy_placement, ref_placement = placement.place_models(
         model,
         ref_model,
@@ -247,9 +251,15 @@ def build_rollout_engine(
     tokenizer,
     distributed: DistributedContext,
     workers: RolloutServers | None,
+    kv_blocks: int | None = None,
 ) -> RolloutEngine:
-    """The engine the generation section chooses, around the policy (or the run's servers)."""
+    """The engine the generation section chooses, around the policy (or the run's servers);
+    `kv_blocks`: the native engine's KV-cache blocks, as the memory plan sized them."""
     engine = config.generation.engine
+    if kv_blocks is not None and config.generation.engine_name == "native":
+        from grpoflow.engines.native.sizing import NativeEngineConfig
+
+        engine = dataclasses.replace(NativeEngineConfig.sized_as(engine), num_kv_blocks=kv_blocks)
     remote = config.remote
     if workers is not None:
         remote = dataclasses.replace(remote, vllm_server_base_url=",".join(workers.urls))

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from grpoflow.policy.lora import is_peft_model
+from grpoflow.policy.placement import Placement
+from grpoflow.run.distributed import DistributedContext
 
 logger = logging.getLogger("grpoflow.run.checkpoint")
 
@@ -70,6 +72,38 @@ def rank_rng_state(trainer_state: dict[str, Any], rank: int, world_size: int) ->
             world_size,
         )
     return per_rank[0]
+
+
+def save_placed_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    *,
+    placement: Placement,
+    tokenizer,
+    trainer_state: dict[str, Any],
+    distributed: DistributedContext,
+    save_total_limit: int | None = None,
+    run_id: str | None = None,
+) -> Path:
+    """`save_checkpoint` over every rank: each takes part in gathering the placed model's full
+    weights and the RNG states (`trainer_state["rng"]`, kept per rank as `rng_per_rank`), rank 0
+    writes, the others wait. Returns the checkpoint's path on every rank."""
+    per_rank = distributed.gather_objects(trainer_state["rng"])
+    weights = placement.full_state_dict()
+    path = Path(output_dir) / f"checkpoint-{step}"
+    if distributed.is_main:
+        path = save_checkpoint(
+            output_dir,
+            step,
+            model=placement.module,
+            tokenizer=tokenizer,
+            trainer_state={**trainer_state, "rng_per_rank": per_rank},
+            save_total_limit=save_total_limit,
+            state_dict=weights,
+            run_id=run_id,
+        )
+    distributed.barrier()
+    return path
 
 
 def save_checkpoint(

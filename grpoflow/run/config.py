@@ -37,7 +37,8 @@ from grpoflow.run.algorithm import AlgorithmConfig
 from grpoflow.run.evaluation import EvalConfig
 from grpoflow.run.health import HealthConfig
 from grpoflow.run.metrics import LogConfig
-from grpoflow.run.update import ImportanceCorrection
+from grpoflow.run.plan import PlanConfig
+from grpoflow.run.update import ImportanceCorrection, UpdateSettings, replayed_truncation
 
 logger = logging.getLogger("grpoflow")
 
@@ -247,6 +248,8 @@ class GRPOConfig:
     """Evaluation on held-out prompts and the best checkpoint (grpoflow.run.evaluation)."""
     health: HealthConfig = field(default_factory=HealthConfig)
     """Checks on each step's metrics that warn or stop the run (grpoflow.run.health)."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """The memory plan made before step 1 (grpoflow.run.plan)."""
 
     def __post_init__(self) -> None:
         # The rewards read the completion budget the generation section owns.
@@ -264,6 +267,28 @@ class GRPOConfig:
     def max_model_len(self) -> int:
         """Longest prompt plus completion an engine must hold."""
         return self.data.max_prompt_length + self.generation.max_completion_length
+
+    def step_sampling(self, eos_token_id: int | None) -> SamplingParams:
+        """A step's sampling: num_generations completions per prompt, stopping at `eos_token_id`."""
+        stop = [eos_token_id] if eos_token_id is not None else []
+        return dataclasses.replace(
+            self.generation.sampling, n=self.generation.num_generations, stop_token_ids=stop
+        )
+
+    def update_settings(self, copies_weights: bool) -> UpdateSettings:
+        """What the update phase reads; `copies_weights`: the engine keeps its own copy of the
+        weights, so the importance-sampling correction is on unless set off."""
+        correction = self.off_policy.correction
+        corrects = correction.vllm_importance_sampling_correction
+        return UpdateSettings(
+            algorithm=self.algorithm,
+            micro_batch_size=self.training.per_device_train_batch_size,
+            temperature=self.generation.sampling.temperature,
+            max_completion_length=self.generation.max_completion_length,
+            max_grad_norm=self.training.max_grad_norm,
+            sampling_correction=correction if (copies_weights if corrects is None else corrects) else None,
+            truncation=replayed_truncation(self.generation.sampling, self.algorithm),
+        )
 
     def total_steps(self, num_prompts: int, world_size: int = 1) -> int:
         """Training steps over `world_size` ranks: max_steps, or enough global generation batches

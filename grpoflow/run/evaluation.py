@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -26,6 +27,7 @@ from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import RolloutEngine, SamplingParams
 from grpoflow.options import require
 from grpoflow.rewards import RewardRunner
+from grpoflow.run import checkpoint
 from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.rollout import Group, Rollout, reward_inputs
 
@@ -98,6 +100,46 @@ class EvalConfig:
         if best is None:
             return True
         return value > best if self.best_is_greater() else value < best
+
+    def new_best(self, metrics: dict[str, float], best: float | None) -> float | None:
+        """metric_for_best_model's value in `metrics` when it beats `best`, else None; a
+        ValueError naming the logged eval metrics when the run does not log it."""
+        name = self.metric_for_best_model
+        if name not in metrics:
+            known = ", ".join(sorted(key for key in metrics if key.startswith("eval/")))
+            raise ValueError(f"metric_for_best_model={name!r} is not an eval metric; this run logs: {known}")
+        return metrics[name] if self.improves(metrics[name], best) else None
+
+
+@dataclass(slots=True)
+class BestCheckpoint:
+    """The best metric_for_best_model so far, with checkpoint-best a copy of its checkpoint."""
+
+    config: EvalConfig
+    output_dir: str | Path
+    value: float | None = None
+    """The best value so far (None: none yet)."""
+
+    def consider(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        saved: Path | None,
+        save: Callable[[], Path],
+        distributed: DistributedContext,
+    ) -> None:
+        """Copy step `step`'s checkpoint (`saved`, or one `save()` writes now) to checkpoint-best
+        when its metric beats the best so far (a collective: every rank calls it)."""
+        best = self.config.new_best(metrics, self.value)
+        if best is None:
+            return
+        self.value = best
+        saved = saved or save()
+        if distributed.is_main:
+            checkpoint.keep_as_best(saved, self.output_dir)
+            name = self.config.metric_for_best_model
+            logger.info("step %d: %s = %.4f is the best so far (checkpoint-best)", step, name, best)
+        distributed.barrier()
 
 
 @dataclass(slots=True)

@@ -82,3 +82,11 @@ def sync_failure_message(error: Exception, step: int, retries: int, saved: Path)
         f"of step {step}: {saved}; resuming from it sends its weights first "
         f"(--resume_from_checkpoint latest)"
     )
+
+
+def batches_timeout_message(error: Exception, step: int, saved: Path | str) -> str:
+    """Why the run stopped before `step`: no scored batch came in time (Atropos)."""
+    return (
+        f"stopped before step {step}: {error}. Checkpoint: {saved}; "
+        "resume with --resume_from_checkpoint latest"
+    )

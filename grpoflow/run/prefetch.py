@@ -12,12 +12,15 @@ weights (rollout servers) can generate while the policy trains.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+
+logger = logging.getLogger("grpoflow")
 
 
 @dataclass(slots=True)
@@ -74,6 +77,24 @@ class RolloutPrefetcher(Generic[T]):
             raise RuntimeError("no prefetched rollout is pending")
         future, self._pending = self._pending, None
         return future.result()
+
+    def take_fresh(
+        self, step: int, max_staleness: int, oldest_version: Callable[[T], int]
+    ) -> tuple[Prefetched[T], int] | None:
+        """The pending batch and its staleness (policy versions between the oldest weights that
+        sampled it, `oldest_version(batch)`, and `step`), or None with a warning when it is older
+        than `max_staleness` (the caller generates a new one)."""
+        prefetched = self.take()
+        staleness = step - oldest_version(prefetched.value)
+        if staleness <= max_staleness:
+            return prefetched, staleness
+        logger.warning(
+            "step %d: the prefetched batch is %d policy versions old (max_staleness %d); generating a new one",
+            step,
+            staleness,
+            max_staleness,
+        )
+        return None
 
     def close(self) -> None:
         """Wait for a running rollout and stop the thread; a pending batch is dropped."""

@@ -1,17 +1,15 @@
 """What a step logs about its batch: completion lengths, per-reward means, and the rows of
-completions.jsonl; and about the process: its peak memory."""
+completions.jsonl; and about the process: its peak memory and seconds per phase."""
 
 from __future__ import annotations
 
 import math
 import sys
-import time
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 
+from grpoflow.phases import PhaseTimer
 from grpoflow.run.rollout import Group, RolloutBatch, ScoredGroups, reward_inputs
 
 
@@ -83,36 +81,31 @@ def peak_host_memory_gib() -> float | None:
     return peak / 2**30 if sys.platform == "darwin" else peak / 2**20  # bytes on macOS, KiB elsewhere
 
 
-class Timer:
-    """Wall-clock seconds per phase of a step; `synchronize` waits for the GPU at each phase's end
-    (off in a background thread, where it would wait for the trainer's kernels too)."""
-
-    def __init__(self, synchronize: bool = True) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.synchronize = synchronize and torch.cuda.is_available()
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.synchronize:
-                torch.cuda.synchronize()
-            self.seconds[phase] += time.perf_counter() - start
+def time_metrics(timer: PhaseTimer) -> dict[str, float]:
+    """A step's `time/...` metrics, the main process's own (not reduced over ranks, so that they
+    add up): each phase's own seconds (`time/rollout`, `time/merge`, `time/update`, ...), which
+    sum to `time/step` but for `time/other`, the seconds in no phase (the glue between phases,
+    a small fraction of the step); and `time/background/<phase>`, seconds a batch generated
+    ahead spent in another thread (`async_generate`), overlapping the step and not part of it."""
+    metrics = {f"time/{name}": seconds for name, seconds in timer.seconds.items()}
+    metrics.update({f"time/background/{name}": seconds for name, seconds in timer.background.items()})
+    metrics["time/other"] = max(timer.unaccounted(), 0.0)
+    metrics["time/step"] = timer.total
+    return metrics
 
 
 def rank_metrics(
     scored: ScoredGroups,
     batch: RolloutBatch,
-    timer: Timer,
+    rollout_seconds: float,
     reward_names: Sequence[str],
     device: torch.device,
     rollout_metrics: dict[str, float],
 ) -> dict[str, float]:
     """This rank's share of a step's metrics, to be summed, maxed or averaged over ranks: reward
-    failures, rollout tokens/s, peak memory, seconds per phase and the rollout's own metrics."""
-    rollout_seconds = max(timer.seconds["rollout"], 1e-9)
+    failures, rollout tokens/s (over `rollout_seconds`), peak memory and the rollout's own
+    metrics (time/environment, time/agent: seconds inside the rollout phase)."""
+    rollout_seconds = max(rollout_seconds, 1e-9)
     metrics = {
         "rewards/num_errors": float(len(scored.errors)),
         **{f"rewards/{name}/failed_all": float(name in scored.failed_everywhere) for name in reward_names},
@@ -123,7 +116,5 @@ def rank_metrics(
     host_peak = peak_host_memory_gib()
     if host_peak is not None:
         metrics["memory/max_rss_gib"] = host_peak
-    for phase, seconds in timer.seconds.items():
-        metrics[f"time/{phase}"] = seconds
     metrics.update(rollout_metrics)
     return metrics

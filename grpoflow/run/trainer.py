@@ -16,24 +16,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from grpoflow.algo import combine_rewards, overlong_mask, zero_std_groups
+from grpoflow.algo import overlong_mask
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import NonFiniteLogits, RolloutEngine
+from grpoflow.phases import PhaseTimer, phase
 from grpoflow.policy.placement import Placement
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
-from grpoflow.run.algorithm import batch_advantages
+from grpoflow.run.algorithm import rank_advantages
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.distributed import DistributedContext
-from grpoflow.run.evaluation import Evaluator
+from grpoflow.run.evaluation import BestCheckpoint, Evaluator
 from grpoflow.run.failures import (
     RewardFailureStreaks,
     RunStopped,
+    batches_timeout_message,
     reward_failure_message,
     server_failure_message,
     sync_failure_message,
@@ -43,25 +47,17 @@ from grpoflow.run.health import Finding, HealthMonitor, stop_message
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.prefetch import RolloutPrefetcher
 from grpoflow.run.prompt_draws import PromptDraws
-from grpoflow.run.rollout import (
-    Rollout,
-    ScoredBatches,
-    ScoredGroups,
-    SingleTurn,
-    collate,
-    merge_groups,
-    reward_inputs,
-    subset_groups,
-)
+from grpoflow.run.rollout import Rollout, RolloutBatch, ScoredBatches, ScoredGroups, SingleTurn, collate
+from grpoflow.run.scoring import RolloutScorer
 from grpoflow.run.step_metrics import (
-    Timer,
     batch_metrics,
     completion_rows,
     length_columns,
     rank_metrics,
+    time_metrics,
 )
 from grpoflow.run.sync_check import SyncCheck, probe_ids
-from grpoflow.run.update import UpdateSettings, replayed_truncation, reward_kl, update_policy
+from grpoflow.run.update import reward_kl, update_policy
 from grpoflow.transport import ServerError, WeightSyncError
 
 logger = logging.getLogger("grpoflow")
@@ -106,7 +102,7 @@ class GRPOTrainer:
         self.estimate_advantages = config.algorithm.advantage_estimator()
         self.entropy_control = config.algorithm.entropy_control()
         self.health = HealthMonitor(config.health)
-        self.best_metric: float | None = None
+        self.best = BestCheckpoint(config.eval, config.training.output_dir)
         """The best metric_for_best_model so far (its checkpoint is checkpoint-best)."""
         if batches is not None:
             self.reward_names = list(batches.reward_names)
@@ -124,12 +120,7 @@ class GRPOTrainer:
         self.step_count = 0
         self.num_tokens = 0
         self.sync_failure: WeightSyncError | None = None
-        eos = tokenizer.eos_token_id
-        self.sampling = dataclasses.replace(
-            config.generation.sampling,
-            n=config.generation.num_generations,
-            stop_token_ids=[eos] if eos is not None else [],
-        )
+        self.sampling = config.step_sampling(tokenizer.eos_token_id)
         self.draws = PromptDraws(
             len(items),
             seed=config.training.seed,
@@ -145,17 +136,18 @@ class GRPOTrainer:
             if sync.weight_sync_check and copies_weights
             else None
         )
-        correction = config.off_policy.correction
-        self.update_settings = UpdateSettings(
+        self.update_settings = config.update_settings(copies_weights)
+        self.scorer = RolloutScorer(
+            rollout=self.rollout,
+            engine=engine,
+            rewards=rewards,
+            draws=self.draws,
+            items=items,
+            reward_weights=self.reward_weights,
             algorithm=config.algorithm,
-            micro_batch_size=config.training.per_device_train_batch_size,
-            temperature=config.generation.sampling.temperature,
-            max_completion_length=config.generation.max_completion_length,
-            max_grad_norm=config.training.max_grad_norm,
-            sampling_correction=correction
-            if _corrects(correction.vllm_importance_sampling_correction, copies_weights)
-            else None,
-            truncation=replayed_truncation(config.generation.sampling, config.algorithm),
+            num_generations=config.generation.num_generations,
+            num_prompts=self.num_prompts,
+            distributed=self.distributed,
         )
         self._cleanups: list[Callable[[], None]] = []
         self.prefetcher: RolloutPrefetcher[ScoredGroups] | None = (
@@ -173,9 +165,13 @@ class GRPOTrainer:
         return self.ref_placement.module if self.ref_placement is not None else None
 
     def train(self, metrics_logger: MetricsLogger | None = None) -> list[dict[str, float]]:
-        """Run to `total_steps`, logging and checkpointing; returns each step's metrics."""
+        """Run to `total_steps`, logging and checkpointing; returns each step's metrics.
+
+        A step's `time/...` phases cover everything between writing the previous step's metrics
+        and writing its own: its evaluation, health checks and checkpoint included, and, as
+        `time/log`, the writing of the previous step's metrics (a line cannot hold the time it
+        takes to write itself)."""
         history = []
-        training = self.config.training
         streaks = RewardFailureStreaks(self.reward_names, self.config.rewards.max_consecutive_reward_failures)
         evaluation = self.config.eval
         try:
@@ -183,56 +179,81 @@ class GRPOTrainer:
                 start_metrics = self.evaluate()
                 if metrics_logger is not None:
                     metrics_logger.log(0, start_metrics)
+            log_seconds = 0.0
             while self.step_count < self.total_steps:
-                try:
-                    metrics = self.step(metrics_logger)
-                except NonFiniteLogits as error:
-                    if self.config.health.health_nonfinite == "off":
-                        raise
-                    step = self.step_count + 1
-                    self._act_on_health([Finding("nonfinite", step, self.step_count, str(error), "stop")])
-                except ServerError as error:  # past its retries; this step changed nothing yet
-                    saved = self.save() if self.step_count else "none (no step was taken)"
-                    raise RunStopped(server_failure_message(error, self.step_count + 1, saved)) from None
-                if self.sync_failure is not None:
-                    retries, failure, self.sync_failure = (
-                        self.config.sync.weight_sync_retries,
-                        self.sync_failure,
-                        None,
-                    )
-                    raise RunStopped(
-                        sync_failure_message(failure, self.step_count, retries, self.save())
-                    ) from None
-                evaluated = self.evaluator is not None and evaluation.due(
-                    self.step_count, self.total_steps, self.config.log.logging_steps
-                )
-                if evaluated:
-                    metrics.update(self.evaluate())
+                timer = PhaseTimer()
+                timer.add("log", log_seconds)
+                with timer.active(), timer.measure():
+                    metrics = self._checked_step(metrics_logger, timer)
+                    evaluated, stop = self._after_step(metrics, streaks)
+                metrics.update(time_metrics(timer))
                 history.append(metrics)
+                started = time.perf_counter()
                 if metrics_logger is not None:
                     if self.step_count % self.config.log.logging_steps == 0 or evaluated:
                         metrics_logger.log(self.step_count, metrics)
                     metrics_logger.advance(self.step_count, metrics)
-                self._act_on_health(self.health.update(self.step_count, metrics))
-                failing = streaks.update(
-                    {name for name in self.reward_names if metrics[f"rewards/{name}/failed_all"] == 1.0}
-                )
-                if failing is not None:
-                    saved = self.save()
-                    raise RunStopped(
-                        reward_failure_message(
-                            failing, streaks.limit, self.step_count, saved, self.last_reward_errors
-                        )
-                    )
-                saved = None
-                if self.step_count % training.save_steps == 0 or self.step_count == self.total_steps:
-                    saved = self.save()
-                if evaluated and evaluation.metric_for_best_model is not None:
-                    self._keep_if_best(metrics, saved)
+                log_seconds = time.perf_counter() - started
+                if stop is not None:
+                    raise stop
         finally:
             if self.prefetcher is not None:
                 self.prefetcher.close()
         return history
+
+    def _checked_step(self, metrics_logger: MetricsLogger | None, timer: PhaseTimer) -> dict[str, float]:
+        """`step`, turning a failure into a stop: after a checkpoint where a step was taken."""
+        try:
+            metrics = self._step(metrics_logger, timer)
+        except NonFiniteLogits as error:
+            if self.config.health.health_nonfinite == "off":
+                raise
+            step = self.step_count + 1
+            raise self._health_stop(
+                [Finding("nonfinite", step, self.step_count, str(error), "stop")]
+            ) from error
+        except ServerError as error:  # past its retries; this step changed nothing yet
+            saved = self.save() if self.step_count else "none (no step was taken)"
+            raise RunStopped(server_failure_message(error, self.step_count + 1, saved)) from None
+        if self.sync_failure is not None:
+            retries, failure, self.sync_failure = (
+                self.config.sync.weight_sync_retries,
+                self.sync_failure,
+                None,
+            )
+            raise RunStopped(sync_failure_message(failure, self.step_count, retries, self.save())) from None
+        return metrics
+
+    def _after_step(
+        self, metrics: dict[str, float], streaks: RewardFailureStreaks
+    ) -> tuple[bool, RunStopped | None]:
+        """Evaluate when due, check health and reward failures, checkpoint when due (or to stop).
+        Returns whether it evaluated, and the error that stops the run once the step's metrics
+        are logged."""
+        evaluation = self.config.eval
+        evaluated = self.evaluator is not None and evaluation.due(
+            self.step_count, self.total_steps, self.config.log.logging_steps
+        )
+        if evaluated:
+            with phase("eval"):
+                metrics.update(self.evaluate())
+        with phase("health"):
+            findings = self.health.update(self.step_count, metrics)
+            failing = streaks.update(
+                {name for name in self.reward_names if metrics[f"rewards/{name}/failed_all"] == 1.0}
+            )
+        saved = None
+        if self.step_count % self.config.training.save_steps == 0 or self.step_count == self.total_steps:
+            saved = self.save()
+        if evaluated and evaluation.metric_for_best_model is not None:
+            with phase("checkpoint"):
+                self.best.consider(self.step_count, metrics, saved, self.save, self.distributed)
+        stop = self._health_stop(findings, saved)
+        if stop is None and failing is not None:
+            saved = saved or self.save()
+            errors = self.last_reward_errors
+            stop = RunStopped(reward_failure_message(failing, streaks.limit, self.step_count, saved, errors))
+        return evaluated, stop
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate the current policy on the eval prompts (`eval/...` metrics, global)."""
@@ -240,171 +261,157 @@ class GRPOTrainer:
             raise ValueError("this run has no eval_dataset to evaluate on")
         if self.prefetcher is not None:
             self.prefetcher.wait()  # the engine is free once the batch generated ahead is done
-        self.engine.wake_up()
-        with self.placement.rollout_context(self.engine):
+        with self._engine_awake():
             result = self.evaluator(self.engine)
-        self.engine.sleep()
         return result.metrics
 
-    def _act_on_health(self, findings: list[Finding]) -> None:
-        """Stop the run (after a checkpoint) on the first finding whose action is stop."""
+    def _health_stop(self, findings: list[Finding], saved: Path | None = None) -> RunStopped | None:
+        """The error that stops the run on the first finding whose action is stop (after a
+        checkpoint: `saved`, or one written now); None when no finding stops it."""
         stop = next((finding for finding in findings if finding.action == "stop"), None)
         if stop is None:
-            return
-        saved = self.save()
+            return None
+        saved = saved or self.save()
         output_dir = self.config.training.output_dir
         steps = {checkpoint.checkpoint_step(path): path for path in checkpoint.list_checkpoints(output_dir)}
-        raise RunStopped(stop_message(stop, saved, steps))
-
-    def _keep_if_best(self, metrics: dict[str, float], saved: Path | None) -> None:
-        """Copy this step's checkpoint (saving one if the step saved none) to checkpoint-best when
-        its metric_for_best_model beats the best so far."""
-        evaluation = self.config.eval
-        name = evaluation.metric_for_best_model
-        if name not in metrics:
-            known = ", ".join(sorted(key for key in metrics if key.startswith("eval/")))
-            raise ValueError(f"metric_for_best_model={name!r} is not an eval metric; this run logs: {known}")
-        if not evaluation.improves(metrics[name], self.best_metric):
-            return
-        self.best_metric = metrics[name]
-        saved = saved or self.save()
-        if self.distributed.is_main:
-            checkpoint.keep_as_best(saved, self.config.training.output_dir)
-            logger.info(
-                "step %d: %s = %.4f is the best so far (checkpoint-best)",
-                self.step_count,
-                name,
-                metrics[name],
-            )
-        self.distributed.barrier()
+        return RunStopped(stop_message(stop, saved, steps))
 
     def step(self, metrics_logger: MetricsLogger | None = None) -> dict[str, float]:
-        """One generation batch: roll out, score, compute advantages, update, sync."""
-        timer = Timer()
-        with timer("step"):
-            scored, staleness = self._rollout(timer)
-            self.last_reward_errors = scored.errors
+        """One generation batch: roll out, score, compute advantages, update, sync; its metrics
+        with its `time/...` phases (`train` also counts evaluation, checkpoints and logging)."""
+        timer = PhaseTimer()
+        with timer.active(), timer.measure():
+            metrics = self._step(metrics_logger, timer)
+        return {**metrics, **time_metrics(timer)}
+
+    def _step(self, metrics_logger: MetricsLogger | None, timer: PhaseTimer) -> dict[str, float]:
+        scored, staleness = self._rollout(timer)
+        self.last_reward_errors = scored.errors
+        with phase("collate"):
             batch = collate(scored.groups, self.tokenizer.pad_token_id, self.device)
-            if self.prefetcher is not None and self.step_count + 1 < self.total_steps:
-                self._launch_prefetch()
-            # One row per completion of the global batch, rank after rank.
-            all_rewards = self.distributed.all_gather(scored.rewards)
-            all_lengths = self.distributed.all_gather(length_columns(batch))
             if self.config.algorithm.mask_truncated_completions:
                 batch.loss_mask = overlong_mask(batch.loss_mask, batch.truncated)
-            all_kl = None
-            if self.config.algorithm.kl_in_reward and self.ref_placement is not None:
-                with timer("reward_kl"):
-                    kl = reward_kl(self.placement, self.ref_placement, batch, self.update_settings)
-                    all_kl = self.distributed.all_gather(kl)
+        if self.prefetcher is not None and self.step_count + 1 < self.total_steps:
+            with phase("rollout_launch"):
+                self._launch_prefetch()
+        with phase("gather"):  # one row per completion of the global batch, rank after rank
+            all_rewards = self.distributed.all_gather(scored.rewards)
+            all_lengths = self.distributed.all_gather(length_columns(batch))
+        all_kl = None
+        if self.config.algorithm.kl_in_reward and self.ref_placement is not None:
+            with phase("reward_kl"):
+                kl = reward_kl(self.placement, self.ref_placement, batch, self.update_settings)
+            with phase("gather"):
+                all_kl = self.distributed.all_gather(kl)
+        with phase("advantages"):
             advantages, reward_metrics = self._advantages(all_rewards, scored, all_kl)
-            settings = self.update_settings
-            if not (scored.sampling_logprobs and all(group.sampling_logprobs for group in scored.groups)):
-                settings = dataclasses.replace(settings, sampling_correction=None, sampling_logprobs=False)
-            with timer("update"):
-                update_metrics = update_policy(
-                    self.placement,
-                    self.optimizer,
-                    self.scheduler,
-                    batch,
-                    advantages.to(self.device),
-                    settings,
-                    self.ref_placement,
-                    self.distributed,
-                    self.entropy_control,
-                )
-            if self.prefetcher is not None:
-                with timer("rollout_wait"):
-                    self.prefetcher.wait()  # weights never change under a running generation
-            syncs = (self.step_count + 1) % self.config.sync.weight_sync_interval == 0
-            with timer("sync"):
-                if syncs:
-                    version = self.step_count + 1
-                    self.sync_failure = sync_with_retries(
-                        lambda: self.engine.update_weights(
-                            self.placement.rollout_weights(self.engine), version
-                        ),
-                        self.config.sync.weight_sync_retries,
-                        version,
-                    )
-            check_metrics = {}
-            if self.sync_check is not None and syncs:
-                with timer("sync_check"):
-                    check_metrics = self.sync_check(self.engine, self.placement, step=self.step_count + 1)
-        self.step_count += 1
-        self.num_tokens += int(all_lengths[:, 3].sum() + all_lengths[:, 2].sum())
-        metrics = self.distributed.reduce_metrics(
-            {
-                **update_metrics,
-                **check_metrics,
-                **rank_metrics(
-                    scored,
-                    batch,
-                    timer,
-                    self.reward_names,
-                    self.device,
-                    self.rollout.last_metrics if self.batches is None else {},
-                ),
-            }
-        )
-        metrics.update({name: float(value) for name, value in reward_metrics.items()})
-        metrics.update(batch_metrics(all_rewards, all_lengths, self.reward_names))
-        metrics["num_tokens"] = float(self.num_tokens)
-        metrics["learning_rate"] = self.scheduler.get_last_lr()[0]
-        metrics["dynamic_sample/rounds"] = float(scored.rounds)
+        with phase("update"):
+            update_metrics = self._update(batch, advantages, scored)
         if self.prefetcher is not None:
-            metrics["async/staleness"] = float(staleness)
-        if self.config.log.log_completions:
-            rows = self.distributed.gather_objects(
-                completion_rows(scored.groups, scored.rewards, advantages, self.reward_names)
+            with phase("rollout_wait"):
+                self.prefetcher.wait()  # weights never change under a running generation
+        check_metrics = self._sync_weights()
+        self.step_count += 1
+        with phase("metrics"):
+            self.num_tokens += int(all_lengths[:, 3].sum() + all_lengths[:, 2].sum())
+            rollout_seconds = timer.seconds["rollout"] or timer.background["rollout"]
+            rollout_metrics = self.rollout.last_metrics if self.batches is None else {}
+            rank = rank_metrics(
+                scored, batch, rollout_seconds, self.reward_names, self.device, rollout_metrics
             )
-            if metrics_logger is not None and rows is not None:
-                metrics_logger.log_completions(self.step_count, [row for part in rows for row in part])
+            metrics = self.distributed.reduce_metrics({**update_metrics, **check_metrics, **rank})
+            metrics.update({name: float(value) for name, value in reward_metrics.items()})
+            metrics.update(batch_metrics(all_rewards, all_lengths, self.reward_names))
+            metrics["num_tokens"] = float(self.num_tokens)
+            metrics["learning_rate"] = self.scheduler.get_last_lr()[0]
+            metrics["dynamic_sample/rounds"] = float(scored.rounds)
+            if self.prefetcher is not None:
+                metrics["async/staleness"] = float(staleness)
+        if self.config.log.log_completions:
+            with phase("log"):
+                rows = self.distributed.gather_objects(
+                    completion_rows(scored.groups, scored.rewards, advantages, self.reward_names)
+                )
+                if metrics_logger is not None and rows is not None:
+                    metrics_logger.log_completions(self.step_count, [row for part in rows for row in part])
         return metrics
 
-    def _rollout(self, timer: Timer) -> tuple[ScoredGroups, int]:
+    def _update(
+        self, batch: RolloutBatch, advantages: torch.Tensor, scored: ScoredGroups
+    ) -> dict[str, float]:
+        settings = self.update_settings
+        if not (scored.sampling_logprobs and all(group.sampling_logprobs for group in scored.groups)):
+            settings = dataclasses.replace(settings, sampling_correction=None, sampling_logprobs=False)
+        return update_policy(
+            self.placement,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            advantages.to(self.device),
+            settings,
+            self.ref_placement,
+            self.distributed,
+            self.entropy_control,
+        )
+
+    def _sync_weights(self) -> dict[str, float]:
+        """Send the updated weights to the engine when a sync is due, then check them (when on)."""
+        if (self.step_count + 1) % self.config.sync.weight_sync_interval != 0:
+            return {}
+        version = self.step_count + 1
+        with phase("sync"):
+            self.sync_failure = sync_with_retries(
+                lambda: self.engine.update_weights(self.placement.rollout_weights(self.engine), version),
+                self.config.sync.weight_sync_retries,
+                version,
+            )
+        if self.sync_check is None:
+            return {}
+        with phase("sync_check"):
+            return self.sync_check(self.engine, self.placement, step=version)
+
+    def _rollout(self, timer: PhaseTimer) -> tuple[ScoredGroups, int]:
         """This step's scored groups, prefetched or generated now, and their staleness: policy
         versions between the weights that sampled them and the policy they update."""
         if self.batches is not None:
             self.batches.policy_version = self.step_count
-            with timer("rollout_wait"):
+            with phase("rollout_wait"):
                 try:
                     return self.batches.next(), 0
                 except TimeoutError as error:
                     saved = self.save() if self.step_count else "none (no step was taken)"
-                    raise RunStopped(
-                        f"stopped before step {self.step_count + 1}: {error}. Checkpoint: {saved}; "
-                        "resume with --resume_from_checkpoint latest"
-                    ) from None
+                    raise RunStopped(batches_timeout_message(error, self.step_count + 1, saved)) from None
         if self.prefetcher is not None and self.prefetcher.pending:
-            with timer("rollout_wait"):
-                prefetched = self.prefetcher.take()
-            staleness = self.step_count - min(
-                c.policy_version for group in prefetched.value.groups for c in group.completions
-            )
-            if staleness <= self.config.off_policy.max_staleness:
-                for phase, seconds in prefetched.seconds.items():
-                    timer.seconds[phase] += seconds
-                return prefetched.value, staleness
-            logger.warning(
-                "step %d: the prefetched batch is %d policy versions old (max_staleness %d); "
-                "generating a new one",
-                self.step_count,
-                staleness,
-                self.config.off_policy.max_staleness,
-            )
-        self.engine.wake_up()
-        with self.placement.rollout_context(self.engine):
-            scored = self.rollout_and_score(timer)
-        self.engine.sleep()
+            with phase("rollout_wait"):
+                fresh = self.prefetcher.take_fresh(
+                    self.step_count, self.config.off_policy.max_staleness, _oldest_version
+                )
+            if fresh is not None:
+                for name, seconds in fresh[0].seconds.items():
+                    timer.background[name] += seconds
+                return fresh[0].value, fresh[1]
+        with self._engine_awake():
+            scored = self.scorer()
         return scored, self.step_count - self.engine.policy_version
 
+    @contextmanager
+    def _engine_awake(self) -> Iterator[None]:
+        """The engine awake and the policy laid out for it (merged adapters, gathered shards)."""
+        with phase("wake_up"):
+            self.engine.wake_up()
+        with self.placement.rollout_context(self.engine):
+            yield
+        with phase("sleep"):
+            self.engine.sleep()
+
     def _launch_prefetch(self) -> None:
-        """Start generating the next step's batch in the background."""
+        """Start generating the next step's batch in the background (its own timer: the
+        seconds it takes overlap the update and are logged as `time/background/...`)."""
 
         def produce() -> tuple[ScoredGroups, dict[str, float]]:
-            timer = Timer(synchronize=False)
-            return self.rollout_and_score(timer), dict(timer.seconds)
+            timer = PhaseTimer(synchronize=False)
+            with timer.active():
+                return self.scorer(), dict(timer.seconds)
 
         assert self.prefetcher is not None
         self.prefetcher.launch(produce, self._sampling_state())
@@ -415,69 +422,18 @@ class GRPOTrainer:
     def _advantages(
         self, all_rewards: torch.Tensor, scored: ScoredGroups, all_kl: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """This rank's advantages (batch,) and the reward metrics, from the rewards of the global
-        batch (global_batch, num_rewards); `scored` is this rank's share (groups of other sizes
-        than num_generations come from one process). `all_kl`: each completion's KL to the
-        reference (global_batch,), subtracted times beta from its reward (kl_in_reward)."""
-        sizes = scored.group_sizes or self.config.generation.num_generations
-        advantages, metrics = batch_advantages(
+        """This rank's advantages (batch,) and the reward metrics (`rank_advantages`)."""
+        size, rank = len(all_rewards) // self.distributed.world_size, self.distributed.rank
+        return rank_advantages(
             self.config.algorithm,
             self.estimate_advantages,
             all_rewards,
-            self.reward_weights.to(all_rewards.device),
-            sizes,
+            self.reward_weights,
+            scored.group_sizes or self.config.generation.num_generations,
+            slice(rank * size, (rank + 1) * size),
+            scored.zero_advantage,
             all_kl,
         )
-        size, rank = len(all_rewards) // self.distributed.world_size, self.distributed.rank
-        advantages = advantages[rank * size : (rank + 1) * size]
-        if scored.zero_advantage is not None:
-            advantages = advantages.masked_fill(scored.zero_advantage.to(advantages.device), 0.0)
-        return advantages, metrics
-
-    def rollout_and_score(self, timer: Timer) -> ScoredGroups:
-        """Generate and score; under dynamic_sample, resample prompts to replace groups whose
-        rewards have zero spread, up to max_resample_times rounds.
-
-        Over several ranks, each resampling round every rank takes the largest number of prompts
-        any rank still lacks (so all ranks run the same rounds and walk the prompt order together);
-        a rank that lacks fewer generates only those and skips the rest of its share. A rank that
-        lacks none still calls the engine, with no prompts: ranks sharing an engine (colocated
-        vLLM with tensor parallelism) generate together.
-        """
-        algorithm, g = self.config.algorithm, self.config.generation.num_generations
-        rounds = 1 + (algorithm.max_resample_times if algorithm.dynamic_sample else 0)
-        kept: list[ScoredGroups] = []
-        spare: list[ScoredGroups] = []
-        errors: list = []
-        failed: frozenset[str] | None = None
-        rounds_run = 0
-        for round_index in range(rounds):
-            missing = self.num_prompts - sum(len(part.groups) for part in kept)
-            share = missing if round_index == 0 else self.distributed.max_int(missing)
-            if share == 0:
-                break
-            rounds_run += 1
-            indices, seeds = self.draws.take(share)
-            items = [self.items[index] for index in indices[:missing]]
-            with timer("rollout"):
-                sampling = self.draws.sampling_for(seeds[:missing])
-                groups = self.rollout(self.engine, items, sampling)
-            if missing == 0:
-                continue
-            with timer("reward"):
-                result = self.rewards.score(*reward_inputs(groups))
-            failed = result.failed_everywhere if failed is None else failed & result.failed_everywhere
-            values = result.training_values
-            values[[c.finish_reason == "error" for g in groups for c in g.completions]] = float("nan")
-            scored = ScoredGroups(groups, values, list(result.errors), round_index + 1, failed)
-            if not algorithm.dynamic_sample:
-                return scored
-            errors.extend(scored.errors)
-            flat = combine_rewards(scored.rewards, self.reward_weights)
-            flat_mask = zero_std_groups(flat, g)
-            kept.append(subset_groups(scored, ~flat_mask, g))
-            spare.append(subset_groups(scored, flat_mask, g))
-        return merge_groups(kept + spare, self.num_prompts, errors, rounds_run, failed or frozenset())
 
     def add_cleanup(self, function: Callable[[], None]) -> None:
         """Call `function` in `close()` (e.g. to stop rollout servers the run started)."""
@@ -506,12 +462,12 @@ class GRPOTrainer:
             **sampling,
             "rng": checkpoint.rng_state(),
             "config": self.config.to_flat_dict(),
-            "best_metric": self.best_metric,
+            "best_metric": self.best.value,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.step_count, self.num_tokens = state["step"], state["num_tokens"]
-        self.best_metric = state.get("best_metric")
+        self.best.value = state.get("best_metric")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if not self.draws.load_state_dict(state):
@@ -525,25 +481,19 @@ class GRPOTrainer:
     def save(self) -> Path:
         """Write a checkpoint (rank 0 writes, holding every rank's RNG state; the others wait)."""
         training = self.config.training
-        state = self.state_dict()
-        per_rank = self.distributed.gather_objects(state["rng"])
-        weights = self.placement.full_state_dict()  # every rank takes part in gathering FSDP's shards
-        path = Path(training.output_dir) / f"checkpoint-{self.step_count}"
-        if self.distributed.is_main:
-            path = checkpoint.save_checkpoint(
+        with phase("checkpoint"):
+            return checkpoint.save_placed_checkpoint(
                 training.output_dir,
                 self.step_count,
-                model=self.model,
+                placement=self.placement,
                 tokenizer=self.tokenizer,
-                trainer_state={**state, "rng_per_rank": per_rank},
+                trainer_state=self.state_dict(),
+                distributed=self.distributed,
                 save_total_limit=training.save_total_limit,
-                state_dict=weights,
                 run_id=self.run_id,
             )
-        self.distributed.barrier()
-        return path
 
 
-def _corrects(setting: bool | None, copies_weights: bool) -> bool:
-    """Whether the importance-sampling correction applies: as set, else for engines with a copy."""
-    return copies_weights if setting is None else setting
+def _oldest_version(scored: ScoredGroups) -> int:
+    """The oldest policy version that sampled a completion of `scored`."""
+    return min(c.policy_version for group in scored.groups for c in group.completions)

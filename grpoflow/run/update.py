@@ -32,6 +32,7 @@ from grpoflow.algo import (
 from grpoflow.algo.truncation import Truncation
 from grpoflow.engines import SamplingParams
 from grpoflow.options import require
+from grpoflow.phases import phase
 from grpoflow.policy.placement import Placement, clip_gradients
 from grpoflow.run.algorithm import AlgorithmConfig
 from grpoflow.run.distributed import DistributedContext
@@ -185,10 +186,12 @@ def update_policy(
     starts = [0]
     for part in parts:
         starts.append(starts[-1] + len(part))
-    old = frozen_logprobs(placement, parts, settings) if algorithm.num_iterations > 1 else None
-    ref = None
+    old, ref = None, None
+    if algorithm.num_iterations > 1:
+        with phase("old_logprobs"):
+            old = frozen_logprobs(placement, parts, settings)
     if ref_placement is not None and not algorithm.kl_in_reward:
-        with ref_placement.in_use():
+        with ref_placement.in_use(), phase("reference"):
             ref = frozen_logprobs(ref_placement, parts, settings)
     num_items = distributed.all_reduce(batch.loss_mask.sum()).clamp(min=1)
     num_micro_batches = len(parts) * distributed.world_size

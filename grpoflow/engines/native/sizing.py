@@ -54,5 +54,8 @@ class NativeEngineConfig(EngineConfig):
 
     @classmethod
     def sized_as(cls, engine: EngineConfig) -> NativeEngineConfig:
-        """The native engine's settings with `engine`'s sizes and its own defaults."""
+        """The native engine's settings with `engine`'s sizes and its own defaults (`engine`
+        itself when it already is the native engine's, e.g. with num_kv_blocks from a plan)."""
+        if isinstance(engine, NativeEngineConfig):
+            return engine
         return cls(**{item.name: getattr(engine, item.name) for item in dataclasses.fields(EngineConfig)})

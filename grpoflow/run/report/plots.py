@@ -18,6 +18,10 @@ from typing import Any, Literal
 MATPLOTLIB_HINT = "the run report needs matplotlib: pip install 'grpoflow[report]'"
 
 
+TIME_NOT_IN_STEP = ("time/step", "time/environment", "time/agent", "time/background/*")
+"""`time/...` metrics that are not one of the phases a step's seconds add up from."""
+
+
 @dataclass(frozen=True, slots=True)
 class PlotSpec:
     """One plot: the metrics it draws (glob patterns over metric names, in order) and how."""
@@ -80,9 +84,10 @@ PLOTS: tuple[PlotSpec, ...] = (
         "time_per_phase",
         "Seconds per step, by phase",
         ("time/*",),
-        # time/environment is spent inside time/rollout; time/step is the whole, drawn as a line
-        # (under async_generate the rollout overlaps the update, and the stack rises above it).
-        exclude=("time/step", "time/environment"),
+        # Each phase's own seconds stack up to time/step, drawn as a line (time/other: seconds in
+        # no phase). time/environment and time/agent are spent inside time/rollout, and
+        # time/background/* (async_generate) in another thread, overlapping the step.
+        exclude=TIME_NOT_IN_STEP,
         ylabel="seconds",
         style="stacked",
         total="time/step",

@@ -1,0 +1,97 @@
+"""The memory plan's prediction against the measured peak, on one CUDA GPU.
+
+Runs a few real GRPO steps through grpoflow's trainer (native engine, the echo task) for
+(a) a random Qwen2.5-0.5B-shaped model, full fine-tuning, and (b) a random Qwen2.5-7B-shaped
+model with LoRA rank 16 on every linear layer and gradient checkpointing; records
+torch.cuda.max_memory_allocated and max_memory_reserved and compares them with the plan's peak.
+Prints a table and saves benchmarks/results/DATE-memory-plan-GPUNAME.json.
+
+    python benchmarks/memory_plan.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from grpoflow.policy.memory_plan import GIB
+from grpoflow.run.build import run
+from grpoflow.run.config import load_config
+from grpoflow.run.plan import gpu_capacity, run_plan
+
+RECIPE = Path(__file__).resolve().parents[1] / "grpoflow" / "recipes" / "default.yaml"
+COMMON = {
+    "torch_dtype": "bfloat16",
+    "max_steps": 3,
+    "num_generations": 8,
+    "max_prompt_length": 128,
+    "max_completion_length": 256,
+    "report_to": ["none"],
+    "disable_tqdm": True,
+    "html_report": False,
+    "save_steps": 1000,
+}
+CASES = {
+    "qwen2.5-0.5b-full": {"model": "random:qwen2-0.5b", "per_device_train_batch_size": 32},
+    "qwen2.5-7b-lora": {
+        "model": "random:qwen2.5-7b",
+        "train_type": "lora",
+        "lora_rank": 16,
+        "target_modules": ["all-linear"],
+        "gradient_checkpointing": True,
+        "per_device_train_batch_size": 16,
+    },
+}
+
+
+def measure(name: str, overrides: dict) -> dict:
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = load_config(RECIPE, {**COMMON, **overrides, "output_dir": output_dir})
+        plan, blocks = run_plan(config, gpu_capacity(config))
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        history = run(config)
+    allocated, reserved = torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB
+    predicted = plan.peak / GIB
+    return {
+        "case": name,
+        "predicted_gib": round(predicted, 3),
+        "measured_allocated_gib": round(allocated, 3),
+        "measured_reserved_gib": round(reserved, 3),
+        "error_pct": round(100 * (predicted - allocated) / allocated, 1),
+        "peak_phase": plan.peak_phase,
+        "parts_gib": {
+            phase: {k: round(v / GIB, 3) for k, v in parts.items()}
+            for phase, parts in (("rollout", plan.rollout), ("update", plan.update))
+        },
+        "kv_blocks": blocks,
+        "seconds_per_step": round(sum(step["time/step"] for step in history) / len(history), 3),
+    }
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("memory_plan.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = [measure(name, overrides) for name, overrides in CASES.items()]
+    print(f"{'case':<20} {'predicted':>10} {'allocated':>10} {'reserved':>10} {'error %':>8}")
+    for row in rows:
+        print(
+            f"{row['case']:<20} {row['predicted_gib']:>10.2f} {row['measured_allocated_gib']:>10.2f} "
+            f"{row['measured_reserved_gib']:>10.2f} {row['error_pct']:>8.1f}"
+        )
+    gpu = torch.cuda.get_device_name().replace(" ", "-")
+    path = Path(__file__).parent / "results" / f"{datetime.date.today()}-memory-plan-{gpu}.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "rows": rows}, indent=2))
+    print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

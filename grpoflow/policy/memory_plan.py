@@ -1,0 +1,216 @@
+"""A prediction of one GPU's peak memory during training, from the model's shape and the run's
+options, before anything is loaded: pure arithmetic, in bytes.
+
+A step has two phases that hold different memory, and the peak is the larger:
+- rollout: the weights, the reference copy (unless offloaded), the optimizer state (unless
+  offloaded), and the native engine's KV cache and workspace (the engine takes the cache when it
+  wakes and releases it when it sleeps);
+- update: the weights, the reference copy, the gradients, the optimizer state, the activations
+  kept for the backward pass of one micro-batch and the float32 logits of one log-prob chunk.
+
+Under FSDP the weights, gradients and optimizer state are sharded over the ranks (the rollout
+gathers the weights in full); LoRA trains only the adapters, whose parameters PEFT keeps in
+float32, and the reference is the policy with the adapters off (no copy). The optimizer is
+torch's AdamW: two moments per trained parameter, in the parameter's dtype. Activations are an
+estimate (per token and layer, a Llama-family layer keeps about 6 hidden-size, 2 key/value-size
+and 4 intermediate-size vectors without gradient checkpointing; with it, the layer's input only,
+plus one layer recomputed); the allocator's fragmentation is not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from grpoflow.options import require
+
+GIB = 2**30
+LORA_DTYPE_BYTES = 4
+"""PEFT keeps the adapters in float32 (autocast_adapter_dtype)."""
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer (a transformers config's names)."""
+
+    hidden_size: int
+    """Width of the residual stream."""
+    num_hidden_layers: int
+    """Decoder layers."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int
+    """Width of the MLP."""
+    vocab_size: int
+    """Rows of the embedding and of the output head."""
+    tie_word_embeddings: bool = False
+    """The output head is the embedding (one matrix)."""
+    dtype_bytes: int = 2
+    """Bytes per weight (2: bfloat16 or float16, 4: float32)."""
+
+    @classmethod
+    def from_config(cls, config, dtype_bytes: int = 2) -> ModelShape:
+        """From a transformers `PretrainedConfig` (no weights loaded)."""
+        return cls(
+            hidden_size=config.hidden_size,
+            num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            dtype_bytes=dtype_bytes,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the keys (and of the values) of one token."""
+        return self.num_key_value_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of one decoder layer, by module name."""
+        h, kv, i = self.hidden_size, self.kv_size, self.intermediate_size
+        return {
+            "q_proj": (h, h),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (h, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def num_parameters(self) -> int:
+        """Every weight (biases ignored): embeddings, layers, norms and an untied head."""
+        per_layer = sum(a * b for a, b in self.linear_shapes().values()) + 2 * self.hidden_size
+        heads = 1 if self.tie_word_embeddings else 2
+        return (
+            heads * self.vocab_size * self.hidden_size + self.num_hidden_layers * per_layer + self.hidden_size
+        )
+
+    def num_lora_parameters(self, rank: int, target_modules: list[str]) -> int:
+        """Adapter parameters of LoRA rank `rank` on `target_modules` ("all-linear": every linear
+        layer of the decoder): rank * (in + out) per adapted layer."""
+        targets = ALL_LINEAR if "all-linear" in target_modules else target_modules
+        shapes = self.linear_shapes()
+        per_layer = sum(rank * sum(shapes[name]) for name in targets if name in shapes)
+        return self.num_hidden_layers * per_layer
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanSettings:
+    """The run's options that decide its memory."""
+
+    lora_rank: int | None = None
+    """LoRA rank; None trains every parameter."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """LoRA's adapted modules."""
+    gradient_checkpointing: bool = False
+    """Keep only each layer's input for the backward pass and recompute the rest."""
+    micro_batch_size: int = 1
+    """Sequences per forward and backward pass (per_device_train_batch_size)."""
+    sequence_length: int = 1
+    """Prompt plus completion tokens of a sequence."""
+    logprob_chunk_size: int = 1024
+    """Tokens whose float32 logits exist at once."""
+    reference_copy: bool = False
+    """A separate reference model (beta > 0 with full fine-tuning)."""
+    offload_model: bool = False
+    """The reference copy lives on the CPU but for its log-prob pass."""
+    offload_optimizer: bool = False
+    """The optimizer state lives on the CPU but for the optimizer step."""
+    fsdp_world_size: int = 1
+    """Ranks the weights, gradients and optimizer state are sharded over (1: replicated)."""
+    kv_cache_bytes: int = 0
+    """The native engine's KV cache and workspace during rollouts (0: an engine elsewhere)."""
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "sequence_length", "logprob_chunk_size", "fsdp_world_size"):
+            require(getattr(self, name) >= 1, name, ">= 1", getattr(self, name))
+
+
+@dataclass(slots=True)
+class MemoryPlan:
+    """Bytes per part of one GPU's memory, by phase, and the GPU's capacity."""
+
+    rollout: dict[str, int]
+    """Parts held while the engine generates."""
+    update: dict[str, int]
+    """Parts held during the policy update."""
+    capacity: int
+    """The GPU's memory in bytes."""
+
+    @property
+    def peak(self) -> int:
+        return max(sum(self.rollout.values()), sum(self.update.values()))
+
+    @property
+    def peak_phase(self) -> str:
+        return "update" if sum(self.update.values()) >= sum(self.rollout.values()) else "rollout"
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.capacity
+
+    def largest_parts(self, count: int = 3) -> list[tuple[str, int]]:
+        """The largest parts of the peak phase, largest first."""
+        parts = self.update if self.peak_phase == "update" else self.rollout
+        return sorted(parts.items(), key=lambda item: -item[1])[:count]
+
+
+def resident_parts(shape: ModelShape, settings: PlanSettings) -> dict[str, int]:
+    """What stays on the GPU through a step: weights, reference copy, optimizer state."""
+    shards = settings.fsdp_world_size
+    weights = shape.num_parameters() * shape.dtype_bytes
+    if settings.lora_rank is not None:
+        trained_bytes = (
+            shape.num_lora_parameters(settings.lora_rank, settings.target_modules) * LORA_DTYPE_BYTES
+        )
+    else:
+        trained_bytes = weights
+    return {
+        "weights": weights // shards,
+        "reference": 0 if not settings.reference_copy or settings.offload_model else weights // shards,
+        "adapters": trained_bytes // shards if settings.lora_rank is not None else 0,
+        "optimizer": 0 if settings.offload_optimizer else 2 * trained_bytes // shards,
+    }
+
+
+def activation_bytes(shape: ModelShape, settings: PlanSettings) -> int:
+    """Activations one micro-batch keeps for its backward pass (see the module's docstring)."""
+    h, kv, i, e = shape.hidden_size, shape.kv_size, shape.intermediate_size, shape.dtype_bytes
+    tokens = settings.micro_batch_size * settings.sequence_length
+    full_layer = (6 * h + 2 * kv + 4 * i) * e + 2 * h * 4  # plus the norms' float32 statistics
+    if settings.gradient_checkpointing:
+        return tokens * (shape.num_hidden_layers * h * e + full_layer)
+    return tokens * shape.num_hidden_layers * full_layer
+
+
+def plan_memory(shape: ModelShape, settings: PlanSettings, capacity: int) -> MemoryPlan:
+    """The plan of one GPU of `capacity` bytes (see the module's docstring)."""
+    resident = resident_parts(shape, settings)
+    weights_gathered = resident["weights"] * settings.fsdp_world_size
+    rollout = {**resident, "weights": weights_gathered, "kv_cache": settings.kv_cache_bytes}
+    trained = resident["adapters"] if settings.lora_rank is not None else resident["weights"]
+    reference = resident["reference"]
+    if settings.reference_copy and settings.offload_model:  # on the GPU for its own pass only
+        reference = shape.num_parameters() * shape.dtype_bytes // settings.fsdp_world_size
+    chunk = min(settings.logprob_chunk_size, settings.micro_batch_size * settings.sequence_length)
+    update = {
+        **resident,
+        "reference": reference,
+        "gradients": trained,
+        "activations": activation_bytes(shape, settings),
+        "logits": 3 * chunk * shape.vocab_size * 4,  # float32 logits, their exp and their gradient
+    }
+    return MemoryPlan(
+        rollout={k: v for k, v in rollout.items() if v},
+        update={k: v for k, v in update.items() if v},
+        capacity=capacity,
+    )

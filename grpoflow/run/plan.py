@@ -1,0 +1,190 @@
+"""The run's memory plan: its config mapped onto `grpoflow.policy.memory_plan`, printed by
+`grpoflow plan`, checked by `grpoflow train` before anything heavy loads, and the native
+engine's KV cache sized from what the plan leaves."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from grpoflow.options import require
+from grpoflow.policy.loading import local_preset
+from grpoflow.policy.memory_plan import GIB, MemoryPlan, ModelShape, PlanSettings, plan_memory
+
+logger = logging.getLogger("grpoflow")
+
+UNCERTAIN_SHARE = 0.9
+"""Above this share of the GPU the prediction (activations, fragmentation) is too rough to refuse on."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanConfig:
+    """The memory plan made before step 1."""
+
+    memory_check: Literal["refuse", "warn", "off"] = "refuse"
+    """What `grpoflow train` does when the predicted peak exceeds the GPU: refuse to start, warn,
+    or skip the plan; a peak within 10% of the GPU only warns (the prediction is an estimate)."""
+    gpu_memory_gib: float | None = None
+    """The GPU's memory to plan for; unset: the visible GPU's (no GPU and unset: no check)."""
+    kv_cache_from_plan: bool = True
+    """Size the native engine's KV cache from what the plan leaves under gpu_memory_utilization
+    (when num_kv_blocks is unset); false: from the memory free when the engine wakes."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.gpu_memory_gib is None or self.gpu_memory_gib > 0,
+            "gpu_memory_gib",
+            "> 0",
+            self.gpu_memory_gib,
+        )
+
+
+def gpu_capacity(config) -> int | None:
+    """Bytes of the GPU to plan for: the override, else the visible GPU's, else None."""
+    if config.plan.gpu_memory_gib is not None:
+        return int(config.plan.gpu_memory_gib * GIB)
+    if torch.cuda.is_available() and config.policy.device != "cpu":
+        return torch.cuda.get_device_properties(0).total_memory
+    return None
+
+
+def model_shape(config, on_gpu: bool) -> ModelShape:
+    """The policy's shape from its config alone (a local directory's config.json, or a preset)."""
+    policy = config.policy
+    dtype = policy.torch_dtype
+    dtype_bytes = 2 if dtype in ("bfloat16", "float16") or (dtype == "auto" and on_gpu) else 4
+    preset = local_preset(policy.model)
+    if preset is not None:
+        from grpoflow.policy.tiny import PRESETS, build_char_tokenizer
+
+        values = {
+            "intermediate_size": 128,
+            "vocab_size": len(build_char_tokenizer()),
+            "tie_word_embeddings": True,
+            **PRESETS[preset],
+        }
+        values.pop("max_position_embeddings", None)
+        return ModelShape(**values, dtype_bytes=dtype_bytes)
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(policy.model, trust_remote_code=policy.trust_remote_code)
+    return ModelShape.from_config(getattr(hf_config, "text_config", hf_config), dtype_bytes=dtype_bytes)
+
+
+def plan_settings(config, kv_cache_bytes: int = 0) -> PlanSettings:
+    """The options of `config` (a GRPOConfig) that decide memory."""
+    lora = config.adapter.train_type == "lora"
+    return PlanSettings(
+        lora_rank=config.adapter.lora_rank if lora else None,
+        target_modules=list(config.adapter.target_modules),
+        gradient_checkpointing=config.policy.gradient_checkpointing,
+        micro_batch_size=config.training.per_device_train_batch_size,
+        sequence_length=config.max_model_len,
+        logprob_chunk_size=config.algorithm.logprob_chunk_size,
+        reference_copy=config.algorithm.beta != 0 and not lora,
+        offload_model=config.placement.offload_model,
+        offload_optimizer=config.placement.offload_optimizer,
+        fsdp_world_size=_world_size() if config.placement.fsdp else 1,
+        kv_cache_bytes=kv_cache_bytes,
+    )
+
+
+def kv_cache_blocks(config, shape: ModelShape, capacity: int) -> tuple[int, int]:
+    """The native engine's KV-cache blocks from what the plan leaves it under
+    gpu_memory_utilization (at most max_num_seqs full sequences), and the bytes of cache plus
+    workspace; the per-block and workspace sizes are the engine's own (`kv_cache`)."""
+    from grpoflow.engines.native.kv_cache import block_bytes, workspace_bytes
+    from grpoflow.engines.native.model import Shape
+    from grpoflow.engines.native.sizing import NativeEngineConfig
+
+    engine = NativeEngineConfig.sized_as(config.generation.engine)
+    native = Shape(
+        num_layers=shape.num_hidden_layers,
+        num_heads=shape.num_attention_heads,
+        num_kv_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=shape.vocab_size,
+        max_position=config.max_model_len,
+    )
+    dtype = torch.bfloat16 if shape.dtype_bytes == 2 else torch.float32
+    per_block, workspace = (
+        block_bytes(native, engine.block_size, dtype),
+        workspace_bytes(native, engine, dtype),
+    )
+    useful = engine.max_num_seqs * math.ceil(
+        (engine.max_model_len or config.max_model_len) / engine.block_size
+    )
+    resident = sum(plan_memory(shape, plan_settings(config), capacity).rollout.values())
+    budget = int(capacity * engine.gpu_memory_utilization) - resident - workspace
+    blocks = max(0, min(budget // per_block, useful))
+    return blocks, blocks * per_block + workspace
+
+
+def run_plan(config, capacity: int) -> tuple[MemoryPlan, int | None]:
+    """The run's plan on a GPU of `capacity` bytes, and the KV-cache blocks it leaves the native
+    engine (None for other engines)."""
+    shape = model_shape(config, on_gpu=True)
+    blocks, kv_bytes = None, 0
+    if config.generation.engine_name == "native":
+        blocks, kv_bytes = kv_cache_blocks(config, shape, capacity)
+    return plan_memory(shape, plan_settings(config, kv_bytes), capacity), blocks
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """A table of the parts in GiB per phase, the peak, the GPU and whether it fits."""
+    names = list(dict.fromkeys([*plan.update, *plan.rollout]))
+    lines = [f"{'part':<12} {'rollout GiB':>12} {'update GiB':>12}"]
+    for name in names:
+        lines.append(
+            f"{name:<12} {plan.rollout.get(name, 0) / GIB:>12.2f} {plan.update.get(name, 0) / GIB:>12.2f}"
+        )
+    lines.append(
+        f"{'total':<12} {sum(plan.rollout.values()) / GIB:>12.2f} {sum(plan.update.values()) / GIB:>12.2f}"
+    )
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines.append(
+        f"peak {plan.peak / GIB:.2f} GiB ({plan.peak_phase}) of {plan.capacity / GIB:.2f} GiB: {verdict}"
+    )
+    return "\n".join(lines)
+
+
+def misfit_message(plan: MemoryPlan) -> str:
+    """Why the plan does not fit, its largest parts, and the options that shrink them."""
+    largest = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in plan.largest_parts())
+    return (
+        f"the memory plan predicts a peak of {plan.peak / GIB:.2f} GiB ({plan.peak_phase}) on a "
+        f"{plan.capacity / GIB:.2f} GiB GPU; largest parts: {largest}. To fit: lower "
+        "per_device_train_batch_size or max_completion_length (activations), gradient_checkpointing "
+        "true, lower gpu_memory_utilization or max_num_seqs (KV cache), offload_optimizer or "
+        "offload_model true, train_type lora, or fsdp true over more GPUs; `grpoflow plan` shows "
+        "the parts, memory_check warn (or off) starts anyway"
+    )
+
+
+def check_plan(config) -> int | None:
+    """Before anything loads: refuse (ValueError) or warn when the plan does not fit, as
+    memory_check says; returns the KV-cache blocks the plan leaves the native engine when it
+    sizes the cache (None: the engine sizes it from the memory free when it wakes). Nothing
+    without a GPU or an override."""
+    capacity = gpu_capacity(config)
+    if capacity is None or config.plan.memory_check == "off":
+        return None
+    plan, blocks = run_plan(config, capacity)
+    if not plan.fits:
+        certain = plan.peak > capacity / UNCERTAIN_SHARE
+        if config.plan.memory_check == "refuse" and certain:
+            raise ValueError(misfit_message(plan))
+        logger.warning("%s", misfit_message(plan))
+    return blocks if config.plan.kv_cache_from_plan and blocks else None
+
+
+def _world_size() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))

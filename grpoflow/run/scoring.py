@@ -1,0 +1,87 @@
+"""A step's prompts to scored groups: generate, score, and under `dynamic_sample` resample the
+prompts of groups whose rewards have zero spread (DAPO), up to `max_resample_times` rounds."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from grpoflow.algo import combine_rewards, zero_std_groups
+from grpoflow.data.prompts import PromptItem
+from grpoflow.engines import RolloutEngine
+from grpoflow.phases import phase
+from grpoflow.rewards import RewardRunner
+from grpoflow.run.algorithm import AlgorithmConfig
+from grpoflow.run.distributed import DistributedContext
+from grpoflow.run.prompt_draws import PromptDraws
+from grpoflow.run.rollout import Rollout, ScoredGroups, merge_groups, reward_inputs, subset_groups
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutScorer:
+    """Generates and scores one step's share of prompts (`rollout` and `reward` phases)."""
+
+    rollout: Rollout
+    engine: RolloutEngine
+    rewards: RewardRunner | None
+    """None when scored groups come from elsewhere (then the scorer is not called)."""
+    draws: PromptDraws
+    items: Sequence[PromptItem]
+    reward_weights: torch.Tensor
+    algorithm: AlgorithmConfig
+    num_generations: int
+    num_prompts: int
+    """Prompts this rank plays per step."""
+    distributed: DistributedContext
+
+    def __call__(self) -> ScoredGroups:
+        """This rank's scored groups.
+
+        Over several ranks, each resampling round every rank takes the largest number of prompts
+        any rank still lacks (so all ranks run the same rounds and walk the prompt order
+        together); a rank that lacks fewer generates only those and skips the rest of its share.
+        A rank that lacks none still calls the engine, with no prompts: ranks sharing an engine
+        (colocated vLLM with tensor parallelism) generate together.
+        """
+        algorithm, g = self.algorithm, self.num_generations
+        rounds = 1 + (algorithm.max_resample_times if algorithm.dynamic_sample else 0)
+        kept: list[ScoredGroups] = []
+        spare: list[ScoredGroups] = []
+        errors: list = []
+        failed: frozenset[str] | None = None
+        rounds_run = 0
+        for round_index in range(rounds):
+            missing = self.num_prompts - sum(len(part.groups) for part in kept)
+            share = missing if round_index == 0 else self.distributed.max_int(missing)
+            if share == 0:
+                break
+            rounds_run += 1
+            with phase("rollout"):
+                indices, seeds = self.draws.take(share)
+                items = [self.items[index] for index in indices[:missing]]
+                groups = self.rollout(self.engine, items, self.draws.sampling_for(seeds[:missing]))
+            if missing == 0:
+                continue
+            with phase("reward"):
+                scored = self._score(groups, round_index + 1, failed)
+            failed = scored.failed_everywhere
+            if not algorithm.dynamic_sample:
+                return scored
+            with phase("reward"):
+                errors.extend(scored.errors)
+                flat_mask = zero_std_groups(combine_rewards(scored.rewards, self.reward_weights), g)
+                kept.append(subset_groups(scored, ~flat_mask, g))
+                spare.append(subset_groups(scored, flat_mask, g))
+        return merge_groups(kept + spare, self.num_prompts, errors, rounds_run, failed or frozenset())
+
+    def _score(self, groups, rounds: int, failed: frozenset[str] | None) -> ScoredGroups:
+        """Score `groups`; a completion the engine failed scores NaN. `failed`: the rewards that
+        failed everywhere in the rounds before (None in the first)."""
+        assert self.rewards is not None
+        result = self.rewards.score(*reward_inputs(groups))
+        failed = result.failed_everywhere if failed is None else failed & result.failed_everywhere
+        values = result.training_values
+        values[[c.finish_reason == "error" for group in groups for c in group.completions]] = float("nan")
+        return ScoredGroups(groups, values, list(result.errors), rounds, failed)

@@ -1,0 +1,80 @@
+"""The memory plan's arithmetic against hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpoflow.policy.memory_plan import ModelShape, PlanSettings, activation_bytes, plan_memory
+
+# h=8, 2 layers, 2 heads (head_dim 4), 1 kv head (kv width 4), intermediate 16, vocab 10, bf16.
+SHAPE = ModelShape(
+    hidden_size=8,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=16,
+    vocab_size=10,
+    tie_word_embeddings=False,
+    dtype_bytes=2,
+)
+
+
+def test_parameter_counts_by_hand():
+    # Per layer: q 8*8=64, k 8*4=32, v 32, o 64, gate 8*16=128, up 128, down 128 -> 576, norms 16:
+    # 592; two layers 1184; embedding and head 2*10*8=160; final norm 8: 1352.
+    assert SHAPE.num_parameters() == 1352
+    # LoRA rank 2 on q and v: 2*(8+8) + 2*(8+4) = 56 per layer, 112 over two layers.
+    assert SHAPE.num_lora_parameters(2, ["q_proj", "v_proj"]) == 112
+    # all-linear: 2 * (16+12+12+16+24+24+24) = 256 per layer, 512 in all.
+    assert SHAPE.num_lora_parameters(2, ["all-linear"]) == 512
+
+
+def test_full_fine_tune_with_reference_by_hand():
+    settings = PlanSettings(micro_batch_size=2, sequence_length=4, logprob_chunk_size=5, reference_copy=True)
+    plan = plan_memory(SHAPE, settings, capacity=10**6)
+    weights = 1352 * 2  # bf16
+    # Per token and layer without checkpointing: (6*8 + 2*4 + 4*16) * 2 + 2*8*4 = 240 + 64 = 304
+    # bytes; 8 tokens, 2 layers: 4864.
+    assert activation_bytes(SHAPE, settings) == 4864
+    assert plan.update == {
+        "weights": weights,
+        "reference": weights,
+        "optimizer": 2 * weights,  # AdamW's two moments in the weights' dtype
+        "gradients": weights,
+        "activations": 4864,
+        "logits": 3 * 5 * 10 * 4,  # a chunk of 5 tokens' float32 logits, three times
+    }
+    assert plan.peak == 5 * weights + 4864 + 600 and plan.fits
+
+
+def test_lora_with_checkpointing_and_offloads_by_hand():
+    settings = PlanSettings(
+        lora_rank=2,
+        target_modules=["q_proj", "v_proj"],
+        gradient_checkpointing=True,
+        micro_batch_size=1,
+        sequence_length=4,
+        offload_optimizer=True,
+        kv_cache_bytes=1000,
+    )
+    plan = plan_memory(SHAPE, settings, capacity=4000)
+    # Checkpointed: per token 2 layers * 8 * 2 bytes = 32, plus one layer in full 304: 336; 4 tokens.
+    assert activation_bytes(SHAPE, settings) == 4 * 336
+    adapters = 112 * 4  # float32
+    assert plan.rollout == {"weights": 2704, "adapters": adapters, "kv_cache": 1000}
+    assert plan.update["gradients"] == adapters and "optimizer" not in plan.update
+    # Update: weights 2704, adapters 448, their gradients 448, activations 1344, logits of the
+    # 4 tokens 3*4*10*4 = 480: 5424, above the rollout's 2704 + 448 + 1000 = 4152.
+    assert plan.peak == 5424 and plan.peak_phase == "update" and not plan.fits
+    assert plan.largest_parts(2) == [("weights", 2704), ("activations", 1344)]
+
+
+def test_fsdp_shards_resident_parts_and_gathers_for_rollouts():
+    plan = plan_memory(SHAPE, PlanSettings(fsdp_world_size=4), capacity=10**6)
+    assert plan.update["weights"] == 2704 // 4 and plan.update["optimizer"] == 2 * 2704 // 4
+    assert plan.rollout["weights"] == 2704
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        PlanSettings(micro_batch_size=0)

@@ -1,0 +1,43 @@
+"""The run's memory plan: `grpoflow plan` and the check before `grpoflow train` loads anything."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.support import recipe
+
+from grpoflow.cli import main
+from grpoflow.run.build import build_trainer
+from grpoflow.run.plan import check_plan, run_plan
+
+
+def test_plan_prints_a_table_without_loading_weights(capsys):
+    code = main(["plan", "--config", "default", "--model", "random:qwen2-0.5b", "--gpu_memory_gib", "80"])
+    out = capsys.readouterr().out
+    assert code == 0 and "weights" in out and "fits" in out and "of 80.00 GiB" in out
+
+
+def test_train_refuses_a_plan_that_does_not_fit(tmp_path):
+    config = recipe(tmp_path, model="random:qwen2-0.5b", gpu_memory_gib=1.0)
+    with pytest.raises(ValueError, match="per_device_train_batch_size") as error:
+        build_trainer(config)
+    assert "largest parts" in str(error.value) and "memory_check" in str(error.value)
+
+
+def test_memory_check_off_and_cpu_runs_plan_nothing(tmp_path):
+    assert (
+        check_plan(recipe(tmp_path, model="random:qwen2-0.5b", gpu_memory_gib=1.0, memory_check="off"))
+        is None
+    )
+    assert check_plan(recipe(tmp_path)) is None  # no GPU, no override
+
+
+def test_kv_cache_takes_what_the_plan_leaves(tmp_path):
+    small = run_plan(
+        recipe(tmp_path, model="random:qwen2-0.5b", max_completion_length=8192, gpu_memory_utilization=0.3),
+        20 * 2**30,
+    )
+    large = run_plan(
+        recipe(tmp_path, model="random:qwen2-0.5b", max_completion_length=8192, gpu_memory_utilization=0.9),
+        20 * 2**30,
+    )
+    assert 0 < small[1] < large[1]
