@@ -7,8 +7,16 @@ replays the engine's draws on its own logits for sampling that is on-policy by c
 (`grpoflow.run.on_policy`). A sequence's key stream depends on (seed, prompt index, sample index)
 and the index of the token being drawn, never on the batch it was sampled in.
 
-A token is drawn by inversion: the first, in vocabulary order over the tokens the truncation
-keeps, whose cumulative probability exceeds the uniform.
+Two ways to draw, the same distribution:
+- inversion (`keyed_draw`, the engine's default): the first token, in vocabulary order over the
+  tokens the truncation keeps, whose cumulative probability exceeds the row's uniform. One uniform
+  per row, one pass over the logits.
+- Gumbel-max (`gumbel_draw`): the argmax of the scaled logits plus Gumbel noise, one uniform per
+  (row, token) from the row's key and the token's id. Two sets of logits that differ by rounding
+  part only where the two best noisy scores are within that rounding of each other, whereas
+  inversion parts wherever the cumulative sums up to the uniform differ, which a large vocabulary
+  makes likely. So on-policy sampling, which replays the engine's draws on the trainer's logits,
+  draws this way.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B1
 MUL1 = 0x7FEB352D
 MUL2 = 0x846CA68B
+TOKEN_SALT = 0x85EBCA6B
 
 
 def hash32_numpy(x: np.ndarray) -> np.ndarray:
@@ -99,3 +108,41 @@ def keyed_draw(
     missing = tokens < 0
     tokens = tokens.clamp(min=0)
     return tokens, log_probs.gather(1, tokens[:, None])[:, 0].masked_fill(missing, float("nan"))
+
+
+def gumbel_uniforms(keys: Tensor, start: int, count: int) -> Tensor:
+    """(B,) int64 keys -> (B, count) float32 uniforms in (0, 1) of tokens start..start+count-1."""
+    tokens = torch.arange(start, start + count, device=keys.device, dtype=torch.int64)
+    bits = hash32_torch(
+        hash32_torch(keys ^ GOLDEN)[:, None] ^ hash32_torch(tokens * TOKEN_SALT & MASK32)[None, :]
+    )
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+def gumbel_draw(
+    logits: Tensor,
+    keys: Tensor,
+    inverse_temperature: float,
+    thresholds: Tensor | None,
+    block: int = 8192,
+) -> tuple[Tensor, Tensor]:
+    """Draw one token per row by Gumbel-max: `argmax(scaled + g)` over the kept tokens, with
+    `g = -log(-log(u))` and `u` from the row's key and the token id. logits (B, V); keys (B,)
+    int64; thresholds as in `keyed_draw`. The noise is made `block` tokens at a time.
+
+    Returns tokens (B,) int64 and their log-probs (B,) float32 under the distribution drawn from.
+    """
+    scaled = logits.float() * inverse_temperature
+    if thresholds is not None:
+        scaled = scaled.masked_fill(scaled < thresholds[:, None], -torch.inf)
+    best = torch.full(scaled.shape[:1], -torch.inf, device=scaled.device)
+    tokens = torch.zeros(scaled.shape[:1], dtype=torch.int64, device=scaled.device)
+    for start in range(0, scaled.shape[1], block):
+        part = scaled[:, start : start + block]
+        noisy = part - torch.log(-torch.log(gumbel_uniforms(keys, start, part.shape[1])))
+        value, index = noisy.max(dim=-1)
+        better = value > best  # the first maximum wins ties, as argmax
+        best = torch.where(better, value, best)
+        tokens = torch.where(better, index + start, tokens)
+    log_probs = scaled.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
+    return tokens, log_probs.masked_fill(best == -torch.inf, float("nan"))

@@ -1,7 +1,8 @@
-"""The trainer's own draws of completion tokens: the keyed draw (`grpoflow.algo.draws`) replayed
-on the training forward's logits.
+"""The trainer's own draws of completion tokens: the engine's keyed Gumbel-max draws
+(`grpoflow.algo.draws.gumbel_draw`) replayed on the training forward's logits.
 
-A native-engine completion is a sequence of keyed draws, each from the engine's logits. Replaying
+A native-engine completion drawn with `draw="gumbel"` is a sequence of keyed draws, each from the
+engine's logits. Replaying
 every draw with the same key on the trainer's logits of the same prefix gives the token the
 trainer's distribution puts at that uniform; where the two agree the token is an exact draw from
 the trainer's forward. `grpoflow.run.on_policy` continues each completion from its first
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grpoflow.algo.draws import keyed_draw
+from grpoflow.algo.draws import gumbel_draw
 from grpoflow.algo.logprobs import (
     DEFAULT_CHUNK_SIZE,
     _decoder_and_head,
@@ -37,7 +38,7 @@ def redraw_from_hidden(
     truncation: Truncation | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[Tensor, Tensor]:
-    """Keyed draws from `softmax(head(hidden) / temperature)` (truncated when asked).
+    """Keyed Gumbel-max draws from `softmax(head(hidden) / temperature)` (truncated when asked).
 
     Args:
         hidden: `(batch, seq, hidden)`; position t's state draws token t.
@@ -56,7 +57,7 @@ def redraw_from_hidden(
     for hidden_chunk, key_chunk in zip(flat_hidden.split(chunk_size), keys.reshape(-1).split(chunk_size)):
         logits = F.linear(hidden_chunk, weight, bias)  # (chunk, vocab), as the update projects
         thresholds = truncation.thresholds(logits.float() / temperature) if truncation else None
-        pieces.append(keyed_draw(logits, key_chunk, 1.0 / temperature, False, thresholds)[0])
+        pieces.append(gumbel_draw(logits, key_chunk, 1.0 / temperature, thresholds)[0])
     tokens = torch.cat(pieces).view(keys.shape) if pieces else keys.new_zeros(keys.shape)
     log_probs, _ = token_logprobs_from_hidden(
         hidden, head, tokens, temperature, chunk_size, truncation=truncation

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -54,6 +54,8 @@ class SamplingParams:
     sample_offset: int = field(default=0, metadata=NOT_AN_OPTION)
     """Index of the first of the `n` samples in a seeded request's streams (native engine: to
     continue sample j of an earlier request with the same seed)."""
+    draw: Literal["inversion", "gumbel"] = field(default="inversion", metadata=NOT_AN_OPTION)
+    """Native engine: how a token is drawn from its key (`grpoflow.algo.draws`)."""
     token_offset: int = field(default=0, metadata=NOT_AN_OPTION)
     """Index in each sample's stream of the first token to draw (native engine: to continue a
     completion whose first `token_offset` tokens end the prompt)."""

@@ -1,8 +1,8 @@
 """Sampling that is on-policy by construction (`on_policy_sampling`): every completion token is
 an exact draw from the trainer's own forward, and its log-prob is the trainer's.
 
-The native engine draws each token with a keyed uniform (`grpoflow.algo.draws`) from logits that
-its decode kernels compute, which round differently from the training forward. Here the trainer
+The native engine draws each token by Gumbel-max with keyed noise (`grpoflow.algo.draws`) from
+logits that its decode kernels compute, which round differently from the training forward. Here the trainer
 replays every draw with the same key on its own logits of the same prefix
 (`grpoflow.algo.redraw`). Up to the first disagreement the engine's tokens are the trainer's
 draws; at the first disagreement the trainer's token replaces the engine's, and the engine
@@ -81,9 +81,10 @@ class OnPolicySingleTurn:
         self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
     ) -> list[Group]:
         start = time.perf_counter()
-        inner = SingleTurn(self.tokenizer)
-        groups = inner(engine, items, params)
         requests = [params] * len(items) if isinstance(params, SamplingParams) else list(params)
+        requests = [dataclasses.replace(request, draw="gumbel") for request in requests]
+        inner = SingleTurn(self.tokenizer)
+        groups = inner(engine, items, requests)
         drafts = [
             [
                 _draft(item.prompt_ids, request, sample, completion)

@@ -4,6 +4,7 @@ trainer's only proposes; the completions come out as the trainer's own keyed dra
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -63,9 +64,10 @@ def test_completions_are_the_trainers_own_draws_whatever_the_engine_proposes(sam
     truncation = Truncation(top_k=20, top_p=0.8) if sampling else None
     # What the trainer's own sampler draws: the native engine on the trainer's weights (float32:
     # its kernels agree with the training forward on every draw here).
-    expected = SingleTurn(Tokens())(engine(policy), items(), request)
+    gumbel = [dataclasses.replace(one, draw="gumbel") for one in request]
+    expected = SingleTurn(Tokens())(engine(policy), items(), gumbel)
     proposer = engine(perturbed(policy, 0.2))  # a different model proposes
-    proposed = SingleTurn(Tokens())(proposer, items(), request)
+    proposed = SingleTurn(Tokens())(proposer, items(), gumbel)
     assert [c.token_ids for g in proposed for c in g.completions] != [
         c.token_ids for g in expected for c in g.completions
     ]

@@ -36,7 +36,7 @@ from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep, Scheduler
 from grpoflow.engines.native.sizing import NativeEngineConfig
 
 ON_ERROR = ("raise", "error_completion")
-UNIFORM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+UNIFORM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "draw")
 
 
 class NativeEngine:

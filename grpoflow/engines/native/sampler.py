@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpoflow.algo.draws import gumbel_draw, row_keys, sequence_seeds
 from grpoflow.algo.draws import keyed_draw as sample_reference
-from grpoflow.algo.draws import row_keys, sequence_seeds
 from grpoflow.algo.truncation import Truncation
 from grpoflow.engines.base import SamplingParams
 
@@ -43,6 +43,7 @@ class SamplingOptions:
     top_p: float
     min_p: float
     repetition_penalty: float
+    draw: str = "inversion"
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SamplingOptions:
@@ -52,6 +53,7 @@ class SamplingOptions:
             top_p=params.top_p,
             min_p=params.min_p,
             repetition_penalty=params.repetition_penalty,
+            draw=params.draw,
         )
 
     @property
@@ -99,6 +101,9 @@ def sample(
     thresholds = None
     if options.filters:
         thresholds = options.truncation.thresholds(logits.float() * options.inverse_temperature)
+    if options.draw == "gumbel" and not options.greedy:
+        tokens, logprobs = gumbel_draw(logits, keys, options.inverse_temperature, thresholds)
+        return (tokens, logprobs) if tokens_out is None else (tokens_out.copy_(tokens), logprobs)
     args = (logits, keys, options.inverse_temperature, options.greedy, thresholds)
     if use_triton:
         from grpoflow.engines.native.kernels import sample_rows
