@@ -21,6 +21,8 @@ Two ways to draw, the same distribution:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -131,7 +133,11 @@ def gumbel_draw(
     int64; thresholds as in `keyed_draw`. The noise is made `block` tokens at a time.
 
     Returns tokens (B,) int64 and their log-probs (B,) float32 under the distribution drawn from.
+    On CUDA a Triton kernel does it in one pass (`draw_kernels.py`).
     """
+    kernels = _draw_kernels(logits)
+    if kernels is not None:
+        return kernels.gumbel_rows(logits, keys.to(torch.int64), inverse_temperature, thresholds)
     scaled = logits.float() * inverse_temperature
     if thresholds is not None:
         scaled = scaled.masked_fill(scaled < thresholds[:, None], -torch.inf)
@@ -146,3 +152,19 @@ def gumbel_draw(
         tokens = torch.where(better, index + start, tokens)
     log_probs = scaled.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
     return tokens, log_probs.masked_fill(best == -torch.inf, float("nan"))
+
+
+def _draw_kernels(logits: Tensor):
+    """The Triton draw kernels for CUDA logits with unit last stride when Triton imports, else None."""
+    if not (logits.is_cuda and logits.stride(-1) == 1):
+        return None
+    return _load_kernels()
+
+
+@functools.cache
+def _load_kernels():
+    try:
+        from grpoflow.algo import draw_kernels
+    except ImportError:  # no Triton: the torch path
+        return None
+    return draw_kernels
