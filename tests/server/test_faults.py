@@ -259,3 +259,29 @@ def test_a_vanishing_temperature_samples_greedily(server):
     greedy = answered_quickly(server.url, "/v1/completions", "POST", json={**ASK, "temperature": 0})
     assert tiny.status_code == 200
     assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+# -- 8. clients that go away or never finish sending -------------------------------------------
+
+
+def post_and_vanish(url: str, path: str, body: dict) -> None:
+    """Send a request over a raw socket and close the connection without reading the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        time.sleep(1.0)  # the batch is running
+
+
+def test_an_abandoned_big_request_stops_and_frees_its_blocks(server):
+    engine = server.service.engine
+    assert answered_quickly(server.url, "/v1/completions", "POST", json=ASK).status_code == 200
+    free_before = engine.runner.pool.num_free
+    # Minutes of decoding on the CPU: 8,000 sequences of 500 tokens, 512 at a time.
+    big = {"prompt": [[1, 2, 3]] * 8, "n": 1000, "max_tokens": 500, "ignore_eos": True}
+    post_and_vanish(server.url, "/v1/completions", big)
+    small = answered_quickly(server.url, "/v1/completions", "POST", json={**ASK, "max_tokens": 1})
+    assert small.status_code == 200
+    assert engine.stats.num_generated_tokens == 1  # the small request ran alone, after the big one
+    assert engine.runner.pool.num_free == free_before and int(engine.runner.pool.refs.sum()) == 0
