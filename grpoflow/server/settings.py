@@ -64,6 +64,10 @@ class ServeConfig(EngineConfig):
     """Seconds an open weight update or a pause holds generation unless renewed (another
     /update_weights, /start_weight_update or /pause); past it generation resumes, so a trainer
     that died mid-update cannot stop the server for good."""
+    header_timeout_s: float = 10.0
+    """Seconds a connection may take to send a request's headers, from when it opens or its
+    previous answer was sent; past it the connection is closed, so a client that sends half a
+    request and stops holds no connection for long."""
     request_threads: int = 4
     """Threads that render templates, tokenise prompts and parse large bodies, apart from the
     engine's thread, so no request stalls generation or the event loop."""
@@ -93,6 +97,7 @@ class ServeConfig(EngineConfig):
         )
         require(self.batch_window_ms >= 0, "--batch-window-ms", ">= 0", self.batch_window_ms)
         require(self.hold_lease_s > 0, "--hold-lease-s", "> 0 (seconds)", self.hold_lease_s)
+        require(self.header_timeout_s > 0, "--header-timeout-s", "> 0 (seconds)", self.header_timeout_s)
         require(self.request_threads >= 1, "--request-threads", ">= 1", self.request_threads)
         for name in ("max_prompt_chars", "max_weights_bytes"):
             value = getattr(self, name)

@@ -285,3 +285,30 @@ def test_an_abandoned_big_request_stops_and_frees_its_blocks(server):
     assert small.status_code == 200
     assert engine.stats.num_generated_tokens == 1  # the small request ran alone, after the big one
     assert engine.runner.pool.num_free == free_before and int(engine.runner.pool.refs.sum()) == 0
+
+
+def closed_by_server(sock: socket.socket, within_s: float = 3.0) -> bool:
+    sock.settimeout(10)
+    start = time.monotonic()
+    return sock.recv(1024) == b"" and time.monotonic() - start < within_s
+
+
+def test_half_sent_headers_are_cut_off(serve_live, make_service):
+    live = serve_live(make_service(header_timeout_s=0.5))
+    address = live.url.removeprefix("http://").split(":")
+    address = (address[0], int(address[1]))
+    try:
+        for sent in (b"", b"GET / HTTP/1.1\r\nHost:", b"POST /v1/completions HTTP/1.1\r\n"):
+            with socket.create_connection(address) as sock:
+                sock.sendall(sent)
+                assert closed_by_server(sock), sent
+        with socket.create_connection(address) as sock:  # half a request after a whole one
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.settimeout(10)
+            assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHo")
+            assert closed_by_server(sock)
+        slow = {"prompt": [1, 2, 3], "n": 32, "max_tokens": 300, "ignore_eos": True}  # over 0.5 s
+        assert httpx.post(live.url + "/v1/completions", json=slow, timeout=60).status_code == 200
+    finally:
+        live.stop()
