@@ -148,6 +148,35 @@ def test_a_template_bomb_and_a_huge_prompt_do_not_stall_other_requests(serve_liv
         live.stop()
 
 
+def chat_with(live, template: str) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template, "max_tokens": 1}
+    return answered_quickly(live.url, "/v1/chat/completions", "POST", json=body)
+
+
+def test_trusted_request_templates_are_bounded_in_time_output_and_memory(serve_live, make_service):
+    live = serve_live(make_service(trust_request_chat_template=True, template_timeout_s=1.0))
+    try:
+        loop = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}x"
+        huge = "{{ 'x' * 20000000 }}"
+        doubling = (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+        )
+        limits = {
+            loop: ["--template-timeout-s"],
+            huge: ["--max-prompt-chars"],
+            doubling: ["memory", "-timeout-"],
+        }
+        for template, named in limits.items():
+            refused = chat_with(live, template)
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == "chat_template" and any(n in error["message"] for n in named), error
+        fine = chat_with(live, "{% for m in messages %}u:{{ m['content'] }}{% endfor %}a:")
+        assert fine.status_code == 200, fine.text
+    finally:
+        live.stop()
+
+
 # -- 4. concurrent weight-update starts ------------------------------------------------------
 
 
