@@ -137,12 +137,15 @@ class Service:
         return 4 * sum(p.numel() for p in self.model.parameters()) + 16 * 2**20
 
     def weight_writer(self) -> Write:
-        """Where a collective update lands: straight in the parameters when the engine generates
-        from the module, else in buffers handed to the engine's `update_weights` in one call."""
+        """Where a collective update lands once received and checked: copied into the parameters
+        when the engine generates from the module, else handed to the engine's `update_weights` in
+        one call."""
         if self.engine.shares_policy_weights:
             return into_parameters(dict(self.model.named_parameters(remove_duplicate=False)))
         engine = self.engine
-        return into_load(lambda pairs: engine.update_weights(pairs, engine.policy_version))
+        return into_load(
+            lambda pairs: engine.update_weights(pairs, engine.policy_version), self.parameter_dtypes()
+        )
 
     def set_version(self, version: str) -> None:
         """Record the weight version (checked first with `check_version`); engines number

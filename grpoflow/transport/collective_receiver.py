@@ -12,8 +12,9 @@ group; `close` leaves it. A failed join's answer does not repeat what the remote
 true, "buckets", "update_id", "group_id", "weight_version", "timeout"}`, checks every name and shape
 against the model before anything is received (a bad update is refused and changes nothing), then,
 inside the caller's `exclusive` (between generation batches), answers the trainer's handshake and
-receives the buckets through `write`: straight into the parameters (`into_parameters`), or into
-buffers handed to a `load` in one call (`into_load`). A stalled broadcast fails after `timeout`
+receives the buckets through `write`: into buffers of their own, checked (finite, within the
+parameters' dtypes: a bad update is refused whole, the old weights stay), then copied into the
+parameters (`into_parameters`) or handed to a `load` in one call (`into_load`). A stalled broadcast fails after `timeout`
 seconds (default 600): the group is closed (join again), the model may hold part of the update.
 
 Failures raise ReceiveError with the HTTP status a server answers with.
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from grpoflow.threads import in_daemon_thread
 from grpoflow.transport import ReceiveError, collective
+from grpoflow.transport.checkpoint_receiver import check_values
 from grpoflow.transport.collective import TransferCancelled, TransferTimeout, UpdatePlan, WeightGroup
 
 logger = logging.getLogger("grpoflow.transport")
@@ -57,23 +59,42 @@ def offered_backends(device: torch.device) -> list[str]:
 
 
 def into_parameters(parameters: Mapping[str, torch.Tensor]) -> Write:
-    """Receive each bucket straight into `parameters` (by Hugging Face name)."""
+    """Receive and check every bucket (`staged`), then copy each tensor into `parameters` (by
+    Hugging Face name)."""
 
     def write(group: WeightGroup, plan: UpdatePlan, deadline: float) -> None:
-        collective.receive(group, plan, parameters, deadline=deadline)
+        dtypes = {name: parameter.dtype for name, parameter in parameters.items()}
+        for name, tensor in staged(group, plan, deadline, dtypes):
+            parameters[name].data.copy_(tensor, non_blocking=True)
+        if group.device.type == "cuda":
+            torch.cuda.current_stream(group.device).synchronize()
 
     return write
 
 
-def into_load(load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> Write:
-    """Receive every bucket, then hand all `(name, tensor)` pairs to `load` in one call (vLLM
-    reloads a layer once all its tensors arrived, so the update is not split)."""
+def into_load(
+    load: Callable[[list[tuple[str, torch.Tensor]]], None], dtypes: Mapping[str, torch.dtype] | None = None
+) -> Write:
+    """Receive and check every bucket (`staged`), then hand all `(name, tensor)` pairs to `load`
+    in one call (vLLM reloads a layer once all its tensors arrived, so the update is not split)."""
 
     def write(group: WeightGroup, plan: UpdatePlan, deadline: float) -> None:
-        buckets = collective.receive_buckets(group, plan, deadline=deadline)
-        load([pair for bucket in buckets for pair in bucket])
+        load(staged(group, plan, deadline, dtypes or {}))
 
     return write
+
+
+def staged(
+    group: WeightGroup, plan: UpdatePlan, deadline: float, dtypes: Mapping[str, torch.dtype]
+) -> list[tuple[str, torch.Tensor]]:
+    """Every bucket received into buffers of its own (one update's worth, on the group's device),
+    then every tensor checked: finite, and within the range of its parameter's dtype in `dtypes`.
+    ReceiveError 400 names the first that is not; nothing has been applied then, and the group
+    stays usable, since every bucket was received whatever their values."""
+    pairs = [pair for bucket in collective.receive_buckets(group, plan, deadline=deadline) for pair in bucket]
+    for name, tensor in pairs:
+        check_values(name, tensor, dtypes.get(name))
+    return pairs
 
 
 class CollectiveReceiver:
