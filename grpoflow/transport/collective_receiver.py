@@ -1,12 +1,15 @@
 """A rollout server's side of the collective weight transfer (the wire layer is `collective.py`).
 
 `CollectiveReceiver.join(init_info)` joins the trainer's group with `{"backend": "gloo" | "nccl",
-"master_address", "master_port", "rank_offset", "world_size", "timeout", "group_id"}` as rank
-`rank_offset` (TRL's and vLLM's field names; a missing backend means NCCL on a CUDA device, gloo on
+"master_address", "master_port", "rank_offset", "world_size", "timeout", "group_id", "secret"}` as
+rank `rank_offset` (TRL's and vLLM's field names; a missing backend means NCCL on a CUDA device, gloo on
 a CPU one). The join runs in a daemon thread of its own (one join at a time; another meanwhile
 is refused with 409) and gives up after `timeout` seconds (default 120, at most 300 whatever the
 client sends), so the caller's event loop and generation keep serving. A new join replaces the old
-group; `close` leaves it. A failed join's answer does not repeat what the remote end sent.
+group; `close` leaves it. A failed join's answer does not repeat what the remote end sent. With a
+`secret` (grpoflow's trainer always sends one) the group's keys live under it and the join answers
+the trainer's challenge with its proof (`collective.challenge`), so the trainer knows the rank is
+this server.
 
 `CollectiveReceiver.receive(update_info, ...)` takes `{"names", "dtype_names", "shapes", "packed":
 true, "buckets", "update_id", "group_id", "weight_version", "timeout"}`, checks every name and shape
@@ -155,9 +158,12 @@ class CollectiveReceiver:
             )
         self.close()
 
-        def join() -> WeightGroup:
+        secret = str(info.get("secret") or "")
+
+        def join() -> tuple[WeightGroup, str | None]:
+            deadline = time.monotonic() + timeout
             store = collective.connect_store(address, port, timeout)
-            return WeightGroup(
+            group = WeightGroup(
                 store,
                 backend=backend,
                 rank=rank,
@@ -165,13 +171,17 @@ class CollectiveReceiver:
                 device=device,
                 timeout=timeout,
                 group_id=str(info.get("group_id") or ""),
+                secret=secret,
             )
+            if not secret:
+                return group, None
+            return group, collective.answer_challenge(group, secret, deadline=deadline)
 
         self.joining = True  # until the thread is done, even if the wait below gives up first
         future = asyncio.wrap_future(in_daemon_thread(join))
         future.add_done_callback(lambda _: setattr(self, "joining", False))
         try:
-            group = await asyncio.wait_for(asyncio.shield(future), timeout + 10)
+            group, proof = await asyncio.wait_for(asyncio.shield(future), timeout + 10)
         except (TimeoutError, RuntimeError, ValueError) as error:
             # What the remote end sent stays in the server's log: the answer does not echo it.
             logger.warning("joining the weight-transfer group at %s:%d failed: %s", address, port, error)
@@ -190,7 +200,8 @@ class CollectiveReceiver:
             rank,
             world_size,
         )
-        return {"message": "Weight transfer initialized", "backend": backend, "rank": rank}
+        answer = {"message": "Weight transfer initialized", "backend": backend, "rank": rank}
+        return answer if proof is None else {**answer, "proof": proof}
 
     def close(self) -> None:
         """Leave the group, if any."""
