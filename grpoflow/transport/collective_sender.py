@@ -149,6 +149,11 @@ class CollectiveSender:
         if isinstance(joined[0], BaseException):
             self._fail(f"{where} failed: {joined[0]}", answers)
         self.group = joined[0]
+        self._check_members(secret, answers, where)
+
+    def _check_members(self, secret: str, answers: list[Future], where: str) -> None:
+        """Challenge the new group; every server must answer its init with the proof for it, or
+        the group is closed before any weights travel."""
         try:
             nonce = collective.challenge(self.group, deadline=time.monotonic() + self.init_timeout)
         except TransferTimeout as error:
