@@ -256,7 +256,7 @@ async def chat_completions(request: Request) -> dict:
         )
     episode_id = episodes.episode_id_of(request, body)
     requests = service.pools.requests
-    prompt = await run_in(requests, chat_prompt, body, service.tokenizer, limits)
+    prompt = await run_in(requests, chat_prompt, body, service.tokenizer, limits, service.templates)
     params = sampling_params(body, chat_max_tokens(body, prompt, limits), limits)
     check_prompts([prompt], params.max_tokens, params.n, limits)
     (group,) = await service.generate(request, [prompt], params)

@@ -13,9 +13,11 @@ The gate: while generation is paused (/pause) or held (a weight update, sleep), 
 and new requests wait in the queue. Closing the gate waits for the running batch, so a weight
 update always lands between two batches, never inside one.
 
-A request whose client went away is dropped from the queue; if its batch is already running, the
-call finishes (an engine call is all or nothing, it leaves nothing behind) and the request's share
-of the results is discarded.
+A request whose client went away is dropped from the queue. If its batch is already running on
+an engine that takes an `abandoned` hook (the native engine), the engine stops its sequences at the
+next step and gives their cache blocks back, so the rest of the batch, and the requests queued
+behind it, do not wait for work nobody reads; on other engines the call finishes and the request's
+share of the results is discarded.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ class Job:
     prompts: list[list[int]]
     params: SamplingParams
     future: asyncio.Future
+    withdrawn: bool = False
+    """Set (on the event loop) when the future is cancelled: read by the engine's thread between
+    steps, a plain flag rather than the future, which is not thread-safe."""
+
+    def withdraw_on_cancel(self) -> None:
+        self.future.add_done_callback(lambda future: setattr(self, "withdrawn", future.cancelled()))
 
 
 class Batcher:
@@ -62,7 +70,9 @@ class Batcher:
         self.engine, self.window_s = engine, window_s
         self.executor = executor or DaemonPool(1, "grpoflow-engine")
         self.lock = threading.Lock()
-        self.per_prompt = "on_error" in inspect.signature(engine.generate).parameters
+        accepted = inspect.signature(engine.generate).parameters
+        self.per_prompt = "on_error" in accepted
+        self.abortable = "abandoned" in accepted
         self.paused = False
         self.num_batches = self.num_engine_calls = 0
         self._queue: list[Job] = []
@@ -92,10 +102,11 @@ class Batcher:
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> asyncio.Future:
         """Queue a request; the future gets one list of `params.n` completions per prompt, or a
         RequestError. Cancel the future to withdraw the request."""
-        future = asyncio.get_running_loop().create_future()
-        self._queue.append(Job(prompts, params, future))
+        job = Job(prompts, params, asyncio.get_running_loop().create_future())
+        job.withdraw_on_cancel()
+        self._queue.append(job)
         self._arrived.set()
-        return future
+        return job.future
 
     @property
     def is_open(self) -> bool:
@@ -205,7 +216,8 @@ class Batcher:
         self.num_engine_calls += 1
         if self.per_prompt:
             params = [job.params for job in jobs for _ in job.prompts]
-            groups = self.engine.generate(prompts, params, on_error="error_completion")
+            extra = {"abandoned": _abandoned_prompts(jobs)} if self.abortable else {}
+            groups = self.engine.generate(prompts, params, on_error="error_completion", **extra)
         else:
             groups = self.engine.generate(prompts, jobs[0].params)
         outcomes: list[Groups | RequestError] = []
@@ -216,6 +228,16 @@ class Batcher:
             errors = [group[0].text for group in mine if group and group[0].finish_reason == "error"]
             outcomes.append(RequestError("; ".join(map(str, errors))) if errors else mine)
         return outcomes
+
+
+def _abandoned_prompts(jobs: list[Job]) -> Callable[[], list[int]]:
+    """The engine's `abandoned` hook for one call of `jobs`: the indices of the prompts of
+    withdrawn jobs."""
+    spans, start = [], 0
+    for job in jobs:
+        spans.append((job, range(start, start + len(job.prompts))))
+        start += len(job.prompts)
+    return lambda: [index for job, span in spans if job.withdrawn for index in span]
 
 
 def _deliver(job: Job, outcome: Groups | RequestError) -> None:

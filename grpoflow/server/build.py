@@ -114,6 +114,7 @@ def serve(config: ServeConfig) -> None:
     import uvicorn
 
     from grpoflow.server.app import build_app
+    from grpoflow.server.connections import header_deadline
 
     warning = exposure_warning(config)
     if warning is not None:
@@ -124,6 +125,7 @@ def serve(config: ServeConfig) -> None:
         host=config.host,
         port=config.port,
         log_level="info",
+        http=header_deadline(config.header_timeout_s),
         timeout_keep_alive=5,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.server.errors import RequestError
+from grpoflow.server.templates import TemplateSandbox
 
 INT64 = 2**63
 NEUTRAL = (None, False, 0, "", [], {})
@@ -221,9 +222,11 @@ def generate_prompt(request: GenerateRequest, tokenizer, limits: Limits) -> list
     return list(ids)
 
 
-def chat_prompt(request: ChatCompletionRequest, tokenizer, limits: Limits) -> list[int]:
+def chat_prompt(
+    request: ChatCompletionRequest, tokenizer, limits: Limits, sandbox: TemplateSandbox | None = None
+) -> list[int]:
     """The conversation and its tools rendered by the chat template (the tokenizer's; the
-    request's only where the server trusts request templates)."""
+    request's only where the server trusts request templates, in `sandbox` when given)."""
     if request.chat_template is not None and not limits.trust_request_chat_template:
         raise RequestError(
             "chat_template in a request is refused: a template is code the server would run; leave it "
@@ -253,6 +256,16 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, limits: Limits) -> li
             "chat_template",
         )
     messages = [_plain_message(index, message) for index, message in enumerate(request.messages)]
+    if request.chat_template is not None and sandbox is not None:
+        text = sandbox.render(
+            request.chat_template,
+            messages,
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            **{**_special_tokens(tokenizer), **(request.chat_template_kwargs or {})},
+        )
+        return tokenize(tokenizer, text, bool(request.add_special_tokens), limits, "messages")
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -266,6 +279,12 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, limits: Limits) -> li
     except Exception as error:  # a template is user code: any failure is the request's
         raise RequestError(f"the chat template failed on these messages: {error}", 400, "messages") from None
     return tokenize(tokenizer, text, bool(request.add_special_tokens), limits, "messages")
+
+
+def _special_tokens(tokenizer) -> dict[str, Any]:
+    """The special tokens a template reads (bos_token, eos_token, ...), as transformers passes them."""
+    tokens = getattr(tokenizer, "special_tokens_map", None) or {}
+    return {name: value for name, value in tokens.items() if isinstance(value, str | list)}
 
 
 def _plain_message(index: int, message: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from grpoflow.server.holds import Holds
 from grpoflow.server.pools import Pools, run_in
 from grpoflow.server.protocol import Limits
 from grpoflow.server.settings import ServeConfig
+from grpoflow.server.templates import TemplateSandbox
 from grpoflow.transport.collective_receiver import CollectiveReceiver, Write, into_load, into_parameters
 
 MAX_JSON_BYTES = 64 * 2**20
@@ -66,9 +67,18 @@ class Service:
     """The engine's and the requests' worker threads (pools.py)."""
     episodes: EpisodeRecorder = field(init=False)
     """The agent episodes recorded from chat requests that name one (episodes.py)."""
+    templates: TemplateSandbox | None = field(init=False)
+    """Where chat templates sent in requests render, when the server trusts them (templates.py)."""
 
     def __post_init__(self) -> None:
         self.pools = Pools(self.config.request_threads)
+        self.templates = None
+        if self.config.trust_request_chat_template:
+            self.templates = TemplateSandbox(
+                timeout_s=self.config.template_timeout_s,
+                max_chars=self.limits.max_prompt_chars,
+                workers=self.config.request_threads,
+            )
         self.receiver = CollectiveReceiver(self.device)
         self.episodes = EpisodeRecorder(self.config.max_recorded_episodes)
 
@@ -89,6 +99,8 @@ class Service:
         if self.batcher is not None:
             await self.batcher.stop()
         self.receiver.close()
+        if self.templates is not None:
+            self.templates.close()
         close = getattr(self.engine, "close", None)
         if close is not None:
             await run_in(self.pools.engine, close)
@@ -125,12 +137,15 @@ class Service:
         return 4 * sum(p.numel() for p in self.model.parameters()) + 16 * 2**20
 
     def weight_writer(self) -> Write:
-        """Where a collective update lands: straight in the parameters when the engine generates
-        from the module, else in buffers handed to the engine's `update_weights` in one call."""
+        """Where a collective update lands once received and checked: copied into the parameters
+        when the engine generates from the module, else handed to the engine's `update_weights` in
+        one call."""
         if self.engine.shares_policy_weights:
             return into_parameters(dict(self.model.named_parameters(remove_duplicate=False)))
         engine = self.engine
-        return into_load(lambda pairs: engine.update_weights(pairs, engine.policy_version))
+        return into_load(
+            lambda pairs: engine.update_weights(pairs, engine.policy_version), self.parameter_dtypes()
+        )
 
     def set_version(self, version: str) -> None:
         """Record the weight version (checked first with `check_version`); engines number

@@ -57,6 +57,9 @@ class ServeConfig(EngineConfig):
     """Render a `chat_template` sent in a request (Jinja from the client runs on the server, and a
     hostile template can hold a worker thread for as long as it likes); refused by default, as vLLM
     refuses it without --trust-request-chat-template."""
+    template_timeout_s: float = 5.0
+    """Seconds a request's own chat template may take to render (with
+    --trust-request-chat-template; it runs in a worker process that is killed past this)."""
     weight_transfer_hosts: list[str] = field(default_factory=list)
     """Addresses /init_weight_transfer_engine may connect to besides the requesting client's own
     (a trainer whose master_address is another interface of its machine); `*` allows any."""
@@ -64,6 +67,10 @@ class ServeConfig(EngineConfig):
     """Seconds an open weight update or a pause holds generation unless renewed (another
     /update_weights, /start_weight_update or /pause); past it generation resumes, so a trainer
     that died mid-update cannot stop the server for good."""
+    header_timeout_s: float = 10.0
+    """Seconds a connection may take to send a request's headers, from when it opens or its
+    previous answer was sent; past it the connection is closed, so a client that sends half a
+    request and stops holds no connection for long."""
     request_threads: int = 4
     """Threads that render templates, tokenise prompts and parse large bodies, apart from the
     engine's thread, so no request stalls generation or the event loop."""
@@ -93,6 +100,8 @@ class ServeConfig(EngineConfig):
         )
         require(self.batch_window_ms >= 0, "--batch-window-ms", ">= 0", self.batch_window_ms)
         require(self.hold_lease_s > 0, "--hold-lease-s", "> 0 (seconds)", self.hold_lease_s)
+        require(self.template_timeout_s > 0, "--template-timeout-s", "> 0 (seconds)", self.template_timeout_s)
+        require(self.header_timeout_s > 0, "--header-timeout-s", "> 0 (seconds)", self.header_timeout_s)
         require(self.request_threads >= 1, "--request-threads", ">= 1", self.request_threads)
         for name in ("max_prompt_chars", "max_weights_bytes"):
             value = getattr(self, name)

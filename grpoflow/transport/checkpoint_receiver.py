@@ -87,16 +87,21 @@ def check_weights(
             )
         if not tensor.is_floating_point():
             raise ReceiveError(f"{name} has dtype {tensor.dtype}: weights must be floating point")
-        if not bool(torch.isfinite(tensor).all()):
+        check_values(name, tensor, dtypes.get(name) if dtypes else None)
+
+
+def check_values(name: str, tensor: torch.Tensor, target: torch.dtype | None = None) -> None:
+    """Refuse `tensor` (parameter `name`) unless it is finite and, given the parameter's dtype
+    `target`, fits it without overflowing to infinity."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise ReceiveError(
+            f"{name} holds NaN or infinite values: the update is refused and nothing was applied; "
+            f"check the trainer's weights (a diverged step) before sending them"
+        )
+    if target is not None and target.is_floating_point and tensor.numel():
+        largest = float(tensor.abs().max())
+        if largest > torch.finfo(target).max:
             raise ReceiveError(
-                f"{name} holds NaN or infinite values: the update is refused and nothing was applied; "
-                f"check the trainer's weights (a diverged step) before sending them"
+                f"{name} holds {largest:.3g}, beyond the largest {target} value "
+                f"({torch.finfo(target).max:.3g}): it would become infinite; the update is refused"
             )
-        target = dtypes.get(name) if dtypes else None
-        if target is not None and target.is_floating_point and tensor.numel():
-            largest = float(tensor.abs().max())
-            if largest > torch.finfo(target).max:
-                raise ReceiveError(
-                    f"{name} holds {largest:.3g}, beyond the largest {target} value "
-                    f"({torch.finfo(target).max:.3g}): it would become infinite; the update is refused"
-                )

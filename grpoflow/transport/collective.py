@@ -22,7 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
+import hmac
 import os
+import secrets
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
+NONCE_BYTES = 32
+"""Size of the challenge a new group's rank 0 broadcasts."""
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 """Most bytes of weights in one broadcast."""
 POLL_S = 1e-4
@@ -174,11 +180,56 @@ def _numel(shape: Sequence[int]) -> int:
 # -- the group ------------------------------------------------------------------------------------
 
 
-def host_store(timeout: float, port: int = 0) -> dist.TCPStore:
-    """The trainer's store, listening on `port` (0: a free one, then read `store.port`)."""
-    return dist.TCPStore(
-        "0.0.0.0", port, None, True, datetime.timedelta(seconds=timeout), wait_for_workers=False
+def host_store(timeout: float, port: int = 0, address: str = "127.0.0.1") -> dist.TCPStore:
+    """The trainer's store, listening on `address` only (the interface the servers reach; a
+    TCPStore left to itself listens on every one) and `port` (0: a free one, see `store.port`)."""
+    listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address, port))
+        listener.listen(128)
+        store = dist.TCPStore(
+            address,
+            listener.getsockname()[1],
+            None,
+            True,
+            datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the descriptor now and closes it
+    return store
+
+
+def new_secret() -> str:
+    """A group's secret: the trainer hands it to each server over HTTP (behind the API key)."""
+    return secrets.token_hex(16)
+
+
+def proof(secret: str, nonce: bytes) -> str:
+    """What a rank that holds `secret` answers to the trainer's challenge `nonce`."""
+    return hmac.new(secret.encode(), nonce, hashlib.sha256).hexdigest()
+
+
+def challenge(group: WeightGroup, *, deadline: float) -> bytes:
+    """Rank 0: broadcast a fresh random nonce over the new group; every server answers its proof
+    over HTTP, so a rank that is not the server the trainer talks to is found before any weights
+    are sent."""
+    nonce = torch.frombuffer(bytearray(secrets.token_bytes(NONCE_BYTES)), dtype=torch.uint8)
+    group.broadcast(
+        nonce.to(group.device), deadline=deadline, what="the group's challenge", poll=lambda: None
     )
+    return nonce.numpy().tobytes()
+
+
+def answer_challenge(group: WeightGroup, secret: str, *, deadline: float) -> str:
+    """Rank > 0: receive the trainer's challenge and return the proof for it."""
+    nonce = torch.zeros(NONCE_BYTES, dtype=torch.uint8, device=group.device)
+    group.broadcast(nonce, deadline=deadline, what="the group's challenge", poll=lambda: None)
+    return proof(secret, nonce.cpu().numpy().tobytes())
 
 
 def connect_store(address: str, port: int, timeout: float) -> dist.TCPStore:
@@ -203,11 +254,15 @@ class WeightGroup:
         device: torch.device,
         timeout: float,
         group_id: str = "",
+        secret: str = "",
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"weight-transfer backend {backend!r}; known: {', '.join(BACKENDS)}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
+        # The group's keys (the rendezvous, the handshakes) live under its secret, so a process
+        # that does not hold it cannot fill a rank's slot or answer for one by guessing key names.
+        store = dist.PrefixStore(f"grpoflow/{secret}/", store) if secret else store
         self.store, self.backend, self.rank, self.world_size = store, backend, rank, world_size
         self.device = transfer_device(backend, device)
         prefix = dist.PrefixStore("grpoflow-weights/", store)

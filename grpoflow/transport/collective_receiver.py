@@ -1,19 +1,23 @@
 """A rollout server's side of the collective weight transfer (the wire layer is `collective.py`).
 
 `CollectiveReceiver.join(init_info)` joins the trainer's group with `{"backend": "gloo" | "nccl",
-"master_address", "master_port", "rank_offset", "world_size", "timeout", "group_id"}` as rank
-`rank_offset` (TRL's and vLLM's field names; a missing backend means NCCL on a CUDA device, gloo on
+"master_address", "master_port", "rank_offset", "world_size", "timeout", "group_id", "secret"}` as
+rank `rank_offset` (TRL's and vLLM's field names; a missing backend means NCCL on a CUDA device, gloo on
 a CPU one). The join runs in a daemon thread of its own (one join at a time; another meanwhile
 is refused with 409) and gives up after `timeout` seconds (default 120, at most 300 whatever the
 client sends), so the caller's event loop and generation keep serving. A new join replaces the old
-group; `close` leaves it. A failed join's answer does not repeat what the remote end sent.
+group; `close` leaves it. A failed join's answer does not repeat what the remote end sent. With a
+`secret` (grpoflow's trainer always sends one) the group's keys live under it and the join answers
+the trainer's challenge with its proof (`collective.challenge`), so the trainer knows the rank is
+this server.
 
 `CollectiveReceiver.receive(update_info, ...)` takes `{"names", "dtype_names", "shapes", "packed":
 true, "buckets", "update_id", "group_id", "weight_version", "timeout"}`, checks every name and shape
 against the model before anything is received (a bad update is refused and changes nothing), then,
 inside the caller's `exclusive` (between generation batches), answers the trainer's handshake and
-receives the buckets through `write`: straight into the parameters (`into_parameters`), or into
-buffers handed to a `load` in one call (`into_load`). A stalled broadcast fails after `timeout`
+receives the buckets through `write`: into buffers of their own, checked (finite, within the
+parameters' dtypes: a bad update is refused whole, the old weights stay), then copied into the
+parameters (`into_parameters`) or handed to a `load` in one call (`into_load`). A stalled broadcast fails after `timeout`
 seconds (default 600): the group is closed (join again), the model may hold part of the update.
 
 Failures raise ReceiveError with the HTTP status a server answers with.
@@ -31,6 +35,7 @@ import torch.distributed as dist
 
 from grpoflow.threads import in_daemon_thread
 from grpoflow.transport import ReceiveError, collective
+from grpoflow.transport.checkpoint_receiver import check_values
 from grpoflow.transport.collective import TransferCancelled, TransferTimeout, UpdatePlan, WeightGroup
 
 logger = logging.getLogger("grpoflow.transport")
@@ -57,23 +62,42 @@ def offered_backends(device: torch.device) -> list[str]:
 
 
 def into_parameters(parameters: Mapping[str, torch.Tensor]) -> Write:
-    """Receive each bucket straight into `parameters` (by Hugging Face name)."""
+    """Receive and check every bucket (`staged`), then copy each tensor into `parameters` (by
+    Hugging Face name)."""
 
     def write(group: WeightGroup, plan: UpdatePlan, deadline: float) -> None:
-        collective.receive(group, plan, parameters, deadline=deadline)
+        dtypes = {name: parameter.dtype for name, parameter in parameters.items()}
+        for name, tensor in staged(group, plan, deadline, dtypes):
+            parameters[name].data.copy_(tensor, non_blocking=True)
+        if group.device.type == "cuda":
+            torch.cuda.current_stream(group.device).synchronize()
 
     return write
 
 
-def into_load(load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> Write:
-    """Receive every bucket, then hand all `(name, tensor)` pairs to `load` in one call (vLLM
-    reloads a layer once all its tensors arrived, so the update is not split)."""
+def into_load(
+    load: Callable[[list[tuple[str, torch.Tensor]]], None], dtypes: Mapping[str, torch.dtype] | None = None
+) -> Write:
+    """Receive and check every bucket (`staged`), then hand all `(name, tensor)` pairs to `load`
+    in one call (vLLM reloads a layer once all its tensors arrived, so the update is not split)."""
 
     def write(group: WeightGroup, plan: UpdatePlan, deadline: float) -> None:
-        buckets = collective.receive_buckets(group, plan, deadline=deadline)
-        load([pair for bucket in buckets for pair in bucket])
+        load(staged(group, plan, deadline, dtypes or {}))
 
     return write
+
+
+def staged(
+    group: WeightGroup, plan: UpdatePlan, deadline: float, dtypes: Mapping[str, torch.dtype]
+) -> list[tuple[str, torch.Tensor]]:
+    """Every bucket received into buffers of its own (one update's worth, on the group's device),
+    then every tensor checked: finite, and within the range of its parameter's dtype in `dtypes`.
+    ReceiveError 400 names the first that is not; nothing has been applied then, and the group
+    stays usable, since every bucket was received whatever their values."""
+    pairs = [pair for bucket in collective.receive_buckets(group, plan, deadline=deadline) for pair in bucket]
+    for name, tensor in pairs:
+        check_values(name, tensor, dtypes.get(name))
+    return pairs
 
 
 class CollectiveReceiver:
@@ -134,9 +158,12 @@ class CollectiveReceiver:
             )
         self.close()
 
-        def join() -> WeightGroup:
+        secret = str(info.get("secret") or "")
+
+        def join() -> tuple[WeightGroup, str | None]:
+            deadline = time.monotonic() + timeout
             store = collective.connect_store(address, port, timeout)
-            return WeightGroup(
+            group = WeightGroup(
                 store,
                 backend=backend,
                 rank=rank,
@@ -144,13 +171,17 @@ class CollectiveReceiver:
                 device=device,
                 timeout=timeout,
                 group_id=str(info.get("group_id") or ""),
+                secret=secret,
             )
+            if not secret:
+                return group, None
+            return group, collective.answer_challenge(group, secret, deadline=deadline)
 
         self.joining = True  # until the thread is done, even if the wait below gives up first
         future = asyncio.wrap_future(in_daemon_thread(join))
         future.add_done_callback(lambda _: setattr(self, "joining", False))
         try:
-            group = await asyncio.wait_for(asyncio.shield(future), timeout + 10)
+            group, proof = await asyncio.wait_for(asyncio.shield(future), timeout + 10)
         except (TimeoutError, RuntimeError, ValueError) as error:
             # What the remote end sent stays in the server's log: the answer does not echo it.
             logger.warning("joining the weight-transfer group at %s:%d failed: %s", address, port, error)
@@ -169,7 +200,8 @@ class CollectiveReceiver:
             rank,
             world_size,
         )
-        return {"message": "Weight transfer initialized", "backend": backend, "rank": rank}
+        answer = {"message": "Weight transfer initialized", "backend": backend, "rank": rank}
+        return answer if proof is None else {**answer, "proof": proof}
 
     def close(self) -> None:
         """Leave the group, if any."""

@@ -99,13 +99,15 @@ class CollectiveSender:
     def _connect(self, device: torch.device, version: int) -> None:
         """Build the group: every server joins through HTTP while this process joins as rank 0."""
         backend = collective.backend_for(device, self.devices)
-        store = collective.host_store(self.init_timeout)
+        address = reaching_address(self.urls[0])
+        store = collective.host_store(self.init_timeout, address=address)
         world_size = len(self.urls) + 1
-        group_id = uuid.uuid4().hex
+        group_id, secret = uuid.uuid4().hex, collective.new_secret()
         base = {
             "group_id": group_id,
+            "secret": secret,
             "backend": backend,
-            "master_address": reaching_address(self.urls[0]),
+            "master_address": address,
             "master_port": store.port,
             "world_size": world_size,
             "timeout": self.init_timeout,
@@ -125,6 +127,7 @@ class CollectiveSender:
                         device=device,
                         timeout=self.init_timeout,
                         group_id=group_id,
+                        secret=secret,
                     )
                 )
             except BaseException as error:
@@ -146,9 +149,27 @@ class CollectiveSender:
         if isinstance(joined[0], BaseException):
             self._fail(f"{where} failed: {joined[0]}", answers)
         self.group = joined[0]
+        self._check_members(secret, answers, where)
+
+    def _check_members(self, secret: str, answers: list[Future], where: str) -> None:
+        """Challenge the new group; every server must answer its init with the proof for it, or
+        the group is closed before any weights travel."""
+        try:
+            nonce = collective.challenge(self.group, deadline=time.monotonic() + self.init_timeout)
+        except TransferTimeout as error:
+            self._fail(f"{where}: the servers did not take the group's challenge", answers, error)
         if _errors(answers, time.monotonic() + 30):
             self.group.close()
             self._fail(f"{where} failed", answers)
+        expected = collective.proof(secret, nonce)
+        impostors = [url for url, answer in zip(self.urls, answers) if _proof(answer) != expected]
+        if impostors:
+            self.group.close()
+            self._fail(
+                f"{where}: the rank of {', '.join(impostors)} in the group did not prove it holds the "
+                f"group's secret (another process may have taken it); nothing was sent",
+                answers,
+            )
 
     def _post_all(self, path: str, bodies: list[dict], timeout: float) -> list[Future]:
         return [
@@ -180,6 +201,11 @@ def reaching_address(url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((parts.hostname or "127.0.0.1", parts.port or 80))  # UDP: no packet is sent
         return probe.getsockname()[0]
+
+
+def _proof(answer: Future) -> object:
+    result = answer.result()
+    return result.get("proof") if isinstance(result, dict) else None
 
 
 def _failure_poll(urls: Sequence[str], answers: list[Future]) -> Callable[[], None]:

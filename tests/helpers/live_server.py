@@ -37,12 +37,18 @@ def start_server(service: Service) -> LiveServer:
     import uvicorn
 
     from grpoflow.server import build_app
+    from grpoflow.server.connections import header_deadline
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(service), log_level="warning", lifespan="on")
+    config = uvicorn.Config(
+        build_app(service),
+        log_level="warning",
+        lifespan="on",
+        http=header_deadline(service.config.header_timeout_s),
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -148,6 +148,35 @@ def test_a_template_bomb_and_a_huge_prompt_do_not_stall_other_requests(serve_liv
         live.stop()
 
 
+def chat_with(live, template: str) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template, "max_tokens": 1}
+    return answered_quickly(live.url, "/v1/chat/completions", "POST", json=body)
+
+
+def test_trusted_request_templates_are_bounded_in_time_output_and_memory(serve_live, make_service):
+    live = serve_live(make_service(trust_request_chat_template=True, template_timeout_s=1.0))
+    try:
+        loop = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}x"
+        huge = "{{ 'x' * 20000000 }}"
+        doubling = (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+        )
+        limits = {
+            loop: ["--template-timeout-s"],
+            huge: ["--max-prompt-chars"],
+            doubling: ["memory", "-timeout-"],
+        }
+        for template, named in limits.items():
+            refused = chat_with(live, template)
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == "chat_template" and any(n in error["message"] for n in named), error
+        fine = chat_with(live, "{% for m in messages %}u:{{ m['content'] }}{% endfor %}a:")
+        assert fine.status_code == 200, fine.text
+    finally:
+        live.stop()
+
+
 # -- 4. concurrent weight-update starts ------------------------------------------------------
 
 
@@ -259,3 +288,56 @@ def test_a_vanishing_temperature_samples_greedily(server):
     greedy = answered_quickly(server.url, "/v1/completions", "POST", json={**ASK, "temperature": 0})
     assert tiny.status_code == 200
     assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+# -- 8. clients that go away or never finish sending -------------------------------------------
+
+
+def post_and_vanish(url: str, path: str, body: dict) -> None:
+    """Send a request over a raw socket and close the connection without reading the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        time.sleep(1.0)  # the batch is running
+
+
+def test_an_abandoned_big_request_stops_and_frees_its_blocks(server):
+    engine = server.service.engine
+    assert answered_quickly(server.url, "/v1/completions", "POST", json=ASK).status_code == 200
+    free_before = engine.runner.pool.num_free
+    # Minutes of decoding on the CPU: 8,000 sequences of 500 tokens, 512 at a time.
+    big = {"prompt": [[1, 2, 3]] * 8, "n": 1000, "max_tokens": 500, "ignore_eos": True}
+    post_and_vanish(server.url, "/v1/completions", big)
+    small = answered_quickly(server.url, "/v1/completions", "POST", json={**ASK, "max_tokens": 1})
+    assert small.status_code == 200
+    assert engine.stats.num_generated_tokens == 1  # the small request ran alone, after the big one
+    assert engine.runner.pool.num_free == free_before and int(engine.runner.pool.refs.sum()) == 0
+
+
+def closed_by_server(sock: socket.socket, within_s: float = 3.0) -> bool:
+    sock.settimeout(10)
+    start = time.monotonic()
+    return sock.recv(1024) == b"" and time.monotonic() - start < within_s
+
+
+def test_half_sent_headers_are_cut_off(serve_live, make_service):
+    live = serve_live(make_service(header_timeout_s=0.5))
+    address = live.url.removeprefix("http://").split(":")
+    address = (address[0], int(address[1]))
+    try:
+        for sent in (b"", b"GET / HTTP/1.1\r\nHost:", b"POST /v1/completions HTTP/1.1\r\n"):
+            with socket.create_connection(address) as sock:
+                sock.sendall(sent)
+                assert closed_by_server(sock), sent
+        with socket.create_connection(address) as sock:  # half a request after a whole one
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.settimeout(10)
+            assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHo")
+            assert closed_by_server(sock)
+        slow = {"prompt": [1, 2, 3], "n": 32, "max_tokens": 300, "ignore_eos": True}  # over 0.5 s
+        assert httpx.post(live.url + "/v1/completions", json=slow, timeout=60).status_code == 200
+    finally:
+        live.stop()

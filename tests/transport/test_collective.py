@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -67,15 +68,25 @@ def test_check_plan_names_the_unknown_parameter_and_the_wrong_shape():
         collective.check_plan(plan, {**targets, "c": torch.Size([31])})
 
 
-def pair(timeout: float = 20.0) -> tuple[WeightGroup, WeightGroup]:
-    """Rank 0 and rank 1 of one gloo group, built at once (the constructor is the rendezvous)."""
+def pair(timeout: float = 20.0, secrets: tuple[str, str] = ("", "")) -> tuple[WeightGroup, WeightGroup]:
+    """Rank 0 and rank 1 of one gloo group, built at once (the constructor is the rendezvous);
+    each rank may hold a secret of its own. A rank that could not join is its error."""
     store = collective.host_store(timeout)
     joined = {}
 
     def join(rank: int, rank_store) -> None:
-        joined[rank] = WeightGroup(
-            rank_store, backend="gloo", rank=rank, world_size=2, device=torch.device("cpu"), timeout=timeout
-        )
+        try:
+            joined[rank] = WeightGroup(
+                rank_store,
+                backend="gloo",
+                rank=rank,
+                world_size=2,
+                device=torch.device("cpu"),
+                timeout=timeout,
+                secret=secrets[rank],
+            )
+        except RuntimeError as error:
+            joined[rank] = error
 
     other = threading.Thread(
         target=join, args=(1, collective.connect_store("127.0.0.1", store.port, timeout))
@@ -84,6 +95,42 @@ def pair(timeout: float = 20.0) -> tuple[WeightGroup, WeightGroup]:
     join(0, store)
     other.join()
     return joined[0], joined[1]
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) of sockets listening on `port`."""
+    addresses = set()
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            local, _, state = line.split()[1:4]
+            address, local_port = local.split(":")
+            if int(local_port, 16) == port and state == "0A":  # LISTEN
+                addresses.add(address)
+    return addresses
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket table")
+def test_the_trainer_store_listens_on_the_given_address_only():
+    store = collective.host_store(5, address="127.0.0.1")
+    assert listening_addresses(store.port) == {"0100007F"}  # 127.0.0.1, not 0.0.0.0
+
+
+def test_a_rank_without_the_groups_secret_cannot_join_or_answer_for_one():
+    sender, stranger = pair(timeout=2.0, secrets=("s3cret", ""))
+    assert isinstance(sender, RuntimeError) and isinstance(stranger, RuntimeError)
+    # A process that found the group's keys (list_keys) and took the rank still cannot prove it.
+    sender, impostor = pair(secrets=("s3cret", "s3cret"))
+    answered = []
+    thread = threading.Thread(
+        target=lambda: answered.append(
+            collective.answer_challenge(impostor, "guess", deadline=time.monotonic() + 20)
+        )
+    )
+    thread.start()
+    nonce = collective.challenge(sender, deadline=time.monotonic() + 20)
+    thread.join()
+    assert answered[0] != collective.proof("s3cret", nonce)
+    sender.close(), impostor.close()
 
 
 def test_send_and_receive_unpack_every_tensor_into_its_target():

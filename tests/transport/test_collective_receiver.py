@@ -115,6 +115,57 @@ def test_a_receiver_joins_and_takes_updates_into_a_load_or_the_parameters():
     sender.close()
 
 
+def joined_receiver(store) -> tuple[CollectiveReceiver, WeightGroup]:
+    receiver = CollectiveReceiver(torch.device("cpu"))
+    init_info = {"master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2}
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(asyncio.run, receiver.join({**init_info, "group_id": "g"}))
+        sender = WeightGroup(
+            store, backend="gloo", rank=0, world_size=2, device=torch.device("cpu"), timeout=30, group_id="g"
+        )
+        joined.result()
+    return receiver, sender
+
+
+def send_update(receiver, sender, weights, update_id: int, **receive):
+    plan, tensors = collective.plan_update(weights, bucket_bytes=4096)
+    info = {**plan.to_json(), "update_id": update_id, "group_id": "g", "timeout": 30}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(asyncio.run, receiver.receive(info, exclusive=in_a_thread, **receive))
+        deadline = time.monotonic() + 30
+        assert collective.await_ready(sender, update_id, deadline=deadline, poll=lambda: None) == []
+        collective.decide(sender, update_id, go=True)
+        collective.send(sender, plan, tensors, deadline=deadline)
+        return answer.exception() or answer.result()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e300])
+def test_a_nonfinite_collective_update_is_refused_whole_and_the_group_stays(bad):
+    receiver, sender = joined_receiver(collective.host_store(30))
+    model = served_model()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+    parameters = dict(model.named_parameters())
+    update = [(name, tensor + 1) for name, tensor in before.items()]
+    dtype = torch.float64 if bad == 1e300 else torch.float32  # 1e300 overflows the float32 parameters
+    poisoned = [*update[:-1], (update[-1][0], torch.full_like(update[-1][1], bad, dtype=dtype))]
+    writers = {
+        "parameters": into_parameters(parameters),
+        "load": into_load(lambda pairs: None, {name: p.dtype for name, p in parameters.items()}),
+    }
+    for update_id, write in enumerate(writers.values(), start=1):
+        refused = send_update(receiver, sender, poisoned, update_id, shapes=shapes, write=write)
+        assert isinstance(refused, ReceiveError) and refused.status == 400, refused
+        assert update[-1][0] in refused.message and ("NaN" in refused.message or "beyond" in refused.message)
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, before[name]), name
+    answer = send_update(receiver, sender, update, 3, shapes=shapes, write=writers["parameters"])
+    assert answer["message"] == "Weights updated"
+    assert all(torch.equal(parameters[name], tensor) for name, tensor in update)
+    receiver.close()
+    sender.close()
+
+
 def test_server_info_offers_gloo_on_the_cpu(url):
     info = httpx.get(url + "/server_info").json()["grpoflow"]["weight_transfer"]
     assert info["backends"] == ["http", "gloo"]

@@ -21,7 +21,7 @@ import gc
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -36,6 +36,8 @@ from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep, Scheduler
 from grpoflow.engines.native.sizing import NativeEngineConfig
 
 ON_ERROR = ("raise", "error_completion")
+Abandoned = Callable[[], Collection[int]]
+"""Indices of the prompts of a call whose completions nobody waits for any more."""
 UNIFORM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "draw")
 
 
@@ -80,6 +82,7 @@ class NativeEngine:
         params: SamplingParams | Sequence[SamplingParams],
         *,
         on_error: str = "raise",
+        abandoned: Abandoned | None = None,
     ) -> list[list[Completion]]:
         """Sample `n` completions per prompt.
 
@@ -89,17 +92,22 @@ class NativeEngine:
         ValueError naming its index when on_error='raise' (nothing is generated); with
         on_error='error_completion' it gets `n` empty completions with finish_reason 'error' and
         the message as text, and the other prompts are served.
+
+        `abandoned`, called between steps, names the prompts whose completions nobody waits for
+        any more (a server's client went away): their sequences stop where they stand, give their
+        rows and cache blocks back, and end with finish_reason 'abort'.
         """
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         with _gc_paused():
-            return self._generate(prompts, params, on_error)
+            return self._generate(prompts, params, on_error, abandoned or _nothing_abandoned)
 
     def _generate(
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
         on_error: str,
+        abandoned: Abandoned,
     ) -> list[list[Completion]]:
         requests = self._per_prompt(prompts, params)
         start = time.perf_counter()
@@ -124,9 +132,9 @@ class NativeEngine:
         prefill = None
         with torch.inference_mode(), _no_autocast(self.model):
             if self.family:
-                extra, prefill = self._run_family(book, options)
+                extra, prefill = self._run_family(book, options, abandoned)
             else:
-                extra = self.generic.run(book, options)
+                extra = self.generic.run(book, options, abandoned)
         self.stats = EngineStats(
             num_prompt_tokens=sum(len(book.prompts[index]) for index in book.prompt_of),
             num_generated_tokens=int(book.num_generated.sum()),
@@ -137,7 +145,7 @@ class NativeEngine:
         return book.completions(self.policy_version)
 
     def _run_family(
-        self, book: RequestBook, options: SamplingOptions
+        self, book: RequestBook, options: SamplingOptions, abandoned: Abandoned
     ) -> tuple[dict[str, float], PrefillStats]:
         runner = self.runner
         signature = self._signature()
@@ -149,13 +157,13 @@ class NativeEngine:
             runner.reset_pool()  # new values: cached keys and values are stale
             self.weights_signature, self.weights_versions = signature, versions
         try:
-            return self._run_steps(book, options)
+            return self._run_steps(book, options, abandoned)
         except BaseException:
             runner.reset_pool()  # blocks of the failed call stay held otherwise
             raise
 
     def _run_steps(
-        self, book: RequestBook, options: SamplingOptions
+        self, book: RequestBook, options: SamplingOptions, abandoned: Abandoned
     ) -> tuple[dict[str, float], PrefillStats]:
         runner = self.runner
         scheduler = Scheduler(
@@ -171,6 +179,7 @@ class NativeEngine:
         in_flight: deque[tuple[PrefillStep | DecodeStep, Launched]] = deque()  # results not read yet
         converted_ahead = False
         while not (book.finished and not in_flight):
+            scheduler.abort(abandoned())
             step = scheduler.schedule()
             launched = None
             if isinstance(step, PrefillStep):
@@ -271,6 +280,10 @@ class NativeEngine:
         """The parameters' version counters: any in-place write (an optimizer step, `copy_`)
         moves them."""
         return tuple(_version_of(parameter) for parameter in self.model.parameters())
+
+
+def _nothing_abandoned() -> tuple[int, ...]:
+    return ()
 
 
 def _version_of(tensor: torch.Tensor) -> int:

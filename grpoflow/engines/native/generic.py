@@ -7,6 +7,8 @@ same sampler and stops by the same rules, so every model gets the same engine se
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+
 import numpy as np
 import torch
 from torch import nn
@@ -25,14 +27,27 @@ class GenericRunner:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def run(self, book: RequestBook, options: SamplingOptions) -> dict[str, float]:
+    def run(
+        self, book: RequestBook, options: SamplingOptions, abandoned: Callable[[], Collection[int]]
+    ) -> dict[str, float]:
+        """Generate every sequence of `book`; those of the prompts `abandoned()` names (asked
+        between steps) stop where they stand."""
         steps = 0
         for first in range(0, book.num_sequences, self.max_rows):
+            book.abort(abandoned())
             chunk = np.arange(first, min(first + self.max_rows, book.num_sequences))
-            steps += self._run_chunk(book, chunk, options)
+            if book.done[chunk].all():
+                continue
+            steps += self._run_chunk(book, chunk, options, abandoned)
         return {"decode_steps": float(steps), "prefill_steps": float(-(-book.num_sequences // self.max_rows))}
 
-    def _run_chunk(self, book: RequestBook, chunk: np.ndarray, options: SamplingOptions) -> int:
+    def _run_chunk(
+        self,
+        book: RequestBook,
+        chunk: np.ndarray,
+        options: SamplingOptions,
+        abandoned: Callable[[], Collection[int]],
+    ) -> int:
         device = self.device
         prompts = [book.prompts[book.prompt_of[sequence]] for sequence in chunk]
         length = max(map(len, prompts))
@@ -50,7 +65,7 @@ class GenericRunner:
             for row, prompt in enumerate(prompts):
                 seen[row, torch.tensor(prompt, device=device)] = True
         output = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        alive = np.ones(len(chunk), dtype=bool)
+        alive = ~book.done[chunk]
         steps = 0
         while True:
             keys = np.zeros(len(chunk), dtype=np.int64)
@@ -60,7 +75,8 @@ class GenericRunner:
                 logits, torch.from_numpy(keys).to(device), options, seen=seen, use_triton=self.use_triton
             )
             ended = book.record(chunk[alive], tokens.cpu().numpy()[alive], logprobs.cpu().numpy()[alive])
-            alive &= ~np.isin(chunk, ended)
+            book.abort(abandoned())
+            alive &= ~np.isin(chunk, ended) & ~book.done[chunk]
             if not alive.any():
                 return steps
             if seen is not None:

@@ -7,7 +7,7 @@ whatever the batch size; only stop strings need per-sequence work.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -90,6 +90,18 @@ class RequestBook:
     @property
     def finished(self) -> bool:
         return bool(self.done.all())
+
+    def abort(self, prompts: Collection[int]) -> np.ndarray:
+        """Stop every unfinished sequence of `prompts` where it stands (finish_reason 'abort');
+        returns their ids."""
+        if not len(prompts) or not self.num_sequences:
+            return np.zeros(0, dtype=np.int64)
+        chosen = np.isin(self.prompt_of, np.fromiter(prompts, dtype=np.int64)) & ~self.done
+        sequences = np.nonzero(chosen)[0]
+        self.done[sequences] = True
+        for sequence in sequences.tolist():
+            self.finish_reason[sequence] = "abort"
+        return sequences
 
     def sequence_tokens(self, sequence: int) -> list[int]:
         """Prompt plus what has been generated so far."""

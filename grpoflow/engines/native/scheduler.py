@@ -16,7 +16,8 @@ decoding are keyed when it retires, up to the last token fed to the model.
 Steps are scheduled one ahead of their results (the engine launches step t+1 before it reads
 step t's tokens), so the scheduler counts tokens in flight (`scheduled`) apart from tokens
 recorded, and tags each row with an epoch that changes when the row is retired or preempted:
-a result whose row changed hands in between is dropped.
+a result whose row changed hands in between is dropped. The same drop serves `abort`, which stops
+the sequences of prompts whose client went away, between two steps.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -264,6 +266,27 @@ class Scheduler:
             context_lens=context_lens,
             table_updates=(growing, columns, new_blocks),
         )
+
+    def abort(self, prompts: Collection[int]) -> None:
+        """Stop the sequences of `prompts` (their client went away): drop them from the queue and
+        retire their rows, giving their blocks back; results of theirs still in flight are dropped
+        like a preempted row's."""
+        stopped = self.book.abort(prompts)
+        if not len(stopped):
+            return
+        doomed = np.zeros(self.book.num_sequences, dtype=bool)
+        doomed[stopped] = True
+        kept: deque[WorkItem] = deque()
+        for item in self.waiting:
+            alive = [sequence for sequence in item.sequences if not doomed[sequence]]
+            self.num_waiting -= len(item.sequences) - len(alive)
+            if alive:
+                item.sequences = alive
+                kept.append(item)
+        self.waiting = kept
+        for row in np.nonzero(self.row_sequence >= 0)[0].tolist():
+            if doomed[self.row_sequence[row]]:
+                self._retire(row)
 
     def _preempt(self, row: int) -> None:
         sequence = int(self.row_sequence[row])
