@@ -432,6 +432,7 @@ class GRPOConfig:
             "atropos_url": bool(self.atropos.atropos_url),
             "repetition_penalty != 1": self.generation.sampling.repetition_penalty != 1,
             "replay_sampling_truncation: false": not self.algorithm.replay_sampling_truncation,
+            "fsdp (ranks replay different numbers of rounds)": self.placement.fsdp,
         }
         for name, used in clashes.items():
             require(

@@ -124,6 +124,7 @@ def test_a_run_with_on_policy_sampling_trains_with_no_gap(tmp_path):
         ({"rollout_engine": "hf"}, "hf"),
         ({"repetition_penalty": 1.1}, "repetition_penalty"),
         ({"replay_sampling_truncation": False}, "replay_sampling_truncation"),
+        ({"fsdp": True}, "fsdp"),
     ],
 )
 def test_on_policy_sampling_refuses_what_it_cannot_replay(tmp_path, overrides, named):
