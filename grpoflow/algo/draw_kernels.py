@@ -20,7 +20,8 @@ BLOCK = 2048
 
 
 @triton.jit
-def _hash32(x):
+def hash32(x):
+    """lowbias32 on uint32 lanes (`draws.hash32_torch` bit for bit); the engine's sampler uses it too."""
     x ^= x >> 16
     x *= tl.full([], 0x7FEB352D, tl.uint32)
     x ^= x >> 15
@@ -37,7 +38,7 @@ def _gumbel_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_logits = logits_ptr + row * stride_row
     lanes = tl.arange(0, BLOCK)
-    row_hash = _hash32(tl.load(keys_ptr + row).to(tl.uint32) ^ tl.full([], 0x9E3779B1, tl.uint32))
+    row_hash = hash32(tl.load(keys_ptr + row).to(tl.uint32) ^ tl.full([], 0x9E3779B1, tl.uint32))
     threshold = tl.load(thresholds_ptr + row) if HAS_THRESHOLD else float("-inf")
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_index = tl.full([BLOCK], 2147483647, tl.int32)
@@ -49,7 +50,7 @@ def _gumbel_kernel(
         x = tl.load(row_logits + offs, mask=mask, other=float("-inf")).to(tl.float32) * inverse_temperature
         x = tl.where(mask & (x >= threshold), x, float("-inf"))
         salted = offs.to(tl.uint32) * tl.full([], 0x85EBCA6B, tl.uint32)
-        bits = _hash32(row_hash ^ _hash32(salted))
+        bits = hash32(row_hash ^ hash32(salted))
         uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         noisy = x - tl.log(-tl.log(uniform))
         better = noisy > best

@@ -75,6 +75,17 @@ def as_optional(value: float) -> float | None:
     return None if value != value else value
 
 
+def trl_scored(trainer) -> tuple[torch.Tensor, dict[str, float]]:
+    """TRL's advantages and logged metrics for the rows of REWARDS."""
+    trainer.model.train()
+    inputs = [
+        {"prompt": f"prompt {row // NUM_GENERATIONS}", "r0": as_optional(r0), "r1": as_optional(r1)}
+        for row, (r0, r1) in enumerate(REWARDS.tolist())
+    ]
+    advantages = trainer._generate_and_score_completions(inputs)["advantages"]
+    return advantages, {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
 def test_advantages_match_trl(tmp_path, tiny_checkpoint, scale_rewards):
     trainer = build_trainer(
@@ -85,13 +96,7 @@ def test_advantages_match_trl(tmp_path, tiny_checkpoint, scale_rewards):
         reward_weights=REWARD_WEIGHTS,
         scale_rewards=scale_rewards,
     )
-    trainer.model.train()
-    inputs = [
-        {"prompt": f"prompt {row // NUM_GENERATIONS}", "r0": as_optional(r0), "r1": as_optional(r1)}
-        for row, (r0, r1) in enumerate(REWARDS.tolist())
-    ]
-    trl_advantages = trainer._generate_and_score_completions(inputs)["advantages"]
-    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    trl_advantages, trl_metrics = trl_scored(trainer)
 
     advantages, metrics = group_advantages(
         combine_rewards(REWARDS, torch.tensor(REWARD_WEIGHTS)), NUM_GENERATIONS, scale_rewards
@@ -112,13 +117,7 @@ def test_normalize_then_sum_matches_trl(tmp_path, tiny_checkpoint):
         reward_weights=REWARD_WEIGHTS,
         multi_objective_aggregation="normalize_then_sum",
     )
-    trainer.model.train()
-    inputs = [
-        {"prompt": f"prompt {row // NUM_GENERATIONS}", "r0": as_optional(r0), "r1": as_optional(r1)}
-        for row, (r0, r1) in enumerate(REWARDS.tolist())
-    ]
-    trl_advantages = trainer._generate_and_score_completions(inputs)["advantages"]
-    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    trl_advantages, trl_metrics = trl_scored(trainer)
 
     advantages, metrics = normalize_then_sum_advantages(
         REWARDS, torch.tensor(REWARD_WEIGHTS), NUM_GENERATIONS

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from grpoflow.algo.draw_kernels import hash32
 from grpoflow.engines.native.ops import TorchOps
 
 
@@ -208,16 +209,6 @@ def _decode_attention_kernel(
 
 
 @triton.jit
-def _hash32(x):
-    x ^= x >> 16
-    x *= tl.full([], 0x7FEB352D, tl.uint32)
-    x ^= x >> 15
-    x *= tl.full([], 0x846CA68B, tl.uint32)
-    x ^= x >> 16
-    return x
-
-
-@triton.jit
 def _sample_kernel(
     logits_ptr, stride_row, keys_ptr, thresholds_ptr, tokens_ptr, logprobs_ptr, vocab_size, inverse_temperature,
     GREEDY: tl.constexpr, HAS_THRESHOLD: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
@@ -280,7 +271,7 @@ def _sample_kernel(
         token = tl.min(tl.where(lane_best == best, lane_index, 2147483647), axis=0)  # the first, as argmax
     else:
         prefix = prefix_mass * tl.exp(prefix_max - row_max)  # the cumulative allowed mass at each chunk's end
-        bits = _hash32(tl.load(keys_ptr + row).to(tl.uint32) ^ tl.full([], 0x9E3779B1, tl.uint32))
+        bits = hash32(tl.load(keys_ptr + row).to(tl.uint32) ^ tl.full([], 0x9E3779B1, tl.uint32))
         target = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         kept_mass = tl.sum(tl.where(chunk_ids == num_chunks - 1, prefix, 0.0), axis=0)
         target = target * kept_mass
