@@ -1,10 +1,12 @@
 """The memory plan's prediction against the measured peak, on one CUDA GPU.
 
-Runs a few real GRPO steps through grpoflow's trainer (native engine, the echo task) for
+Runs a few real GRPO steps through grpoflow's trainer (native engine) for
 (a) a random Qwen2.5-0.5B-shaped model, full fine-tuning, and (b) a random Qwen2.5-7B-shaped
 model with LoRA rank 16 on every linear layer and gradient checkpointing; records
 torch.cuda.max_memory_allocated and max_memory_reserved and compares them with the plan's peak.
-Prints a table and saves benchmarks/results/DATE-memory-plan-GPUNAME.json.
+Every sequence has the lengths the plan assumes: prompts are cut on the left to exactly
+max_prompt_length tokens, and a random model's completions run to max_completion_length (its end
+token is one of ~152K). Prints a table and saves benchmarks/results/DATE-memory-plan-GPUNAME.json.
 
     python benchmarks/memory_plan.py
 """
@@ -26,6 +28,9 @@ from grpoflow.run.plan import gpu_capacity, run_plan
 
 RECIPE = Path(__file__).resolve().parents[1] / "grpoflow" / "recipes" / "default.yaml"
 COMMON = {
+    "reward_funcs": [f"{Path(__file__).resolve()}:reward_length"],
+    "truncation_strategy": "left",
+    "dataset_shuffle": False,
     "torch_dtype": "bfloat16",
     "max_steps": 3,
     "num_generations": 8,
@@ -49,9 +54,26 @@ CASES = {
 }
 
 
+def reward_length(completions, **kwargs):
+    """A cheap reward with spread."""
+    return [len(text) / 1000 for text in completions]
+
+
+def write_prompts(path: Path, count: int) -> Path:
+    """Prompts far longer than max_prompt_length tokens (cut to it on the left)."""
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    with open(path, "w") as handle:
+        for index in range(count):
+            text = " ".join(words[(index * 7 + k * 3) % len(words)] for k in range(400))
+            handle.write(json.dumps({"prompt": text}) + "\n")
+    return path
+
+
 def measure(name: str, overrides: dict) -> dict:
     with tempfile.TemporaryDirectory() as output_dir:
-        config = load_config(RECIPE, {**COMMON, **overrides, "output_dir": output_dir})
+        prompts = write_prompts(Path(output_dir) / "prompts.jsonl", 256)
+        values = {**COMMON, **overrides, "output_dir": output_dir, "dataset": str(prompts)}
+        config = load_config(RECIPE, values)
         plan, blocks = run_plan(config, gpu_capacity(config))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
