@@ -9,9 +9,9 @@ an error in one call leaves nothing behind for the next (a failed call also empt
 The engine reads the policy's parameters in place, so it notices new weights itself: a parameter
 with a new address (graphs are captured again, the prefix cache is dropped) or a new version
 counter (an optimizer step, a LoRA merge, a copy in `update_weights`: the prefix cache is
-dropped). `update_weights` drops the
-prefix cache in any case, for weights changed where no counter sees it (a sharded policy
-gathered into the same storage).
+dropped). `update_weights` drops the prefix cache in any case, for weights changed where no
+counter sees it (a sharded policy gathered into the same storage). A LoRA policy's adapters are
+applied in the forward, unmerged (`adapters`): the policy is generated from without a merge.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class NativeEngine:
     """
 
     shares_policy_weights = True
+    applies_adapters = True
 
     def __init__(self, model: nn.Module, *, config: NativeEngineConfig | None = None, tokenizer=None) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -126,7 +127,8 @@ class NativeEngine:
             if self.family:
                 extra, prefill = self._run_family(book, options)
             else:
-                extra = self.generic.run(book, options)
+                with _eval_mode(self.model):  # LoRA dropout off in PEFT's forward
+                    extra = self.generic.run(book, options)
         self.stats = EngineStats(
             num_prompt_tokens=sum(len(book.prompts[index]) for index in book.prompt_of),
             num_generated_tokens=int(book.num_generated.sum()),
@@ -264,8 +266,11 @@ class NativeEngine:
         if self.runner is not None and not self.runner.awake:
             self.runner.allocate()
 
-    def _signature(self) -> tuple[int, ...]:
-        return tuple(parameter.data_ptr() for parameter in self.model.parameters())
+    def _signature(self) -> tuple:
+        """The parameters' addresses and, for a LoRA policy, which adapters apply: a change
+        means graphs captured with the old ones are stale."""
+        addresses = tuple(parameter.data_ptr() for parameter in self.model.parameters())
+        return addresses + (self.family.adapter_signature() if self.family else ())
 
     def _versions(self) -> tuple[int, ...]:
         """The parameters' version counters: any in-place write (an optimizer step, `copy_`)
@@ -292,6 +297,16 @@ def _gc_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 @contextlib.contextmanager
