@@ -13,6 +13,8 @@ engine and the native engine) report `shares_policy_weights = True`; for them `u
 only records the policy version. Such an engine that generates a LoRA policy with its adapters
 unmerged (the native engine adds them in its own forward) also reports `applies_adapters = True`,
 and the run then leaves the base weights alone around a rollout (`applies_adapters(engine)`).
+An engine with its own copy of the weights that adds LoRA adapters sent as tensors to its base
+reports `accepts_adapters = True`: after the first sync it gets the adapters alone.
 """
 
 from __future__ import annotations
@@ -196,6 +198,13 @@ class RolloutEngine(Protocol):
     def wake_up(self) -> None:
         """Take generation memory back before the next `generate`."""
         ...
+
+
+def accepts_adapters(engine: object) -> bool:
+    """Whether `engine`, with its own copy of the weights, takes a LoRA policy's adapters as
+    tensors (`grpoflow.transport.adapters`) and adds them to the base it holds; then it also says
+    whether it `holds_base` already (after its first sync)."""
+    return bool(getattr(engine, "accepts_adapters", False))
 
 
 def applies_adapters(engine: object) -> bool:

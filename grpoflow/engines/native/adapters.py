@@ -45,9 +45,31 @@ class Term:
     The weights are read from the modules at every forward (A (r, in), B (out, r)), so an
     optimizer step or a gathered shard is seen as the base weights are."""
 
-    down: nn.Module
-    up: nn.Module
+    down: nn.Module | Matrix
+    up: nn.Module | Matrix
     scale: float
+
+
+@dataclass(slots=True)
+class Matrix:
+    """A loaded adapter matrix, held as a module holds its weight."""
+
+    weight: torch.Tensor
+
+
+def loaded_term(down: torch.Tensor, up: torch.Tensor, like: torch.Tensor, previous: Term | None) -> Term:
+    """An adapter sent as tensors (A (r, in), B (out, r) already scaled; see
+    `grpoflow.transport.adapters`) on `like`'s device and dtype. Written into `previous`'s storage
+    when the shapes agree, so captured graphs and fused views stay valid."""
+    if previous is not None and (previous.down.weight.shape, previous.up.weight.shape) == (
+        down.shape,
+        up.shape,
+    ):
+        previous.down.weight.copy_(down)
+        previous.up.weight.copy_(up)
+        return previous
+    placed = {"device": like.device, "dtype": like.dtype}
+    return Term(Matrix(down.to(**placed, copy=True)), Matrix(up.to(**placed, copy=True)), 1.0)
 
 
 @dataclass(slots=True)
@@ -77,10 +99,12 @@ def supported(module: nn.Module) -> bool:
     return True
 
 
-def projection_of(module: nn.Module) -> Projection:
-    """The adapters the engine adds to `module`'s output: none for a plain linear layer, nor for
-    a LoRA layer whose adapters are merged into its base weight or switched off."""
-    if not is_lora_layer(module) or module.merged or module.disable_adapters:
+def projection_of(module: nn.Module, loaded: Term | None = None) -> Projection:
+    """The adapters the engine adds to `module`'s output: those of a PEFT LoRA layer (none when
+    they are merged into its base weight or switched off), else the adapter `loaded` for it."""
+    if not is_lora_layer(module):
+        return Projection([loaded] if loaded is not None else [])
+    if module.merged or module.disable_adapters:
         return Projection()
     return Projection(
         terms=[

@@ -28,12 +28,13 @@ from torch import nn
 
 from grpoflow.engines.base import Completion, EngineStats, PrefillStats, SamplingParams
 from grpoflow.engines.native.generic import GenericRunner
-from grpoflow.engines.native.model import FamilyModel
+from grpoflow.engines.native.model import SUPPORTED_MODEL_TYPES, FamilyModel
 from grpoflow.engines.native.requests import RequestBook
 from grpoflow.engines.native.runner import STEPS_IN_FLIGHT, Launched, Runner, triton_available
 from grpoflow.engines.native.sampler import SamplingOptions
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep, Scheduler
 from grpoflow.engines.native.sizing import NativeEngineConfig
+from grpoflow.transport.adapters import split_adapters
 
 ON_ERROR = ("raise", "error_completion")
 UNIFORM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "draw")
@@ -48,6 +49,11 @@ class NativeEngine:
 
     shares_policy_weights = True
     applies_adapters = True
+
+    @property
+    def accepts_adapters(self) -> bool:
+        """Whether `update_weights` takes LoRA adapters as tensors (the family path adds them)."""
+        return self.family is not None
 
     def __init__(self, model: nn.Module, *, config: NativeEngineConfig | None = None, tokenizer=None) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -238,9 +244,18 @@ class NativeEngine:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Record the policy version; tensors that are not already the module's own storage are
-        copied into the module's parameters (standalone use)."""
+        copied into the module's parameters (standalone use), LoRA adapters named as
+        `grpoflow.transport.adapters` names them are added to their layers (family path)."""
         parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        weights, adapters = split_adapters(weights)
+        if adapters and self.family is None:
+            raise ValueError(
+                f"adapter-only updates need the family path ({', '.join(SUPPORTED_MODEL_TYPES)}); "
+                "send merged weights to this engine"
+            )
         with torch.no_grad():
+            if adapters:
+                self.family.load_adapters(adapters)
             for name, tensor in weights:
                 if name not in parameters:
                     raise ValueError(f"update_weights: the model has no parameter named {name!r}")

@@ -19,11 +19,13 @@ from torch import nn
 
 from grpoflow.engines.native.adapters import (
     Projection,
+    Term,
     adapter_state,
     add_low_rank,
     alias_down,
     fused_down,
     is_lora_layer,
+    loaded_term,
     projection_of,
     supported,
 )
@@ -60,14 +62,23 @@ class LayerAdapters:
     down: Projection
 
     @staticmethod
-    def of(layer: nn.Module) -> LayerAdapters:
+    def of(layer: nn.Module, find: Callable[[nn.Module], Projection]) -> LayerAdapters:
         attention, mlp = layer.self_attn, layer.mlp
         return LayerAdapters(
-            qkv=[projection_of(m) for m in (attention.q_proj, attention.k_proj, attention.v_proj)],
-            o=projection_of(attention.o_proj),
-            gate_up=[projection_of(mlp.gate_proj), projection_of(mlp.up_proj)],
-            down=projection_of(mlp.down_proj),
+            qkv=[find(m) for m in (attention.q_proj, attention.k_proj, attention.v_proj)],
+            o=find(attention.o_proj),
+            gate_up=[find(mlp.gate_proj), find(mlp.up_proj)],
+            down=find(mlp.down_proj),
         )
+
+
+def _projections(layer: nn.Module) -> list[nn.Module]:
+    attention, mlp = layer.self_attn, layer.mlp
+    return [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj] + [
+        mlp.gate_proj,
+        mlp.up_proj,
+        mlp.down_proj,
+    ]
 
 
 @dataclass(slots=True)
@@ -120,8 +131,13 @@ class FamilyModel:
             for module in part.modules()
             if is_lora_layer(module)
         ]
-        self.adapters = [LayerAdapters.of(layer) for layer in self.layers]
-        self.head_adapters = projection_of(self.lm_head)
+        self.loaded: dict[str, Term] = {}  # adapters sent as tensors, by module name
+        names = {id(module): name for name, module in hf_model.named_modules()}
+        self.projection_names = {
+            names[id(module)]: module for module in [p for layer in self.layers for p in _projections(layer)]
+        }
+        self.projection_names[names[id(self.lm_head)]] = self.lm_head
+        self.refresh_adapters()
 
     @staticmethod
     def from_hf(hf_model: nn.Module) -> FamilyModel | None:
@@ -145,8 +161,39 @@ class FamilyModel:
         return FamilyModel(hf_model)
 
     def adapter_signature(self) -> tuple:
-        """Which adapters apply (see `adapters.adapter_state`); `refresh_fused` reads them again."""
-        return tuple(adapter_state(module) for module in self.lora_layers)
+        """Which adapters apply (see `adapters.adapter_state`) and where loaded ones lie;
+        `refresh_fused` reads them again."""
+        loaded = tuple((name, term.down.weight.data_ptr()) for name, term in self.loaded.items())
+        return tuple(adapter_state(module) for module in self.lora_layers) + loaded
+
+    def load_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Add adapters given as tensors (module name -> (A, B scaled); see
+        `grpoflow.transport.adapters`) to plain linear layers; each replaces that layer's previous
+        adapter, the others stay."""
+        for name, (down, up) in adapters.items():
+            module = self.projection_names.get(name)
+            if module is None or is_lora_layer(module):
+                raise ValueError(
+                    f"no adapter can be loaded for {name!r}: name a projection of a decoder layer or the "
+                    f"output head, e.g. {next(iter(self.projection_names))!r}"
+                )
+            if down.shape[1] != module.in_features or up.shape[0] != module.out_features:
+                raise ValueError(
+                    f"the adapter of {name} does not fit its ({module.out_features}, "
+                    f"{module.in_features}) weight: A {tuple(down.shape)}, B {tuple(up.shape)}"
+                )
+            self.loaded[name] = loaded_term(down, up, module.weight, self.loaded.get(name))
+        self.refresh_fused()
+
+    def refresh_adapters(self) -> None:
+        """Find every projection's adapters again."""
+        modules = {id(module): name for name, module in self.projection_names.items()}
+
+        def find(module: nn.Module) -> Projection:
+            return projection_of(module, self.loaded.get(modules[id(module)]))
+
+        self.adapters = [LayerAdapters.of(layer, find) for layer in self.layers]
+        self.head_adapters = find(self.lm_head)
 
     def fuse_projections(self) -> None:
         """Lay each layer's q/k/v weights (and biases) and gate/up weights back to back in memory
@@ -165,9 +212,8 @@ class FamilyModel:
 
     def refresh_fused(self) -> None:
         """Find each layer's fused views and adapters again (after parameters may have moved, or
-        adapters been merged or switched)."""
-        self.adapters = [LayerAdapters.of(layer) for layer in self.layers]
-        self.head_adapters = projection_of(self.lm_head)
+        adapters been merged, switched or loaded)."""
+        self.refresh_adapters()
         for index, layer in enumerate(self.layers):
             adapters = self.adapters[index]
             fused = Fused(
