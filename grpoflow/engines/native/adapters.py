@@ -157,10 +157,19 @@ def add_low_rank(
     """
     if down is not None:
         ranks = [projection.terms[0].down.weight.shape[0] for projection in projections]
-        for out, part, projection in zip(outputs, F.linear(x, down).split(ranks, -1), projections):
-            term = projection.terms[0]
-            out.addmm_(part, term.up.weight.t(), alpha=term.scale)
+        parts = F.linear(x.to(down.dtype), down).split(ranks, -1)
+        for out, part, projection in zip(outputs, parts, projections):
+            _add(out, part, projection.terms[0])
         return
     for out, projection in zip(outputs, projections):
         for term in projection.terms:
-            out.addmm_(F.linear(x, term.down.weight), term.up.weight.t(), alpha=term.scale)
+            weight = term.down.weight
+            _add(out, F.linear(x.to(weight.dtype), weight), term)
+
+
+def _add(out: torch.Tensor, part: torch.Tensor, term: Term) -> None:
+    up = term.up.weight
+    if up.dtype == out.dtype:
+        out.addmm_(part, up.t(), alpha=term.scale)
+    else:  # float32 adapters on a bfloat16 base (PEFT's default): summed in float32, rounded once, as PEFT does
+        out.add_(F.linear(part, up), alpha=term.scale)
