@@ -15,8 +15,8 @@ Why not merge `W + scale * B A` into the base weights around each rollout, as `p
   every adapted weight per rollout (12.7 s of a 22.9 s step for a Qwen2.5-7B shape on an H100), or
   a spare GPU copy (15 GB for 7B, the memory LoRA is chosen to save). Here the base is only read.
 - cost: at rank 16 on all linear layers of a 7B model the adapters are 40 M parameters, 0.5% of
-  the bytes a decode step reads for the base weights; the products add eight to eleven small
-  kernels per layer, replayed inside the decode step's CUDA graph (their addresses are the
+  the bytes a decode step reads for the base weights; the products add eleven small kernels
+  per layer (fused q/k/v and gate/up), replayed inside the decode step's CUDA graph (their addresses are the
   adapters' own storage, which the optimizer updates in place, so a graph never goes stale).
 - fidelity: the trainer scores completions with PEFT's unmerged forward; a bfloat16 merge drops
   the parts of dW below half an ulp of W, the low-rank product keeps them.
