@@ -10,7 +10,11 @@ never reaches into its internals:
 
 Engines that generate straight from the policy module's parameters (the transformers reference
 engine and the native engine) report `shares_policy_weights = True`; for them `update_weights`
-only records the policy version.
+only records the policy version. Such an engine that generates a LoRA policy with its adapters
+unmerged (the native engine adds them in its own forward) also reports `applies_adapters = True`,
+and the run then leaves the base weights alone around a rollout (`applies_adapters(engine)`).
+An engine with its own copy of the weights that adds LoRA adapters sent as tensors to its base
+reports `accepts_adapters = True`: after the first sync it gets the adapters alone.
 """
 
 from __future__ import annotations
@@ -194,6 +198,18 @@ class RolloutEngine(Protocol):
     def wake_up(self) -> None:
         """Take generation memory back before the next `generate`."""
         ...
+
+
+def accepts_adapters(engine: object) -> bool:
+    """Whether `engine`, with its own copy of the weights, takes a LoRA policy's adapters as
+    tensors (`grpoflow.transport.adapters`) and adds them to the base it holds; then it also says
+    whether it `holds_base` already (after its first sync)."""
+    return bool(getattr(engine, "accepts_adapters", False))
+
+
+def applies_adapters(engine: object) -> bool:
+    """Whether `engine` generates a LoRA policy from its LoRA layers as they are (no merge)."""
+    return bool(getattr(engine, "applies_adapters", False))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -96,6 +96,8 @@ class RemoteEngine:
         offers = discover(self.client)
         self.model_names = [offer.model for offer in offers]
         self.reload_methods = [offer.reload_method for offer in offers]
+        self.accepts_adapters = all(offer.adapters for offer in offers)
+        self.holds_base = False  # until the first sync: then a LoRA policy sends its adapters alone
         self.weight_transfer = choose_transfer(weight_transfer, offers, exclusive_servers=exclusive_servers)
         self.transport: CollectiveSender | CheckpointSender
         if self.weight_transfer == "collective":
@@ -212,9 +214,12 @@ class RemoteEngine:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Broadcast the weights to every server (collective), or write them to
-        `sync_dir/policy-v{version}` and have every server reload them (checkpoint)."""
+        `sync_dir/policy-v{version}` and have every server reload them (checkpoint). Servers that
+        take adapters (`accepts_adapters`) may get a LoRA policy's adapters as tensors; the first
+        update that arrives whole gives them the base (`holds_base`)."""
         self.transport.send(weights, version)
         self.policy_version = version
+        self.holds_base = True
 
     def sleep(self, level: int = 1) -> None:
         """The servers keep their own memory: nothing to release in the training process."""

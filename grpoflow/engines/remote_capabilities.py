@@ -34,6 +34,9 @@ class ServerOffer:
     """Whether it joins a collective weight-transfer group."""
     device: str | None
     """Where it generates, as it reports it ("cuda:0", "cpu"); None when it does not say."""
+    adapters: bool = False
+    """Whether it takes a LoRA policy's adapters as tensors (`grpoflow.transport.adapters`) and
+    adds them to its base (grpoflow serve with the native engine)."""
 
 
 def discover(client: ServerClient) -> list[ServerOffer]:
@@ -45,7 +48,8 @@ def discover(client: ServerClient) -> list[ServerOffer]:
     for url, model, info, method in zip(client.urls, models, infos, methods):
         grpoflow = (info or {}).get("grpoflow") or {}
         collective = "gloo" in grpoflow.get("weight_transfer", {}).get("backends", [])
-        offers.append(ServerOffer(url, model, method, collective, grpoflow.get("device")))
+        adapters = grpoflow.get("adapter_updates") is True
+        offers.append(ServerOffer(url, model, method, collective, grpoflow.get("device"), adapters))
     return offers
 
 

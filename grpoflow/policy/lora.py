@@ -22,8 +22,10 @@ from typing import Literal
 import torch
 from torch import nn
 
+from grpoflow.engines.base import accepts_adapters
 from grpoflow.options import require
 from grpoflow.phases import phase
+from grpoflow.transport.adapters import DOWN, UP
 
 
 @dataclass(kw_only=True, slots=True)
@@ -163,12 +165,63 @@ def merged_rollout_weights(model: nn.Module, engine) -> Iterable[tuple[str, torc
     `Placement.rollout_weights` gives the same for any layout.
 
     An engine that generates from the policy's module (`shares_policy_weights`) gets that module's
-    own parameters: nothing to copy, the merge happens around the rollout (`merged_adapters`). Any
-    other engine gets `merged_weights`.
+    own parameters: nothing to copy (the native engine adds the adapters in its forward; others
+    run inside `merged_adapters`). An engine that adds adapters to its own copy of the base
+    (`accepts_adapters`) gets `adapter_update`: the base on its first sync (until it
+    `holds_base`), then the adapters (and `modules_to_save`) alone. Any other engine gets
+    `merged_weights`.
     """
     if engine.shares_policy_weights:
         return generation_model(model).named_parameters()
+    if is_peft_model(model) and accepts_adapters(engine):
+        return adapter_update(model, with_base=not getattr(engine, "holds_base", False))
     return merged_weights(model)
+
+
+def adapter_update(model: nn.Module, *, with_base: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """What an engine that adds adapters to its own copy of the base (`accepts_adapters`) gets:
+    the adapters named as `grpoflow.transport.adapters` names them (A, and B times alpha / r) and
+    the trained `modules_to_save`, plus, `with_base` (its first sync), every other base weight as
+    loaded, unmerged. Names are the plain model's, as in `merged_weights`."""
+    base = model.get_base_model()
+    yield from _adapter_parts(base, "", with_base, set())
+
+
+def _adapter_parts(
+    module: nn.Module, prefix: str, with_base: bool, seen: set[int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    if isinstance(module, LoraLayer):
+        if with_base:
+            yield from _plain_parameters(module.get_base_layer(), prefix, seen)
+        yield from _low_rank(module, prefix.removesuffix("."))
+        return
+    if isinstance(module, ModulesToSaveWrapper):
+        yield from _plain_parameters(module, prefix, seen)
+        return
+    if with_base:
+        for name, parameter in module.named_parameters(recurse=False):
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                yield prefix + name, parameter
+    for name, child in module.named_children():
+        yield from _adapter_parts(child, f"{prefix}{name}.", with_base, seen)
+
+
+def _low_rank(layer, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The layer's active adapters as one A (sum of ranks, in) and one scaled B (out, sum of ranks)."""
+    active = [adapter for adapter in layer.active_adapters if adapter in layer.lora_A]
+    if not active or layer.disable_adapters:
+        return
+    with torch.no_grad():
+        down = torch.cat([layer.lora_A[adapter].weight.detach() for adapter in active])
+        up = torch.cat(
+            [layer.lora_B[adapter].weight.detach() * layer.scaling[adapter] for adapter in active], 1
+        )
+    yield f"{name}{DOWN}", down
+    yield f"{name}{UP}", up
 
 
 class WithoutAdapters(nn.Module):

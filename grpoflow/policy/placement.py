@@ -11,7 +11,7 @@ normalised by global totals, as without FSDP).
 
 Between forward passes the parameters are sharded `DTensor`s. The native and hf engines read the
 policy's parameters in place, so `Placement.rollout_context` gathers every unit around a rollout
-(and merges LoRA adapters); engines with their own copy get `Placement.rollout_weights`, full
+(and merges LoRA adapters for an engine that does not apply them itself); engines with their own copy get `Placement.rollout_weights`, full
 tensors gathered one at a time and handed over on the CPU. Checkpoints gather a full state dict
 (`Placement.full_state_dict`) and the optimizer state is saved and loaded as full tensors
 (`full_optimizer_state`), so rank 0 writes the same files as a run without FSDP and a resumed run
@@ -34,6 +34,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from grpoflow.engines.base import applies_adapters
 from grpoflow.options import require
 from grpoflow.phases import phase
 from grpoflow.policy import lora, offload
@@ -176,10 +177,12 @@ class Placement:
     @contextmanager
     def rollout_context(self, engine) -> Iterator[None]:
         """Around a rollout. An engine that reads the policy's parameters (`shares_policy_weights`)
-        sees them full and with LoRA adapters merged. For an engine with its own copy, the policy's
-        weights go to the CPU meanwhile under `offload_model`."""
+        sees them full and, unless it applies LoRA adapters itself (`applies_adapters`), with the
+        adapters merged. For an engine with its own copy, the policy's weights go to the CPU
+        meanwhile under `offload_model`."""
         if engine.shares_policy_weights:
-            with self.full_parameters(), lora.merged_adapters(self.module):
+            merge = nullcontext() if applies_adapters(engine) else lora.merged_adapters(self.module)
+            with self.full_parameters(), merge:
                 yield
             return
         if self.offload_model:

@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from grpoflow.engines.base import accepts_adapters
 from grpoflow.server import control, episodes, weights
 from grpoflow.server.errors import RequestError
 from grpoflow.server.pools import run_in
@@ -199,6 +200,7 @@ async def server_info(request: Request) -> dict:
             "engine": config.engine,
             "device": str(service.device),
             "weight_version": service.weight_version,
+            "adapter_updates": accepts_adapters(service.engine),
             "weight_transfer": {
                 "backend": service.transfer_backend or "http",
                 "backends": ["http", *service.receiver.offered_backends()],

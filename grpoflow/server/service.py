@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from starlette.requests import Request
+from torch import nn
 
-from grpoflow.engines.base import Completion, RolloutEngine, SamplingParams
+from grpoflow.engines.base import Completion, RolloutEngine, SamplingParams, accepts_adapters
 from grpoflow.server.batcher import Batcher
 from grpoflow.server.episodes import EpisodeRecorder
 from grpoflow.server.errors import RequestError
@@ -20,6 +22,7 @@ from grpoflow.server.pools import Pools, run_in
 from grpoflow.server.protocol import Limits
 from grpoflow.server.settings import ServeConfig
 from grpoflow.server.templates import TemplateSandbox
+from grpoflow.transport.adapters import adapter_shapes, is_adapter_name, ranks_of
 from grpoflow.transport.collective_receiver import CollectiveReceiver, Write, into_load, into_parameters
 
 MAX_JSON_BYTES = 64 * 2**20
@@ -129,6 +132,19 @@ class Service:
         """Every parameter's dtype, by Hugging Face name: values an update may hold must fit it."""
         return {name: p.dtype for name, p in self.model.named_parameters(remove_duplicate=False)}
 
+    def update_shapes(self, given: Mapping[str, Sequence[int]]) -> dict[str, Sequence[int]]:
+        """`parameter_shapes`, plus the shapes of the LoRA adapter tensors among the `given`
+        names (their rank read from the given shapes) when the engine takes adapters: what an
+        update of those names is checked against."""
+        shapes: dict[str, Sequence[int]] = dict(self.parameter_shapes())
+        adapters = [name for name in given if is_adapter_name(name)]
+        if adapters and accepts_adapters(self.engine):
+            linear = {
+                name: m.weight.shape for name, m in self.model.named_modules() if isinstance(m, nn.Linear)
+            }
+            shapes.update(adapter_shapes(adapters, ranks_of(given), linear))
+        return shapes
+
     def max_weights_bytes(self) -> int:
         """The largest safetensors body /update_weights reads (--max-weights-bytes, else the whole
         model in float32 plus 16 MiB of headers)."""
@@ -136,11 +152,11 @@ class Service:
             return self.config.max_weights_bytes
         return 4 * sum(p.numel() for p in self.model.parameters()) + 16 * 2**20
 
-    def weight_writer(self) -> Write:
-        """Where a collective update lands once received and checked: copied into the parameters
-        when the engine generates from the module, else handed to the engine's `update_weights` in
-        one call."""
-        if self.engine.shares_policy_weights:
+    def weight_writer(self, names: Sequence[str] = ()) -> Write:
+        """Where a collective update of `names` lands once received and checked: copied into the
+        parameters when the engine generates from the module (and no LoRA adapter is among them),
+        else handed to the engine's `update_weights` in one call."""
+        if self.engine.shares_policy_weights and not any(map(is_adapter_name, names)):
             return into_parameters(dict(self.model.named_parameters(remove_duplicate=False)))
         engine = self.engine
         return into_load(

@@ -20,7 +20,9 @@ Three ways in, all applied between generation batches (requests that arrive mean
    trainer's master_address and master_port, update_info with names/dtype_names/shapes and no
    data; the weights arrive as packed broadcasts (grpoflow.transport.collective_receiver).
 
-Tensors use Hugging Face parameter names. Every call checks all names and shapes before it writes
+Tensors use Hugging Face parameter names; an engine that takes LoRA adapters (the native engine)
+also takes them as tensors named after the layer they adapt (`grpoflow.transport.adapters`), so
+after the base a sync moves only the adapters. Every call checks all names and shapes before it writes
 any tensor, so a bad update changes nothing. The transports' ReceiveError becomes the error answer
 with its status (app.py).
 """
@@ -62,9 +64,8 @@ async def apply(service: Service, tensors: dict[str, torch.Tensor]) -> int:
     they generate from, vllm loads them into its own); returns how many. Within an open update
     (/start_weight_update) an engine with its own weights gets them all at once, at
     /finish_weight_update: vLLM rebuilds each layer from the tensors of one load."""
-    await run_in(
-        service.pools.requests, check_weights, tensors, service.parameter_shapes(), service.parameter_dtypes()
-    )
+    shapes = service.update_shapes({name: tensor.shape for name, tensor in tensors.items()})
+    await run_in(service.pools.requests, check_weights, tensors, shapes, service.parameter_dtypes())
     if service.update_open and not service.engine.shares_policy_weights:
         service.pending_weights.update(tensors)
         return len(tensors)
@@ -79,10 +80,15 @@ async def load(service: Service, tensors: dict[str, torch.Tensor]) -> None:
 
 async def receive_collective(service: Service, info: dict) -> dict:
     """Receive a collective update between generation batches, then record its version."""
+    names, given = info.get("names"), info.get("shapes")
+    if isinstance(names, list) and isinstance(given, list) and len(names) == len(given):
+        shapes, write = service.update_shapes(dict(zip(map(str, names), given))), service.weight_writer(names)
+    else:  # malformed: the receiver refuses it with the reason
+        shapes, write = service.parameter_shapes(), service.weight_writer()
     answer = await service.receiver.receive(
         info,
-        shapes=service.parameter_shapes(),
-        write=service.weight_writer(),
+        shapes=shapes,
+        write=write,
         exclusive=service.batcher.exclusive,
     )
     version = info.get("weight_version")

@@ -17,6 +17,7 @@ from helpers.native_fixtures import one_thread  # noqa: E402, F401 (a fixture)
 from grpoflow import cli  # noqa: E402
 from grpoflow.algo import sequence_logprobs  # noqa: E402
 from grpoflow.engines import ENGINES, EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
+from grpoflow.policy import lora  # noqa: E402
 from grpoflow.policy.loading import reference_model  # noqa: E402
 from grpoflow.policy.lora import (  # noqa: E402
     AdapterConfig,  # noqa: E402
@@ -81,6 +82,23 @@ def test_lora_run_learns_the_echo_task_and_trains_only_the_adapters(tmp_path):
             assert not torch.equal(parameter, before[name]), name
         else:
             assert torch.equal(parameter, before[name]), name  # bit for bit, merges included
+
+
+def test_native_engine_rollouts_merge_nothing_and_leave_the_base_bit_for_bit(tmp_path, monkeypatch):
+    def refuse(model):
+        raise AssertionError("the native engine applies the adapters itself: nothing is merged")
+
+    monkeypatch.setattr(lora, "merged_adapters", refuse)
+    config = recipe(tmp_path, max_steps=4, learning_rate=0.05, beta=0.04, lora_dropout=0.1)
+    trainer = build_trainer(config)
+    assert trainer.engine.applies_adapters
+    frozen = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if not p.requires_grad}
+    adapters = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "lora_B" in name}
+    history = run(config, trainer)
+    assert len(history) == 4 and all(step.get("time/merge", 0) == 0 for step in history)
+    parameters = dict(trainer.model.named_parameters())
+    assert frozen and all(torch.equal(parameters[name], saved) for name, saved in frozen.items())
+    assert any(not torch.equal(parameters[name], saved) for name, saved in adapters.items())
 
 
 def test_merged_adapters_give_the_adapted_logits_and_restore_the_base_bit_for_bit():

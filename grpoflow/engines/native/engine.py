@@ -9,9 +9,9 @@ an error in one call leaves nothing behind for the next (a failed call also empt
 The engine reads the policy's parameters in place, so it notices new weights itself: a parameter
 with a new address (graphs are captured again, the prefix cache is dropped) or a new version
 counter (an optimizer step, a LoRA merge, a copy in `update_weights`: the prefix cache is
-dropped). `update_weights` drops the
-prefix cache in any case, for weights changed where no counter sees it (a sharded policy
-gathered into the same storage).
+dropped). `update_weights` drops the prefix cache in any case, for weights changed where no
+counter sees it (a sharded policy gathered into the same storage). A LoRA policy's adapters are
+applied in the forward, unmerged (`adapters`): the policy is generated from without a merge.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from torch import nn
 
 from grpoflow.engines.base import Completion, EngineStats, PrefillStats, SamplingParams
 from grpoflow.engines.native.generic import GenericRunner
-from grpoflow.engines.native.model import FamilyModel
+from grpoflow.engines.native.model import SUPPORTED_MODEL_TYPES, FamilyModel
 from grpoflow.engines.native.requests import RequestBook
 from grpoflow.engines.native.runner import STEPS_IN_FLIGHT, Launched, Runner, triton_available
 from grpoflow.engines.native.sampler import SamplingOptions
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep, Scheduler
 from grpoflow.engines.native.sizing import NativeEngineConfig
+from grpoflow.transport.adapters import split_adapters
 
 ON_ERROR = ("raise", "error_completion")
 Abandoned = Callable[[], Collection[int]]
@@ -49,6 +50,12 @@ class NativeEngine:
     """
 
     shares_policy_weights = True
+    applies_adapters = True
+
+    @property
+    def accepts_adapters(self) -> bool:
+        """Whether `update_weights` takes LoRA adapters as tensors (the family path adds them)."""
+        return self.family is not None
 
     def __init__(self, model: nn.Module, *, config: NativeEngineConfig | None = None, tokenizer=None) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -134,7 +141,8 @@ class NativeEngine:
             if self.family:
                 extra, prefill = self._run_family(book, options, abandoned)
             else:
-                extra = self.generic.run(book, options, abandoned)
+                with _eval_mode(self.model):  # LoRA dropout off in PEFT's forward
+                    extra = self.generic.run(book, options, abandoned)
         self.stats = EngineStats(
             num_prompt_tokens=sum(len(book.prompts[index]) for index in book.prompt_of),
             num_generated_tokens=int(book.num_generated.sum()),
@@ -245,9 +253,18 @@ class NativeEngine:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Record the policy version; tensors that are not already the module's own storage are
-        copied into the module's parameters (standalone use)."""
+        copied into the module's parameters (standalone use), LoRA adapters named as
+        `grpoflow.transport.adapters` names them are added to their layers (family path)."""
         parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        weights, adapters = split_adapters(weights)
+        if adapters and self.family is None:
+            raise ValueError(
+                f"adapter-only updates need the family path ({', '.join(SUPPORTED_MODEL_TYPES)}); "
+                "send merged weights to this engine"
+            )
         with torch.no_grad():
+            if adapters:
+                self.family.load_adapters(adapters)
             for name, tensor in weights:
                 if name not in parameters:
                     raise ValueError(f"update_weights: the model has no parameter named {name!r}")
@@ -273,8 +290,11 @@ class NativeEngine:
         if self.runner is not None and not self.runner.awake:
             self.runner.allocate()
 
-    def _signature(self) -> tuple[int, ...]:
-        return tuple(parameter.data_ptr() for parameter in self.model.parameters())
+    def _signature(self) -> tuple:
+        """The parameters' addresses and, for a LoRA policy, which adapters apply: a change
+        means graphs captured with the old ones are stale."""
+        addresses = tuple(parameter.data_ptr() for parameter in self.model.parameters())
+        return addresses + (self.family.adapter_signature() if self.family else ())
 
     def _versions(self) -> tuple[int, ...]:
         """The parameters' version counters: any in-place write (an optimizer step, `copy_`)
@@ -305,6 +325,16 @@ def _gc_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """The decoder forward of the Llama family, read straight from a transformers module.
 
 `FamilyModel` keeps references to the policy's own modules and reads `module.weight` at every
-forward: no copy, the same storage the optimizer updates in place. Llama, Mistral, Qwen2 and Qwen3
+forward: no copy, the same storage the optimizer updates in place. A LoRA policy's adapters are
+applied in the same forward (`adapters`). Llama, Mistral, Qwen2 and Qwen3
 share one layout (pre-norm, rotary GQA attention with optional q/k/v bias and optional per-head
 q/k norm, SwiGLU MLP), so one forward serves them all; anything else returns None from `from_hf`
 and goes to the generic path.
@@ -16,6 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpoflow.engines.native.adapters import (
+    Projection,
+    Term,
+    adapter_state,
+    add_low_rank,
+    alias_down,
+    fused_down,
+    is_lora_layer,
+    loaded_term,
+    projection_of,
+    supported,
+)
 from grpoflow.engines.native.fusion import alias_rows, rows_view
 from grpoflow.engines.native.ops import TorchOps
 
@@ -35,6 +48,37 @@ class Fused:
     qkv_weight: torch.Tensor | None = None
     qkv_bias: torch.Tensor | None = None
     gate_up_weight: torch.Tensor | None = None
+    qkv_down: torch.Tensor | None = None
+    gate_up_down: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class LayerAdapters:
+    """A layer's LoRA adapters by projection (all empty for a model without adapters)."""
+
+    qkv: list[Projection]
+    o: Projection
+    gate_up: list[Projection]
+    down: Projection
+
+    @staticmethod
+    def of(layer: nn.Module, find: Callable[[nn.Module], Projection]) -> LayerAdapters:
+        attention, mlp = layer.self_attn, layer.mlp
+        return LayerAdapters(
+            qkv=[find(m) for m in (attention.q_proj, attention.k_proj, attention.v_proj)],
+            o=find(attention.o_proj),
+            gate_up=[find(mlp.gate_proj), find(mlp.up_proj)],
+            down=find(mlp.down_proj),
+        )
+
+
+def _projections(layer: nn.Module) -> list[nn.Module]:
+    attention, mlp = layer.self_attn, layer.mlp
+    return [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj] + [
+        mlp.gate_proj,
+        mlp.up_proj,
+        mlp.down_proj,
+    ]
 
 
 @dataclass(slots=True)
@@ -81,6 +125,19 @@ class FamilyModel:
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
         self.fused = [Fused() for _ in self.layers]
+        self.lora_layers = [
+            module
+            for part in (*self.layers, self.lm_head)
+            for module in part.modules()
+            if is_lora_layer(module)
+        ]
+        self.loaded: dict[str, Term] = {}  # adapters sent as tensors, by module name
+        names = {id(module): name for name, module in hf_model.named_modules()}
+        self.projection_names = {
+            names[id(module)]: module for module in [p for layer in self.layers for p in _projections(layer)]
+        }
+        self.projection_names[names[id(self.lm_head)]] = self.lm_head
+        self.refresh_adapters()
 
     @staticmethod
     def from_hf(hf_model: nn.Module) -> FamilyModel | None:
@@ -99,7 +156,44 @@ class FamilyModel:
             return None
         if not hasattr(hf_model, "lm_head"):
             return None
+        if is_lora_layer(inner.embed_tokens) or not all(supported(m) for m in hf_model.modules()):
+            return None  # adapters the family forward does not apply: PEFT's forward, generic path
         return FamilyModel(hf_model)
+
+    def adapter_signature(self) -> tuple:
+        """Which adapters apply (see `adapters.adapter_state`) and where loaded ones lie;
+        `refresh_fused` reads them again."""
+        loaded = tuple((name, term.down.weight.data_ptr()) for name, term in self.loaded.items())
+        return tuple(adapter_state(module) for module in self.lora_layers) + loaded
+
+    def load_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Add adapters given as tensors (module name -> (A, B scaled); see
+        `grpoflow.transport.adapters`) to plain linear layers; each replaces that layer's previous
+        adapter, the others stay."""
+        for name, (down, up) in adapters.items():
+            module = self.projection_names.get(name)
+            if module is None or is_lora_layer(module):
+                raise ValueError(
+                    f"no adapter can be loaded for {name!r}: name a projection of a decoder layer or the "
+                    f"output head, e.g. {next(iter(self.projection_names))!r}"
+                )
+            if down.shape[1] != module.in_features or up.shape[0] != module.out_features:
+                raise ValueError(
+                    f"the adapter of {name} does not fit its ({module.out_features}, "
+                    f"{module.in_features}) weight: A {tuple(down.shape)}, B {tuple(up.shape)}"
+                )
+            self.loaded[name] = loaded_term(down, up, module.weight, self.loaded.get(name))
+        self.refresh_fused()
+
+    def refresh_adapters(self) -> None:
+        """Find every projection's adapters again."""
+        modules = {id(module): name for name, module in self.projection_names.items()}
+
+        def find(module: nn.Module) -> Projection:
+            return projection_of(module, self.loaded.get(modules[id(module)]))
+
+        self.adapters = [LayerAdapters.of(layer, find) for layer in self.layers]
+        self.head_adapters = find(self.lm_head)
 
     def fuse_projections(self) -> None:
         """Lay each layer's q/k/v weights (and biases) and gate/up weights back to back in memory
@@ -111,12 +205,22 @@ class FamilyModel:
                 if biases is None or alias_rows(biases):
                     alias_rows(weights)
             alias_rows([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
+        for adapters in self.adapters:
+            alias_down(adapters.qkv)
+            alias_down(adapters.gate_up)
         self.refresh_fused()
 
     def refresh_fused(self) -> None:
-        """Find each layer's fused views again (after parameters may have moved)."""
+        """Find each layer's fused views and adapters again (after parameters may have moved, or
+        adapters been merged, switched or loaded)."""
+        self.refresh_adapters()
         for index, layer in enumerate(self.layers):
-            fused = Fused(gate_up_weight=rows_view([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
+            adapters = self.adapters[index]
+            fused = Fused(
+                gate_up_weight=rows_view([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
+                qkv_down=fused_down(adapters.qkv),
+                gate_up_down=fused_down(adapters.gate_up),
+            )
             qkv = _qkv_parts(layer.self_attn)
             if qkv is not None:
                 weights, biases = qkv
@@ -166,33 +270,40 @@ class FamilyModel:
             normed, residual = ops.rms_norm(
                 hidden, layer.input_layernorm.weight, _eps(layer.input_layernorm), residual
             )
-            q, k, v = self._qkv(normed, attention, self.fused[index])
+            fused, adapters = self.fused[index], self.adapters[index]
+            q, k, v = self._qkv(normed, attention, fused, adapters)
             qk_norm = None
             if self.has_qk_norm:
                 qk_norm = (attention.q_norm.weight, attention.k_norm.weight, _eps(attention.q_norm))
             out = attend(index, q, k, v, qk_norm).reshape(num_tokens, shape.num_heads * shape.head_dim)
             hidden = _linear(out, attention.o_proj)
+            add_low_rank([hidden], out, [adapters.o])
             normed, residual = ops.rms_norm(
                 hidden, layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm), residual
             )
-            gate_up_weight = self.fused[index].gate_up_weight
-            if gate_up_weight is not None:
-                gate, up = F.linear(normed, gate_up_weight).split(shape.intermediate_size, dim=-1)
+            if fused.gate_up_weight is not None:
+                gate, up = F.linear(normed, fused.gate_up_weight).split(shape.intermediate_size, dim=-1)
             else:
                 gate, up = _linear(normed, mlp.gate_proj), _linear(normed, mlp.up_proj)
-            hidden = _linear(ops.silu_mul(gate, up), mlp.down_proj)
+            add_low_rank([gate, up], normed, adapters.gate_up, fused.gate_up_down)
+            activated = ops.silu_mul(gate, up)
+            hidden = _linear(activated, mlp.down_proj)
+            add_low_rank([hidden], activated, [adapters.down])
         normed, _ = ops.rms_norm(hidden, self.norm.weight, _eps(self.norm), residual)
         if last_index is not None:
             normed = normed[last_index]
-        if logits_out is None:
-            return _linear(normed, self.lm_head)
         weight, bias = self.lm_head.weight, self.lm_head.bias
-        if bias is None:
-            return torch.mm(normed, weight.t(), out=logits_out)
-        return torch.addmm(bias, normed, weight.t(), out=logits_out)
+        if logits_out is None:
+            logits = F.linear(normed, weight, bias)
+        elif bias is None:
+            logits = torch.mm(normed, weight.t(), out=logits_out)
+        else:
+            logits = torch.addmm(bias, normed, weight.t(), out=logits_out)
+        add_low_rank([logits], normed, [self.head_adapters])
+        return logits
 
     def _qkv(
-        self, normed: torch.Tensor, attention: nn.Module, fused: Fused
+        self, normed: torch.Tensor, attention: nn.Module, fused: Fused, adapters: LayerAdapters
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (T, Hq, D), k and v (T, Hkv, D): views of one product when the weights are fused."""
         shape, num_tokens = self.shape, normed.shape[0]
@@ -202,6 +313,7 @@ class FamilyModel:
             q, k, v = F.linear(normed, fused.qkv_weight, fused.qkv_bias).split([q_size, kv_size, kv_size], -1)
         else:
             q, k, v = (_linear(normed, m) for m in (attention.q_proj, attention.k_proj, attention.v_proj))
+        add_low_rank([q, k, v], normed, adapters.qkv, fused.qkv_down)
         return (
             q.view(num_tokens, shape.num_heads, shape.head_dim),
             k.view(num_tokens, shape.num_kv_heads, shape.head_dim),

@@ -1,0 +1,175 @@
+"""LoRA adapters applied inside the native forward: `y = x W^T + scale * (x A^T) B^T`.
+
+A LoRA policy reaches the engine as its base model with PEFT's LoRA layers in place of the
+adapted linear layers. The family forward multiplies by each base weight as it is and adds every
+adapter's low-rank product to that projection's output (one `addmm_` per adapter, into the output
+slice itself). Where the engine fuses q/k/v or gate/up (`fusion`), the adapters' A matrices of the
+group are laid back to back too, so the group's x A^T is one product; the B products stay one per
+projection, each added into its own columns of the fused output.
+
+Why not merge `W + scale * B A` into the base weights around each rollout, as `policy.lora`'s
+`merged_adapters` does for engines that need a merged module:
+
+- exactness: a merge rounds W + dW to W's dtype, and subtracting dW again does not give W back
+  (bfloat16 loses up to an ulp per merge), so the base has to be saved and restored: a CPU copy of
+  every adapted weight per rollout (12.7 s of a 22.9 s step for a Qwen2.5-7B shape on an H100), or
+  a spare GPU copy (15 GB for 7B, the memory LoRA is chosen to save). Here the base is only read.
+- cost: at rank 16 on all linear layers of a 7B model the adapters are 40 M parameters, 0.5% of
+  the bytes a decode step reads for the base weights; the products add eleven small kernels
+  per layer (fused q/k/v and gate/up), replayed inside the decode step's CUDA graph (their addresses are the
+  adapters' own storage, which the optimizer updates in place, so a graph never goes stale).
+- fidelity: the trainer scores completions with PEFT's unmerged forward; a bfloat16 merge drops
+  the parts of dW below half an ulp of W, the low-rank product keeps them.
+
+Only plain LoRA is read here (one or more active adapters, no DoRA or other variant, no bias on
+B, nothing merged); a layer with anything else sends the model to the generic path, which runs
+PEFT's own forward. LoRA dropout does not apply: the engine generates, it does not train.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grpoflow.engines.native.fusion import alias_rows, rows_view
+
+
+@dataclass(slots=True)
+class Term:
+    """One adapter of one projection: its `lora_A` and `lora_B` linear modules and scale.
+
+    The weights are read from the modules at every forward (A (r, in), B (out, r)), so an
+    optimizer step or a gathered shard is seen as the base weights are."""
+
+    down: nn.Module | Matrix
+    up: nn.Module | Matrix
+    scale: float
+
+
+@dataclass(slots=True)
+class Matrix:
+    """A loaded adapter matrix, held as a module holds its weight."""
+
+    weight: torch.Tensor
+
+
+def loaded_term(down: torch.Tensor, up: torch.Tensor, like: torch.Tensor, previous: Term | None) -> Term:
+    """An adapter sent as tensors (A (r, in), B (out, r) already scaled; see
+    `grpoflow.transport.adapters`) on `like`'s device and dtype. Written into `previous`'s storage
+    when the shapes agree, so captured graphs and fused views stay valid."""
+    if previous is not None and (previous.down.weight.shape, previous.up.weight.shape) == (
+        down.shape,
+        up.shape,
+    ):
+        previous.down.weight.copy_(down)
+        previous.up.weight.copy_(up)
+        return previous
+    placed = {"device": like.device, "dtype": like.dtype}
+    return Term(Matrix(down.to(**placed, copy=True)), Matrix(up.to(**placed, copy=True)), 1.0)
+
+
+@dataclass(slots=True)
+class Projection:
+    """The adapters of one projection (empty: a plain linear layer)."""
+
+    terms: list[Term] = field(default_factory=list)
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    """Whether `module` is a PEFT LoRA layer (read by its attributes: the engine imports no PEFT)."""
+    return isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and hasattr(module, "base_layer")
+
+
+def supported(module: nn.Module) -> bool:
+    """Whether the engine can apply `module`'s adapters itself: a plain linear layer, or a LoRA
+    layer of plain LoRA adapters."""
+    if not is_lora_layer(module):
+        return not hasattr(module, "lora_embedding_A")
+    if getattr(module, "fan_in_fan_out", False):
+        return False
+    for name in _active(module):
+        if name in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(name):
+            return False
+        if not isinstance(module.lora_A[name], nn.Linear) or module.lora_B[name].bias is not None:
+            return False
+    return True
+
+
+def projection_of(module: nn.Module, loaded: Term | None = None) -> Projection:
+    """The adapters the engine adds to `module`'s output: those of a PEFT LoRA layer (none when
+    they are merged into its base weight or switched off), else the adapter `loaded` for it."""
+    if not is_lora_layer(module):
+        return Projection([loaded] if loaded is not None else [])
+    if module.merged or module.disable_adapters:
+        return Projection()
+    return Projection(
+        terms=[
+            Term(module.lora_A[name], module.lora_B[name], float(module.scaling[name]))
+            for name in _active(module)
+        ]
+    )
+
+
+def adapter_state(module: nn.Module) -> tuple:
+    """What decides `projection_of(module)` besides the weights: merged, switched off, which
+    adapters are active. The engine finds the adapters again when it changes."""
+    if not is_lora_layer(module):
+        return ()
+    return (bool(module.merged), bool(module.disable_adapters), tuple(_active(module)))
+
+
+def _active(module: nn.Module) -> list[str]:
+    return [name for name in module.active_adapters if name in module.lora_A]
+
+
+def alias_down(projections: Sequence[Projection]) -> None:
+    """Lay the A matrices of sibling projections (one adapter each) back to back, as `alias_rows`
+    does for their base weights, so the group's x A^T is one product."""
+    if _one_term_each(projections):
+        alias_rows([projection.terms[0].down.weight for projection in projections])
+
+
+def fused_down(projections: Sequence[Projection]) -> torch.Tensor | None:
+    """The group's A matrices as one (sum of ranks, in) view, when they lie back to back."""
+    if not _one_term_each(projections):
+        return None
+    return rows_view([projection.terms[0].down.weight for projection in projections])
+
+
+def _one_term_each(projections: Sequence[Projection]) -> bool:
+    return bool(projections) and all(len(projection.terms) == 1 for projection in projections)
+
+
+def add_low_rank(
+    outputs: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    projections: Sequence[Projection],
+    down: torch.Tensor | None = None,
+) -> None:
+    """Add each projection's adapters into its output, in place: `out += scale * (x A^T) B^T`.
+
+    x (T, in); `outputs[i]` (T, out_i), views of one fused product allowed; `down` the fused A
+    of the group (`fused_down`), or None to multiply by each A on its own.
+    """
+    if down is not None:
+        ranks = [projection.terms[0].down.weight.shape[0] for projection in projections]
+        parts = F.linear(x.to(down.dtype), down).split(ranks, -1)
+        for out, part, projection in zip(outputs, parts, projections):
+            _add(out, part, projection.terms[0])
+        return
+    for out, projection in zip(outputs, projections):
+        for term in projection.terms:
+            weight = term.down.weight
+            _add(out, F.linear(x.to(weight.dtype), weight), term)
+
+
+def _add(out: torch.Tensor, part: torch.Tensor, term: Term) -> None:
+    up = term.up.weight
+    if up.dtype == out.dtype:
+        out.addmm_(part, up.t(), alpha=term.scale)
+    else:  # float32 adapters on a bfloat16 base (PEFT's default): summed in float32, rounded once, as PEFT does
+        out.add_(F.linear(part, up), alpha=term.scale)

@@ -1,0 +1,81 @@
+"""LoRA adapters as weights on the wire: how they are named and checked.
+
+An engine that keeps its own copy of a LoRA policy's frozen base needs only the adapters after
+the first sync. They travel as ordinary `(name, tensor)` pairs through any transport, named after
+the linear layer they adapt (its Hugging Face name in the plain model):
+
+    {module}.lora_A.weight   (r, in_features)
+    {module}.lora_B.weight   (out_features, r), already multiplied by lora_alpha / r
+
+so the layer computes `x W^T + (x A^T) B^T` with no adapter config on the receiving side (several
+adapters of one layer are concatenated along r). An update may mix them with plain parameters
+(the base on the first sync, `modules_to_save` on every sync).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from grpoflow.transport import ReceiveError
+
+DOWN, UP = ".lora_A.weight", ".lora_B.weight"
+"""Name suffixes of an adapter's A (down) and B (up, scaled) matrices."""
+
+
+def is_adapter_name(name: str) -> bool:
+    return name.endswith(DOWN) or name.endswith(UP)
+
+
+def adapted_module(name: str) -> str:
+    """The linear layer an adapter tensor belongs to."""
+    return name[: -len(DOWN)] if name.endswith(DOWN) else name[: -len(UP)]
+
+
+def split_adapters(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Plain parameters, and the adapters by module name as (A, B)."""
+    plain, parts = [], {}
+    for name, tensor in weights:
+        if is_adapter_name(name):
+            parts.setdefault(adapted_module(name), {})[name.endswith(DOWN)] = tensor
+        else:
+            plain.append((name, tensor))
+    adapters = {}
+    for module, pair in parts.items():
+        if len(pair) != 2:
+            raise ValueError(f"adapter of {module} needs both {module}{DOWN} and {module}{UP} in one update")
+        adapters[module] = (pair[True], pair[False])
+    return plain, adapters
+
+
+def adapter_shapes(
+    names: Iterable[str], ranks: Mapping[str, int], linear_shapes: Mapping[str, Sequence[int]]
+) -> dict[str, tuple[int, int]]:
+    """The shapes the adapter tensors `names` must have: A (r, in) and B (out, r) of the linear
+    layer they name (`linear_shapes`: its weight's (out, in)), r as `ranks` gives it per module.
+    A name of no linear layer raises ReceiveError."""
+    shapes = {}
+    for name in names:
+        module = adapted_module(name)
+        if module not in linear_shapes:
+            raise ReceiveError(
+                f"{name} adapts {module!r}, which is not a linear layer of the model: name adapters "
+                f"after the layer's Hugging Face name, e.g. 'model.layers.0.self_attn.q_proj{DOWN}'"
+            )
+        out_features, in_features = linear_shapes[module]
+        rank = ranks[module]
+        shapes[name] = (rank, in_features) if name.endswith(DOWN) else (out_features, rank)
+    return shapes
+
+
+def ranks_of(shapes: Mapping[str, Sequence[int]]) -> dict[str, int]:
+    """Each adapted module's rank, read from its A matrix's given shape (B's alone: its columns)."""
+    ranks = {}
+    for name, shape in shapes.items():
+        if is_adapter_name(name) and len(shape) == 2:
+            rank = shape[0] if name.endswith(DOWN) else shape[1]
+            ranks.setdefault(adapted_module(name), int(rank))
+    return ranks

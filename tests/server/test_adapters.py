@@ -1,0 +1,118 @@
+"""A LoRA policy synced to `grpoflow serve` (native engine): the base once, then the adapters
+alone, over both transports; the server then generates what the merged policy generates."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from helpers import support  # noqa: E402
+from helpers.live_server import start_server, tiny_service  # noqa: E402
+
+from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
+from grpoflow.engines.remote import RemoteEngine  # noqa: E402
+from grpoflow.policy.lora import AdapterConfig, add_lora, merged_rollout_weights, merged_weights  # noqa: E402
+from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+GREEDY = SamplingParams(n=1, max_tokens=10, temperature=0.0, ignore_eos=True)
+SAMPLED = SamplingParams(n=2, max_tokens=10, temperature=0.8, ignore_eos=True, seed=5)
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    with support.serve_in_subprocess(tmp_path_factory.mktemp("server")) as served:
+        yield served
+
+
+def lora_policy(**adapter) -> torch.nn.Module:
+    """The served `tiny` shape with other weights (seed 1; the server's are seed 42) and non-zero
+    adapters."""
+    base = build_preset_model("tiny", len(build_char_tokenizer()), seed=1).eval()
+    policy = add_lora(base, AdapterConfig(lora_rank=4, lora_dropout=0.0, **adapter))
+    perturb(policy, seed=2)
+    return policy
+
+
+def perturb(policy: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            if parameter.requires_grad:
+                parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+
+
+def merged_model(policy: torch.nn.Module) -> torch.nn.Module:
+    plain = copy.deepcopy(build_preset_model("tiny", len(build_char_tokenizer()), seed=1)).eval()
+    plain.load_state_dict(dict(merged_weights(policy)), strict=False)
+    return plain
+
+
+def rollouts(engine, params: SamplingParams) -> list[tuple[list[int], list[float]]]:
+    return [(c.token_ids, c.logprobs) for group in engine.generate(PROMPTS, params) for c in group]
+
+
+def local(policy: torch.nn.Module, params: SamplingParams):
+    options = EngineOptions(engine=EngineConfig(max_model_len=64))
+    return rollouts(build_engine("native", merged_model(policy), build_char_tokenizer(), options), params)
+
+
+def assert_same(got, want) -> None:
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    for (_, got_logprobs), (_, want_logprobs) in zip(got, want):
+        torch.testing.assert_close(
+            torch.tensor(got_logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=1e-4
+        )
+
+
+def sync(engine: RemoteEngine, policy: torch.nn.Module, version: int) -> int:
+    """What the run sends after an update; returns the bytes sent."""
+    weights = list(merged_rollout_weights(policy, engine))
+    engine.update_weights(weights, version)
+    return sum(tensor.numel() * tensor.element_size() for _, tensor in weights)
+
+
+@pytest.mark.parametrize("transfer", ["checkpoint", "collective"])
+def test_after_the_base_only_adapters_are_sent_and_the_server_generates_the_merged_policy(url, transfer):
+    policy = lora_policy(modules_to_save=["model.norm"])
+    engine = RemoteEngine([url], startup_timeout=60, weight_transfer=transfer, weight_sync_timeout=60)
+    try:
+        assert engine.accepts_adapters and not engine.holds_base
+        full = sum(t.numel() * t.element_size() for _, t in merged_weights(policy))
+        first = sync(engine, policy, 1)
+        assert engine.holds_base and first > full  # the base, and the adapters beside it
+        for params in (GREEDY, SAMPLED):
+            assert_same(rollouts(engine, params), local(policy, params))
+        for version in (2, 3):
+            perturb(policy, seed=version)
+            sent = sync(engine, policy, version)
+            assert sent < full / 4, (sent, full)
+            for params in (GREEDY, SAMPLED):
+                assert_same(rollouts(engine, params), local(policy, params))
+    finally:
+        engine.close()
+
+
+def test_adapters_for_a_layer_the_model_lacks_are_refused_whole():
+    server = start_server(tiny_service())
+    try:
+        engine = RemoteEngine([server.url], startup_timeout=30, weight_transfer="checkpoint")
+        bad = {"model.layers.0.self_attn.nowhere.lora_A.weight": torch.zeros(4, 64)}
+        bad["model.layers.0.self_attn.nowhere.lora_B.weight"] = torch.zeros(64, 4)
+        with pytest.raises(Exception, match="not a linear layer"):
+            engine.update_weights(list(bad.items()), 1)
+        wrong_rank = {
+            "model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64),
+            "model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 3),
+        }
+        with pytest.raises(Exception, match="shape"):
+            engine.update_weights(list(wrong_rank.items()), 1)
+        engine.close()
+    finally:
+        server.stop()
