@@ -47,10 +47,14 @@ def test_full_run_with_reference_and_checkpoints_adds_up(tmp_path):
     assert rows[0]["time/log"] == 0.0 and all(row["time/log"] > 0 for row in rows[1:])
 
 
-def test_lora_run_charges_the_adapter_merge(tmp_path):
+def test_lora_runs_add_up_and_only_an_engine_that_needs_merged_weights_merges(tmp_path):
     pytest.importorskip("peft")
-    run(recipe(tmp_path, max_steps=2, train_type="lora", beta=0.05))
-    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    run(recipe(tmp_path / "native", max_steps=2, train_type="lora", beta=0.05))
+    rows = read_jsonl(tmp_path / "native" / "run" / "metrics.jsonl")
+    assert_phases_add_up(rows)
+    assert not any("time/merge" in row for row in rows)  # the native engine applies the adapters
+    run(recipe(tmp_path / "hf", max_steps=2, train_type="lora", rollout_engine="hf"))
+    rows = read_jsonl(tmp_path / "hf" / "run" / "metrics.jsonl")
     assert_phases_add_up(rows)
     assert all(row["time/merge"] > 0 and row["time/unmerge"] > 0 for row in rows)
 
