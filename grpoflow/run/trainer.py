@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from grpoflow.algo import combine_rewards, overlong_mask, zero_std_groups
+from grpoflow.algo import check_packed_attention, combine_rewards, overlong_mask, zero_std_groups
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import NonFiniteLogits, RolloutEngine
 from grpoflow.policy.placement import Placement
@@ -146,12 +146,16 @@ class GRPOTrainer:
             else None
         )
         correction = config.off_policy.correction
+        if config.training.padding_free:
+            check_packed_attention(placement.module)
         self.update_settings = UpdateSettings(
             algorithm=config.algorithm,
             micro_batch_size=config.training.per_device_train_batch_size,
             temperature=config.generation.sampling.temperature,
             max_completion_length=config.generation.max_completion_length,
             max_grad_norm=config.training.max_grad_norm,
+            padding_free=config.training.padding_free,
+            max_tokens_per_micro_batch=config.training.max_tokens_per_micro_batch,
             sampling_correction=correction
             if _corrects(correction.vllm_importance_sampling_correction, copies_weights)
             else None,
@@ -294,7 +298,9 @@ class GRPOTrainer:
             all_kl = None
             if self.config.algorithm.kl_in_reward and self.ref_placement is not None:
                 with timer("reward_kl"):
-                    kl = reward_kl(self.placement, self.ref_placement, batch, self.update_settings)
+                    kl = reward_kl(
+                        self.placement, self.ref_placement, batch, self.update_settings, self.distributed
+                    )
                     all_kl = self.distributed.all_gather(kl)
             advantages, reward_metrics = self._advantages(all_rewards, scored, all_kl)
             settings = self.update_settings
