@@ -336,7 +336,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=None, help="completions per micro-batch")
     parser.add_argument("--new-tokens", type=int, default=None, help="max_completion_length")
     parser.add_argument(
-        "--max-tokens", type=int, default=16384, help="grpoflow's token budget per micro-batch (long-tail)"
+        "--max-tokens", type=int, default=8192, help="grpoflow's token budget per micro-batch (long-tail)"
     )
     parser.add_argument("--gradient-checkpointing", type=int, default=1, help="grpoflow's; 0 turns it off")
     parser.add_argument("--torch-compile", type=int, default=0, help="grpoflow's; 1 compiles the layers")

@@ -4,19 +4,20 @@ A padded micro-batch costs `rows x (longest prompt + longest completion)` tokens
 completion lengths most of that rectangle is padding. Packed, a micro-batch is one row holding
 only real tokens, each sequence's positions restarting at 0, and costs what its tokens cost.
 
-Attention stays within each sequence through transformers' own mask builder (`masking_utils`,
-as installed here: 5.19): given
-`position_ids` that restart and no `attention_mask`, its mask builder finds the sequence starts
-(`masking_utils.find_packed_sequence_indices`) and every attention implementation keeps to them:
-`sdpa` and `eager` with a block-diagonal causal mask, `flex_attention` with a document mask whose
-fully masked blocks are skipped, `flash_attention_2`/`3` with varlen kernels (`cu_seqlens` from the
-same position ids). That path is chosen because it runs unchanged on the CPU, which the tests need,
-and on CUDA without the flash-attn package, for Qwen2, Qwen3 and Llama alike, and leaves the
-choice of kernel to the model's `attn_implementation`. The default `sdpa` materialises a
-`(tokens, tokens)` boolean mask per micro-batch and computes every block of it (cheap next to
-the MLPs at a few thousand tokens); `flex_attention` skips the masked blocks for large budgets.
-torch's own `torch.nn.attention.varlen` is CUDA-only and not wired into transformers' Qwen2/Llama
-attention, so it is not used here.
+Attention stays within each sequence through transformers' own mask builder (`masking_utils`;
+5.19 is installed here): given `position_ids` that restart and no `attention_mask`, it finds the
+sequence starts (`find_packed_sequence_indices`) and every attention implementation keeps to
+them: `sdpa` and `eager` with a block-diagonal causal mask, `flex_attention` with a document mask
+whose fully masked blocks are skipped, `flash_attention_2`/`3` with varlen kernels (`cu_seqlens`
+from the same position ids). This path is chosen because it runs unchanged on the CPU, which the
+tests need, and on CUDA without the flash-attn package, for Qwen2, Qwen3 and Llama alike (packed
+equals padded for each, tested), and leaves the kernel to the model's `attn_implementation`.
+Its cost with the default `sdpa`: a `(tokens, tokens)` boolean mask per micro-batch, and attention
+over every block of it, about `4 x tokens x hidden` FLOPs per token and layer whatever the
+sequence lengths; so token budgets of a few thousand keep attention near the MLPs' cost, and
+`flex_attention` skips the masked blocks. torch's `torch.nn.attention.varlen.varlen_attn` (torch
+2.13) is CUDA-only and transformers does not dispatch Qwen2/Llama attention to it, so it would
+need an attention function of grpoflow's own that the CPU tests cannot run; it is not used.
 
 The per-token results are scattered back into the padded `(batch, completion_len)` layout
 (`unpack`), so every loss reduction runs unchanged and gives the padded path's result.
