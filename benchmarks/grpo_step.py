@@ -4,6 +4,7 @@
     python benchmarks/grpo_step.py --systems grpoflow --steps 3
     python benchmarks/grpo_step.py --smoke          # a tiny model on the CPU, to check the script
     python benchmarks/grpo_step.py --systems grpoflow,trl,trl-fp32
+    python benchmarks/grpo_step.py --workload long-tail   # long-tailed lengths, packed updates
 
 `trl-fp32` gives TRL the same weights saved in float32, which it then trains as the Hugging Face
 Trainer does mixed precision (float32 master weights, bf16 autocast) and samples from in float32.
@@ -13,6 +14,13 @@ generations, prompt 128 tokens, 256 new tokens, beta 0, micro-batch 32, gradient
 optimizer step per generation batch. Prompts are 128 random characters, which the character
 tokenizer maps to exactly 128 tokens. Each system runs in its own subprocess (clean GPU memory);
 the first `--warmup` steps are left out of the means. Results go to benchmarks/results/ as JSON.
+
+The long-tail workload (`--workload long-tail`): the same model with its end-of-sequence logit
+raised (`raise_eos_probability`: a bias on the last layer's values, calibrated so that about one
+sampled token in 300 is EOS), so completion lengths are roughly geometric with a mean near 300,
+up to 1024 new tokens; grpoflow updates padding-free with micro-batches of at most `--max-tokens`
+tokens, TRL in padded micro-batches of `--micro-batch` completions. Both sides load the same
+checkpoint and prompts; the table gives the completion lengths each actually produced.
 """
 
 from __future__ import annotations
@@ -28,9 +36,15 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 RESULTS = Path(__file__).parent / "results"
 MATMUL_TFLOPS = {"H100": 787.0, "H200": 790.0}
+WORKLOADS = {
+    "standard": {"new_tokens": 256, "micro_batch": 32, "eos_mean_length": None},
+    "long-tail": {"new_tokens": 1024, "micro_batch": 16, "eos_mean_length": 300.0},
+}
+"""Defaults of each workload; --new-tokens and --micro-batch override them."""
 
 
 def reward_length(completions, **kwargs):
@@ -38,8 +52,54 @@ def reward_length(completions, **kwargs):
     return [len(text) / 256 for text in completions]
 
 
+def raise_eos_probability(model, mean_length: float, *, rows: int = 8, length: int = 640) -> float:
+    """Bias the last layer's values so that EOS gets about `1 / mean_length` of the probability
+    at every position of random text; returns the probability measured.
+
+    The value bias passes through attention unchanged (attention weights sum to 1) and o_proj
+    turns it into one vector added to every position's residual stream: the bias is the least
+    squares solution putting that vector along the EOS output embedding, scaled by bisection.
+    """
+    attention = model.model.layers[-1].self_attn
+    config, device = model.config, next(model.parameters()).device
+    eos = config.eos_token_id
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    group = config.num_attention_heads // config.num_key_value_heads
+    # o_proj's input for a value bias b: b of each kv head, repeated for the query heads it serves.
+    repeat = torch.eye(config.num_key_value_heads * head_dim, device=device).view(
+        config.num_key_value_heads, 1, head_dim, -1
+    )
+    repeat = repeat.expand(-1, group, -1, -1).reshape(config.num_attention_heads * head_dim, -1)
+    direction = model.get_output_embeddings().weight[eos].float()
+    unit_bias = torch.linalg.lstsq(attention.o_proj.weight.float() @ repeat, direction[:, None]).solution[
+        :, 0
+    ]
+    unit_bias = unit_bias / unit_bias.norm()
+    ids = torch.randint(3, config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(0))
+
+    @torch.no_grad()
+    def eos_probability(scale: float) -> float:
+        attention.v_proj.bias.copy_(scale * unit_bias)
+        logits = model(input_ids=ids.to(device)).logits.float()
+        return float(torch.softmax(logits, dim=-1)[..., eos].mean())
+
+    target, low, high = 1.0 / mean_length, 0.0, 1.0
+    if eos_probability(0.0) >= target:
+        return eos_probability(0.0)
+    while eos_probability(high) < target and high < 1e6:
+        low, high = high, 2 * high
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (middle, high) if eos_probability(middle) < target else (low, middle)
+    return eos_probability(high)
+
+
 def write_inputs(
-    directory: Path, smoke: bool, num_prompts: int, float32_copy: bool = False
+    directory: Path,
+    smoke: bool,
+    num_prompts: int,
+    float32_copy: bool = False,
+    eos_mean_length: float | None = None,
 ) -> tuple[Path, Path]:
     from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model, build_tiny_model
 
@@ -48,6 +108,12 @@ def write_inputs(
         model = build_tiny_model(len(tokenizer), dtype=torch.bfloat16)
     else:
         model = build_preset_model("qwen2-0.5b", len(tokenizer), dtype=torch.bfloat16)
+    if eos_mean_length is not None:
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+        probability = raise_eos_probability(model, eos_mean_length)
+        print(f"EOS probability per token: {probability:.5f} (target {1 / eos_mean_length:.5f})")
+        model.to("cpu")
+        torch.cuda.empty_cache()
     model.save_pretrained(directory / "model")
     tokenizer.save_pretrained(directory / "model")
     if float32_copy:
@@ -86,6 +152,11 @@ def grpoflow_overrides(args, model_dir: Path, prompts: Path) -> dict:
         "report_to": ["none"],
         "disable_tqdm": True,
         "dataset_shuffle": False,
+        **(
+            {"padding_free": True, "max_tokens_per_micro_batch": args.max_tokens}
+            if args.workload == "long-tail"
+            else {}
+        ),
         **extra_overrides(getattr(args, "set", None)),
     }
 
@@ -118,49 +189,57 @@ def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
     return {"steps": steps, "peak_gib": _peak_gib()}
 
 
+class StepTimer(TrainerCallback):
+    """Wall time per TRL optimizer step, split by timing TRL's own generate-and-score and reward
+    methods (rollout = generate-and-score minus rewards; update = the rest), and the completion
+    lengths TRL logs for the step."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self.seconds = {"generate_and_score": 0.0, "reward": 0.0}
+
+    def wrap(self, trainer, method: str, key: str) -> None:
+        original = getattr(trainer, method)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[key] += time.perf_counter() - start
+
+        setattr(trainer, method, timed)
+
+    def on_step_begin(self, *_, **__):
+        self.start = time.perf_counter()
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+    def on_step_end(self, *_, **__):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.start
+        generate = self.seconds["generate_and_score"]
+        self.steps.append(
+            {
+                "time/wall": wall,
+                "time/rollout": generate - self.seconds["reward"],
+                "time/reward": self.seconds["reward"],
+                "time/update": wall - generate,
+            }
+        )
+
+    def on_log(self, *_, logs=None, **__):
+        # TRL logs after each optimizer step (logging_steps=1): its batch's completion lengths.
+        if self.steps and logs:
+            for key in ("completions/mean_length", "completions/max_length"):
+                if key in logs:
+                    self.steps[-1][key] = float(logs[key])
+
+
 def run_trl(args, model_dir: Path, prompts: Path) -> dict:
     from datasets import load_dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
-
-    class StepTimer(TrainerCallback):
-        """Wall time per optimizer step, split by timing TRL's own generate-and-score and reward
-        methods (rollout = generate-and-score minus rewards; update = the rest)."""
-
-        def __init__(self) -> None:
-            self.steps: list[dict] = []
-            self.seconds = {"generate_and_score": 0.0, "reward": 0.0}
-
-        def wrap(self, trainer, method: str, key: str) -> None:
-            original = getattr(trainer, method)
-
-            def timed(*args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    self.seconds[key] += time.perf_counter() - start
-
-            setattr(trainer, method, timed)
-
-        def on_step_begin(self, *_, **__):
-            self.start = time.perf_counter()
-            self.seconds = dict.fromkeys(self.seconds, 0.0)
-
-        def on_step_end(self, *_, **__):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - self.start
-            generate = self.seconds["generate_and_score"]
-            self.steps.append(
-                {
-                    "time/wall": wall,
-                    "time/rollout": generate - self.seconds["reward"],
-                    "time/reward": self.seconds["reward"],
-                    "time/update": wall - generate,
-                    "completions/mean_length": float(args.new_tokens),
-                }
-            )
 
     timer = StepTimer()
     config = GRPOConfig(
@@ -209,6 +288,9 @@ def summarize(name: str, result: dict, warmup: int, num_params: int, tflops: flo
     for phase in ("rollout", "reward", "update", "sync"):
         row[f"{phase}_s"] = mean(f"time/{phase}")
     generated = mean("completions/mean_length")
+    row["mean_completion_len"] = generated
+    longest = [step["completions/max_length"] for step in steady if "completions/max_length" in step]
+    row["max_completion_len"] = max(longest) if longest else None
     if generated is not None and row["rollout_s"]:
         row["generated_tokens_per_s"] = 512 * generated / row["rollout_s"]
         trained = 512 * (128 + generated)
@@ -229,6 +311,8 @@ def print_table(rows: list[dict]) -> None:
         "generated_tokens_per_s",
         "trained_tokens_per_s",
         "update_mfu",
+        "mean_completion_len",
+        "max_completion_len",
         "peak_gib",
     ]
     print(" | ".join(keys))
@@ -240,7 +324,7 @@ def print_table(rows: list[dict]) -> None:
         print(" | ".join(cells))
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -248,8 +332,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--engine", default="auto", help="grpoflow's rollout_engine")
-    parser.add_argument("--micro-batch", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="standard")
+    parser.add_argument("--micro-batch", type=int, default=None, help="completions per micro-batch")
+    parser.add_argument("--new-tokens", type=int, default=None, help="max_completion_length")
+    parser.add_argument(
+        "--max-tokens", type=int, default=8192, help="grpoflow's token budget per micro-batch (long-tail)"
+    )
     parser.add_argument("--gradient-checkpointing", type=int, default=1, help="grpoflow's; 0 turns it off")
     parser.add_argument("--torch-compile", type=int, default=0, help="grpoflow's; 1 compiles the layers")
     parser.add_argument("--set", action="append", default=[], help="grpoflow config KEY=VALUE")
@@ -258,6 +346,29 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    defaults = WORKLOADS[args.workload]
+    args.micro_batch = args.micro_batch or defaults["micro_batch"]
+    args.new_tokens = args.new_tokens or defaults["new_tokens"]
+    return args
+
+
+def child_command(args, system: str, workdir: Path) -> list[str]:
+    """The command line that runs one system's steps in a process of its own."""
+    command = [sys.executable, __file__, "--child", system, "--workdir", str(workdir)]
+    command += [f"--steps={args.steps}", f"--engine={args.engine}", f"--micro-batch={args.micro_batch}"]
+    command += [
+        f"--workload={args.workload}",
+        f"--max-tokens={args.max_tokens}",
+        f"--new-tokens={args.new_tokens}",
+        f"--gradient-checkpointing={args.gradient_checkpointing}",
+        f"--torch-compile={args.torch_compile}",
+    ]
+    command += ["--smoke"] if args.smoke else []
+    return command + [f"--set={item}" for item in args.set]
+
+
+def main() -> None:
+    args = parse_args()
     if args.child:
         runner = {"grpoflow": run_grpoflow, "trl": run_trl, "trl-fp32": run_trl}[args.child]
         workdir = Path(args.workdir)
@@ -267,7 +378,13 @@ def main() -> None:
         return
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="grpo_step_"))
     systems = args.systems.split(",")
-    write_inputs(workdir, args.smoke, num_prompts=64 * (args.steps + 1), float32_copy="trl-fp32" in systems)
+    write_inputs(
+        workdir,
+        args.smoke,
+        num_prompts=64 * (args.steps + 1),
+        float32_copy="trl-fp32" in systems,
+        eos_mean_length=WORKLOADS[args.workload]["eos_mean_length"],
+    )
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     tflops = next((value for key, value in MATMUL_TFLOPS.items() if key in gpu), None)
     num_params = sum(
@@ -278,16 +395,7 @@ def main() -> None:
     )
     rows = []
     for system in systems:
-        command = [sys.executable, __file__, "--child", system, "--workdir", str(workdir)]
-        command += [f"--steps={args.steps}", f"--engine={args.engine}", f"--micro-batch={args.micro_batch}"]
-        command += [
-            f"--new-tokens={args.new_tokens}",
-            f"--gradient-checkpointing={args.gradient_checkpointing}",
-            f"--torch-compile={args.torch_compile}",
-        ]
-        command += ["--smoke"] if args.smoke else []
-        command += [f"--set={item}" for item in args.set]
-        subprocess.run(command, check=True)
+        subprocess.run(child_command(args, system, workdir), check=True)
         result = json.loads((workdir / f"{system}.json").read_text())
         rows.append(summarize(system, result, args.warmup, num_params, tflops))
     ours = next((row for row in rows if row["system"] == "grpoflow"), None)
@@ -297,7 +405,8 @@ def main() -> None:
             rows.append({"system": f"ratio {row['system']}/grpoflow", "seconds_per_step": ratio})
     date = datetime.date.today().isoformat()
     record = {"gpu": gpu, "date": date, "num_params": num_params, "args": vars(args), "rows": rows}
-    out = Path(args.out) if args.out else RESULTS / f"{date}-grpo-step-{gpu.replace(' ', '_')}.json"
+    workload = "" if args.workload == "standard" else f"{args.workload}-"
+    out = Path(args.out) if args.out else RESULTS / f"{date}-grpo-step-{workload}{gpu.replace(' ', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, default=float))
     print_table(rows)

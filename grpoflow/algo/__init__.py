@@ -13,6 +13,7 @@ from grpoflow.algo.filters import off_policy_mask, overlong_mask, select_groups,
 from grpoflow.algo.importance import SAMPLING_CORRECTION_MODES, sampling_correction, sampling_logp_gap
 from grpoflow.algo.kl import KL_ESTIMATORS, k3_kl, kl_estimate, sequence_kl
 from grpoflow.algo.logprobs import (
+    packed_sequence_logprobs,
     position_ids_from_mask,
     selective_log_softmax,
     sequence_logprobs,
@@ -26,6 +27,13 @@ from grpoflow.algo.losses import (
     micro_batch_scale,
     policy_loss,
 )
+from grpoflow.algo.packing import (
+    PackedSequences,
+    check_packed_attention,
+    pack_sequences,
+    token_budget_batches,
+    unpack,
+)
 from grpoflow.algo.surrogates import SurrogateSettings
 
 __all__ = [
@@ -36,10 +44,12 @@ __all__ = [
     "LOSS_REDUCTIONS",
     "LOSS_TYPES",
     "LossType",
+    "PackedSequences",
     "SAMPLING_CORRECTION_MODES",
     "SCALE_MODES",
     "SurrogateSettings",
     "adv_estimator",
+    "check_packed_attention",
     "combine_rewards",
     "group_advantages",
     "group_reward_std",
@@ -51,6 +61,8 @@ __all__ = [
     "normalize_then_sum_advantages",
     "off_policy_mask",
     "overlong_mask",
+    "pack_sequences",
+    "packed_sequence_logprobs",
     "policy_loss",
     "position_ids_from_mask",
     "register_adv_estimator",
@@ -60,6 +72,8 @@ __all__ = [
     "selective_log_softmax",
     "sequence_kl",
     "sequence_logprobs",
+    "token_budget_batches",
     "token_logprobs_from_hidden",
+    "unpack",
     "zero_std_groups",
 ]

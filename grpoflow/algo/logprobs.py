@@ -10,7 +10,8 @@ Triton kernels that read the bf16 logits once (`logprob_kernels.py`). Other head
 checkpointed per chunk.
 
 Positions follow the attention mask (`cumsum(mask) - 1`), as `generate` and vLLM number them, so
-left padding does not shift the positions of a prompt.
+left padding does not shift the positions of a prompt. `packed_sequence_logprobs` scores the same
+tokens from a padding-free row (`packing.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from grpoflow.algo.packing import PackedSequences, unpack
 from grpoflow.algo.truncation import Truncation, truncated_scores
 
 DEFAULT_CHUNK_SIZE = 4096
@@ -364,3 +366,47 @@ def sequence_logprobs(
         entropy_grad=entropy_grad,
         truncation=truncation,
     )
+
+
+def packed_sequence_logprobs(
+    model: nn.Module,
+    packed: PackedSequences,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    compute_entropy: bool = False,
+    entropy_grad: bool = False,
+    truncation: Truncation | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """`sequence_logprobs` of a packed batch (`packing.pack_sequences`): one forward pass over
+    the real tokens only, attention kept within each sequence by its restarting `position_ids`.
+
+    Returns the same `(batch, completion_len)` float32 log-probs (and entropy) as the padded
+    path, zeros on padding.
+    """
+    parts = _decoder_and_head(model)
+    if parts is None:
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
+        log_probs, entropy = _logprobs_from_logits(
+            logits[0, packed.score_index],
+            packed.targets,
+            temperature,
+            chunk_size,
+            compute_entropy,
+            entropy_grad,
+            truncation,
+        )
+    else:
+        decoder, head = parts
+        outputs = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+        hidden = outputs.last_hidden_state[0, packed.score_index]  # (scored, hidden)
+        log_probs, entropy = token_logprobs_from_hidden(
+            hidden,
+            head,
+            packed.targets,
+            temperature,
+            chunk_size,
+            compute_entropy,
+            entropy_grad=entropy_grad,
+            truncation=truncation,
+        )
+    return unpack(log_probs, packed), (unpack(entropy, packed) if entropy is not None else None)

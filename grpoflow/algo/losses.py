@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -91,16 +92,19 @@ class LossReduction:
 
     reduce: Callable[..., Tensor]
     """`(per_token_loss (batch, seq), mask (batch, seq), **batch totals) -> 0-dim loss`."""
-    global_normalizer: bool
-    """True when the divisor counts the whole generation batch, so micro-batch losses add up."""
+    accumulation: Literal["sum", "sequences", "micro_batches"]
+    """How micro-batch losses add up to the batch's (`micro_batch_scale`): "sum" when the divisor
+    already counts the whole generation batch; "sequences" for a mean over the micro-batch's
+    sequences, weighted by its share of the batch's sequences; "micro_batches" for a mean over
+    the micro-batch's tokens, averaged over micro-batches (TRL's local-batch normalisation)."""
 
 
 LOSS_REDUCTIONS: dict[str, LossReduction] = {
-    "grpo": LossReduction(_reduce_grpo, global_normalizer=False),
-    "bnpo": LossReduction(_reduce_bnpo, global_normalizer=False),
-    "dr_grpo": LossReduction(_reduce_dr_grpo, global_normalizer=True),
-    "dapo": LossReduction(_reduce_dapo, global_normalizer=True),
-    "luspo": LossReduction(_reduce_luspo, global_normalizer=False),
+    "grpo": LossReduction(_reduce_grpo, accumulation="sequences"),
+    "bnpo": LossReduction(_reduce_bnpo, accumulation="micro_batches"),
+    "dr_grpo": LossReduction(_reduce_dr_grpo, accumulation="sum"),
+    "dapo": LossReduction(_reduce_dapo, accumulation="sum"),
+    "luspo": LossReduction(_reduce_luspo, accumulation="sequences"),
 }
 """Loss reductions by the name of the loss type that introduced them."""
 
@@ -134,18 +138,36 @@ def _loss_type(loss_type: str) -> LossType:
     return LOSS_TYPES[loss_type]
 
 
-def micro_batch_scale(loss_type: str, num_micro_batches: int) -> float:
-    """Factor by which to multiply each micro-batch's loss before accumulating gradients.
+def micro_batch_scale(
+    loss_type: str,
+    num_micro_batches: int,
+    num_sequences: int | None = None,
+    num_sequences_in_batch: int | None = None,
+) -> float:
+    """Factor by which to multiply a micro-batch's loss before accumulating gradients.
 
     With "dapo", "dr_grpo", "cispo" and "vespo" the caller passes the generation batch's totals
     (`num_items_in_batch`, `num_sequences_in_batch`) to every micro-batch, so the micro-batch
-    losses already sum to the full-batch loss: the factor is 1. "grpo", "bnpo", "sapo" and "luspo"
-    are means over their micro-batch, so the factor is `1 / num_micro_batches` (exact for equal
-    micro-batches).
+    losses already sum to the full-batch loss: the factor is 1. "grpo", "sapo" and "luspo" are
+    means over the micro-batch's sequences: the factor is its share of the batch's sequences,
+    `num_sequences / num_sequences_in_batch`, so that micro-batches of any sizes (token-budget
+    ones) add up to the mean over the whole batch; without those counts, `1 / num_micro_batches`
+    (the same for equal micro-batches). "bnpo" is a token mean over its micro-batch, which TRL
+    defines per local batch: the factor is `1 / num_micro_batches`.
+
+    Args:
+        num_micro_batches: micro-batches of the generation batch, over every rank.
+        num_sequences: completions in this micro-batch.
+        num_sequences_in_batch: completions in the generation batch, over every rank.
     """
     if num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}.")
-    return 1.0 if _loss_type(loss_type).reduction.global_normalizer else 1.0 / num_micro_batches
+    accumulation = _loss_type(loss_type).reduction.accumulation
+    if accumulation == "sum":
+        return 1.0
+    if accumulation == "sequences" and num_sequences is not None and num_sequences_in_batch:
+        return num_sequences / num_sequences_in_batch
+    return 1.0 / num_micro_batches
 
 
 def _token_log_weights(log_ratio: Tensor, mask: Tensor) -> Tensor:

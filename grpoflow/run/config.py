@@ -125,6 +125,14 @@ class TrainingConfig:
     """Completions per micro-batch."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step; a step generates their completions in one batch."""
+    padding_free: bool = False
+    """Run each micro-batch's forward passes (policy, old policy, reference) on its sequences
+    packed end to end in one row, attention kept within each, so an update costs the real tokens
+    rather than the padded rectangle; the losses are unchanged."""
+    max_tokens_per_micro_batch: int | None = None
+    """Under padding_free, form micro-batches of consecutive completions whose prompt and
+    completion tokens fit this budget (a longer sequence gets a micro-batch of its own) instead of
+    per_device_train_batch_size completions each; None keeps per_device_train_batch_size."""
     num_train_epochs: float = 1.0
     """Passes over the prompts when max_steps is not set."""
     max_steps: int = -1
@@ -153,10 +161,18 @@ class TrainingConfig:
             "num_train_epochs",
             "save_steps",
             "save_total_limit",
+            "max_tokens_per_micro_batch",
         )
         for name in positive:
             value = getattr(self, name)
             require(value is None or value > 0, name, "> 0", value)
+        require(
+            self.max_tokens_per_micro_batch is None or self.padding_free,
+            "max_tokens_per_micro_batch",
+            "None unless padding_free is on",
+            self.max_tokens_per_micro_batch,
+            "set padding_free: true to form micro-batches by a token budget",
+        )
         require(0 <= self.warmup_ratio < 1, "warmup_ratio", "in [0, 1)", self.warmup_ratio)
         require(
             self.max_steps > 0 or self.max_steps == -1,
@@ -288,6 +304,8 @@ class GRPOConfig:
             max_grad_norm=self.training.max_grad_norm,
             sampling_correction=correction if (copies_weights if corrects is None else corrects) else None,
             truncation=replayed_truncation(self.generation.sampling, self.algorithm),
+            padding_free=self.training.padding_free,
+            max_tokens_per_micro_batch=self.training.max_tokens_per_micro_batch,
         )
 
     def total_steps(self, num_prompts: int, world_size: int = 1) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from grpoflow.algo import overlong_mask
+from grpoflow.algo import check_packed_attention, overlong_mask
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import NonFiniteLogits, RolloutEngine
 from grpoflow.phases import PhaseTimer, phase
@@ -136,6 +136,8 @@ class GRPOTrainer:
             if sync.weight_sync_check and copies_weights
             else None
         )
+        if config.training.padding_free:
+            check_packed_attention(placement.module)
         self.update_settings = config.update_settings(copies_weights)
         self.scorer = RolloutScorer(
             rollout=self.rollout,
@@ -300,7 +302,9 @@ class GRPOTrainer:
         all_kl = None
         if self.config.algorithm.kl_in_reward and self.ref_placement is not None:
             with phase("reward_kl"):
-                kl = reward_kl(self.placement, self.ref_placement, batch, self.update_settings)
+                kl = reward_kl(
+                    self.placement, self.ref_placement, batch, self.update_settings, self.distributed
+                )
             with phase("gather"):
                 all_kl = self.distributed.all_gather(kl)
         with phase("advantages"):

@@ -4,9 +4,15 @@ Over several ranks, each runs its own micro-batches and the gradients are summed
 clipping (by `all_reduce_gradients` for a replicated model, by FSDP's reduce-scatter for a sharded
 one, whose forward passes run inside its root: `grpoflow.policy.placement`); the models come with
 their `Placement`, through which every forward pass runs. The loss is normalised by the global
-batch's totals (dapo's completion tokens, dr_grpo's completions; grpo and bnpo average over
-the micro-batches of every rank), so the summed gradient equals one process's on the whole batch
+batch's totals (dapo's completion tokens, dr_grpo's completions; grpo weighs each micro-batch by
+its share of the batch's completions, bnpo averages over the micro-batches of every rank), so the summed gradient equals one process's on the whole batch
 split into the same micro-batches.
+
+Under `padding_free` every forward pass (policy, old policy, reference) runs on the micro-batch's
+sequences packed into one row (`algo.packing`) and the log-probs come back padded, so the losses
+see the same tensors. A token budget (`max_tokens_per_micro_batch`) makes micro-batches of unequal
+sizes; grpo-style losses then weigh each by its share of the batch's sequences
+(`algo.micro_batch_scale`), so the sum is still the whole batch's mean.
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ from grpoflow.algo import (
     high_entropy_mask,
     micro_batch_scale,
     off_policy_mask,
+    pack_sequences,
+    packed_sequence_logprobs,
     policy_loss,
     sampling_correction,
     sampling_logp_gap,
     sequence_kl,
     sequence_logprobs,
+    token_budget_batches,
 )
 from grpoflow.algo.truncation import Truncation
 from grpoflow.engines import SamplingParams
@@ -82,6 +91,11 @@ class UpdateSettings:
     """The batch carries the engine's log-probs (their gap to the trainer's is logged)."""
     truncation: Truncation | None = None
     """top-k/top-p/min-p replayed on the trainer's logits (`replay_sampling_truncation`)."""
+    padding_free: bool = False
+    """Run each micro-batch's forward passes on its sequences packed end to end in one row."""
+    max_tokens_per_micro_batch: int | None = None
+    """Form micro-batches by this budget of real tokens instead of `micro_batch_size` rows
+    (padding_free only)."""
 
 
 def replayed_truncation(sampling: SamplingParams, algorithm: AlgorithmConfig) -> Truncation | None:
@@ -91,8 +105,21 @@ def replayed_truncation(sampling: SamplingParams, algorithm: AlgorithmConfig) ->
     return truncation if algorithm.replay_sampling_truncation and truncation.active else None
 
 
-def micro_batches(batch: RolloutBatch, size: int) -> list[RolloutBatch]:
-    return [batch.rows(start, min(start + size, len(batch))) for start in range(0, len(batch), size)]
+def micro_batches(
+    batch: RolloutBatch, settings: UpdateSettings, distributed: DistributedContext | None = None
+) -> list[RolloutBatch]:
+    """The batch's consecutive micro-batches: `micro_batch_size` rows each, or under a token
+    budget as many rows as fit (`algo.token_budget_batches`), as many on every rank."""
+    budget = settings.max_tokens_per_micro_batch
+    if budget is None:
+        size = settings.micro_batch_size
+        return [batch.rows(start, min(start + size, len(batch))) for start in range(0, len(batch), size)]
+    lengths = (batch.prompt_mask.sum(dim=1) + batch.completion_mask.sum(dim=1)).tolist()
+    ranges = token_budget_batches(lengths, budget)
+    if distributed is not None and distributed.world_size > 1:
+        # FSDP's collectives need every rank to run as many forward and backward passes.
+        ranges = token_budget_batches(lengths, budget, min_batches=distributed.max_int(len(ranges)))
+    return [batch.rows(rows.start, rows.stop) for rows in ranges]
 
 
 def batch_logprobs(
@@ -103,8 +130,24 @@ def batch_logprobs(
     entropy: bool = False,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (batch, completion_len) of the completion tokens under the placed model."""
+    """Per-token log-probs (batch, completion_len) of the completion tokens under the placed model
+    (and their entropy if asked), from the padded rows or, under `padding_free`, packed ones."""
     model = placement.module
+    if settings.padding_free:
+        packed = pack_sequences(
+            batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
+        )
+        return placement.sharded_forward(
+            lambda: packed_sequence_logprobs(
+                model,
+                packed,
+                temperature=settings.temperature,
+                chunk_size=settings.algorithm.logprob_chunk_size,
+                compute_entropy=entropy,
+                entropy_grad=entropy_grad,
+                truncation=settings.truncation,
+            ),
+        )
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention_mask = (
         torch.cat([batch.prompt_mask, batch.completion_mask], dim=1) if batch.left_padded else None
@@ -140,11 +183,15 @@ def frozen_logprobs(
 
 
 def reward_kl(
-    placement: Placement, ref_placement: Placement, batch: RolloutBatch, settings: UpdateSettings
+    placement: Placement,
+    ref_placement: Placement,
+    batch: RolloutBatch,
+    settings: UpdateSettings,
+    distributed: DistributedContext | None = None,
 ) -> torch.Tensor:
     """Each completion's KL to the reference, `(batch,)`: the sum over its loss tokens of the
     `kl_estimator` between the placed policy (before the update) and the reference model."""
-    parts = micro_batches(batch, settings.micro_batch_size)
+    parts = micro_batches(batch, settings, distributed)
     logps = frozen_logprobs(placement, parts, settings)
     with ref_placement.in_use():
         ref = frozen_logprobs(ref_placement, parts, settings)
@@ -182,7 +229,7 @@ def update_policy(
     distributed = distributed or DistributedContext()
     model = placement.module
     algorithm = settings.algorithm
-    parts = micro_batches(batch, settings.micro_batch_size)
+    parts = micro_batches(batch, settings, distributed)
     starts = [0]
     for part in parts:
         starts.append(starts[-1] + len(part))
@@ -195,7 +242,7 @@ def update_policy(
             ref = frozen_logprobs(ref_placement, parts, settings)
     num_items = distributed.all_reduce(batch.loss_mask.sum()).clamp(min=1)
     num_micro_batches = len(parts) * distributed.world_size
-    scale = micro_batch_scale(algorithm.loss_type, num_micro_batches)
+    num_sequences = len(batch) * distributed.world_size
     surrogate_settings = algorithm.surrogate_settings()
     entropy_control = entropy_control or algorithm.entropy_control()
     # Metrics stay on the device until the end: a float() per micro-batch would stall the GPU.
@@ -239,12 +286,13 @@ def update_policy(
                 importance_sampling_level=algorithm.importance_sampling_level,
                 max_completion_length=settings.max_completion_length,
                 num_items_in_batch=num_items,
-                num_sequences_in_batch=len(batch) * distributed.world_size,
+                num_sequences_in_batch=num_sequences,
                 is_weights=is_weights[index],
                 surrogate_settings=surrogate_settings,
                 loss_weights=loss_weights,
             )
             metrics.update(correction_metrics)
+            scale = micro_batch_scale(algorithm.loss_type, num_micro_batches, len(part), num_sequences)
             total = loss * scale
             if entropy_control.enabled:
                 effective = part.loss_mask if token_mask is None else part.loss_mask * token_mask

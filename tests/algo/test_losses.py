@@ -182,6 +182,37 @@ def test_micro_batches_add_up_to_the_full_batch(loss_type):
     torch.testing.assert_close(accumulated, full)
 
 
+@pytest.mark.parametrize("loss_type", sorted(set(LOSS_TYPES) - {"bnpo"}))
+def test_unequal_micro_batches_add_up_to_the_full_batch(loss_type):
+    """Token-budget micro-batches hold different numbers of completions: weighted by their share of
+    the batch's completions (`micro_batch_scale`'s counts), per-sequence means still add up."""
+    logps, old_logps, ref_logps, advantages, _ = random_inputs(seq=6)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
+    totals = dict(max_completion_length=6, num_items_in_batch=mask.sum(), num_sequences_in_batch=4)
+    common = dict(beta=0.05, loss_type=loss_type)
+    full, _ = policy_loss(logps, old_logps, advantages, mask, ref_logps=ref_logps, **common, **totals)
+    accumulated = 0.0
+    for rows in (slice(0, 1), slice(1, 4)):
+        micro, _ = policy_loss(
+            logps[rows],
+            old_logps[rows],
+            advantages[rows],
+            mask[rows],
+            ref_logps=ref_logps[rows],
+            **common,
+            **totals,
+        )
+        size = rows.stop - rows.start
+        accumulated = accumulated + micro * micro_batch_scale(loss_type, 2, size, 4)
+    torch.testing.assert_close(accumulated, full)
+
+
+def test_bnpo_averages_its_micro_batches_token_means_as_trl_defines():
+    assert micro_batch_scale("bnpo", 4, num_sequences=1, num_sequences_in_batch=16) == 0.25
+    assert micro_batch_scale("grpo", 4, num_sequences=1, num_sequences_in_batch=16) == 1 / 16
+    assert micro_batch_scale("dapo", 4, num_sequences=1, num_sequences_in_batch=16) == 1.0
+
+
 def test_errors_name_the_known_choices():
     logps, old_logps, ref_logps, advantages, mask = random_inputs()
     with pytest.raises(

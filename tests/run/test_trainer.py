@@ -81,6 +81,19 @@ def test_kl_and_several_iterations_report_their_metrics(tmp_path):
     assert history[-1]["kl"] > 0  # after an update the policy left the reference
 
 
+def test_padding_free_runs_train_as_padded_ones(tmp_path):
+    """Step 1 samples the same rollouts either way; the packed update gives the same loss, and a
+    token budget (micro-batches of unequal sizes) the same loss again for dapo."""
+    common = dict(max_steps=1, beta=0.1, num_iterations=2)
+    padded = run(recipe(tmp_path / "padded", **common))[0]
+    packed = run(recipe(tmp_path / "packed", padding_free=True, **common))[0]
+    budget = run(recipe(tmp_path / "budget", padding_free=True, max_tokens_per_micro_batch=300, **common))[0]
+    assert packed["reward"] == padded["reward"] == budget["reward"]
+    for name in ("loss", "kl", "entropy"):
+        assert packed[name] == pytest.approx(padded[name], rel=1e-4, abs=1e-6), name
+    assert budget["loss"] == pytest.approx(padded["loss"], rel=1e-4, abs=1e-6)
+
+
 def test_overlong_filter_gives_truncated_completions_no_loss(tmp_path):
     # max_completion_length 2: every completion of the untrained model is truncated.
     history = run(recipe(tmp_path, max_steps=1, max_completion_length=2, overlong_filter=True))
@@ -218,7 +231,8 @@ def test_truncated_sampling_is_replayed_so_the_engines_logprobs_match_the_traine
     unreplayed = run(
         recipe(tmp_path / "full", max_steps=2, top_p=0.8, top_k=20, replay_sampling_truncation=False)
     )
-    for step in replayed:
+    packed = run(recipe(tmp_path / "packed", max_steps=2, top_p=0.8, top_k=20, padding_free=True))
+    for step in replayed + packed:
         assert step["sampling/sampling_logp_difference/mean"] < 1e-3  # the CPU's float32 ops
     for step in unreplayed:
         # The whole vocabulary's log-probs sit log(kept mass) below the engine's: a bias, not noise.
