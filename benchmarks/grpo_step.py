@@ -4,7 +4,8 @@
     python benchmarks/grpo_step.py --systems grpoflow --steps 3
     python benchmarks/grpo_step.py --smoke          # a tiny model on the CPU, to check the script
     python benchmarks/grpo_step.py --systems grpoflow,trl,trl-fp32
-    python benchmarks/grpo_step.py --workload long-tail   # long-tailed lengths, packed updates
+    python benchmarks/grpo_step.py --workload long-tail   # long-tailed lengths
+    python benchmarks/grpo_step.py --workload long-tail --max-tokens 8192   # grpoflow packed
 
 `trl-fp32` gives TRL the same weights saved in float32, which it then trains as the Hugging Face
 Trainer does mixed precision (float32 master weights, bf16 autocast) and samples from in float32.
@@ -18,8 +19,8 @@ the first `--warmup` steps are left out of the means. Results go to benchmarks/r
 The long-tail workload (`--workload long-tail`): the same model with its end-of-sequence logit
 raised (`raise_eos_probability`: a bias on the last layer's values, calibrated so that about one
 sampled token in 300 is EOS), so completion lengths are roughly geometric with a mean near 300,
-up to 1024 new tokens; grpoflow updates padding-free with micro-batches of at most `--max-tokens`
-tokens, TRL in padded micro-batches of `--micro-batch` completions. Both sides load the same
+up to 1024 new tokens; both sides update in padded micro-batches of `--micro-batch` completions,
+or grpoflow padding-free with micro-batches of at most `--max-tokens` tokens when given. Both sides load the same
 checkpoint and prompts; the table gives the completion lengths each actually produced.
 """
 
@@ -152,11 +153,7 @@ def grpoflow_overrides(args, model_dir: Path, prompts: Path) -> dict:
         "report_to": ["none"],
         "disable_tqdm": True,
         "dataset_shuffle": False,
-        **(
-            {"padding_free": True, "max_tokens_per_micro_batch": args.max_tokens}
-            if args.workload == "long-tail"
-            else {}
-        ),
+        **({"padding_free": True, "max_tokens_per_micro_batch": args.max_tokens} if args.max_tokens else {}),
         **extra_overrides(getattr(args, "set", None)),
     }
 
@@ -336,7 +333,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=None, help="completions per micro-batch")
     parser.add_argument("--new-tokens", type=int, default=None, help="max_completion_length")
     parser.add_argument(
-        "--max-tokens", type=int, default=8192, help="grpoflow's token budget per micro-batch (long-tail)"
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="grpoflow: packed updates with this token budget per micro-batch (0: padded)",
     )
     parser.add_argument("--gradient-checkpointing", type=int, default=1, help="grpoflow's; 0 turns it off")
     parser.add_argument("--torch-compile", type=int, default=0, help="grpoflow's; 1 compiles the layers")
