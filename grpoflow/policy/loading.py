@@ -31,6 +31,12 @@ class PolicyConfig:
     rotary embeddings and activations); generation engines are unaffected."""
     trust_remote_code: bool = False
     """Allow model code from the hub."""
+    attn_implementation: (
+        Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"] | None
+    ) = None
+    """Attention kernel of the training forward (transformers' name); unset: the model's default
+    (sdpa). Rollout engines keep their own. `padding_free` wants one that skips what the packed
+    mask hides (flex_attention, flash_attention_2)."""
 
     def load_tokenizer(self):
         """The model's tokenizer, with a pad token."""
@@ -120,6 +126,14 @@ def load_model(
         except OSError as error:
             raise ValueError(_load_hint(source, error)) from None
     model.to(device)
+    if config.attn_implementation is not None:
+        try:
+            model.set_attn_implementation(config.attn_implementation)
+        except (ImportError, ValueError) as error:
+            raise ValueError(
+                f"attn_implementation={config.attn_implementation!r} does not load for this model "
+                f"({error}); leave it unset for sdpa"
+            ) from None
     if config.torch_compile:
         compile_layers(model)
     if config.gradient_checkpointing:

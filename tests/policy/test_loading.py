@@ -1,0 +1,35 @@
+"""Building the policy from its config (CPU): the attention kernel it trains with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.support import recipe
+
+from grpoflow.policy.loading import PolicyConfig
+from grpoflow.run.build import run
+
+
+def build(**options):
+    return PolicyConfig(model="tiny", **options).build(vocab_size=52, seed=0, device=torch.device("cpu"))
+
+
+def test_the_attention_kernel_is_the_models_default_unless_chosen():
+    assert build().config._attn_implementation == "sdpa"
+    assert build(attn_implementation="eager").config._attn_implementation == "eager"
+    assert build(attn_implementation="flex_attention").config._attn_implementation == "flex_attention"
+
+
+def test_a_kernel_that_does_not_load_is_named_with_the_fix():
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'.*leave it unset"):
+        build(attn_implementation="flash_attention_2")  # no flash-attn package on this machine
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention has no backward on the CPU")
+def test_padding_free_trains_with_flex_attention(tmp_path):
+    flex = run(recipe(tmp_path, max_steps=2, padding_free=True, attn_implementation="flex_attention"))
+    padded = run(recipe(tmp_path / "padded", max_steps=2))
+    # The first step samples the same completions; the loss differs by the kernels' rounding.
+    assert flex[0]["reward"] == pytest.approx(padded[0]["reward"])
+    assert flex[0]["loss"] == pytest.approx(padded[0]["loss"], abs=1e-2)
