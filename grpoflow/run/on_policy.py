@@ -94,7 +94,10 @@ class OnPolicySingleTurn:
         ]
         counts = self._settle(engine, drafts)
         for group, members in zip(groups, drafts):
-            group.completions = [draft.completion() for draft in members]
+            group.completions = [
+                draft.completion() if draft.finish_reason != "error" else completion
+                for draft, completion in zip(members, group.completions)
+            ]
             group.texts = [
                 self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group.completions
             ]
