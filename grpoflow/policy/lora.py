@@ -202,10 +202,7 @@ def _adapter_parts(
         yield from _plain_parameters(module, prefix, seen)
         return
     if with_base:
-        for name, parameter in module.named_parameters(recurse=False):
-            if id(parameter) not in seen:
-                seen.add(id(parameter))
-                yield prefix + name, parameter
+        yield from _own_parameters(module, prefix, seen)
     for name, child in module.named_children():
         yield from _adapter_parts(child, f"{prefix}{name}.", with_base, seen)
 
@@ -423,12 +420,17 @@ def _plain_parameters(
             module.original_module if trained is None else trained, prefix, seen, skip
         )
         return
+    yield from _own_parameters(module, prefix, seen)
+    for name, child in module.named_children():
+        yield from _plain_parameters(child, f"{prefix}{name}.", seen, skip)
+
+
+def _own_parameters(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`module`'s own parameters (not its children's) not yet in `seen`, named under `prefix`."""
     for name, parameter in module.named_parameters(recurse=False):
         if id(parameter) not in seen:
             seen.add(id(parameter))
             yield prefix + name, parameter
-    for name, child in module.named_children():
-        yield from _plain_parameters(child, f"{prefix}{name}.", seen, skip)
 
 
 def _merged_weight(layer, weight: torch.Tensor) -> torch.Tensor:
