@@ -4,6 +4,7 @@ engine's KV cache sized from what the plan leaves."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -96,7 +97,8 @@ def plan_settings(config, kv_cache_bytes: int = 0) -> PlanSettings:
 def kv_cache_blocks(config, shape: ModelShape, capacity: int) -> tuple[int, int]:
     """The native engine's KV-cache blocks from what the plan leaves it under
     gpu_memory_utilization (at most max_num_seqs full sequences), and the bytes of cache plus
-    workspace; the per-block and workspace sizes are the engine's own (`kv_cache`)."""
+    the workspace this run's calls use (`engine_in_use`); the per-block and workspace sizes are
+    the engine's own (`kv_cache`)."""
     from grpoflow.engines.native.kv_cache import block_bytes, workspace_bytes
     from grpoflow.engines.native.model import Shape
     from grpoflow.engines.native.sizing import NativeEngineConfig
@@ -123,7 +125,29 @@ def kv_cache_blocks(config, shape: ModelShape, capacity: int) -> tuple[int, int]
     resident = sum(plan_memory(shape, plan_settings(config), capacity).rollout.values())
     budget = int(capacity * engine.gpu_memory_utilization) - resident - workspace
     blocks = max(0, min(budget // per_block, useful))
-    return blocks, blocks * per_block + workspace
+    return blocks, blocks * per_block + workspace_bytes(native, engine_in_use(config, engine), dtype)
+
+
+def engine_in_use(config, engine):
+    """The engine's sizes as this run's calls use them: the cache is sized for the engine's
+    bounds (`max_num_seqs` rows, `max_prefill_tokens`), but a single-turn run decodes at most its
+    generation batch and prefills each call's prompts once (their samples share them), which is
+    what its peak holds. Episodes of several turns keep the bounds."""
+    if config.agent.enabled or config.agent.rollout_func or config.agent.agent_program:
+        return engine
+    rows = config.generation_batch_size
+    prompts = rows // config.generation.num_generations
+    if config.eval.during_training:
+        eval_rows = config.eval.per_device_eval_batch_size or rows
+        rows = max(rows, eval_rows)
+        prompts = max(
+            prompts, eval_rows // (config.eval.num_generations_eval or config.generation.num_generations)
+        )
+    return dataclasses.replace(
+        engine,
+        max_num_seqs=min(engine.max_num_seqs, rows),
+        max_prefill_tokens=min(engine.max_prefill_tokens, max(1, prompts) * config.data.max_prompt_length),
+    )
 
 
 def run_plan(config, capacity: int) -> tuple[MemoryPlan, int | None]:

@@ -41,3 +41,22 @@ def test_kv_cache_takes_what_the_plan_leaves(tmp_path):
         20 * 2**30,
     )
     assert 0 < small[1] < large[1]
+
+
+def test_the_peak_counts_the_workspace_the_runs_calls_use(tmp_path):
+    from grpoflow.engines.native.sizing import NativeEngineConfig
+    from grpoflow.run.plan import engine_in_use
+
+    bounds = NativeEngineConfig(max_num_seqs=512, max_prefill_tokens=16384)
+    # 16 prompts x 8 samples a step, prompts of at most 128 tokens: 128 rows, 16 x 128 tokens
+    config = recipe(
+        tmp_path,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=8,
+        num_generations=8,
+        max_prompt_length=128,
+    )
+    used = engine_in_use(config, bounds)
+    assert (used.max_num_seqs, used.max_prefill_tokens) == (128, 16 * 128)
+    episodes = recipe(tmp_path, tools=["grpoflow.tasks.calculator:calculate"])
+    assert engine_in_use(episodes, bounds) is bounds  # turns re-prefill their context: the bounds
