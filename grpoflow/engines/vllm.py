@@ -4,7 +4,9 @@ vLLM builds its model from a directory, so the engine starts from the policy's o
 it holds a checkpoint, else from a copy saved to a temporary directory. After each optimizer step
 the trainer's `(hf_name, tensor)` pairs are pushed by reference into vLLM's in-place reload
 (`grpoflow.transport.in_process`; `VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here, keeps the engine
-in-process), in `move_model_batches` reloads of whole decoder layers when set.
+in-process), in `move_model_batches` reloads of whole decoder layers when set. A LoRA policy's
+adapters go to vLLM's own LoRA support instead, over the base it holds
+(`grpoflow.engines.vllm_adapters`).
 
 Under torchrun every rank builds its own engine on vLLM's `external_launcher` executor, which joins
 the run's process group instead of starting its own; `vllm_tensor_parallel_size` ranks may share
@@ -114,6 +116,9 @@ class VLLMConfig:
     released before the next (bounds the memory of merged or gathered weights); None: one."""
     sleep_level: Literal[0, 1, 2] = 0
     """Between rollouts: 0 keeps vLLM's memory, 1 frees its KV cache, 2 also its weights."""
+    vllm_enable_lora: bool = True
+    """A LoRA policy: vLLM serves its adapters over the base (adapters alone at each sync after
+    the first); false: the merged weights whole at every sync (ms-swift's name; its default is false)."""
 
     def __post_init__(self) -> None:
         require_fraction("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization)
@@ -331,6 +336,8 @@ class VLLMEngine:
             self._push(weights)
         elif level == 2:
             in_process.reload_directory(self.llm, self.model_dir)
+        if level == 2 and self.adapters is not None and self.adapters.request is not None:
+            self.adapters.renew()
 
     def close(self) -> None:
         """Stop vLLM's engine and remove a temporary model copy."""
@@ -368,11 +375,14 @@ def _lora_arguments(lora_rank: int | None) -> dict:
     return dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1)
 
 
-def adapter_sync_rank(model: torch.nn.Module) -> int | None:
+def adapter_sync_rank(model: torch.nn.Module, enable: bool = True) -> int | None:
     """The rank vLLM must serve to take `model`'s LoRA adapters alone at each sync, or None: not
-    a LoRA policy, or one whose adapters cannot travel as a LoRA adapter (it gets the merged
-    weights whole, as the log says)."""
+    a LoRA policy, `enable` (vllm_enable_lora) off, or adapters that cannot travel as a LoRA
+    adapter (it gets the merged weights whole, as the log says)."""
     if not lora_layers(model):
+        return None
+    if not enable:
+        logger.info("colocated vLLM gets the merged weights whole at every sync: vllm_enable_lora is off")
         return None
     obstacle = adapter_obstacle(model)
     if obstacle is not None:
@@ -416,5 +426,5 @@ def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> VLLMEngi
         layout=layout,
         move_model_batches=config.move_model_batches,
         cleanup_dir=temporary,
-        lora_rank=adapter_sync_rank(model),
+        lora_rank=adapter_sync_rank(model, config.vllm_enable_lora),
     )

@@ -101,7 +101,6 @@ class AdapterSlot:
         """Save `adapters` ({module: (A (r, in), B (out, r) scaled)}, Hugging Face module names)
         and point the request at them under a new id."""
         from safetensors.torch import save_file
-        from vllm.lora.request import LoRARequest
 
         ranks = {down.shape[0] for down, _ in adapters.values()}
         if len(ranks) != 1:
@@ -124,6 +123,13 @@ class AdapterSlot:
             modules_to_save=None,
         )
         (self.directory / "adapter_config.json").write_text(json.dumps(config))
+        self.renew()
+
+    def renew(self) -> None:
+        """Name the directory's adapter under a new id, so vLLM loads it again (its cached copy is
+        of an older version, or was freed by a level-2 sleep)."""
+        from vllm.lora.request import LoRARequest
+
         version = self._next_id
         self._next_id += 1
         self.request = LoRARequest(f"policy-{version}", version, str(self.directory))

@@ -112,7 +112,7 @@ def test_later_syncs_send_only_the_adapters_under_a_new_request(lora_engine, mon
     assert_rollouts_match_merged(engine, policy)
 
 
-def test_modules_to_save_keep_the_merged_full_sync_and_say_so(caplog):
+def test_modules_to_save_or_the_option_off_keep_the_merged_full_sync_and_say_so(caplog):
     base, _ = tiny_base()
     policy = add_lora(base, AdapterConfig(lora_rank=4, modules_to_save=["model.norm"]))
     with caplog.at_level(logging.INFO, logger="grpoflow.engines.vllm"):
@@ -120,7 +120,9 @@ def test_modules_to_save_keep_the_merged_full_sync_and_say_so(caplog):
     assert "merged weights whole" in caplog.text and "modules_to_save" in caplog.text
     plain, _ = tiny_base()
     assert adapter_sync_rank(plain) is None
-    assert adapter_sync_rank(generation_model(add_lora(plain, AdapterConfig(lora_rank=4)))) == 4
+    adapted = generation_model(add_lora(plain, AdapterConfig(lora_rank=4)))
+    assert adapter_sync_rank(adapted) == 4
+    assert adapter_sync_rank(adapted, enable=False) is None  # vllm_enable_lora: false
 
 
 def test_the_rank_vllm_serves_is_the_smallest_allowed_that_holds_lora_rank():
