@@ -3,8 +3,10 @@
 The engine is built with `enable_lora=True` and keeps the frozen base as the policy holds it; each
 sync hands it the adapters as `grpoflow.transport.adapters` names them (A, and B already times
 alpha / r). They are written as a PEFT adapter directory (alpha = r, so vLLM's scaling is 1),
-overwritten at each sync, and generation runs with a `LoRARequest` whose id is new at each
-sync, so vLLM loads the new version instead of serving the cached one.
+overwritten at each sync, and generation runs with a `LoRARequest` whose id and name are new at
+each sync, so vLLM loads the new version instead of serving the cached one (vLLM 0.32 loads
+adapters from a path only). Not `load_inplace` under the old id: vLLM's prefix cache keys blocks
+by the adapter's name and path, so they would outlive the version they were computed with.
 
 What a LoRA adapter cannot carry keeps the merged full sync (`adapter_obstacle` says why):
 `modules_to_save` (modules trained in full), DoRA, and adapters on embeddings.
