@@ -4,7 +4,9 @@ vLLM builds its model from a directory, so the engine starts from the policy's o
 it holds a checkpoint, else from a copy saved to a temporary directory. After each optimizer step
 the trainer's `(hf_name, tensor)` pairs are pushed by reference into vLLM's in-place reload
 (`grpoflow.transport.in_process`; `VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here, keeps the engine
-in-process), in `move_model_batches` reloads of whole decoder layers when set.
+in-process), in `move_model_batches` reloads of whole decoder layers when set. A LoRA policy's
+adapters go to vLLM's own LoRA support instead, over the base it holds
+(`grpoflow.engines.vllm_adapters`).
 
 Under torchrun every rank builds its own engine on vLLM's `external_launcher` executor, which joins
 the run's process group instead of starting its own; `vllm_tensor_parallel_size` ranks may share
@@ -41,8 +43,17 @@ import torch
 
 from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
 from grpoflow.engines.colocate import ColocateLayout, EngineGroup, merge_shares, own_share
+from grpoflow.engines.vllm_adapters import (
+    AdapterSlot,
+    adapter_obstacle,
+    adapter_rank,
+    lora_layers,
+    plain_base_state,
+    vllm_max_lora_rank,
+)
 from grpoflow.options import require, require_fraction, require_min
 from grpoflow.transport import in_process
+from grpoflow.transport.adapters import split_adapters
 from grpoflow.transport.in_process import WeightSyncExtension
 
 logger = logging.getLogger("grpoflow.engines.vllm")
@@ -105,6 +116,9 @@ class VLLMConfig:
     released before the next (bounds the memory of merged or gathered weights); None: one."""
     sleep_level: Literal[0, 1, 2] = 0
     """Between rollouts: 0 keeps vLLM's memory, 1 frees its KV cache, 2 also its weights."""
+    vllm_enable_lora: bool = True
+    """A LoRA policy: vLLM serves its adapters over the base (adapters alone at each sync after
+    the first); false: the merged weights whole at every sync (ms-swift's name; its default is false)."""
 
     def __post_init__(self) -> None:
         require_fraction("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization)
@@ -130,7 +144,9 @@ def model_directory(model: torch.nn.Module, tokenizer) -> tuple[Path, bool]:
             f"got {type(model).__name__}: use rollout_engine=hf for other modules"
         )
     directory = Path(tempfile.mkdtemp(prefix="grpoflow-vllm-model-"))
-    model.save_pretrained(directory)
+    # a model with PEFT layers is saved as its base: plain names, adapters off
+    state = plain_base_state(model) if lora_layers(model) else None
+    model.save_pretrained(directory, state_dict=state)
     tokenizer.save_pretrained(directory)
     return directory, True
 
@@ -140,7 +156,10 @@ class VLLMEngine:
 
     `layout`: this rank's place among the colocated engines of a torchrun run (one engine per
     `tensor_parallel_size` ranks, on vLLM's `external_launcher` executor); the default is a single
-    process. `seed` is the engine's own seed (the layout's `engine_seed`).
+    process. `seed` is the engine's own seed (the layout's `engine_seed`). `lora_rank` set: vLLM
+    serves a LoRA policy's adapters over the base it holds (`accepts_adapters`): the first sync
+    brings the base, unmerged, with the adapters, later ones the adapters alone
+    (`grpoflow.engines.vllm_adapters`).
     """
 
     shares_policy_weights = False
@@ -160,6 +179,7 @@ class VLLMEngine:
         layout: ColocateLayout | None = None,
         move_model_batches: int | None = None,
         cleanup_dir: bool = False,
+        lora_rank: int | None = None,
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
@@ -177,6 +197,10 @@ class VLLMEngine:
         self.sleep_supported = current_platform.is_sleep_mode_available()
         self.layout = layout or ColocateLayout()
         self.group = EngineGroup(self.layout)
+        self.adapters = AdapterSlot() if lora_rank else None
+        self.accepts_adapters = self.adapters is not None
+        # the directory's weights may differ from the policy's (a dtype, an older copy)
+        self.holds_base = False
         self.llm = LLM(
             model=str(model_dir),
             dtype=dtype,
@@ -190,6 +214,7 @@ class VLLMEngine:
             worker_extension_cls=f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}",
             seed=seed,
             **_launcher_arguments(self.layout),
+            **_lora_arguments(lora_rank),
         )
         self.num_layers = self.llm.model_config.get_total_num_hidden_layers()
         self.policy_version = 0
@@ -222,6 +247,7 @@ class VLLMEngine:
                 [{"prompt_token_ids": prompt} for prompt, _ in requests],
                 [VLLMSamplingParams(**fields) for _, fields in requests],
                 use_tqdm=False,
+                lora_request=self.adapters.request if self.adapters else None,
             )
             if requests
             else []
@@ -252,7 +278,18 @@ class VLLMEngine:
         """Load `(hf_name, tensor)` pairs into vLLM's model (in `move_model_batches` reloads when
         set), or hold them until `wake_up` when vLLM sleeps (its weight memory may be offloaded or
         discarded). Every rank pushes the full weights; under tensor parallelism vLLM keeps the
-        rank's shard."""
+        rank's shard. With `accepts_adapters`, the adapter tensors among them become vLLM's adapter
+        (an update without any, merged weights, leaves the base alone to generate with)."""
+        if self.adapters is not None:
+            weights, adapters = split_adapters(weights)
+            if adapters:
+                self.adapters.write(adapters)
+            else:
+                self.adapters.clear()
+            self.holds_base = True
+            if not weights:
+                self.policy_version = version
+                return
         if self._asleep or self.sleep_level == 2 or self.move_model_batches is None:
             weights = [(name, tensor.detach()) for name, tensor in weights]  # references, no copies
         if self._asleep:
@@ -299,6 +336,8 @@ class VLLMEngine:
             self._push(weights)
         elif level == 2:
             in_process.reload_directory(self.llm, self.model_dir)
+        if level == 2 and self.adapters is not None and self.adapters.request is not None:
+            self.adapters.renew()
 
     def close(self) -> None:
         """Stop vLLM's engine and remove a temporary model copy."""
@@ -306,6 +345,8 @@ class VLLMEngine:
         if hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
         self.group.close()
+        if self.adapters is not None:
+            self.adapters.close()
         if self._cleanup_dir:
             shutil.rmtree(self.model_dir, ignore_errors=True)
 
@@ -325,6 +366,30 @@ def _launcher_arguments(layout: ColocateLayout) -> dict:
         distributed_executor_backend="external_launcher",
         tensor_parallel_size=layout.tensor_parallel_size,
     )
+
+
+def _lora_arguments(lora_rank: int | None) -> dict:
+    """`vllm.LLM` arguments serving one LoRA adapter of up to `lora_rank`."""
+    if not lora_rank:
+        return {}
+    return dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1)
+
+
+def adapter_sync_rank(model: torch.nn.Module, enable: bool = True) -> int | None:
+    """The rank vLLM must serve to take `model`'s LoRA adapters alone at each sync, or None: not
+    a LoRA policy, `enable` (vllm_enable_lora) off, or adapters that cannot travel as a LoRA
+    adapter (it gets the merged weights whole, as the log says)."""
+    if not lora_layers(model):
+        return None
+    if not enable:
+        logger.info("colocated vLLM gets the merged weights whole at every sync: vllm_enable_lora is off")
+        return None
+    obstacle = adapter_obstacle(model)
+    if obstacle is not None:
+        logger.info("colocated vLLM gets the merged weights whole at every sync: %s", obstacle)
+        return None
+    logger.info("colocated vLLM gets the LoRA adapters alone at every sync after the first")
+    return adapter_rank(model)
 
 
 def _dtype_name(model: torch.nn.Module) -> str:
@@ -361,4 +426,5 @@ def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> VLLMEngi
         layout=layout,
         move_model_batches=config.move_model_batches,
         cleanup_dir=temporary,
+        lora_rank=adapter_sync_rank(model, config.vllm_enable_lora),
     )

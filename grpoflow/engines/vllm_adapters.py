@@ -1,0 +1,144 @@
+"""A LoRA policy's adapters in a colocated vLLM, loaded through vLLM's own LoRA support.
+
+The engine is built with `enable_lora=True` and keeps the frozen base as the policy holds it; each
+sync hands it the adapters as `grpoflow.transport.adapters` names them (A, and B already times
+alpha / r). They are written as a PEFT adapter directory (alpha = r, so vLLM's scaling is 1),
+overwritten at each sync, and generation runs with a `LoRARequest` whose id and name are new at
+each sync, so vLLM loads the new version instead of serving the cached one (vLLM 0.32 loads
+adapters from a path only). Not `load_inplace` under the old id: vLLM's prefix cache keys blocks
+by the adapter's name and path, so they would outlive the version they were computed with.
+
+What a LoRA adapter cannot carry keeps the merged full sync (`adapter_obstacle` says why):
+`modules_to_save` (modules trained in full), DoRA, and adapters on embeddings.
+
+PEFT and vLLM are imported only when a LoRA policy meets the vLLM engine.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import typing
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from grpoflow.transport.adapters import DOWN, UP
+
+PEFT_PREFIX = "base_model.model."
+"""The prefix of a module's name in PEFT's adapter files."""
+
+
+def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The PEFT LoRA layers of `model` by name (none without importing PEFT when no one has)."""
+    if "peft" not in sys.modules:
+        return []
+    from peft.tuners.lora import LoraLayer
+
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+
+
+def adapter_obstacle(model: nn.Module) -> str | None:
+    """Why the adapters of `model` (a model with PEFT layers) cannot travel to vLLM as a LoRA
+    adapter, or None when they can."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    if any(isinstance(module, ModulesToSaveWrapper) for module in model.modules()):
+        return "modules_to_save are trained in full, which a LoRA adapter cannot carry"
+    for name, layer in lora_layers(model):
+        if any(layer.use_dora.values()):
+            return f"{name} uses DoRA, which vLLM does not load"
+        if layer.lora_embedding_A:
+            return f"{name} adapts an embedding, which vLLM's adapters from PEFT do not cover"
+    return None
+
+
+def adapter_rank(model: nn.Module) -> int:
+    """The largest rank over the LoRA layers of `model` (several active adapters add up)."""
+    ranks = [
+        sum(layer.r[adapter] for adapter in layer.active_adapters if adapter in layer.lora_A)
+        for _, layer in lora_layers(model)
+    ]
+    return max(ranks, default=0)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds `rank` (vLLM takes a fixed set)."""
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(typing.get_args(MaxLoRARanks))
+    fitting = [value for value in allowed if value >= rank]
+    if not fitting:
+        raise ValueError(
+            f"lora_rank={rank} is above the largest rank vLLM serves ({allowed[-1]}): lower "
+            "lora_rank, or use rollout_engine=native"
+        )
+    return fitting[0]
+
+
+def plain_base_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of a model with PEFT layers as the model without them names it, with the
+    base weights as loaded (unmerged) and no adapter weights: what vLLM builds the engine from."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if ".lora_" in name or ".modules_to_save." in name:
+            continue
+        state[name.replace(".base_layer.", ".").replace(".original_module.", ".")] = tensor
+    return state
+
+
+class AdapterSlot:
+    """The one adapter vLLM generates with: a PEFT directory rewritten at each `write`, and the
+    `LoRARequest` naming its current version (None: generate with the base alone)."""
+
+    def __init__(self) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="grpoflow-vllm-adapter-"))
+        self.request = None
+        self._next_id = 1
+
+    def write(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Save `adapters` ({module: (A (r, in), B (out, r) scaled)}, Hugging Face module names)
+        and point the request at them under a new id."""
+        from safetensors.torch import save_file
+
+        ranks = {down.shape[0] for down, _ in adapters.values()}
+        if len(ranks) != 1:
+            raise ValueError(
+                f"vLLM loads one rank per adapter; the policy's layers have ranks {sorted(ranks)}"
+            )
+        tensors = {}
+        for module, (down, up) in adapters.items():
+            tensors[f"{PEFT_PREFIX}{module}{DOWN}"] = down.detach().to("cpu").contiguous()
+            tensors[f"{PEFT_PREFIX}{module}{UP}"] = up.detach().to("cpu").contiguous()
+        rank = ranks.pop()
+        save_file(tensors, str(self.directory / "adapter_model.safetensors"))
+        config = dict(
+            peft_type="LORA",
+            task_type="CAUSAL_LM",
+            r=rank,
+            lora_alpha=rank,  # B arrives already times alpha / r
+            target_modules=sorted({module.rsplit(".", 1)[-1] for module in adapters}),
+            bias="none",
+            modules_to_save=None,
+        )
+        (self.directory / "adapter_config.json").write_text(json.dumps(config))
+        self.renew()
+
+    def renew(self) -> None:
+        """Name the directory's adapter under a new id, so vLLM loads it again (its cached copy is
+        of an older version, or was freed by a level-2 sleep)."""
+        from vllm.lora.request import LoRARequest
+
+        version = self._next_id
+        self._next_id += 1
+        self.request = LoRARequest(f"policy-{version}", version, str(self.directory))
+
+    def clear(self) -> None:
+        """Generate with the base alone (the weights arrived merged)."""
+        self.request = None
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)

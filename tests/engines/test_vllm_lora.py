@@ -1,0 +1,131 @@
+"""The colocated vLLM engine taking a LoRA policy's adapters alone (vLLM's own LoRA support, on
+the CPU): the same rollouts as the merged policy, with only the adapters sent after the first sync."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("peft")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from helpers import support  # noqa: E402
+
+from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
+from grpoflow.engines.base import accepts_adapters  # noqa: E402
+from grpoflow.engines.vllm import VLLMConfig, adapter_sync_rank  # noqa: E402
+from grpoflow.engines.vllm_adapters import vllm_max_lora_rank  # noqa: E402
+from grpoflow.policy.lora import (  # noqa: E402
+    AdapterConfig,
+    add_lora,
+    generation_model,
+    merged_rollout_weights,
+)
+from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from grpoflow.transport import in_process  # noqa: E402
+from grpoflow.transport.adapters import is_adapter_name  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8], [20, 21], [30, 31, 32]]
+MAX_TOKENS = 6
+
+
+def tiny_base():
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    return build_tiny_model(len(tokenizer), **support.VLLM_TINY_SHAPE).eval(), tokenizer
+
+
+def train_adapters(policy, seed: int) -> None:
+    """Stand-in for an optimizer step: new, non-zero adapter weights."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator))
+
+
+def merged_reference(policy, prompt):
+    """Greedy continuation and its log-probs from the policy with its adapters merged (transformers)."""
+    merged = copy.deepcopy(policy).merge_and_unload()
+    ids, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logits = merged(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            token = int(logits.argmax())
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            ids.append(token)
+    return ids[len(prompt) :], logprobs
+
+
+def assert_rollouts_match_merged(engine, policy):
+    params = SamplingParams(n=1, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for prompt, group in zip(PROMPTS, engine.generate(PROMPTS, params)):
+        tokens, logprobs = merged_reference(policy, prompt)
+        assert group[0].token_ids == tokens
+        torch.testing.assert_close(torch.tensor(group[0].logprobs), torch.tensor(logprobs), atol=2e-3, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def lora_engine():
+    base, tokenizer = tiny_base()
+    policy = add_lora(base, AdapterConfig(lora_rank=4, lora_dropout=0.0)).eval()
+    train_adapters(policy, seed=1)
+    options = EngineOptions(engine=EngineConfig(max_model_len=128), vllm=VLLMConfig(vllm_enforce_eager=True))
+    engine = build_engine("vllm", generation_model(policy), tokenizer, options)
+    yield engine, policy
+    engine.close()
+
+
+def test_first_sync_brings_the_base_then_rollouts_equal_the_merged_policy(lora_engine):
+    engine, policy = lora_engine
+    assert accepts_adapters(engine) and not engine.holds_base
+    weights = list(merged_rollout_weights(policy, engine))
+    assert any(not is_adapter_name(name) for name, _ in weights)  # the unmerged base
+    engine.update_weights(weights, version=1)
+    assert engine.holds_base and engine.adapters.request is not None
+    assert_rollouts_match_merged(engine, policy)
+
+
+def test_later_syncs_send_only_the_adapters_under_a_new_request(lora_engine, monkeypatch):
+    engine, policy = lora_engine
+    if not engine.holds_base:
+        engine.update_weights(merged_rollout_weights(policy, engine), version=1)
+    pushed = []
+    monkeypatch.setattr(in_process, "push", lambda llm, weights, **_: pushed.append(list(weights)))
+    before = engine.adapters.request.lora_int_id
+    train_adapters(policy, seed=2)
+    weights = list(merged_rollout_weights(policy, engine))
+    adapter_parameters = [p for name, p in policy.named_parameters() if "lora_" in name]
+    assert all(is_adapter_name(name) for name, _ in weights)
+    assert len(weights) == len(adapter_parameters)
+    sent_bytes = sum(tensor.numel() * tensor.element_size() for _, tensor in weights)
+    assert sent_bytes == sum(p.numel() * p.element_size() for p in adapter_parameters)
+    engine.update_weights(weights, version=2)
+    assert pushed == [] and engine.policy_version == 2
+    assert engine.adapters.request.lora_int_id > before
+    assert_rollouts_match_merged(engine, policy)
+
+
+def test_modules_to_save_or_the_option_off_keep_the_merged_full_sync_and_say_so(caplog):
+    base, _ = tiny_base()
+    policy = add_lora(base, AdapterConfig(lora_rank=4, modules_to_save=["model.norm"]))
+    with caplog.at_level(logging.INFO, logger="grpoflow.engines.vllm"):
+        assert adapter_sync_rank(generation_model(policy)) is None
+    assert "merged weights whole" in caplog.text and "modules_to_save" in caplog.text
+    plain, _ = tiny_base()
+    assert adapter_sync_rank(plain) is None
+    adapted = generation_model(add_lora(plain, AdapterConfig(lora_rank=4)))
+    assert adapter_sync_rank(adapted) == 4
+    assert adapter_sync_rank(adapted, enable=False) is None  # vllm_enable_lora: false
+
+
+def test_the_rank_vllm_serves_is_the_smallest_allowed_that_holds_lora_rank():
+    assert [vllm_max_lora_rank(rank) for rank in (1, 4, 8, 9, 64)] == [1, 8, 8, 16, 64]
+    with pytest.raises(ValueError, match="lora_rank=600"):
+        vllm_max_lora_rank(600)
