@@ -4,8 +4,11 @@ them, and adapter-only checkpoints.
 A LoRA policy is a `peft.PeftModel` around the base model. Only the adapters (and
 `modules_to_save`) train; the base weights stay exactly as loaded, which gives two things for
 free: the reference model is the policy with its adapters switched off (no copy), and a checkpoint
-needs only the adapter. Rollout engines run the policy with the adapters merged into the base
-weights, so they see a plain model of the base architecture.
+needs only the adapter. How rollout engines see them: the native engine adds the adapters'
+low-rank products inside its own projections (no merge); the hf engine generates inside
+`merged_adapters`; engines that keep their own weights get the base once and then the adapters
+alone when they accept them (`grpoflow serve`, colocated vLLM), else the merged weights
+(`merged_weights`).
 
 PEFT is imported only when a run uses LoRA.
 """
