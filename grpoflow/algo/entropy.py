@@ -70,6 +70,15 @@ class AdaptiveEntropy:
             return self.coef
         return self.coef if self.last_entropy <= self.target else 0.0
 
+    def state_dict(self) -> dict[str, float]:
+        """What moves during a run (for checkpoints)."""
+        return {"coef": self.coef, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        """Where a checkpointed run left the coefficient (None: a checkpoint without it)."""
+        if state is not None:
+            self.coef, self.last_entropy = state["coef"], state["last_entropy"]
+
     def step(self, entropy: float) -> None:
         """After an optimizer step whose token-mean entropy was `entropy`."""
         if not self.adaptive:

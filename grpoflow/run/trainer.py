@@ -467,11 +467,13 @@ class GRPOTrainer:
             "rng": checkpoint.rng_state(),
             "config": self.config.to_flat_dict(),
             "best_metric": self.best.value,
+            "entropy_control": self.entropy_control.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.step_count, self.num_tokens = state["step"], state["num_tokens"]
         self.best.value = state.get("best_metric")
+        self.entropy_control.load_state_dict(state.get("entropy_control"))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if not self.draws.load_state_dict(state):

@@ -75,6 +75,18 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path):
         torch.testing.assert_close(got, want, msg=name)
 
 
+def test_resume_keeps_the_adaptive_entropy_coefficient(tmp_path):
+    options = dict(max_steps=4, entropy_coef=0.01, use_adaptive_entropy=True, entropy_target=100.0)
+    history = run(recipe(tmp_path / "a", save_steps=2, **options))
+    assert history[-1]["entropy_coef"] > history[0]["entropy_coef"]  # it moved every step
+    resumed = build_trainer(
+        recipe(tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"), **options)
+    ).train()
+    for expected, got in zip(history[2:], resumed, strict=True):
+        assert got["entropy_coef"] == pytest.approx(expected["entropy_coef"])
+        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-7)
+
+
 def test_kl_and_several_iterations_report_their_metrics(tmp_path):
     history = run(recipe(tmp_path, max_steps=2, beta=0.1, num_iterations=3, epsilon_high=0.28))
     assert all(math.isfinite(step["kl"]) for step in history)
