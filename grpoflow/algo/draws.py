@@ -70,10 +70,15 @@ def row_keys(seeds: np.ndarray, token_index: np.ndarray) -> np.ndarray:
     )
 
 
-def row_uniforms(keys: Tensor) -> Tensor:
-    """(B,) int64 keys -> (B,) float32 uniforms in (0, 1), 24 bits each (the Triton kernel's)."""
-    bits = hash32_torch(keys ^ GOLDEN)
+def uniforms_from_bits(bits: Tensor) -> Tensor:
+    """uint32 hashes (in int64) -> float32 uniforms in (0, 1) from their top 24 bits (the Triton
+    kernels' conversion)."""
     return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+def row_uniforms(keys: Tensor) -> Tensor:
+    """(B,) int64 keys -> (B,) float32 uniforms in (0, 1), 24 bits each."""
+    return uniforms_from_bits(hash32_torch(keys ^ GOLDEN))
 
 
 def keyed_draw(
@@ -118,7 +123,7 @@ def gumbel_uniforms(keys: Tensor, start: int, count: int) -> Tensor:
     bits = hash32_torch(
         hash32_torch(keys ^ GOLDEN)[:, None] ^ hash32_torch(tokens * TOKEN_SALT & MASK32)[None, :]
     )
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return uniforms_from_bits(bits)
 
 
 def gumbel_draw(

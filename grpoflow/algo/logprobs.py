@@ -85,7 +85,7 @@ def _linear_parameters(lm_head: nn.Linear | Tensor, bias: Tensor | None) -> tupl
     return lm_head, bias
 
 
-def _projection(lm_head: nn.Module | Tensor, bias: Tensor | None):
+def projection(lm_head: nn.Module | Tensor, bias: Tensor | None):
     """A callable `hidden (tokens, hidden) -> logits (tokens, vocab)` and the weight it uses."""
     if isinstance(lm_head, nn.Module):
         if bias is not None:
@@ -148,7 +148,7 @@ def token_logprobs_from_hidden(
             else None
         )
         return log_probs, entropy
-    project, weight = _projection(lm_head, bias)
+    project, weight = projection(lm_head, bias)
 
     def score_chunk(hidden_chunk: Tensor, target_chunk: Tensor) -> tuple[Tensor, Tensor | None]:
         logits = truncated_scores(project(hidden_chunk).float() / temperature, truncation, target_chunk)
@@ -280,7 +280,7 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
-def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     """The model's decoder body and output projection, or None when logits need the full forward."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
@@ -295,6 +295,37 @@ def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     if decoder is None or decoder is model or head is None:
         return None
     return decoder, head
+
+
+def check_logits_to_keep(logits_to_keep: int, input_ids: Tensor) -> None:
+    """Every scored token needs a predecessor in its row: 1 <= logits_to_keep <= seq - 1."""
+    if not 0 < logits_to_keep < input_ids.size(1):
+        raise ValueError(
+            f"logits_to_keep must be in [1, seq - 1] so that every scored token has a predecessor; got "
+            f"{logits_to_keep} for seq {input_ids.size(1)}."
+        )
+
+
+def positions(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """`(batch, seq)` position ids: counted over attended tokens, or 0.. without a mask."""
+    if attention_mask is None:
+        return torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
+    return position_ids_from_mask(attention_mask)
+
+
+def completion_hidden(
+    decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, logits_to_keep: int
+) -> Tensor:
+    """`(batch, logits_to_keep, hidden)`: the decoder body's last hidden states that predict the last
+    `logits_to_keep` tokens of each row (the state at position t - 1 scores token t)."""
+    check_logits_to_keep(logits_to_keep, input_ids)
+    outputs = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions(input_ids, attention_mask),
+        use_cache=False,
+    )
+    return outputs.last_hidden_state[:, -(logits_to_keep + 1) : -1]
 
 
 def sequence_logprobs(
@@ -328,22 +359,14 @@ def sequence_logprobs(
         log_probs: `(batch, logits_to_keep)` float32.
         entropy: `(batch, logits_to_keep)` float32, with gradient only under `entropy_grad`, or None.
     """
-    if not 0 < logits_to_keep < input_ids.size(1):
-        raise ValueError(
-            f"logits_to_keep must be in [1, seq - 1] so that every scored token has a predecessor; got "
-            f"{logits_to_keep} for seq {input_ids.size(1)}."
-        )
     targets = input_ids[:, -logits_to_keep:]
-    if attention_mask is None:
-        position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
-    else:
-        position_ids = position_ids_from_mask(attention_mask)
-    parts = _decoder_and_head(model)
+    parts = decoder_and_head(model)
     if parts is None:
+        check_logits_to_keep(logits_to_keep, input_ids)
         outputs = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids,
+            position_ids=positions(input_ids, attention_mask),
             logits_to_keep=logits_to_keep + 1,
             use_cache=False,
         )
@@ -352,12 +375,8 @@ def sequence_logprobs(
             logits, targets, temperature, chunk_size, compute_entropy, entropy_grad, truncation
         )
     decoder, head = parts
-    outputs = decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    )
-    hidden = outputs.last_hidden_state[:, -(logits_to_keep + 1) : -1]
     return token_logprobs_from_hidden(
-        hidden,
+        completion_hidden(decoder, input_ids, attention_mask, logits_to_keep),
         head,
         targets,
         temperature,
@@ -383,7 +402,7 @@ def packed_sequence_logprobs(
     Returns the same `(batch, completion_len)` float32 log-probs (and entropy) as the padded
     path, zeros on padding.
     """
-    parts = _decoder_and_head(model)
+    parts = decoder_and_head(model)
     if parts is None:
         logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
         log_probs, entropy = _logprobs_from_logits(

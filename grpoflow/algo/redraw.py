@@ -16,14 +16,14 @@ states (same rows, same padding).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from grpoflow.algo.draws import gumbel_draw
 from grpoflow.algo.logprobs import (
     DEFAULT_CHUNK_SIZE,
-    _decoder_and_head,
-    position_ids_from_mask,
+    completion_hidden,
+    decoder_and_head,
+    projection,
     token_logprobs_from_hidden,
 )
 from grpoflow.algo.truncation import Truncation
@@ -49,13 +49,12 @@ def redraw_from_hidden(
         tokens: `(batch, seq)` int64, the token each key draws.
         log_probs: `(batch, seq)` float32, their log-probs as the update computes them.
     """
-    weight = head.weight if isinstance(head, nn.Module) else head
-    bias = head.bias if isinstance(head, nn.Linear) else None
+    project, _ = projection(head, None)
     truncation = truncation if truncation is not None and truncation.active else None
     flat_hidden = hidden.reshape(-1, hidden.size(-1))
     pieces = []
     for hidden_chunk, key_chunk in zip(flat_hidden.split(chunk_size), keys.reshape(-1).split(chunk_size)):
-        logits = F.linear(hidden_chunk, weight, bias)  # (chunk, vocab), as the update projects
+        logits = project(hidden_chunk)  # (chunk, vocab), as the update projects
         thresholds = truncation.thresholds(logits.float() / temperature) if truncation else None
         pieces.append(gumbel_draw(logits, key_chunk, 1.0 / temperature, thresholds)[0])
     tokens = torch.cat(pieces).view(keys.shape) if pieces else keys.new_zeros(keys.shape)
@@ -86,22 +85,12 @@ def sequence_redraws(
     Returns:
         `(batch, completion_len)` tokens and their log-probs (`redraw_from_hidden`).
     """
-    length = keys.shape[1]
-    if not 0 < length < input_ids.size(1):
-        raise ValueError(f"keys cover {length} completion tokens of sequences of {input_ids.size(1)}")
-    parts = _decoder_and_head(model)
+    parts = decoder_and_head(model)
     if parts is None:
         raise ValueError(
             f"{type(model).__name__} transforms its logits after the output projection "
             "(soft-capping or scaling): on_policy_sampling cannot replay its draws"
         )
     decoder, head = parts
-    if attention_mask is None:
-        position_ids = torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
-    else:
-        position_ids = position_ids_from_mask(attention_mask)
-    outputs = decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    )
-    hidden = outputs.last_hidden_state[:, -(length + 1) : -1]
+    hidden = completion_hidden(decoder, input_ids, attention_mask, keys.shape[1])
     return redraw_from_hidden(hidden, head, keys, temperature, truncation, chunk_size)

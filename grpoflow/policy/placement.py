@@ -191,6 +191,16 @@ class Placement:
             return
         yield
 
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Within the block the module is in eval mode (no dropout); its mode is restored after."""
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            yield
+        finally:
+            self.module.train(was_training)
+
     def in_use(self) -> AbstractContextManager[None]:
         """A context in which the module (a reference model under `offload_model`) is on its device."""
         return self._on_device() if self.offload_model else nullcontext()

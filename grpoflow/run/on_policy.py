@@ -157,15 +157,11 @@ class OnPolicySingleTurn:
         pairs = [(draft.prompt, draft.completion()) for draft in drafts]
         batch = collate_pairs(pairs, self._pad_id(), self.placement.device)
         batch = batch.rows(0, len(batch))
-        width = batch.completion_ids.shape[1]
-        steps = np.arange(width)
-        keys = np.stack([row_keys(np.full(width, draft.seed, dtype=np.uint64), steps) for draft in drafts])
-        input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
-        mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1) if batch.left_padded else None
+        input_ids, mask = batch.model_inputs()
+        seeds = np.array([draft.seed for draft in drafts], dtype=np.uint64)
+        keys = row_keys(seeds[:, None], np.arange(batch.completion_ids.shape[1])[None, :])
         model = self.placement.module
-        was_training = model.training
-        model.eval()
-        try:
+        with self.placement.evaluating():
             return self.placement.sharded_forward(
                 lambda: sequence_redraws(
                     model,
@@ -177,8 +173,6 @@ class OnPolicySingleTurn:
                     self.chunk_size,
                 )
             )
-        finally:
-            model.train(was_training)
 
     def _finish(self, draft: _Draft) -> str:
         """How a completion whose last token the trainer just drew ends: 'stop', 'length', or

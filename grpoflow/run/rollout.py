@@ -215,6 +215,14 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(batch, prompt_len + completion_len)` input ids and the attention mask, None when no
+        prompt is left-padded (the causal mask then hides the right padding)."""
+        input_ids = torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+        if not self.left_padded:
+            return input_ids, None
+        return input_ids, torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
     def rows(self, start: int, stop: int) -> RolloutBatch:
         """Rows [start, stop) with the all-padding columns cut away."""
         prompt_mask = self.prompt_mask[start:stop]

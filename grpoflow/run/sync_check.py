@@ -54,17 +54,10 @@ class SyncCheck:
             return 0.0
         model = placement.module
         ids = torch.tensor([self.probe_ids + list(token_ids)], device=placement.device)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                logps, _ = placement.sharded_forward(
-                    lambda: sequence_logprobs(
-                        model, ids, torch.ones_like(ids), logits_to_keep=len(token_ids)
-                    ),
-                )
-        finally:
-            model.train(was_training)
+        with placement.evaluating(), torch.no_grad():
+            logps, _ = placement.sharded_forward(
+                lambda: sequence_logprobs(model, ids, torch.ones_like(ids), logits_to_keep=len(token_ids)),
+            )
         engine = torch.tensor(engine_logprobs, dtype=torch.float32)
         return (logps[0].float().cpu() - engine).abs().mean().item()
 

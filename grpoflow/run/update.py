@@ -148,10 +148,7 @@ def batch_logprobs(
                 truncation=settings.truncation,
             ),
         )
-    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
-    attention_mask = (
-        torch.cat([batch.prompt_mask, batch.completion_mask], dim=1) if batch.left_padded else None
-    )
+    input_ids, attention_mask = batch.model_inputs()
     return placement.sharded_forward(
         lambda: sequence_logprobs(
             model,
@@ -173,13 +170,8 @@ def frozen_logprobs(
 ) -> list[torch.Tensor]:
     """Log-probs of each micro-batch under the placed model without gradients (old policy,
     reference)."""
-    model = placement.module
-    was_training = model.training
-    model.eval()
-    try:
+    with placement.evaluating():
         return [batch_logprobs(placement, part, settings)[0] for part in parts]
-    finally:
-        model.train(was_training)
 
 
 def reward_kl(

@@ -101,15 +101,15 @@ def sample(
     thresholds = None
     if options.filters:
         thresholds = options.truncation.thresholds(logits.float() * options.inverse_temperature)
+    args = (logits, keys, options.inverse_temperature, options.greedy, thresholds)
     if options.draw == "gumbel" and not options.greedy:
         tokens, logprobs = gumbel_draw(logits, keys, options.inverse_temperature, thresholds)
-        return (tokens, logprobs) if tokens_out is None else (tokens_out.copy_(tokens), logprobs)
-    args = (logits, keys, options.inverse_temperature, options.greedy, thresholds)
-    if use_triton:
+    elif use_triton:
         from grpoflow.engines.native.kernels import sample_rows
 
         return sample_rows(*args, tokens_out=tokens_out)
-    tokens, logprobs = sample_reference(*args)
+    else:
+        tokens, logprobs = sample_reference(*args)
     if tokens_out is None:
         return tokens, logprobs
     return tokens_out.copy_(tokens), logprobs
