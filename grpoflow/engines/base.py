@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from grpoflow.algo.truncation import Truncation
 from grpoflow.options import NOT_AN_OPTION, key, require, require_fraction, require_min
 
 
@@ -73,6 +74,11 @@ class SamplingParams:
         require(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
         require(self.sample_offset >= 0, "sample_offset", ">= 0", self.sample_offset)
         require(self.token_offset >= 0, "token_offset", ">= 0", self.token_offset)
+
+    @property
+    def truncation(self) -> Truncation:
+        """The top_k/top_p/min_p filters as one object (`grpoflow.algo.truncation`)."""
+        return Truncation(top_k=max(self.top_k, 0), top_p=self.top_p, min_p=self.min_p)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -14,7 +14,6 @@ from contextlib import contextmanager
 import torch
 
 from grpoflow.algo import sequence_logprobs
-from grpoflow.algo.truncation import Truncation
 from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
 
 
@@ -152,9 +151,7 @@ class HFEngine:
                 logits_to_keep=width,
                 temperature=params.temperature or 1.0,
                 chunk_size=self.logprob_chunk_size,
-                truncation=Truncation(top_k=max(params.top_k, 0), top_p=params.top_p, min_p=params.min_p)
-                if params.temperature > 0
-                else None,
+                truncation=params.truncation if params.temperature > 0 else None,
             )
         return [logps[row, : len(ids)].tolist() for row, (ids, _) in enumerate(rows)]
 

@@ -101,7 +101,7 @@ class UpdateSettings:
 def replayed_truncation(sampling: SamplingParams, algorithm: AlgorithmConfig) -> Truncation | None:
     """The filters the trainer replays on its logits: the run's top-k/top-p/min-p under
     `replay_sampling_truncation`, else None."""
-    truncation = Truncation(top_k=max(sampling.top_k, 0), top_p=sampling.top_p, min_p=sampling.min_p)
+    truncation = sampling.truncation
     return truncation if algorithm.replay_sampling_truncation and truncation.active else None
 
 
