@@ -169,16 +169,51 @@ def merged_rollout_weights(model: nn.Module, engine) -> Iterable[tuple[str, torc
 
     An engine that generates from the policy's module (`shares_policy_weights`) gets that module's
     own parameters: nothing to copy (the native engine adds the adapters in its forward; others
-    run inside `merged_adapters`). An engine that adds adapters to its own copy of the base
-    (`accepts_adapters`) gets `adapter_update`: the base on its first sync (until it
-    `holds_base`), then the adapters (and `modules_to_save`) alone. Any other engine gets
+    run inside `merged_adapters`). Any other engine gets what `rollout_parts` says: for one that
+    adds adapters to its own copy of the base (`accepts_adapters`), `adapter_update`: the base on
+    its first sync (until it `holds_base`), then the adapters (and `modules_to_save`) alone; else
     `merged_weights`.
     """
     if engine.shares_policy_weights:
         return generation_model(model).named_parameters()
+    return rollout_parts(model, engine).weights(generation_model(model))
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutParts:
+    """What an engine with its own copy of the weights gets of each part of the policy's
+    generation model, so that a sharded policy can give it one gathered part at a time."""
+
+    adapters: bool = False
+    """The engine adds the adapters to its own base (`adapter_weights`); else merged weights
+    (`module_weights`)."""
+    with_base: bool = True
+    """With the adapters: the base weights too (the engine's first sync)."""
+
+    def weights(
+        self,
+        module: nn.Module,
+        prefix: str = "",
+        seen: set[int] | None = None,
+        skip: tuple[nn.Module, ...] = (),
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`module`'s share, named and deduplicated as `module_weights` names them."""
+        if self.adapters:
+            return adapter_weights(module, prefix, seen, skip, with_base=self.with_base)
+        return module_weights(module, prefix, seen, skip)
+
+    def needs(self, module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> bool:
+        """Whether `module` (less the subtrees `skip`) may have a share: every part does, but
+        only the adapted ones when the adapters go alone."""
+        return self.with_base or has_adapters(module, skip)
+
+
+def rollout_parts(model: nn.Module, engine) -> RolloutParts:
+    """What `engine`, with its own copy of the weights, gets of `model`: the adapters (with the
+    base until it `holds_base`) when it `accepts_adapters` of a PEFT model, else merged weights."""
     if is_peft_model(model) and accepts_adapters(engine):
-        return adapter_update(model, with_base=not getattr(engine, "holds_base", False))
-    return merged_weights(model)
+        return RolloutParts(adapters=True, with_base=not getattr(engine, "holds_base", False))
+    return RolloutParts()
 
 
 def adapter_update(model: nn.Module, *, with_base: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -186,16 +221,26 @@ def adapter_update(model: nn.Module, *, with_base: bool) -> Iterator[tuple[str, 
     the adapters named as `grpoflow.transport.adapters` names them (A, and B times alpha / r) and
     the trained `modules_to_save`, plus, `with_base` (its first sync), every other base weight as
     loaded, unmerged. Names are the plain model's, as in `merged_weights`."""
-    base = model.get_base_model()
-    yield from _adapter_parts(base, "", with_base, set())
+    return adapter_weights(model.get_base_model(), with_base=with_base)
 
 
-def _adapter_parts(
-    module: nn.Module, prefix: str, with_base: bool, seen: set[int]
+def adapter_weights(
+    module: nn.Module,
+    prefix: str = "",
+    seen: set[int] | None = None,
+    skip: tuple[nn.Module, ...] = (),
+    *,
+    with_base: bool,
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`adapter_update` of a part of the policy, as `module_weights` gives `merged_weights` of one:
+    named under `prefix`, leaving out the subtrees `skip` and the parameters whose ids are in
+    `seen` (which it extends)."""
     from peft.tuners.lora import LoraLayer
     from peft.utils.other import ModulesToSaveWrapper
 
+    seen = set() if seen is None else seen
+    if any(module is other for other in skip):
+        return
     if isinstance(module, LoraLayer):
         if with_base:
             yield from _plain_parameters(module.get_base_layer(), prefix, seen)
@@ -207,7 +252,7 @@ def _adapter_parts(
     if with_base:
         yield from _own_parameters(module, prefix, seen)
     for name, child in module.named_children():
-        yield from _adapter_parts(child, f"{prefix}{name}.", with_base, seen)
+        yield from adapter_weights(child, f"{prefix}{name}.", seen, skip, with_base=with_base)
 
 
 def _low_rank(layer, name: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -261,7 +306,7 @@ class WithoutAdapters(nn.Module):
 
     def get_output_embeddings(self) -> nn.Module | None:
         head = self.module.get_output_embeddings()
-        return WithoutAdapters(self.policy, head) if head is not None and _has_adapter(head) else head
+        return WithoutAdapters(self.policy, head) if head is not None and has_adapters(head) else head
 
     @contextmanager
     def _adapters_off(self) -> Iterator[None]:
@@ -366,11 +411,16 @@ def _adapted_base_weights(model: nn.Module) -> list[torch.Tensor]:
     ]
 
 
-def _has_adapter(module: nn.Module) -> bool:
+def has_adapters(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> bool:
+    """Whether `module`, less the subtrees `skip`, holds PEFT layers (adapters or `modules_to_save`)."""
+    if "peft" not in sys.modules or any(module is other for other in skip):
+        return False
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
 
-    return any(isinstance(child, BaseTunerLayer | AuxiliaryTrainingWrapper) for child in module.modules())
+    if isinstance(module, BaseTunerLayer | AuxiliaryTrainingWrapper):
+        return True
+    return any(has_adapters(child, skip) for child in module.children())
 
 
 def module_weights(

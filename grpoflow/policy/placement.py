@@ -11,11 +11,12 @@ normalised by global totals, as without FSDP).
 
 Between forward passes the parameters are sharded `DTensor`s. The native and hf engines read the
 policy's parameters in place, so `Placement.rollout_context` gathers every unit around a rollout
-(and merges LoRA adapters for an engine that does not apply them itself); engines with their own copy get `Placement.rollout_weights`, full
-tensors gathered one at a time and handed over on the CPU. Checkpoints gather a full state dict
-(`Placement.full_state_dict`) and the optimizer state is saved and loaded as full tensors
-(`full_optimizer_state`), so rank 0 writes the same files as a run without FSDP and a resumed run
-replays exactly.
+(and merges LoRA adapters for an engine that does not apply them itself); engines with their own
+copy get `Placement.rollout_weights`, gathered one unit at a time and handed over on the CPU
+(`grpoflow.policy.sharded_weights`; a LoRA policy's adapters alone, after the first sync, to an
+engine that takes them). Checkpoints gather a full state dict (`Placement.full_state_dict`) and
+the optimizer state is saved and loaded as full tensors (`full_optimizer_state`), so rank 0
+writes the same files as a run without FSDP and a resumed run replays exactly.
 
 `place_models` applies a `PlacementConfig` and returns a `Placement` for the policy and one for
 its reference model; the run keeps them and hands them to whatever computes with the models. The
@@ -37,7 +38,7 @@ from torch import nn
 from grpoflow.engines.base import applies_adapters
 from grpoflow.options import require
 from grpoflow.phases import phase
-from grpoflow.policy import lora, offload
+from grpoflow.policy import lora, offload, sharded_weights
 
 logger = logging.getLogger("grpoflow")
 
@@ -221,30 +222,18 @@ class Placement:
         """What `engine.update_weights` receives after an update (see `lora.merged_rollout_weights`).
 
         Sharded: nothing for an engine that reads the policy in place (it sees the new weights at
-        the next `rollout_context`); for any other engine the merged weights, each gathered in full
-        only when the engine takes it and handed over as a CPU tensor, so neither this rank's GPU
-        nor an engine that collects the whole list holds more than one gathered tensor at a time."""
+        the next `rollout_context`); for any other engine the same weights as unsharded (merged,
+        or for one that `accepts_adapters` the base on its first sync and then the adapters
+        alone), gathered one FSDP unit at a time and handed over as CPU tensors
+        (`sharded_weights.gathered_weights`; a collective every rank walks in step)."""
         if not self.is_sharded:
             return lora.merged_rollout_weights(self.module, engine)
         if engine.shares_policy_weights:
             return iter(())
-        return self._gathered_weights()
-
-    def _gathered_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """`lora.merged_weights` of a sharded model, on the CPU: the root unit (embeddings, norm,
-        head) gathered throughout, each decoder layer gathered only while its weights are given (in
-        the mixed-precision dtype when one is set). Every rank must walk it in step."""
-        base = lora.generation_model(self.module)
-        layers = decoder_layers(self.module)
-        prefix = next(name for name, module in base.named_modules() if module is layers)
-        root, seen = self.units[0], set()
-        with torch.no_grad(), _unsharded(root):
-            for name, tensor in lora.module_weights(base, "", seen, skip=(layers,)):
-                yield name, tensor.detach().to("cpu", copy=True)
-            for index, layer in enumerate(layers):
-                with _unsharded(layer):
-                    for name, tensor in lora.module_weights(layer, f"{prefix}.{index}.", seen):
-                        yield name, tensor.detach().to("cpu", copy=True)
+        parts = lora.rollout_parts(self.module, engine)  # read now: the engine holds_base once it takes them
+        return sharded_weights.gathered_weights(
+            self.module, self.units[0], decoder_layers(self.module), parts
+        )
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full state dict of a sharded model on the CPU (a collective: every rank calls it;
@@ -335,15 +324,6 @@ def clip_gradients(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
     """`clip_grad_norm_` over every rank's shards: the global norm, as a plain tensor."""
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-@contextmanager
-def _unsharded(unit: nn.Module) -> Iterator[None]:
-    unit.unshard()
-    try:
-        yield
-    finally:
-        unit.reshard()
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -8,10 +8,11 @@ import copy
 import torch
 import torch.distributed as torch_dist
 
-from grpoflow.policy import lora, placement
+from grpoflow.policy import lora, placement, sharded_weights
 from grpoflow.policy.lora import AdapterConfig
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
 from grpoflow.run.distributed import DistributedContext
+from grpoflow.transport.adapters import DOWN, UP, is_adapter_name
 
 CPU = torch.device("cpu")
 
@@ -22,10 +23,21 @@ class CopyingEngine:
     shares_policy_weights = False
 
 
-def tiny_model(with_lora: bool = False) -> torch.nn.Module:
+class AdapterEngine:
+    """An engine with its own copy that adds a LoRA policy's adapters to the base it holds (as
+    `grpoflow serve` or colocated vLLM with adapters), or that takes merged weights only."""
+
+    shares_policy_weights = False
+
+    def __init__(self, accepts_adapters: bool = True, holds_base: bool = False) -> None:
+        self.accepts_adapters, self.holds_base = accepts_adapters, holds_base
+
+
+def tiny_model(with_lora: bool = False, modules_to_save: tuple[str, ...] = ()) -> torch.nn.Module:
     model = build_preset_model("tiny", len(build_char_tokenizer()), seed=3, dtype=torch.float32, device=CPU)
     if with_lora:
-        model = lora.add_lora(model, AdapterConfig(lora_rank=4, lora_dropout=0.0))
+        config = AdapterConfig(lora_rank=4, lora_dropout=0.0, modules_to_save=list(modules_to_save))
+        model = lora.add_lora(model, config)
         with torch.no_grad():  # nonzero adapters, so that a merge changes the weights
             for name, parameter in model.named_parameters():
                 if "lora_B" in name:
@@ -52,6 +64,110 @@ def check_close(got: dict, want: dict, what: str, atol: float = 1e-6) -> None:
     assert got.keys() == want.keys(), (what, sorted(got.keys() ^ want.keys())[:4])
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=atol, rtol=0, msg=f"{what}: {name}")
+
+
+def check_equal(got: list, want: list, what: str) -> None:
+    """The same (name, tensor) pairs, in any order, equal bit for bit."""
+    got_by_name, want_by_name = dict(got), dict(want)
+    assert len(got_by_name) == len(got), (what, "a name given twice")
+    assert got_by_name.keys() == want_by_name.keys(), (
+        what,
+        sorted(got_by_name.keys() ^ want_by_name.keys())[:4],
+    )
+    for name, tensor in want_by_name.items():
+        assert got_by_name[name].device == CPU, (what, name)
+        assert torch.equal(got_by_name[name], tensor.detach()), (what, name)
+
+
+def gathering_units(run) -> list:
+    """The FSDP units `sharded_weights` gathers while `run()` walks, in order, and its result."""
+    gathered, unsharded = [], sharded_weights.unsharded
+
+    def recording(unit):
+        gathered.append(unit)
+        return unsharded(unit)
+
+    sharded_weights.unsharded = recording
+    try:
+        return gathered, run()
+    finally:
+        sharded_weights.unsharded = unsharded
+
+
+def check_adapter_sync(context: DistributedContext, ids: torch.Tensor) -> None:
+    """An engine that accepts adapters gets from the sharded policy the unmerged base with the
+    adapters, then the adapters and `modules_to_save` alone, as from the whole policy; one that
+    does not gets the merged weights."""
+    world_size = context.world_size
+    whole = tiny_model(with_lora=True, modules_to_save=("model.norm",))
+    context.broadcast_parameters(whole)
+    with torch.no_grad():  # a trained copy of the norm that differs from the base's
+        for name, parameter in whole.named_parameters():
+            if "modules_to_save" in name:
+                parameter.add_(0.5)
+    sharded = copy.deepcopy(whole)
+    where = placement.shard_model(sharded, CPU, world_size=world_size)
+    engine = AdapterEngine()
+    first = list(where.rollout_weights(engine))
+    check_equal(first, list(lora.adapter_update(whole, with_base=True)), "first sync")
+    # The base part: the plain model's parameters by their plain names, unmerged (the trained
+    # modules_to_save in place of its base); the adapters under their wire names only.
+    plain = dict(tiny_model().named_parameters())
+    base = {name: tensor for name, tensor in first if not is_adapter_name(name)}
+    assert base.keys() == plain.keys(), sorted(base.keys() ^ plain.keys())[:4]
+    trained_norm = whole.get_base_model().model.norm.modules_to_save["default"].weight
+    for name, tensor in base.items():
+        want = trained_norm if name == "model.norm.weight" else plain[name]
+        assert torch.equal(tensor, want.detach()), f"first sync base {name}"
+    merged = dict(lora.merged_weights(whole))
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(base[q_proj], merged[q_proj].detach()), "the base came merged"
+    peft_layers = [
+        name for name, module in whole.get_base_model().named_modules() if hasattr(module, "lora_A")
+    ]
+    adapters = {name for name, _ in first if is_adapter_name(name)}
+    assert adapters == {f"{layer}{suffix}" for layer in peft_layers for suffix in (DOWN, UP)}
+    assert not any(".base_layer." in name or ".default." in name for name, _ in first)
+
+    engine.holds_base = True
+    gathered, later = gathering_units(lambda: list(where.rollout_weights(engine)))
+    check_equal(later, list(lora.adapter_update(whole, with_base=False)), "adapter sync")
+    assert {name for name, _ in later} == adapters | {"model.norm.weight"}
+    layer = whole.get_base_model().model.layers[1].mlp.down_proj
+    up = dict(later)[f"model.layers.1.mlp.down_proj{UP}"]
+    assert torch.equal(up, layer.lora_B["default"].weight.detach() * 32 / 4), "B scaled by alpha / r"
+    assert gathered == where.units, "every unit holds an adapter or the trained norm: all gathered"
+    merging = AdapterEngine(accepts_adapters=False, holds_base=True)
+    check_close(
+        dict(where.rollout_weights(merging)), dict(lora.merged_weights(whole)), "merged for any other"
+    )
+
+    # After training steps the adapters and the norm move; the sync follows them.
+    optimizers = []
+    for model in (whole, sharded):
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizers.append(torch.optim.SGD(trainable, lr=1e-2, momentum=0.9))
+    for _ in range(2):
+        for model_placement, optimizer in zip((placement.Placement.local(whole), where), optimizers):
+            train_step(model_placement, optimizer, ids)
+    trained = dict(lora.adapter_update(whole, with_base=False))
+    assert not torch.equal(trained["model.norm.weight"], dict(later)["model.norm.weight"]), "trained"
+    check_close(dict(where.rollout_weights(engine)), trained, "adapter sync after 2 steps", atol=1e-5)
+
+
+def check_adapter_sync_skips_units_without_adapters(context: DistributedContext) -> None:
+    """Without modules_to_save the root (embeddings, norm, tied head) holds no adapter: an
+    adapter-only sync gathers the decoder layers alone; the first sync gathers every unit."""
+    whole = tiny_model(with_lora=True)
+    context.broadcast_parameters(whole)
+    where = placement.shard_model(copy.deepcopy(whole), CPU, world_size=context.world_size)
+    gathered, first = gathering_units(lambda: list(where.rollout_weights(AdapterEngine())))
+    assert gathered == where.units
+    check_equal(first, list(lora.adapter_update(whole, with_base=True)), "first sync without modules_to_save")
+    gathered, later = gathering_units(lambda: list(where.rollout_weights(AdapterEngine(holds_base=True))))
+    assert gathered == where.units[1:] == list(placement.decoder_layers(where.module))
+    assert all(is_adapter_name(name) for name, _ in later)
+    check_equal(later, list(lora.adapter_update(whole, with_base=False)), "adapters without modules_to_save")
 
 
 def main() -> None:
@@ -103,6 +219,8 @@ def main() -> None:
         check_close(
             full, {k: v for k, v in whole.state_dict().items() if k in full}, f"after reload {what}", 1e-5
         )
+    check_adapter_sync(context, ids)
+    check_adapter_sync_skips_units_without_adapters(context)
     torch_dist.destroy_process_group()
     print("fsdp worker: all checks passed")
 

@@ -124,6 +124,43 @@ def test_merged_adapters_give_the_adapted_logits_and_restore_the_base_bit_for_bi
     torch.testing.assert_close(logits(plain, ids, mask), adapted, rtol=1e-5, atol=1e-5)
 
 
+class CopyEngine:
+    shares_policy_weights = False
+
+    def __init__(self, accepts_adapters: bool, holds_base: bool = False) -> None:
+        self.accepts_adapters, self.holds_base = accepts_adapters, holds_base
+
+
+@pytest.mark.parametrize(
+    ("accepts", "holds_base", "want"),
+    [
+        (True, False, lambda model: lora.adapter_update(model, with_base=True)),
+        (True, True, lambda model: lora.adapter_update(model, with_base=False)),
+        (False, True, merged_weights),
+    ],
+)
+def test_rollout_parts_give_the_whole_policys_sync_one_part_at_a_time(accepts, holds_base, want):
+    # As a sharded policy walks them: the model less its decoder layers, then each layer.
+    model, _ = lora_model(modules_to_save=["model.norm"])
+    parts = lora.rollout_parts(model, CopyEngine(accepts, holds_base))
+    assert parts == lora.RolloutParts(adapters=accepts, with_base=not (accepts and holds_base))
+    base = generation_model(model)
+    layers = base.model.layers
+    seen: set[int] = set()
+    pieces = list(parts.weights(base, "", seen, skip=(layers,)))
+    for index, layer in enumerate(layers):
+        pieces += parts.weights(layer, f"model.layers.{index}.", seen)
+    whole = dict(want(model))
+    assert sorted(name for name, _ in pieces) == sorted(whole)
+    assert all(torch.equal(tensor, whole[name]) for name, tensor in pieces)
+    synced = list(lora.merged_rollout_weights(model, CopyEngine(accepts, holds_base)))
+    assert [name for name, _ in synced] == [name for name, _ in want(model)]  # the whole policy's order
+    assert parts.needs(layers[0]) and lora.has_adapters(base, skip=(layers,))  # the trained norm
+    plain, _ = lora_model()
+    assert not lora.has_adapters(generation_model(plain), skip=(generation_model(plain).model.layers,))
+    assert lora.has_adapters(generation_model(plain).model.layers[0])
+
+
 @pytest.mark.parametrize("engine_name", ["hf", "native"])
 def test_engines_generate_the_adapted_policy_inside_the_merge(engine_name):
     if engine_name not in ENGINES:

@@ -1,0 +1,67 @@
+"""A sharded (FSDP2) policy's weights for a rollout engine with its own copy, one unit at a time.
+
+`Placement.rollout_weights` of a sharded policy walks its FSDP units: the root (embeddings, final
+norm, output head, less the decoder layers), then each decoder layer, each gathered only while
+its share is given and every tensor handed over as a CPU copy, so neither the rank's device nor
+an engine that collects the whole list holds more than one gathered unit at a time. What each
+unit gives is `lora.rollout_parts`'s choice, as for a whole policy: the merged weights; or, for
+an engine that adds a LoRA policy's adapters to its own copy of the base, the unmerged base with
+the adapters on its first sync and then the adapters (and `modules_to_save`) alone, when a unit
+holding neither is not gathered at all.
+
+Each gather is a collective: every rank walks the same units in the same order, which holds
+because the walk depends only on the model's structure and on what the engine holds (every
+rank's engine took the same syncs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from grpoflow.policy import lora
+
+
+def gathered_weights(
+    model: nn.Module, root: nn.Module, layers: nn.ModuleList, parts: lora.RolloutParts
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`parts` of the sharded `model` (FSDP root unit `root`, one unit per decoder layer in
+    `layers`) on the CPU, named as for the whole model, in the mixed-precision dtype when one is
+    set. Every rank must walk it to the end in step."""
+    base = lora.generation_model(model)
+    prefix = next(name for name, module in base.named_modules() if module is layers)
+    seen: set[int] = set()
+    with torch.no_grad():
+        yield from _unit_weights(root, base, "", parts, seen, skip=(layers,))
+        for index, layer in enumerate(layers):
+            yield from _unit_weights(layer, layer, f"{prefix}.{index}.", parts, seen)
+
+
+def _unit_weights(
+    unit: nn.Module,
+    module: nn.Module,
+    prefix: str,
+    parts: lora.RolloutParts,
+    seen: set[int],
+    skip: tuple[nn.Module, ...] = (),
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The share of `module` (less `skip`), whose parameters the FSDP `unit` holds, gathered and
+    copied to the CPU; no gather when `parts` needs nothing of it."""
+    if not parts.needs(module, skip):
+        return
+    with unsharded(unit):
+        for name, tensor in parts.weights(module, prefix, seen, skip):
+            yield name, tensor.detach().to("cpu", copy=True)
+
+
+@contextmanager
+def unsharded(unit: nn.Module) -> Iterator[None]:
+    """Within the block the FSDP `unit` holds its full parameters (a collective)."""
+    unit.unshard()
+    try:
+        yield
+    finally:
+        unit.reshard()
