@@ -28,6 +28,7 @@ from torch import nn
 from grpoflow.engines.base import accepts_adapters
 from grpoflow.options import require
 from grpoflow.phases import phase
+from grpoflow.policy.lora_precision import compute_in_input_dtype
 from grpoflow.transport.adapters import DOWN, UP
 
 
@@ -108,6 +109,7 @@ def add_lora(model: nn.Module, config: AdapterConfig) -> nn.Module:
             "module names of the model (q_proj, model.norm, ...) or all-linear"
         ) from None
     _refuse_tied(peft_model, tied)
+    compute_in_input_dtype(peft_model)
     return peft_model
 
 

@@ -16,8 +16,12 @@ Why not merge `W + scale * B A` into the base weights around each rollout, as `p
   a spare GPU copy (15 GB for 7B, the memory LoRA is chosen to save). Here the base is only read.
 - cost: at rank 16 on all linear layers of a 7B model the adapters are 40 M parameters, 0.5% of
   the bytes a decode step reads for the base weights; the products add eleven small kernels
-  per layer (fused q/k/v and gate/up), replayed inside the decode step's CUDA graph (their addresses are the
-  adapters' own storage, which the optimizer updates in place, so a graph never goes stale).
+  per layer (fused q/k/v and gate/up), replayed inside the decode step's CUDA graph. Adapters in
+  the base's dtype are read from their own storage, which the optimizer updates in place, so a
+  graph never goes stale; PEFT's float32 adapters on a bfloat16 base are multiplied through
+  copies in bfloat16 (`attach_copies`, 80 MB at 7B), written once before each rollout, as the
+  trainer multiplies them (`grpoflow.policy.lora_precision`): in float32 every product would
+  cast its input and its output, twice the kernels.
 - fidelity: the trainer scores completions with PEFT's unmerged forward; a bfloat16 merge drops
   the parts of dW below half an ulp of W, the low-rank product keeps them.
 
@@ -43,11 +47,23 @@ class Term:
     """One adapter of one projection: its `lora_A` and `lora_B` linear modules and scale.
 
     The weights are read from the modules at every forward (A (r, in), B (out, r)), so an
-    optimizer step or a gathered shard is seen as the base weights are."""
+    optimizer step or a gathered shard is seen as the base weights are. Adapters held in another
+    dtype than the base (PEFT's float32 on a bfloat16 model) are multiplied through `copies` in the
+    base's dtype, as the trainer's forward multiplies them (`grpoflow.policy.lora_precision`);
+    `refresh_copies` writes them before each rollout."""
 
     down: nn.Module | Matrix
     up: nn.Module | Matrix
     scale: float
+    copies: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def down_weight(self) -> torch.Tensor:
+        return self.down.weight if self.copies is None else self.copies[0]
+
+    @property
+    def up_weight(self) -> torch.Tensor:
+        return self.up.weight if self.copies is None else self.copies[1]
 
 
 @dataclass(slots=True)
@@ -134,10 +150,58 @@ def alias_down(projections: Sequence[Projection]) -> None:
 
 
 def fused_down(projections: Sequence[Projection]) -> torch.Tensor | None:
-    """The group's A matrices as one (sum of ranks, in) view, when they lie back to back."""
+    """The group's A matrices (in the dtype they are multiplied in) as one (sum of ranks, in)
+    view, when they lie back to back."""
     if not _one_term_each(projections):
         return None
-    return rows_view([projection.terms[0].down.weight for projection in projections])
+    return rows_view([projection.terms[0].down_weight for projection in projections])
+
+
+def attach_copies(
+    groups: Sequence[Sequence[Projection]], dtype: torch.dtype, previous: dict[tuple, list[torch.Tensor]]
+) -> dict[tuple, list[torch.Tensor]]:
+    """Give every adapter held in another dtype than `dtype` its `copies` in `dtype` (the A copies
+    of a group of one-adapter projections back to back, for `fused_down`). A group whose weights
+    are where they were keeps its copies from `previous`, so captured graphs stay valid. Returns
+    the copies by group, for `refresh_copies` and the next call."""
+    copies = {}
+    for group in groups:
+        terms = [term for projection in group for term in projection.terms]
+        if all(term.down.weight.dtype == term.up.weight.dtype == dtype for term in terms):
+            continue
+        key = tuple((w.data_ptr(), w.shape) for term in terms for w in (term.down.weight, term.up.weight))
+        made = previous.get(key) or _new_copies(terms, dtype, fused=_one_term_each(group))
+        for index, term in enumerate(terms):
+            term.copies = (made[2 * index], made[2 * index + 1])
+        copies[key] = made
+    return copies
+
+
+def _new_copies(terms: Sequence[Term], dtype: torch.dtype, *, fused: bool) -> list[torch.Tensor]:
+    """[A copy, B copy] per term; the A copies in one buffer when `fused`."""
+    downs = [term.down.weight for term in terms]
+    if fused and len({(w.device, w.shape[1:]) for w in downs}) == 1:
+        rows = [w.shape[0] for w in downs]
+        buffer = torch.empty((sum(rows), *downs[0].shape[1:]), dtype=dtype, device=downs[0].device)
+        parts = list(buffer.split(rows))
+    else:
+        parts = [torch.empty_like(w, dtype=dtype) for w in downs]
+    return [
+        t for term, down in zip(terms, parts) for t in (down, torch.empty_like(term.up.weight, dtype=dtype))
+    ]
+
+
+def refresh_copies(terms: Sequence[Term]) -> None:
+    """Write the adapters' current values into their `copies` (see `attach_copies`)."""
+    pairs = [
+        (weight.detach(), copy)
+        for term in terms
+        if term.copies is not None
+        for weight, copy in zip((term.down.weight, term.up.weight), term.copies)
+    ]
+    if pairs:
+        with torch.no_grad():
+            torch._foreach_copy_([copy for _, copy in pairs], [weight for weight, _ in pairs])
 
 
 def _one_term_each(projections: Sequence[Projection]) -> bool:
@@ -156,20 +220,20 @@ def add_low_rank(
     of the group (`fused_down`), or None to multiply by each A on its own.
     """
     if down is not None:
-        ranks = [projection.terms[0].down.weight.shape[0] for projection in projections]
+        ranks = [projection.terms[0].down_weight.shape[0] for projection in projections]
         parts = F.linear(x.to(down.dtype), down).split(ranks, -1)
         for out, part, projection in zip(outputs, parts, projections):
             _add(out, part, projection.terms[0])
         return
     for out, projection in zip(outputs, projections):
         for term in projection.terms:
-            weight = term.down.weight
+            weight = term.down_weight
             _add(out, F.linear(x.to(weight.dtype), weight), term)
 
 
 def _add(out: torch.Tensor, part: torch.Tensor, term: Term) -> None:
-    up = term.up.weight
+    up = term.up_weight
     if up.dtype == out.dtype:
         out.addmm_(part, up.t(), alpha=term.scale)
-    else:  # float32 adapters on a bfloat16 base (PEFT's default): summed in float32, rounded once, as PEFT does
+    else:  # adapters in another dtype than the output's and no copies: summed in theirs, rounded once
         out.add_(F.linear(part, up), alpha=term.scale)

@@ -163,6 +163,7 @@ class NativeEngine:
         versions = self._versions()
         if versions != self.weights_versions or signature != self.weights_signature:
             runner.reset_pool()  # new values: cached keys and values are stale
+            self.family.refresh_adapter_copies()
             self.weights_signature, self.weights_versions = signature, versions
         try:
             return self._run_steps(book, options, abandoned)

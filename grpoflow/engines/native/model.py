@@ -23,10 +23,12 @@ from grpoflow.engines.native.adapters import (
     adapter_state,
     add_low_rank,
     alias_down,
+    attach_copies,
     fused_down,
     is_lora_layer,
     loaded_term,
     projection_of,
+    refresh_copies,
     supported,
 )
 from grpoflow.engines.native.fusion import alias_rows, rows_view
@@ -132,6 +134,7 @@ class FamilyModel:
             if is_lora_layer(module)
         ]
         self.loaded: dict[str, Term] = {}  # adapters sent as tensors, by module name
+        self.copies: dict[tuple, list[torch.Tensor]] = {}  # adapters' copies in self.dtype
         names = {id(module): name for name, module in hf_model.named_modules()}
         self.projection_names = {
             names[id(module)]: module for module in [p for layer in self.layers for p in _projections(layer)]
@@ -194,6 +197,22 @@ class FamilyModel:
 
         self.adapters = [LayerAdapters.of(layer, find) for layer in self.layers]
         self.head_adapters = find(self.lm_head)
+        groups = [g for a in self.adapters for g in (a.qkv, [a.o], a.gate_up, [a.down])] + [
+            [self.head_adapters]
+        ]
+        self.copies = attach_copies(groups, self.dtype, self.copies)
+        self.refresh_adapter_copies()
+
+    def refresh_adapter_copies(self) -> None:
+        """Write the adapters' current values into their copies in the base's dtype (see
+        `adapters.attach_copies`); before every rollout."""
+        terms = [
+            term
+            for adapters in self.adapters
+            for projection in (*adapters.qkv, adapters.o, *adapters.gate_up, adapters.down)
+            for term in projection.terms
+        ]
+        refresh_copies(terms + self.head_adapters.terms)
 
     def fuse_projections(self) -> None:
         """Lay each layer's q/k/v weights (and biases) and gate/up weights back to back in memory
