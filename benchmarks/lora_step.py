@@ -3,6 +3,8 @@ achieved FLOP/s and the rollout's tokens/s.
 
     python benchmarks/lora_step.py                  # the 7B workload (about 4 minutes on an H100)
     python benchmarks/lora_step.py --smoke          # a tiny model on the CPU, to check the script
+    python benchmarks/lora_step.py --set lora_dropout=0 --set gradient_checkpointing=false --micro-batch 4
+    python benchmarks/lora_step.py --profile        # then the top GPU operators of one more step
 
 The workload: a random-initialised Qwen2.5-7B-shaped model in bf16, LoRA rank 16 (alpha 32) on
 every linear layer, gradient checkpointing, 16 prompts x 8 completions of 256 new tokens (prompts
@@ -36,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from grpo_step import extra_overrides
 
 RESULTS = Path(__file__).parent / "results"
 BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -85,6 +88,7 @@ def overrides(args, workdir: Path) -> dict:
         "disable_tqdm": True,
         "html_report": False,
         "dataset_shuffle": False,
+        **extra_overrides(args.set),
     }
 
 
@@ -125,6 +129,19 @@ def summarize(steps: list[dict], base: int, adapters: int, peak_tflops: float | 
     return row
 
 
+def profile_step(trainer) -> None:
+    """One more step under torch.profiler: its phases and the operators that took the most GPU
+    (else CPU) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as profiler:
+        metrics = trainer.step()
+    print({key: round(value, 3) for key, value in metrics.items() if key.startswith("time/")})
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(profiler.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
+
+
 def print_table(row: dict) -> None:
     width = max(map(len, row))
     for key, value in row.items():
@@ -141,6 +158,11 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--set", action="append", default=[], help="grpoflow config KEY=VALUE")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one more step, print its top operators"
+    )
+    parser.add_argument("--tag", default="", help="added to the results file's name")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if not (args.smoke or torch.cuda.is_available()):
@@ -162,6 +184,8 @@ def main() -> int:
             metrics["time/wall"] = time.perf_counter() - start
             print(f"step {index}: {metrics['time/wall']:.2f} s", flush=True)
             steps.append(metrics)
+        if args.profile:
+            profile_step(trainer)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     peak = next((value for key, value in BF16_PEAK_TFLOPS.items() if key in gpu), None)
     row = summarize(steps[args.warmup :] or steps, base, adapters, peak)
@@ -170,7 +194,8 @@ def main() -> int:
     date = datetime.date.today().isoformat()
     record = {"gpu": gpu, "date": date, "base_params": base, "adapter_params": adapters, "args": vars(args)}
     record["bf16_peak_tflops"], record["row"] = peak, row
-    out = RESULTS / f"{date}-lora-step-{gpu.replace(' ', '_')}{'-smoke' if args.smoke else ''}.json"
+    tag = "".join(f"-{part}" for part in (args.tag, "smoke" if args.smoke else "") if part)
+    out = RESULTS / f"{date}-lora-step-{gpu.replace(' ', '_')}{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, default=float))
     print(f"saved {out}")
