@@ -9,7 +9,7 @@ rollout function (TRL's `rollout_func`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 import torch
@@ -222,6 +222,19 @@ class RolloutBatch:
         if not self.left_padded:
             return input_ids, None
         return input_ids, torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    def by_length(self) -> torch.Tensor:
+        """Row indices from the longest sequence (prompt and completion tokens) to the shortest,
+        ties in row order."""
+        lengths = self.prompt_mask.sum(dim=1) + self.completion_mask.sum(dim=1)
+        return torch.sort(lengths, descending=True, stable=True).indices
+
+    def take(self, rows: torch.Tensor) -> RolloutBatch:
+        """The rows `rows` (indices), in that order."""
+        tensors = {item.name: getattr(self, item.name) for item in fields(self)}
+        return replace(
+            self, **{name: value[rows] for name, value in tensors.items() if isinstance(value, torch.Tensor)}
+        )
 
     def rows(self, start: int, stop: int) -> RolloutBatch:
         """Rows [start, stop) with the all-padding columns cut away."""

@@ -96,6 +96,8 @@ class UpdateSettings:
     max_tokens_per_micro_batch: int | None = None
     """Form micro-batches by this budget of real tokens instead of `micro_batch_size` rows
     (padding_free only)."""
+    group_by_length: bool = False
+    """Order the rows longest first before cutting micro-batches (`RolloutBatch.by_length`)."""
 
 
 def replayed_truncation(sampling: SamplingParams, algorithm: AlgorithmConfig) -> Truncation | None:
@@ -221,6 +223,9 @@ def update_policy(
     distributed = distributed or DistributedContext()
     model = placement.module
     algorithm = settings.algorithm
+    if settings.group_by_length:
+        order = batch.by_length()
+        batch, advantages = batch.take(order), advantages[order.to(advantages.device)]
     parts = micro_batches(batch, settings, distributed)
     starts = [0]
     for part in parts:

@@ -242,3 +242,35 @@ def test_a_token_budget_needs_padding_free():
     assert (
         TrainingConfig(padding_free=True, max_tokens_per_micro_batch=4096).max_tokens_per_micro_batch == 4096
     )
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "luspo"])
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_micro_batches_grouped_by_length_update_as_the_batch_in_order(loss_type, padding_free):
+    """Rows reordered longest first (their advantages with them): the same update, old-policy,
+    reference and trained log-probs included, from micro-batches with less padding."""
+    algorithm = AlgorithmConfig(loss_type=loss_type, num_iterations=2, beta=0.05)
+    common = dict(micro_batch_size=2, temperature=0.9, algorithm=algorithm, padding_free=padding_free)
+    in_order, in_order_metrics = _ragged_update(_settings(**common), beta=0.05)
+    grouped, grouped_metrics = _ragged_update(_settings(**common, group_by_length=True), beta=0.05)
+    _assert_same_update(grouped, in_order)
+    # Per-token metrics such as kl are means of micro-batch means, so they move with the grouping.
+    assert grouped_metrics["loss"] == pytest.approx(in_order_metrics["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_grouping_by_length_cuts_the_padded_rectangles():
+    model = build_tiny_model(VOCAB, seed=0)
+    settings = _settings(micro_batch_size=2, temperature=1.0)
+    batch = _ragged_batch(model, settings)
+    order = batch.by_length()
+    assert order.tolist() == [0, 3, 2, 1, 5, 4]  # lengths 32 9 15 19 6 9; ties in row order
+    grouped = batch.take(order)
+    torch.testing.assert_close(grouped.completion_ids[1], batch.completion_ids[3])
+    torch.testing.assert_close(grouped.loss_mask[1], batch.loss_mask[3])
+
+    def padded(rows: RolloutBatch) -> int:
+        return sum(
+            part.prompt_ids.numel() + part.completion_ids.numel() for part in micro_batches(rows, settings)
+        )
+
+    assert padded(grouped) < padded(batch)

@@ -1,0 +1,94 @@
+"""The training section of a run's config: optimiser, schedule, micro-batches, checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from grpoflow.options import require
+from grpoflow.policy.tiny import DEFAULT_SEED
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """Optimisation, schedule, checkpoints."""
+
+    learning_rate: float = 1e-6
+    """Peak learning rate of AdamW."""
+    lr_scheduler_type: Literal[
+        "linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial"
+    ] = "linear"
+    """Learning-rate schedule (transformers' names)."""
+    warmup_ratio: float = 0.0
+    """Fraction of steps spent warming up."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm; 0 turns clipping off."""
+    per_device_train_batch_size: int = 8
+    """Completions per micro-batch."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; a step generates their completions in one batch."""
+    padding_free: bool = False
+    """Run each micro-batch's forward passes (policy, old policy, reference) on its sequences
+    packed end to end in one row, attention kept within each, so an update costs the real tokens
+    rather than the padded rectangle; the losses are unchanged."""
+    max_tokens_per_micro_batch: int | None = None
+    """Under padding_free, form micro-batches of consecutive completions whose prompt and
+    completion tokens fit this budget (a longer sequence gets a micro-batch of its own) instead of
+    per_device_train_batch_size completions each; None keeps per_device_train_batch_size."""
+    group_by_length: bool = True
+    """Form micro-batches of completions of similar lengths (longest first), so a padded
+    micro-batch is little more than its real tokens. Exact for every loss but bnpo, which
+    normalises by each micro-batch's tokens, and top_entropy_quantile, taken per micro-batch."""
+    num_train_epochs: float = 1.0
+    """Passes over the prompts when max_steps is not set."""
+    max_steps: int = -1
+    """Training steps (each: one generation batch, num_iterations optimizer steps); -1 uses
+    num_train_epochs."""
+    seed: int = DEFAULT_SEED
+    """Seed of data order, sampling and initialisation."""
+    output_dir: str = "outputs/grpoflow"
+    """Where checkpoints, metrics and logs go; one run per directory."""
+    overwrite_output_dir: bool = False
+    """Let a new run take an output_dir holding another run's files, deleting them when training
+    starts (checkpoints, run.json, metrics and completions logs, TensorBoard's runs/; nothing else);
+    also lets a resume from an older checkpoint delete the run's later ones."""
+    save_steps: int = 500
+    """Save a checkpoint every this many steps (and at the end)."""
+    save_total_limit: int | None = None
+    """Keep at most this many checkpoints (oldest deleted)."""
+    resume_from_checkpoint: str | None = None
+    """A checkpoint directory, or `latest` for the newest of the run in output_dir."""
+
+    def __post_init__(self) -> None:
+        positive = (
+            "learning_rate",
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "num_train_epochs",
+            "save_steps",
+            "save_total_limit",
+            "max_tokens_per_micro_batch",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            require(value is None or value > 0, name, "> 0", value)
+        require(
+            self.max_tokens_per_micro_batch is None or self.padding_free,
+            "max_tokens_per_micro_batch",
+            "None unless padding_free is on",
+            self.max_tokens_per_micro_batch,
+            "set padding_free: true to form micro-batches by a token budget",
+        )
+        require(0 <= self.warmup_ratio < 1, "warmup_ratio", "in [0, 1)", self.warmup_ratio)
+        require(
+            self.max_steps > 0 or self.max_steps == -1,
+            "max_steps",
+            "> 0, or -1 to use num_train_epochs",
+            self.max_steps,
+        )
