@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 
 from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
-from grpoflow.engines.remote_capabilities import choose_transfer, discover
+from grpoflow.engines.remote_capabilities import adapters_alone, choose_transfer, discover
 from grpoflow.engines.remote_client import ServerClient, server_urls
 from grpoflow.engines.vllm import finish_reason, penalises_repetition, sampling_fields
 from grpoflow.options import require
@@ -75,13 +75,16 @@ class RemoteEngine:
         api_key: str | None = None,
         vocab_size: int | None = None,
         generation_retries: int = 2,
+        model: torch.nn.Module | None = None,
     ) -> None:
         """`sync_dir`: where the checkpoint transport writes (default: GRPOFLOW_WEIGHT_SYNC_DIR, else
         a temporary directory). `exclusive_servers`: every server has this trainer alone (servers
         the run started), so the collective transport is open to it under torchrun too. `api_key`:
         sent to every server (default: VLLM_API_KEY). `vocab_size`: completions holding token ids
         outside it are refused. `generation_retries`: further tries of a generation request that
-        failed before an answer (sampling is idempotent: nothing is kept from a failed try)."""
+        failed before an answer (sampling is idempotent: nothing is kept from a failed try). `model`:
+        the policy as it generates (its PEFT layers, if LoRA): its adapters go alone after the first
+        sync only when every server takes their rank and layers (`adapters_alone`)."""
         if not urls:
             raise ValueError("RemoteEngine needs at least one server URL")
         if weight_transfer not in WEIGHT_TRANSFERS:
@@ -96,7 +99,7 @@ class RemoteEngine:
         offers = discover(self.client)
         self.model_names = [offer.model for offer in offers]
         self.reload_methods = [offer.reload_method for offer in offers]
-        self.accepts_adapters = all(offer.adapters for offer in offers)
+        self.accepts_adapters = adapters_alone(offers, model)
         self.holds_base = False  # until the first sync: then a LoRA policy sends its adapters alone
         self.weight_transfer = choose_transfer(weight_transfer, offers, exclusive_servers=exclusive_servers)
         self.transport: CollectiveSender | CheckpointSender
@@ -288,4 +291,5 @@ def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> RemoteEn
         vocab_size=getattr(getattr(model, "config", None), "vocab_size", None),
         generation_retries=config.vllm_server_retries,
         request_timeout=config.vllm_server_request_timeout,
+        model=model,
     )

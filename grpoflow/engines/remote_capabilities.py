@@ -5,20 +5,28 @@
 before temperature, and finds the method each reloads a checkpoint with (grpoflow's worker
 extension's when installed, else vLLM's own). `choose_transfer` takes `collective` when asked, or
 under `auto` when every server offers it (grpoflow serve does, vLLM's own server does not) and the
-trainer is a single process (or the servers are its alone); else `checkpoint`.
+trainer is a single process (or the servers are its alone); else `checkpoint`. `adapters_alone`
+says whether a LoRA policy's adapters travel alone after the first sync (the servers' offers
+against the policy's rank and layers).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torch import nn
+
 from grpoflow.engines.remote_client import ServerClient
 from grpoflow.engines.vllm import LOGPROBS_MODE
+from grpoflow.engines.vllm_adapters import adapter_obstacle, adapter_rank, lora_layers
 from grpoflow.transport import ServerError
 from grpoflow.transport.checkpoint_sender import READY_METHOD, RELOAD_METHOD, VLLM_RELOAD_METHOD
+
+logger = logging.getLogger("grpoflow.engines.remote")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +44,11 @@ class ServerOffer:
     """Where it generates, as it reports it ("cuda:0", "cpu"); None when it does not say."""
     adapters: bool = False
     """Whether it takes a LoRA policy's adapters as tensors (`grpoflow.transport.adapters`) and
-    adds them to its base (grpoflow serve with the native engine)."""
+    adds them to its base (grpoflow serve with the native engine, or vllm with --enable-lora)."""
+    engine: str | None = None
+    """The engine that generates (grpoflow serve's --engine); None when it does not say."""
+    max_lora_rank: int | None = None
+    """The largest adapter rank it takes; None: any."""
 
 
 def discover(client: ServerClient) -> list[ServerOffer]:
@@ -48,9 +60,61 @@ def discover(client: ServerClient) -> list[ServerOffer]:
     for url, model, info, method in zip(client.urls, models, infos, methods):
         grpoflow = (info or {}).get("grpoflow") or {}
         collective = "gloo" in grpoflow.get("weight_transfer", {}).get("backends", [])
-        adapters = grpoflow.get("adapter_updates") is True
-        offers.append(ServerOffer(url, model, method, collective, grpoflow.get("device"), adapters))
+        offers.append(
+            ServerOffer(
+                url,
+                model,
+                method,
+                collective,
+                grpoflow.get("device"),
+                adapters=grpoflow.get("adapter_updates") is True,
+                engine=grpoflow.get("engine"),
+                max_lora_rank=_integer(grpoflow.get("max_lora_rank")),
+            )
+        )
     return offers
+
+
+def _integer(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def adapters_alone(offers: Sequence[ServerOffer], model: nn.Module | None = None) -> bool:
+    """Whether a LoRA policy's adapters go alone to every server after the first sync: every
+    server takes adapters and, given the policy `model` (its PEFT layers), every server takes its
+    rank, and vLLM servers the adapters themselves (`adapter_obstacle`). When not, a LoRA policy
+    sends the merged weights whole at every sync, as the log says."""
+    lacking = [offer.url for offer in offers if not offer.adapters]
+    layers = lora_layers(model) if model is not None else []
+    reason = None
+    if lacking:
+        reason = (
+            f"server(s) {', '.join(lacking)} take no LoRA adapters (grpoflow serve takes them with "
+            f"--engine native, or --engine vllm --enable-lora)"
+        )
+    elif layers:
+        reason = _adapter_refusal(offers, model)
+    if reason is not None:
+        if layers:
+            logger.info("the rollout servers get the merged weights whole at every sync: %s", reason)
+        return False
+    if layers:
+        logger.info("the rollout servers get the LoRA adapters alone at every sync after the first")
+    return True
+
+
+def _adapter_refusal(offers: Sequence[ServerOffer], model: nn.Module) -> str | None:
+    """Why the servers, which all take adapters, cannot take `model`'s, or None."""
+    rank = adapter_rank(model)
+    small = [offer for offer in offers if offer.max_lora_rank is not None and rank > offer.max_lora_rank]
+    if small:
+        return (
+            f"the adapters' rank {rank} is above the --max-lora-rank of server(s) "
+            f"{', '.join(f'{offer.url} ({offer.max_lora_rank})' for offer in small)}"
+        )
+    if any(offer.engine == "vllm" for offer in offers):
+        return adapter_obstacle(model)
+    return None
 
 
 def served_model(client: ServerClient, url: str) -> str:

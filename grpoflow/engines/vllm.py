@@ -45,6 +45,7 @@ from grpoflow.engines.base import Completion, EngineOptions, EngineStats, Sampli
 from grpoflow.engines.colocate import ColocateLayout, EngineGroup, merge_shares, own_share
 from grpoflow.engines.vllm_adapters import (
     AdapterSlot,
+    adaptable_modules,
     adapter_obstacle,
     adapter_rank,
     lora_layers,
@@ -217,12 +218,25 @@ class VLLMEngine:
             **_lora_arguments(lora_rank),
         )
         self.num_layers = self.llm.model_config.get_total_num_hidden_layers()
+        # the largest adapter rank `update_weights` takes, and the layers (last name part) they
+        # may adapt (None: no adapters, or not known)
+        self.max_adapter_rank = lora_rank or None
+        self.adaptable_modules = self._adaptable_modules()
         self.policy_version = 0
         self.stats = EngineStats()
         self._asleep = 0
         self._pending: list[tuple[str, torch.Tensor]] | None = None
         self._last_weights: list[tuple[str, torch.Tensor]] | None = None
         self._warned: set[str] = set()
+
+    def _adaptable_modules(self) -> frozenset[str] | None:
+        if self.adapters is None:
+            return None
+        try:
+            return frozenset(self.llm.collective_rpc(adaptable_modules)[0])
+        except AttributeError as error:  # another vLLM's internals
+            logger.warning("vLLM does not say which layers its LoRA adapters may adapt: %r", error)
+            return None
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         from vllm import SamplingParams as VLLMSamplingParams

@@ -65,17 +65,17 @@ def adapter_rank(model: nn.Module) -> int:
     return max(ranks, default=0)
 
 
-def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest `max_lora_rank` vLLM accepts that holds `rank` (vLLM takes a fixed set)."""
+def vllm_max_lora_rank(
+    rank: int, option: str = "lora_rank", fix: str = "lower lora_rank, or use rollout_engine=native"
+) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds `rank` (vLLM takes a fixed set); a
+    ValueError naming `option` and its `fix` when none does."""
     from vllm.config.lora import MaxLoRARanks
 
     allowed = sorted(typing.get_args(MaxLoRARanks))
     fitting = [value for value in allowed if value >= rank]
     if not fitting:
-        raise ValueError(
-            f"lora_rank={rank} is above the largest rank vLLM serves ({allowed[-1]}): lower "
-            "lora_rank, or use rollout_engine=native"
-        )
+        raise ValueError(f"{option}={rank} is above the largest rank vLLM serves ({allowed[-1]}): {fix}")
     return fitting[0]
 
 
@@ -90,6 +90,41 @@ def plain_base_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def pad_rank(down: torch.Tensor, up: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (r, in) and B (out, r) as rank `rank` >= r: zero rows of A and zero columns of B, so
+    B A is unchanged."""
+    missing = rank - down.shape[0]
+    if missing == 0:
+        return down, up
+    return (
+        torch.cat([down, down.new_zeros(missing, down.shape[1])]),
+        torch.cat([up, up.new_zeros(up.shape[0], missing)], 1),
+    )
+
+
+def check_pairs(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """ValueError unless each module's A and B are (r, in) and (out, r) of one rank: vLLM would
+    take any pair, then fail to load it at the next generation."""
+    for module, (down, up) in adapters.items():
+        if down.dim() != 2 or up.dim() != 2 or down.shape[0] != up.shape[1]:
+            raise ValueError(
+                f"the adapter of {module} has A {tuple(down.shape)} and B {tuple(up.shape)}: "
+                "they must be (r, in) and (out, r) of one rank r"
+            )
+
+
+def adaptable_modules(worker) -> list[str]:
+    """Run in vLLM's worker (`LLM.collective_rpc`) of an engine built with LoRA: the names (last
+    part, Hugging Face's) of the layers its adapters may adapt, e.g. q_proj for vLLM's fused
+    qkv_proj. An adapter of any other layer (an embedding, the output head) fails when vLLM
+    loads it, at the next generation, so the server refuses it at the update."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    packed = manager.packed_modules_mapping
+    return sorted(
+        {part for module in manager.supported_lora_modules for part in packed.get(module, [module])}
+    )
+
+
 class AdapterSlot:
     """The one adapter vLLM generates with: a PEFT directory rewritten at each `write`, and the
     `LoRARequest` naming its current version (None: generate with the base alone)."""
@@ -101,19 +136,17 @@ class AdapterSlot:
 
     def write(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Save `adapters` ({module: (A (r, in), B (out, r) scaled)}, Hugging Face module names)
-        and point the request at them under a new id."""
+        and point the request at them under a new id. vLLM loads one rank per adapter: a module
+        of a lower rank is padded with zeros to the largest (the same product)."""
         from safetensors.torch import save_file
 
-        ranks = {down.shape[0] for down, _ in adapters.values()}
-        if len(ranks) != 1:
-            raise ValueError(
-                f"vLLM loads one rank per adapter; the policy's layers have ranks {sorted(ranks)}"
-            )
+        check_pairs(adapters)
+        rank = max(down.shape[0] for down, _ in adapters.values())
         tensors = {}
         for module, (down, up) in adapters.items():
-            tensors[f"{PEFT_PREFIX}{module}{DOWN}"] = down.detach().to("cpu").contiguous()
-            tensors[f"{PEFT_PREFIX}{module}{UP}"] = up.detach().to("cpu").contiguous()
-        rank = ranks.pop()
+            down, up = pad_rank(down.detach().to("cpu"), up.detach().to("cpu"), rank)
+            tensors[f"{PEFT_PREFIX}{module}{DOWN}"] = down.contiguous()
+            tensors[f"{PEFT_PREFIX}{module}{UP}"] = up.contiguous()
         save_file(tensors, str(self.directory / "adapter_model.safetensors"))
         config = dict(
             peft_type="LORA",

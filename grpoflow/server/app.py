@@ -201,6 +201,7 @@ async def server_info(request: Request) -> dict:
             "device": str(service.device),
             "weight_version": service.weight_version,
             "adapter_updates": accepts_adapters(service.engine),
+            "max_lora_rank": getattr(service.engine, "max_adapter_rank", None),
             "weight_transfer": {
                 "backend": service.transfer_backend or "http",
                 "backends": ["http", *service.receiver.offered_backends()],

@@ -403,7 +403,10 @@ def sampling_params(request: SamplingRequest, max_tokens: int, limits: Limits) -
             top_k=top_k,
             min_p=0.0 if request.min_p is None else request.min_p,
             repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-            stop_token_ids=list(dict.fromkeys(stop_ids + list(limits.eos_token_ids))),
+            # under ignore_eos the EOS ids are no stops: vLLM's engine stops at any stop_token_ids
+            stop_token_ids=list(
+                dict.fromkeys(stop_ids + ([] if request.ignore_eos else list(limits.eos_token_ids)))
+            ),
             stop=[stop for stop in stops if stop],
             ignore_eos=request.ignore_eos,
             seed=request.seed,

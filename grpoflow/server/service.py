@@ -22,6 +22,7 @@ from grpoflow.server.pools import Pools, run_in
 from grpoflow.server.protocol import Limits
 from grpoflow.server.settings import ServeConfig
 from grpoflow.server.templates import TemplateSandbox
+from grpoflow.transport import ReceiveError
 from grpoflow.transport.adapters import adapter_shapes, is_adapter_name, ranks_of
 from grpoflow.transport.collective_receiver import CollectiveReceiver, Write, into_load, into_parameters
 
@@ -134,15 +135,19 @@ class Service:
 
     def update_shapes(self, given: Mapping[str, Sequence[int]]) -> dict[str, Sequence[int]]:
         """`parameter_shapes`, plus the shapes of the LoRA adapter tensors among the `given`
-        names (their rank read from the given shapes) when the engine takes adapters: what an
-        update of those names is checked against."""
+        names (their rank read from the given shapes): what an update of those names is checked
+        against. ReceiveError 400 for adapters the engine does not take (`check_adapters`)."""
         shapes: dict[str, Sequence[int]] = dict(self.parameter_shapes())
         adapters = [name for name in given if is_adapter_name(name)]
-        if adapters and accepts_adapters(self.engine):
+        if adapters:
+            if not accepts_adapters(self.engine):
+                raise ReceiveError(NO_ADAPTERS.format(name=adapters[0]))
+            ranks = ranks_of(given)
             linear = {
                 name: m.weight.shape for name, m in self.model.named_modules() if isinstance(m, nn.Linear)
             }
-            shapes.update(adapter_shapes(adapters, ranks_of(given), linear))
+            shapes.update(adapter_shapes(adapters, ranks, linear))
+            check_adapters(self.engine, ranks)
         return shapes
 
     def max_weights_bytes(self) -> int:
@@ -169,6 +174,35 @@ class Service:
         self.weight_version = check_version(version)
         if self.weight_version.lstrip("-").isdigit():
             self.engine.policy_version = int(self.weight_version)
+
+
+NO_ADAPTERS = (
+    "the update holds LoRA adapter tensors ({name}, ...), which this server's engine does not take: "
+    "send the merged weights (grpoflow's trainer does when /server_info's adapter_updates is "
+    "false), or serve with --engine native, or --engine vllm --enable-lora"
+)
+
+
+def check_adapters(engine: RolloutEngine, ranks: Mapping[str, int]) -> None:
+    """ReceiveError 400 when an adapter (module: rank) is above the engine's `max_adapter_rank`
+    or adapts a layer outside its `adaptable_modules` (vLLM would take it, then fail to load it
+    at the next generation)."""
+    limit = getattr(engine, "max_adapter_rank", None)
+    over = {module: rank for module, rank in ranks.items() if limit is not None and rank > limit}
+    if over:
+        module, rank = max(over.items(), key=lambda item: item[1])
+        raise ReceiveError(
+            f"the adapter of {module} has rank {rank}, above this server's --max-lora-rank {limit}: "
+            f"restart the server with --max-lora-rank {rank} or more (a grpoflow trainer reads it "
+            f"from /server_info and sends the merged weights instead)"
+        )
+    allowed = getattr(engine, "adaptable_modules", None)
+    refused = [module for module in ranks if allowed is not None and module.rsplit(".", 1)[-1] not in allowed]
+    if refused:
+        raise ReceiveError(
+            f"{refused[0]} cannot carry a LoRA adapter on this server's engine, which adapts "
+            f"{', '.join(sorted(allowed))}: leave it out of target_modules"
+        )
 
 
 def check_version(version: Any, field: str = "weight_version") -> str:

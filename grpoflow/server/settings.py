@@ -37,6 +37,15 @@ class ServeConfig(EngineConfig):
     """Model name reported by /v1/models and accepted in requests; default: `model`."""
     enforce_eager: bool = False
     """vllm engine: run the model eagerly, without torch.compile and CUDA graphs (faster start)."""
+    enable_lora: bool = False
+    """vllm engine: take a LoRA policy's adapters as tensors and generate with them over the base
+    (vLLM's --enable-lora, one adapter); /server_info then offers `adapter_updates`, so a LoRA
+    trainer sends the adapters alone at every sync after the first. Off, trainers send the merged
+    weights whole (the native engine always takes adapters)."""
+    max_lora_rank: int = 16
+    """vllm engine with --enable-lora: the largest adapter rank taken (vLLM's --max-lora-rank;
+    vLLM reserves the smallest rank it offers that holds it). A trainer whose lora_rank is larger
+    sends the merged weights whole."""
     dtype: str = "auto"
     """Parameter dtype; auto is the checkpoint's own (float32 for a local preset)."""
     device: str = "auto"
@@ -86,6 +95,14 @@ class ServeConfig(EngineConfig):
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
         require(self.engine in SERVER_ENGINES, "--engine", f"one of {', '.join(SERVER_ENGINES)}", self.engine)
+        require(
+            self.engine == "vllm" or not self.enable_lora,
+            "--enable-lora",
+            f"off with --engine {self.engine}",
+            self.enable_lora,
+            "it is --engine vllm's (the native engine always takes adapters, hf never)",
+        )
+        require(self.max_lora_rank >= 1, "--max-lora-rank", ">= 1", self.max_lora_rank)
         require(self.dtype in DTYPES, "--dtype", f"one of {', '.join(DTYPES)}", self.dtype)
         require(self.device in DEVICES, "--device", f"one of {', '.join(DEVICES)}", self.device)
         require(0 < self.port < 65536, "--port", "in 1..65535", self.port)

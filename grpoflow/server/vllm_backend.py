@@ -8,6 +8,11 @@ reload. vLLM holds the only copy of the weights; the server keeps the model's mo
 A model directory holding config.json and safetensors is handed to vLLM as it is; any other model
 (a hub id, `tiny`, `random:PRESET`) is built once on the CPU, saved to a temporary directory that
 vLLM loads, and dropped to the meta device.
+
+With `--enable-lora` vLLM is built with its LoRA support for one adapter of up to
+`--max-lora-rank`: updates may carry a LoRA policy's adapters as tensors
+(`grpoflow.transport.adapters`), which the engine serves over the base it holds
+(`grpoflow.engines.vllm_adapters`), so a LoRA trainer sends them alone after the first sync.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 import torch
 
 from grpoflow.engines.vllm import VLLMEngine, model_directory
+from grpoflow.engines.vllm_adapters import vllm_max_lora_rank
 from grpoflow.policy.loading import PolicyConfig, load_model
 from grpoflow.server.settings import ServeConfig
 
@@ -79,6 +85,15 @@ def meta_module(directory: str, *, trust_remote_code: bool) -> torch.nn.Module:
     return module
 
 
+def lora_rank(config: ServeConfig) -> int | None:
+    """The largest adapter rank the engine takes (--max-lora-rank with --enable-lora), or None; a
+    ValueError when vLLM serves no rank that large."""
+    if not config.enable_lora:
+        return None
+    vllm_max_lora_rank(config.max_lora_rank, "--max-lora-rank", "lower it")
+    return config.max_lora_rank
+
+
 @dataclass(frozen=True, slots=True)
 class VLLMSource:
     """What vLLM is built from, and what the server keeps of the model."""
@@ -97,6 +112,7 @@ def prepare(config: ServeConfig, tokenizer) -> VLLMSource:
     """Check that vLLM can run as configured, then find or write the directory it loads."""
     require_vllm()
     device = vllm_device(config.device)
+    lora_rank(config)
     if is_checkpoint(config.model):
         module = meta_module(config.model, trust_remote_code=config.trust_remote_code)
         return VLLMSource(directory=Path(config.model), temporary=False, module=module, device=device)
@@ -128,6 +144,7 @@ def build_vllm_engine(config: ServeConfig, source: VLLMSource, max_model_len: in
         enforce_eager=config.enforce_eager,
         seed=config.seed,
         cleanup_dir=source.temporary,
+        lora_rank=lora_rank(config),
     )
     source.module.to(engine.llm.llm_engine.model_config.dtype).eval().requires_grad_(False)
     return engine

@@ -20,11 +20,12 @@ Three ways in, all applied between generation batches (requests that arrive mean
    trainer's master_address and master_port, update_info with names/dtype_names/shapes and no
    data; the weights arrive as packed broadcasts (grpoflow.transport.collective_receiver).
 
-Tensors use Hugging Face parameter names; an engine that takes LoRA adapters (the native engine)
-also takes them as tensors named after the layer they adapt (`grpoflow.transport.adapters`), so
-after the base a sync moves only the adapters. Every call checks all names and shapes before it writes
-any tensor, so a bad update changes nothing. The transports' ReceiveError becomes the error answer
-with its status (app.py).
+Tensors use Hugging Face parameter names; an engine that takes LoRA adapters (the native engine,
+vllm with --enable-lora) also takes them as tensors named after the layer they adapt
+(`grpoflow.transport.adapters`; checked against the layer, the engine's --max-lora-rank and the
+layers it adapts), so after the base a sync moves only the adapters. Every call checks all names
+and shapes before it writes any tensor, so a bad update changes nothing. The transports'
+ReceiveError becomes the error answer with its status (app.py).
 """
 
 from __future__ import annotations

@@ -66,16 +66,19 @@ def adapter_shapes(
                 f"after the layer's Hugging Face name, e.g. 'model.layers.0.self_attn.q_proj{DOWN}'"
             )
         out_features, in_features = linear_shapes[module]
-        rank = ranks[module]
+        rank = ranks.get(module, 0)  # none: no two-dimensional A or B was given
         shapes[name] = (rank, in_features) if name.endswith(DOWN) else (out_features, rank)
     return shapes
 
 
 def ranks_of(shapes: Mapping[str, Sequence[int]]) -> dict[str, int]:
-    """Each adapted module's rank, read from its A matrix's given shape (B's alone: its columns)."""
-    ranks = {}
+    """Each adapted module's rank, read from its A matrix's given shape (B's alone: its columns),
+    whatever order the names come in."""
+    ranks, from_up = {}, {}
     for name, shape in shapes.items():
         if is_adapter_name(name) and len(shape) == 2:
-            rank = shape[0] if name.endswith(DOWN) else shape[1]
-            ranks.setdefault(adapted_module(name), int(rank))
-    return ranks
+            if name.endswith(DOWN):
+                ranks[adapted_module(name)] = int(shape[0])
+            else:
+                from_up[adapted_module(name)] = int(shape[1])
+    return {**from_up, **ranks}

@@ -4,6 +4,7 @@ the CPU): the same rollouts as the merged policy, with only the adapters sent af
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 
@@ -16,11 +17,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from helpers import support  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.engines.base import accepts_adapters  # noqa: E402
 from grpoflow.engines.vllm import VLLMConfig, adapter_sync_rank  # noqa: E402
-from grpoflow.engines.vllm_adapters import vllm_max_lora_rank  # noqa: E402
+from grpoflow.engines.vllm_adapters import PEFT_PREFIX, AdapterSlot, vllm_max_lora_rank  # noqa: E402
 from grpoflow.policy.lora import (  # noqa: E402
     AdapterConfig,
     add_lora,
@@ -129,3 +131,25 @@ def test_the_rank_vllm_serves_is_the_smallest_allowed_that_holds_lora_rank():
     assert [vllm_max_lora_rank(rank) for rank in (1, 4, 8, 9, 64)] == [1, 8, 8, 16, 64]
     with pytest.raises(ValueError, match="lora_rank=600"):
         vllm_max_lora_rank(600)
+
+
+def test_adapters_of_several_ranks_are_written_as_one_rank_padded_with_zeros_and_a_split_pair_refused():
+    generator = torch.Generator().manual_seed(0)
+    adapters = {
+        "model.layers.0.self_attn.q_proj": (torch.randn(4, 8, generator=generator), torch.randn(6, 4)),
+        "model.layers.0.self_attn.k_proj": (torch.randn(2, 8, generator=generator), torch.randn(6, 2)),
+    }
+    slot = AdapterSlot()
+    try:
+        slot.write(adapters)
+        written = load_file(str(slot.directory / "adapter_model.safetensors"))
+        assert json.loads((slot.directory / "adapter_config.json").read_text())["r"] == 4
+        for module, (down, up) in adapters.items():
+            padded_down = written[f"{PEFT_PREFIX}{module}.lora_A.weight"]
+            padded_up = written[f"{PEFT_PREFIX}{module}.lora_B.weight"]
+            assert padded_down.shape == (4, 8) and padded_up.shape == (6, 4)
+            torch.testing.assert_close(padded_up @ padded_down, up @ down)
+        with pytest.raises(ValueError, match=r"A \(4, 8\) and B \(6, 3\)"):
+            slot.write({"model.layers.0.self_attn.q_proj": (torch.zeros(4, 8), torch.zeros(6, 3))})
+    finally:
+        slot.close()

@@ -1,24 +1,33 @@
 """A LoRA policy synced to `grpoflow serve` (native engine): the base once, then the adapters
-alone, over both transports; the server then generates what the merged policy generates."""
+alone, over both transports; the server then generates what the merged policy generates. Which
+servers offer adapters, and when a trainer sends them alone (the vLLM engine's: test_vllm_adapters.py)."""
 
 from __future__ import annotations
 
+import argparse
 import copy
+import logging
 
 import pytest
 import torch
+from safetensors.torch import save
 
 pytest.importorskip("peft")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
 
+import httpx  # noqa: E402
 from helpers import support  # noqa: E402
 from helpers.live_server import start_server, tiny_service  # noqa: E402
 
 from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.engines.remote import RemoteEngine  # noqa: E402
+from grpoflow.engines.remote_capabilities import ServerOffer, adapters_alone  # noqa: E402
+from grpoflow.options import add_flags, from_flags  # noqa: E402
 from grpoflow.policy.lora import AdapterConfig, add_lora, merged_rollout_weights, merged_weights  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model  # noqa: E402
+from grpoflow.server import ServeConfig  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
 GREEDY = SamplingParams(n=1, max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -33,8 +42,9 @@ def url(tmp_path_factory):
 
 def lora_policy(**adapter) -> torch.nn.Module:
     """The served `tiny` shape with other weights (seed 1; the server's are seed 42) and non-zero
-    adapters."""
+    adapters (PEFT draws A from the global generator: seeded, so tests run before do not choose it)."""
     base = build_preset_model("tiny", len(build_char_tokenizer()), seed=1).eval()
+    torch.manual_seed(3)
     policy = add_lora(base, AdapterConfig(lora_rank=4, lora_dropout=0.0, **adapter))
     perturb(policy, seed=2)
     return policy
@@ -116,3 +126,52 @@ def test_adapters_for_a_layer_the_model_lacks_are_refused_whole():
         engine.close()
     finally:
         server.stop()
+
+
+def test_enable_lora_is_a_flag_of_the_vllm_engine_alone():
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ServeConfig)
+    flags = ["--model", "DIR", "--engine", "vllm", "--enable-lora", "--max-lora-rank", "32"]
+    config = from_flags(ServeConfig, parser.parse_args(flags))
+    assert config.enable_lora and config.max_lora_rank == 32
+    assert not ServeConfig(model="DIR", engine="vllm").enable_lora  # off unless asked
+    with pytest.raises(ValueError, match="--enable-lora must be off with --engine native"):
+        ServeConfig(model="tiny", enable_lora=True)
+    with pytest.raises(ValueError, match="--max-lora-rank must be >= 1"):
+        ServeConfig(model="DIR", engine="vllm", enable_lora=True, max_lora_rank=0)
+
+
+def test_an_engine_without_adapters_does_not_offer_them_and_refuses_them_by_name():
+    server = start_server(tiny_service(engine="hf"))
+    try:
+        info = httpx.get(server.url + "/server_info").json()["grpoflow"]
+        assert info["adapter_updates"] is False and info["max_lora_rank"] is None
+        body = save({"model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64)})
+        answer = httpx.post(
+            server.url + "/update_weights", content=body, headers={"Content-Type": "application/octet-stream"}
+        )
+        message = answer.json()["error"]["message"]
+        assert answer.status_code == 400 and "does not take" in message and "--enable-lora" in message
+    finally:
+        server.stop()
+
+
+def offer(name: str, *, adapters: bool = True, engine: str = "native", max_lora_rank=None) -> ServerOffer:
+    return ServerOffer(name, "m", None, False, "cpu", adapters, engine, max_lora_rank)
+
+
+def test_adapters_go_alone_only_to_servers_that_take_the_policys(caplog):
+    policy, saved = lora_policy(), lora_policy(modules_to_save=["model.norm"])
+    native, vllm = offer("native"), offer("vllm", engine="vllm", max_lora_rank=8)
+    with caplog.at_level(logging.INFO, logger="grpoflow.engines.remote"):
+        assert adapters_alone([native, vllm], policy)
+        assert "adapters alone" in caplog.text
+        assert adapters_alone([native], saved)  # the native engine loads modules_to_save too
+        caplog.clear()
+        assert not adapters_alone([native, offer("small", engine="vllm", max_lora_rank=1)], policy)
+        assert "rank 4 is above the --max-lora-rank of server(s) small (1)" in caplog.text
+        assert not adapters_alone([vllm], saved)
+        assert "modules_to_save" in caplog.text
+        assert not adapters_alone([native, offer("plain", adapters=False)], policy)
+        assert "server(s) plain take no LoRA adapters" in caplog.text
+    assert adapters_alone([native, vllm]) and not adapters_alone([offer("plain", adapters=False)])
