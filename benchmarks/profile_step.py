@@ -1,6 +1,6 @@
 """Profile one GRPO step of grpoflow on the standard workload and print where the time goes.
 
-    python benchmarks/profile_step.py [--micro-batch 32] [--gradient-checkpointing 1]
+    python benchmarks/profile_step.py [--micro-batch 32] [--gradient-checkpointing 1] [--workload long-tail]
 
 Runs one warm-up step, then one step under torch.profiler; prints the top operators by GPU time
 and by CPU time, and writes a Chrome trace next to the JSON results when --trace is given.
@@ -24,7 +24,9 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--gradient-checkpointing", type=int, default=1)
     parser.add_argument("--torch-compile", type=int, default=0)
-    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--workload", choices=sorted(grpo_step.WORKLOADS), default="standard")
+    parser.add_argument("--max-tokens", type=int, default=0, help="packed updates with this token budget")
     parser.add_argument("--engine", default="auto")
     parser.add_argument("--set", action="append", default=[], help="grpoflow config KEY=VALUE")
     parser.add_argument("--smoke", action="store_true")
@@ -32,7 +34,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     args = parser.parse_args()
     args.steps, args.workdir = 2, tempfile.mkdtemp(prefix="profile_step_")
-    model_dir, prompts = grpo_step.write_inputs(Path(args.workdir), args.smoke, num_prompts=192)
+    workload = grpo_step.WORKLOADS[args.workload]
+    args.new_tokens = args.new_tokens or workload["new_tokens"]
+    model_dir, prompts = grpo_step.write_inputs(
+        Path(args.workdir), args.smoke, num_prompts=192, eos_mean_length=workload["eos_mean_length"]
+    )
     from grpoflow.run.build import build_trainer
     from grpoflow.run.config import load_config
 

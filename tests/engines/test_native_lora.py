@@ -131,19 +131,27 @@ def test_adapters_the_engine_cannot_apply_go_to_the_generic_path():
     assert len(native.generate(PROMPTS, GREEDY)[0][0].token_ids) == GREEDY.max_tokens
 
 
-def test_float32_adapters_on_a_bfloat16_base_follow_the_trainer():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
+)
+def test_float32_adapters_on_a_bfloat16_base_follow_the_trainer(device):
     """PEFT keeps adapters in float32 on a bfloat16 base; the trainer multiplies them in bfloat16
     (`lora_precision`) and so does the engine, through bfloat16 copies written before each
-    rollout, so its log-probs follow the trainer's, also after an in-place optimizer step, within
-    the rounding the bfloat16 base alone shows here (0.05)."""
-    base = tiny("qwen2", dtype=torch.bfloat16)
+    rollout, so its log-probs follow the trainer's, also after an in-place optimizer step (on CUDA:
+    through the decode step's captured graphs), within the rounding the bfloat16 base alone shows
+    here (0.05)."""
+    base = tiny("qwen2", dtype=torch.bfloat16, device=device)
     policy = add_lora(base, AdapterConfig(lora_rank=4, lora_dropout=0.0))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, parameter in policy.named_parameters():
             if "lora_B" in name:
                 assert parameter.dtype == torch.float32
-                parameter.normal_(std=0.1, generator=generator)
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
     native = engine(generation_model(policy))
     for _ in range(2):
         outputs = native.generate(PROMPTS, SAMPLED)

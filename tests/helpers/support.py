@@ -74,8 +74,11 @@ RUN = {
     "beta": 0.05,
     "log_completions": True,
     "html_report": False,
+    "group_by_length": False,
 }
-"""A run small enough for two CPU processes: 4 steps of 2 prompts x 8 completions per rank."""
+"""A run small enough for two CPU processes: 4 steps of 2 prompts x 8 completions per rank. Its
+micro-batches keep the batch's order (no `group_by_length`), so one process cutting the global
+batch in two makes the micro-batches the two ranks make, and per-micro-batch metrics compare."""
 
 
 def clean_env(**extra: str) -> dict[str, str]:
