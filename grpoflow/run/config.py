@@ -225,8 +225,15 @@ class GRPOConfig:
             truncation=replayed_truncation(self.generation.sampling, self.algorithm),
             padding_free=self.training.padding_free,
             max_tokens_per_micro_batch=self.training.max_tokens_per_micro_batch,
-            group_by_length=self.training.group_by_length,
+            group_by_length=self.groups_by_length(),
         )
+
+    def groups_by_length(self) -> bool:
+        """`group_by_length`, or when unset: on unless the micro-batches' make-up changes the loss
+        (bnpo, top_entropy_quantile < 1)."""
+        if self.training.group_by_length is not None:
+            return self.training.group_by_length
+        return self.algorithm.loss_type != "bnpo" and self.algorithm.top_entropy_quantile >= 1.0
 
     def total_steps(self, num_prompts: int, world_size: int = 1) -> int:
         """Training steps over `world_size` ranks: max_steps, or enough global generation batches

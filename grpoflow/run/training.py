@@ -41,10 +41,11 @@ class TrainingConfig:
     """Under padding_free, form micro-batches of consecutive completions whose prompt and
     completion tokens fit this budget (a longer sequence gets a micro-batch of its own) instead of
     per_device_train_batch_size completions each; None keeps per_device_train_batch_size."""
-    group_by_length: bool = True
+    group_by_length: bool | None = None
     """Form micro-batches of completions of similar lengths (longest first), so a padded
-    micro-batch is little more than its real tokens. Exact for every loss but bnpo, which
-    normalises by each micro-batch's tokens, and top_entropy_quantile, taken per micro-batch."""
+    micro-batch is little more than its real tokens. The update is unchanged for every loss but
+    bnpo, which normalises by each micro-batch's tokens, and top_entropy_quantile < 1, taken per
+    micro-batch; None: on, except for those two."""
     num_train_epochs: float = 1.0
     """Passes over the prompts when max_steps is not set."""
     max_steps: int = -1
