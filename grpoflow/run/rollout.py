@@ -55,6 +55,10 @@ class ScoredGroups:
     """Whether the completions carry their sampling log-probs (the importance-sampling
     correction needs them)."""
 
+    def oldest_version(self) -> int:
+        """The oldest policy version that sampled one of the completions."""
+        return min(c.policy_version for group in self.groups for c in group.completions)
+
 
 class ScoredBatches(Protocol):
     """Where a run's scored groups come from when it does not sample and score them itself

@@ -388,7 +388,7 @@ class GRPOTrainer:
         if self.prefetcher is not None and self.prefetcher.pending:
             with phase("rollout_wait"):
                 fresh = self.prefetcher.take_fresh(
-                    self.step_count, self.config.off_policy.max_staleness, _oldest_version
+                    self.step_count, self.config.off_policy.max_staleness, ScoredGroups.oldest_version
                 )
             if fresh is not None:
                 for name, seconds in fresh[0].seconds.items():
@@ -498,8 +498,3 @@ class GRPOTrainer:
                 save_total_limit=training.save_total_limit,
                 run_id=self.run_id,
             )
-
-
-def _oldest_version(scored: ScoredGroups) -> int:
-    """The oldest policy version that sampled a completion of `scored`."""
-    return min(c.policy_version for group in scored.groups for c in group.completions)
