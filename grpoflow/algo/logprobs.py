@@ -404,7 +404,12 @@ def packed_sequence_logprobs(
     """
     parts = decoder_and_head(model)
     if parts is None:
-        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
+        logits = model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            **packed.attention_kwargs(),
+        ).logits
         log_probs, entropy = _logprobs_from_logits(
             logits[0, packed.score_index],
             packed.targets,
@@ -416,7 +421,12 @@ def packed_sequence_logprobs(
         )
     else:
         decoder, head = parts
-        outputs = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+        outputs = decoder(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            **packed.attention_kwargs(),
+        )
         hidden = outputs.last_hidden_state[0, packed.score_index]  # (scored, hidden)
         log_probs, entropy = token_logprobs_from_hidden(
             hidden,

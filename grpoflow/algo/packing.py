@@ -31,7 +31,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+PACKED_ATTENTION = (
+    "sdpa",
+    "eager",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+    "grpoflow_varlen",
+)
 """transformers attention implementations that keep packed sequences apart by their positions."""
 
 
@@ -49,6 +56,20 @@ class PackedSequences:
     """(scored,) the completion tokens, row by row."""
     completion_mask: Tensor
     """(batch, completion_len) bool: where `unpack` puts the scored values back."""
+    cu_seq_lens: Tensor
+    """(batch + 1,) int32: where each sequence starts in the row, and the row's length."""
+    max_length: int
+    """The longest sequence's tokens."""
+
+    def attention_kwargs(self) -> dict:
+        """The sequences' boundaries under transformers' names for them, for attention
+        implementations that read them (flash_attention_2/3, grpoflow_varlen); others ignore them."""
+        return {
+            "cu_seq_lens_q": self.cu_seq_lens,
+            "cu_seq_lens_k": self.cu_seq_lens,
+            "max_length_q": self.max_length,
+            "max_length_k": self.max_length,
+        }
 
 
 def check_packed_attention(model: nn.Module) -> None:
@@ -87,12 +108,16 @@ def pack_sequences(
     positions = mask.long().cumsum(dim=1) - 1
     scored = completion_mask.bool()
     target_index = packed_index[:, prompt_ids.size(1) :][scored]
+    lengths = mask.sum(dim=1)
+    cu_seq_lens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
     return PackedSequences(
         input_ids=ids[mask].unsqueeze(0),
         position_ids=positions[mask].unsqueeze(0),
         score_index=target_index - 1,
         targets=completion_ids[scored],
         completion_mask=scored,
+        cu_seq_lens=cu_seq_lens,
+        max_length=int(lengths.max()),
     )
 
 

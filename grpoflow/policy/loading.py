@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 
 from grpoflow import hub
+from grpoflow.policy import varlen_attention
 from grpoflow.policy.lora import WithoutAdapters, is_adapter_checkpoint, is_peft_model, load_adapter_weights
 
 
@@ -32,11 +33,15 @@ class PolicyConfig:
     trust_remote_code: bool = False
     """Allow model code from the hub."""
     attn_implementation: (
-        Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"] | None
+        Literal[
+            "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "grpoflow_varlen"
+        ]
+        | None
     ) = None
     """Attention kernel of the training forward (transformers' name); unset: the model's default
     (sdpa). Rollout engines keep their own. `padding_free` wants one that skips what the packed
-    mask hides (flex_attention, flash_attention_2)."""
+    mask hides: grpoflow_varlen (torch's varlen flash attention, no extra package; sdpa for
+    anything not packed), flex_attention, flash_attention_2."""
 
     def load_tokenizer(self):
         """The model's tokenizer, with a pad token."""
@@ -127,6 +132,8 @@ def load_model(
             raise ValueError(_load_hint(source, error)) from None
     model.to(device)
     if config.attn_implementation is not None:
+        if config.attn_implementation == varlen_attention.NAME:
+            varlen_attention.register()
         try:
             model.set_attn_implementation(config.attn_implementation)
         except (ImportError, ValueError) as error:

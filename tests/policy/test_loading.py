@@ -18,6 +18,7 @@ def test_the_attention_kernel_is_the_models_default_unless_chosen():
     assert build().config._attn_implementation == "sdpa"
     assert build(attn_implementation="eager").config._attn_implementation == "eager"
     assert build(attn_implementation="flex_attention").config._attn_implementation == "flex_attention"
+    assert build(attn_implementation="grpoflow_varlen").config._attn_implementation == "grpoflow_varlen"
 
 
 def test_a_kernel_that_does_not_load_is_named_with_the_fix():

@@ -1,0 +1,106 @@
+"""`attn_implementation: grpoflow_varlen`: packed sequences attended with torch's variable-length
+flash attention, no mask.
+
+A padding-free micro-batch (`algo.packing`) is one row of sequences end to end. transformers keeps
+them apart with a block-diagonal mask for `sdpa` (every block computed: attention costs as for one
+sequence of the whole row) or with flash-attn's varlen kernels, which need the flash-attn package.
+This implementation, registered with transformers' attention and mask interfaces, reads the
+sequences' boundaries that `packed_sequence_logprobs` passes down (`cu_seq_lens_q`,
+`max_length_q`: transformers' own names for them) and attends within each:
+
+- on CUDA with `torch.nn.attention.varlen.varlen_attn` (flash attention over the packed tokens,
+  causal, grouped-query heads shared);
+- elsewhere one causal `scaled_dot_product_attention` per sequence (the CPU tests' path).
+
+Any forward without boundaries (a padded batch, generation with a cache) runs transformers'
+`sdpa` as it is, with `sdpa`'s masks.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+NAME = "grpoflow_varlen"
+
+
+def register() -> None:
+    """Make `NAME` an attention implementation transformers models can be set to (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, varlen_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def varlen_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function interface: query (1, Hq, T, D), key and value
+    (1, Hkv, T, D) -> ((1, T, Hq, D), None)."""
+    if cu_seq_lens_q is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"{NAME} takes one packed row, got a batch of {query.shape[0]}")
+    q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (T, H, D)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if q.is_cuda:
+        out = _flash(q, k, v, cu_seq_lens_q.to(device=q.device, dtype=torch.int32), int(max_length_q), scale)
+    else:
+        out = per_sequence_attention(q, k, v, cu_seq_lens_q, scale)
+    return out.unsqueeze(0), None
+
+
+def per_sequence_attention(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, scale: float) -> Tensor:
+    """Causal attention within each sequence of a packed row: q (T, Hq, D), k and v (T, Hkv, D),
+    `cu_seq_lens` (sequences + 1,) their boundaries; -> (T, Hq, D)."""
+    bounds = cu_seq_lens.tolist()
+    parts = []
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        q_i, k_i, v_i = (t[start:stop].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, scale=scale, enable_gqa=True)
+        parts.append(out[0].transpose(0, 1))
+    return torch.cat(parts)
+
+
+def _flash(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, max_length: int, scale: float) -> Tensor:
+    """torch's varlen flash attention, causal, whichever of its two signatures is installed."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if "window_size" in inspect.signature(varlen_attn).parameters:
+        return varlen_attn(
+            q,
+            k,
+            v,
+            cu_seq_lens,
+            cu_seq_lens,
+            max_length,
+            max_length,
+            scale=scale,
+            window_size=(-1, 0),
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    # The first signature: no scale (1/sqrt(D)), no grouped heads.
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    default = q.shape[-1] ** -0.5
+    if scale != default:
+        q = q * (scale / default)
+    return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, is_causal=True)

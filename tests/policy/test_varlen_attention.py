@@ -1,0 +1,117 @@
+"""`attn_implementation: grpoflow_varlen`: packed sequences attended one by one (CPU) or with
+torch's varlen flash attention (CUDA) equal the padded batch; anything not packed runs sdpa."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpoflow.algo import pack_sequences, packed_sequence_logprobs, policy_loss, sequence_logprobs
+from grpoflow.policy import varlen_attention
+from grpoflow.policy.tiny import build_tiny_model
+
+VOCAB = 40
+PROMPT_LENGTHS = [1, 9, 4, 6]
+COMPLETION_LENGTHS = [37, 1, 12, 5]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def padded_batch(device="cpu"):
+    generator = torch.Generator().manual_seed(0)
+    rows, prompt_len, completion_len = len(PROMPT_LENGTHS), max(PROMPT_LENGTHS), max(COMPLETION_LENGTHS)
+    prompt_ids = torch.randint(3, VOCAB, (rows, prompt_len), generator=generator)
+    completion_ids = torch.randint(3, VOCAB, (rows, completion_len), generator=generator)
+    prompt_mask = torch.zeros(rows, prompt_len, dtype=torch.long)
+    completion_mask = torch.zeros(rows, completion_len, dtype=torch.long)
+    for row, (p, c) in enumerate(zip(PROMPT_LENGTHS, COMPLETION_LENGTHS)):
+        prompt_mask[row, prompt_len - p :] = 1
+        completion_mask[row, :c] = 1
+    return tuple(t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask))
+
+
+def model_with(attention: str, model_type: str = "qwen2", device="cpu", dtype=torch.float32):
+    varlen_attention.register()
+    model = build_tiny_model(VOCAB, model_type=model_type, seed=0).to(device=device, dtype=dtype)
+    model.set_attn_implementation(attention)
+    return model
+
+
+def padded(model, inputs):
+    prompt_ids, prompt_mask, completion_ids, completion_mask = inputs
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    return sequence_logprobs(model, ids, mask, logits_to_keep=completion_ids.size(1), temperature=0.7)[0]
+
+
+def packed(model, inputs):
+    return packed_sequence_logprobs(model, pack_sequences(*inputs), temperature=0.7)[0]
+
+
+def gradients(model, logps_fn, inputs) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    logps = logps_fn(model, inputs)
+    mask = inputs[3]
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0], device=mask.device)
+    loss, _ = policy_loss(logps, logps.detach() - 0.05, advantages, mask, loss_type="dapo")
+    loss.backward()
+    return {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3"])
+def test_packed_rows_attended_one_sequence_at_a_time_equal_the_padded_batch(model_type, monkeypatch):
+    model = model_with(varlen_attention.NAME, model_type)
+    calls = []
+    attend = varlen_attention.per_sequence_attention
+    monkeypatch.setattr(
+        varlen_attention,
+        "per_sequence_attention",
+        lambda *args: calls.append(args[3].tolist()) or attend(*args),
+    )
+    inputs = padded_batch()
+    mask = inputs[3].bool()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            packed(model, inputs)[mask], padded(model, inputs)[mask], rtol=1e-5, atol=1e-5
+        )
+    lengths = [p + c for p, c in zip(PROMPT_LENGTHS, COMPLETION_LENGTHS)]
+    bounds = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    assert calls == [bounds] * model.config.num_hidden_layers  # packed: every layer; padded: none
+    want, got = gradients(model, padded, inputs), gradients(model, packed, inputs)
+    for name, grad in want.items():
+        scale = grad.abs().max().clamp(min=1e-6)
+        torch.testing.assert_close(got[name] / scale, grad / scale, rtol=0, atol=1e-5, msg=name)
+
+
+def test_what_is_not_packed_runs_sdpa_with_its_masks():
+    """A left-padded batch (an attention mask) scores as under sdpa itself, bit for bit."""
+    inputs = padded_batch()
+    with torch.no_grad():
+        got = padded(model_with(varlen_attention.NAME), inputs)
+        want = padded(model_with("sdpa"), inputs)
+    assert torch.equal(got, want)
+
+
+def test_per_sequence_attention_keeps_each_sequence_to_itself():
+    """Changing one sequence's keys changes no other sequence's output."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(12, h, 8, generator=generator) for h in (4, 2, 2))
+    cu = torch.tensor([0, 5, 6, 12], dtype=torch.int32)
+    before = varlen_attention.per_sequence_attention(q, k, v, cu, 8**-0.5)
+    k[6:] += 1.0
+    after = varlen_attention.per_sequence_attention(q, k, v, cu, 8**-0.5)
+    assert torch.equal(after[:6], before[:6]) and not torch.equal(after[6:], before[6:])
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_varlen_flash_attention_equals_the_padded_batch_in_bfloat16():
+    model = model_with(varlen_attention.NAME, device="cuda", dtype=torch.bfloat16)
+    reference = model_with("sdpa", device="cuda", dtype=torch.bfloat16)
+    inputs = padded_batch("cuda")
+    mask = inputs[3].bool()
+    torch.testing.assert_close(
+        packed(model, inputs)[mask], padded(reference, inputs)[mask], rtol=0, atol=0.05
+    )
+    want, got = gradients(reference, padded, inputs), gradients(model, packed, inputs)
+    for name, grad in want.items():
+        scale = grad.abs().max().clamp(min=1e-6)
+        torch.testing.assert_close(got[name] / scale, grad / scale, rtol=0, atol=0.05, msg=name)
