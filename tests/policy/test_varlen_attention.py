@@ -5,28 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.packed_batches import COMPLETION_LENGTHS, PROMPT_LENGTHS, VOCAB, padded_batch
 
 from grpoflow.algo import pack_sequences, packed_sequence_logprobs, policy_loss, sequence_logprobs
 from grpoflow.policy import varlen_attention
 from grpoflow.policy.tiny import build_tiny_model
 
-VOCAB = 40
-PROMPT_LENGTHS = [1, 9, 4, 6]
-COMPLETION_LENGTHS = [37, 1, 12, 5]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def padded_batch(device="cpu"):
-    generator = torch.Generator().manual_seed(0)
-    rows, prompt_len, completion_len = len(PROMPT_LENGTHS), max(PROMPT_LENGTHS), max(COMPLETION_LENGTHS)
-    prompt_ids = torch.randint(3, VOCAB, (rows, prompt_len), generator=generator)
-    completion_ids = torch.randint(3, VOCAB, (rows, completion_len), generator=generator)
-    prompt_mask = torch.zeros(rows, prompt_len, dtype=torch.long)
-    completion_mask = torch.zeros(rows, completion_len, dtype=torch.long)
-    for row, (p, c) in enumerate(zip(PROMPT_LENGTHS, COMPLETION_LENGTHS)):
-        prompt_mask[row, prompt_len - p :] = 1
-        completion_mask[row, :c] = 1
-    return tuple(t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask))
 
 
 def model_with(attention: str, model_type: str = "qwen2", device="cpu", dtype=torch.float32):
@@ -106,7 +91,7 @@ def test_per_sequence_attention_keeps_each_sequence_to_itself():
 def test_cuda_varlen_flash_attention_equals_the_padded_batch_in_bfloat16():
     model = model_with(varlen_attention.NAME, device="cuda", dtype=torch.bfloat16)
     reference = model_with("sdpa", device="cuda", dtype=torch.bfloat16)
-    inputs = padded_batch("cuda")
+    inputs = padded_batch(device="cuda")
     mask = inputs[3].bool()
     torch.testing.assert_close(
         packed(model, inputs)[mask], padded(reference, inputs)[mask], rtol=0, atol=0.05
