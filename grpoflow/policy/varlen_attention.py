@@ -18,6 +18,7 @@ Any forward without boundaries (a padded batch, generation with a cache) runs tr
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -83,7 +84,7 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, max_length: int
     """torch's varlen flash attention, causal, whichever of its two signatures is installed."""
     from torch.nn.attention.varlen import varlen_attn
 
-    if "window_size" in inspect.signature(varlen_attn).parameters:
+    if _takes_window_size():
         return varlen_attn(
             q,
             k,
@@ -104,3 +105,12 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, max_length: int
     if scale != default:
         q = q * (scale / default)
     return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, is_causal=True)
+
+
+@functools.cache
+def _takes_window_size() -> bool:
+    """Whether the installed `varlen_attn` has the later signature (scale, window_size,
+    enable_gqa); read once, not at every layer."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "window_size" in inspect.signature(varlen_attn).parameters

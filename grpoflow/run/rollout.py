@@ -227,11 +227,14 @@ class RolloutBatch:
             return input_ids, None
         return input_ids, torch.cat([self.prompt_mask, self.completion_mask], dim=1)
 
+    def sequence_lengths(self) -> torch.Tensor:
+        """(batch,) each row's real tokens, prompt and completion."""
+        return self.prompt_mask.sum(dim=1) + self.completion_mask.sum(dim=1)
+
     def by_length(self) -> torch.Tensor:
         """Row indices from the longest sequence (prompt and completion tokens) to the shortest,
         ties in row order."""
-        lengths = self.prompt_mask.sum(dim=1) + self.completion_mask.sum(dim=1)
-        return torch.sort(lengths, descending=True, stable=True).indices
+        return torch.sort(self.sequence_lengths(), descending=True, stable=True).indices
 
     def take(self, rows: torch.Tensor) -> RolloutBatch:
         """The rows `rows` (indices), in that order."""

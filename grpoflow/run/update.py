@@ -116,7 +116,7 @@ def micro_batches(
     if budget is None:
         size = settings.micro_batch_size
         return [batch.rows(start, min(start + size, len(batch))) for start in range(0, len(batch), size)]
-    lengths = (batch.prompt_mask.sum(dim=1) + batch.completion_mask.sum(dim=1)).tolist()
+    lengths = batch.sequence_lengths().tolist()
     ranges = token_budget_batches(lengths, budget)
     if distributed is not None and distributed.world_size > 1:
         # FSDP's collectives need every rank to run as many forward and backward passes.

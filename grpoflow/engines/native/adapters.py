@@ -19,9 +19,9 @@ Why not merge `W + scale * B A` into the base weights around each rollout, as `p
   per layer (fused q/k/v and gate/up), replayed inside the decode step's CUDA graph. Adapters in
   the base's dtype are read from their own storage, which the optimizer updates in place, so a
   graph never goes stale; PEFT's float32 adapters on a bfloat16 base are multiplied through
-  copies in bfloat16 (`attach_copies`, 80 MB at 7B), written once before each rollout, as the
-  trainer multiplies them (`grpoflow.policy.lora_precision`): in float32 every product would
-  cast its input and its output, twice the kernels.
+  copies in bfloat16 (`attach_copies`, 80 MB at 7B), rewritten before a rollout that follows an
+  optimizer step, as the trainer multiplies them (`grpoflow.policy.lora_precision`): in float32
+  every product would cast its input and its output, twice the kernels.
 - fidelity: the trainer scores completions with PEFT's unmerged forward; a bfloat16 merge drops
   the parts of dW below half an ulp of W, the low-rank product keeps them.
 
@@ -50,7 +50,7 @@ class Term:
     optimizer step or a gathered shard is seen as the base weights are. Adapters held in another
     dtype than the base (PEFT's float32 on a bfloat16 model) are multiplied through `copies` in the
     base's dtype, as the trainer's forward multiplies them (`grpoflow.policy.lora_precision`);
-    `refresh_copies` writes them before each rollout."""
+    `refresh_copies` writes them again before a rollout when the weights' values have changed."""
 
     down: nn.Module | Matrix
     up: nn.Module | Matrix
@@ -161,18 +161,24 @@ def attach_copies(
     groups: Sequence[Sequence[Projection]], dtype: torch.dtype, previous: dict[tuple, list[torch.Tensor]]
 ) -> dict[tuple, list[torch.Tensor]]:
     """Give every adapter held in another dtype than `dtype` its `copies` in `dtype` (the A copies
-    of a group of one-adapter projections back to back, for `fused_down`). A group whose weights
-    are where they were keeps its copies from `previous`, so captured graphs stay valid. Returns
-    the copies by group, for `refresh_copies` and the next call."""
+    of a group of one-adapter projections back to back, for `fused_down`), written as it is made.
+    A group whose weights are where they were keeps its copies from `previous`, so captured graphs
+    stay valid; `refresh_copies` writes them again when the weights' values change. Returns the
+    copies by group, for the next call."""
     copies = {}
     for group in groups:
         terms = [term for projection in group for term in projection.terms]
         if all(term.down.weight.dtype == term.up.weight.dtype == dtype for term in terms):
             continue
         key = tuple((w.data_ptr(), w.shape) for term in terms for w in (term.down.weight, term.up.weight))
-        made = previous.get(key) or _new_copies(terms, dtype, fused=_one_term_each(group))
+        made = previous.get(key)
+        fresh = made is None
+        if fresh:
+            made = _new_copies(terms, dtype, fused=_one_term_each(group))
         for index, term in enumerate(terms):
             term.copies = (made[2 * index], made[2 * index + 1])
+        if fresh:
+            refresh_copies(terms)
         copies[key] = made
     return copies
 

@@ -201,11 +201,10 @@ class FamilyModel:
             [self.head_adapters]
         ]
         self.copies = attach_copies(groups, self.dtype, self.copies)
-        self.refresh_adapter_copies()
 
     def refresh_adapter_copies(self) -> None:
         """Write the adapters' current values into their copies in the base's dtype (see
-        `adapters.attach_copies`); before every rollout."""
+        `adapters.attach_copies`); before a rollout, when the weights' values have changed."""
         terms = [
             term
             for adapters in self.adapters
