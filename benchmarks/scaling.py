@@ -3,13 +3,20 @@
     python benchmarks/scaling.py                          # a 2-GPU machine, the standard workload
     python benchmarks/scaling.py --variants 1gpu,2gpu-fsdp --steps 4
     python benchmarks/scaling.py --device cpu --model tiny   # two CPU processes, to check the script
+    python benchmarks/scaling.py --model qwen2.5-7b --prompts 16 --micro-batch 16 --variants 1gpu,2gpu-fsdp
 
 The standard workload of benchmarks/grpo_step.py per GPU (a random Qwen2-0.5B-shaped model in bf16,
-64 prompts x 8 generations, prompt 128 tokens, 256 new tokens, beta 0, native engine), so 2 GPUs
-generate and train on twice the batch of 1 (weak scaling). Each variant is one `grpoflow train`
+`--prompts` (64) prompts x 8 generations, prompt 128 tokens, 256 new tokens, beta 0, native engine,
+gradient checkpointing), so 2 GPUs generate and train on twice the batch of 1 (weak scaling).
+`--model qwen2.5-7b` trains a random Qwen2.5-7B-shaped model in full (bf16 weights, gradients and
+AdamW state), built on each rank from the same seed. Each variant is one `grpoflow train`
 under torchrun in its own subprocess; its numbers come from the run's metrics.jsonl (step time of
 the slowest rank, peak memory of the fullest GPU) over the steps after `--warmup`. Scaling
 efficiency is generated tokens per second per GPU over the whole step, against the 1-GPU run.
+Each row also gives the memory plan's predicted peak per GPU (`grpoflow plan` for the variant's
+config and number of processes) beside the measured one, and the update's model FLOPs utilisation
+(6 x parameters x trained tokens per GPU-second, over the bf16 peak; `update_hw_mfu` adds the
+gradient checkpointing recompute, 8 x).
 Results go to benchmarks/results/ as JSON, with the GPU name and the date.
 """
 
@@ -28,9 +35,12 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from grpo_step import grpoflow_overrides, write_inputs  # noqa: E402
+from grpo_step import MATMUL_TFLOPS, grpoflow_overrides, write_inputs  # noqa: E402
 
+from grpoflow.policy.memory_plan import GIB  # noqa: E402
+from grpoflow.run.config import load_config  # noqa: E402
 from grpoflow.run.infer_workers import free_port  # noqa: E402
+from grpoflow.run.plan import model_shape, run_plan  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS: dict[str, tuple[int, dict]] = {
@@ -50,6 +60,8 @@ def variant_config(args, name: str, model_dir: Path, prompts: Path, workdir: Pat
     settings = argparse.Namespace(
         micro_batch=args.micro_batch,
         new_tokens=args.new_tokens,
+        max_tokens=0,
+        set=args.set,
         gradient_checkpointing=1,
         torch_compile=0,
         steps=args.steps,
@@ -57,6 +69,9 @@ def variant_config(args, name: str, model_dir: Path, prompts: Path, workdir: Pat
         workdir=str(workdir / name),
     )
     config = {**grpoflow_overrides(settings, model_dir, prompts), **VARIANTS[name][1], "device": args.device}
+    if args.model not in ("tiny", "qwen2-0.5b"):  # built on each rank, nothing written
+        config["model"] = f"random:{args.model}"
+    config["gradient_accumulation_steps"] = args.prompts * 8 // args.micro_batch
     if args.model == "tiny":  # small enough for two CPU processes
         config.update(
             per_device_train_batch_size=16, gradient_accumulation_steps=2, gpu_memory_utilization=0.1
@@ -64,9 +79,8 @@ def variant_config(args, name: str, model_dir: Path, prompts: Path, workdir: Pat
     return config
 
 
-def run_variant(args, name: str, model_dir: Path, prompts: Path, workdir: Path) -> list[dict]:
-    """Train the variant under torchrun; its metrics.jsonl rows."""
-    config = variant_config(args, name, model_dir, prompts, workdir)
+def run_variant(args, name: str, config: dict, workdir: Path) -> list[dict]:
+    """Train the variant (its `config`) under torchrun; its metrics.jsonl rows."""
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     nproc = VARIANTS[name][0]
@@ -82,26 +96,60 @@ def run_variant(args, name: str, model_dir: Path, prompts: Path, workdir: Path) 
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def summarize(name: str, rows: list[dict], warmup: int, generations_per_rank: int) -> dict:
+def predicted_peak(config: dict, nproc: int) -> tuple[float, int]:
+    """The memory plan's peak per GPU (GiB) for the variant's config over `nproc` processes, and
+    the policy's parameter count."""
+    previous = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(nproc)
+    try:
+        loaded = load_config(None, config)
+        plan, _ = run_plan(loaded, torch.cuda.get_device_properties(0).total_memory)
+        return plan.peak / GIB, model_shape(loaded, on_gpu=True).num_parameters()
+    finally:
+        if previous is None:
+            os.environ.pop("WORLD_SIZE")
+        else:
+            os.environ["WORLD_SIZE"] = previous
+
+
+def summarize(args, name: str, rows: list[dict], config: dict) -> dict:
+    """The variant's steady-state means (steps after --warmup), its peak against the plan's, MFU."""
     nproc = VARIANTS[name][0]
-    steady = rows[warmup:] or rows
+    steady = rows[args.warmup :] or rows
 
     def mean(key: str) -> float | None:
         values = [row[key] for row in steady if row.get(key) is not None]
         return sum(values) / len(values) if values else None
 
-    step_s, mean_length = mean("time/step"), mean("completions/mean_length")
-    generated = nproc * generations_per_rank * mean_length
-    return {
+    step_s, update_s, mean_length = mean("time/step"), mean("time/update"), mean("completions/mean_length")
+    generations = args.prompts * 8
+    peaks = [row["memory/max_allocated_gib"] for row in rows if "memory/max_allocated_gib" in row]
+    row = {
         "variant": name,
         "gpus": nproc,
         "seconds_per_step": step_s,
         "rollout_s": mean("time/rollout"),
-        "update_s": mean("time/update"),
-        "generated_tokens_per_s_per_gpu": generated / step_s / nproc,
+        "update_s": update_s,
+        "generated_tokens_per_s_per_gpu": generations * mean_length / step_s,
         "rollout_tokens_per_s_per_gpu": mean("tokens_per_second/rollout") / nproc,
-        "peak_gib_per_gpu": mean("memory/max_allocated_gib"),
+        "peak_gib_per_gpu": max(peaks) if peaks else None,
+        "predicted_gib_per_gpu": None,
+        "update_mfu": None,
+        "update_hw_mfu": None,
     }
+    tflops = next((value for key, value in MATMUL_TFLOPS.items() if key in _device_name(args)), None)
+    if args.device == "cuda":
+        row["predicted_gib_per_gpu"], num_params = predicted_peak(config, nproc)
+        trained = generations * (128 + mean_length)  # per GPU
+        if tflops and config.get("train_type", "full") == "full":
+            row["update_mfu"] = 6 * num_params * trained / update_s / (tflops * 1e12)
+            recompute = 8 / 6 if config.get("gradient_checkpointing") else 1.0
+            row["update_hw_mfu"] = row["update_mfu"] * recompute
+    return row
+
+
+def _device_name(args) -> str:
+    return torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
 
 
 def print_table(rows: list[dict]) -> None:
@@ -119,10 +167,12 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=None, help="per GPU and step (64; tiny: 4)")
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--set", action="append", default=[], help="config KEY=VALUE, every variant")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--model", choices=("qwen2-0.5b", "tiny"), default="qwen2-0.5b")
+    parser.add_argument("--model", choices=("qwen2-0.5b", "qwen2.5-7b", "tiny"), default="qwen2-0.5b")
     parser.add_argument(
         "--out", default=None, help="JSON path (default: benchmarks/results/DATE-scaling-GPU.json)"
     )
@@ -137,19 +187,20 @@ def main() -> None:
         if skipped:
             print(f"skipping {skipped}: {visible} GPU(s) visible")
         names = [name for name in names if name not in skipped]
-    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-    num_prompts = 64 if args.model == "qwen2-0.5b" else 4
+    device_name = _device_name(args)
+    if args.prompts is None:
+        args.prompts = 4 if args.model == "tiny" else 64
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         model_dir, prompts = write_inputs(
-            workdir, args.model == "tiny", num_prompts=num_prompts * 2 * args.steps
+            workdir, args.model != "qwen2-0.5b", num_prompts=args.prompts * 2 * args.steps
         )
-        results = {}
+        results, rows = {}, []
         for name in names:
             print(f"running {name} ...", flush=True)
-            results[name] = run_variant(args, name, model_dir, prompts, workdir)
-    generations_per_rank = 512 if args.model == "qwen2-0.5b" else 32
-    rows = [summarize(name, results[name], args.warmup, generations_per_rank) for name in names]
+            config = variant_config(args, name, model_dir, prompts, workdir)
+            results[name] = run_variant(args, name, config, workdir)
+            rows.append(summarize(args, name, results[name], config))
     base = next((row for row in rows if row["variant"] == "1gpu"), None)
     for row in rows:
         scaled = base is not None and row["gpus"] > 1

@@ -18,7 +18,6 @@ Any forward without boundaries (a padded batch, generation with a cache) runs tr
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -26,6 +25,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 NAME = "grpoflow_varlen"
+
+
+def _varlen_parameters() -> frozenset[str]:
+    """The installed `varlen_attn`'s parameter names (none where torch has no varlen attention)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+VARLEN_PARAMETERS = _varlen_parameters()
+"""Read once at import: not at every layer, and not inside a compiled region."""
 
 
 def register() -> None:
@@ -81,36 +93,21 @@ def per_sequence_attention(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor,
 
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, max_length: int, scale: float) -> Tensor:
-    """torch's varlen flash attention, causal, whichever of its two signatures is installed."""
+    """torch's varlen flash attention, causal, whichever of its signatures is installed: the
+    first (`is_causal`, no scale, no grouped heads), or the later (`scale`, `window_size`; grouped
+    heads natively, flagged by `enable_gqa` where it has one)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    if _takes_window_size():
-        return varlen_attn(
-            q,
-            k,
-            v,
-            cu_seq_lens,
-            cu_seq_lens,
-            max_length,
-            max_length,
-            scale=scale,
-            window_size=(-1, 0),
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-    # The first signature: no scale (1/sqrt(D)), no grouped heads.
+    parameters = VARLEN_PARAMETERS
     groups = q.shape[1] // k.shape[1]
+    if "window_size" in parameters:
+        options: dict = {"scale": scale, "window_size": (-1, 0)}
+        if "enable_gqa" in parameters:
+            options["enable_gqa"] = groups > 1
+        return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, **options)
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     default = q.shape[-1] ** -0.5
     if scale != default:
         q = q * (scale / default)
     return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, is_causal=True)
-
-
-@functools.cache
-def _takes_window_size() -> bool:
-    """Whether the installed `varlen_attn` has the later signature (scale, window_size,
-    enable_gqa); read once, not at every layer."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    return "window_size" in inspect.signature(varlen_attn).parameters
