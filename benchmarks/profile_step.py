@@ -1,6 +1,8 @@
 """Profile one GRPO step of grpoflow on the standard workload and print where the time goes.
 
     python benchmarks/profile_step.py [--micro-batch 32] [--gradient-checkpointing 1] [--workload long-tail]
+    torchrun --nproc_per_node 2 benchmarks/profile_step.py --smoke --set model=random:qwen2.5-7b \
+        --set fsdp=true --micro-batch 16 --set gradient_accumulation_steps=8   # rank 0 prints
 
 Runs one warm-up step, then one step under torch.profiler; prints the top operators by GPU time
 and by CPU time, and writes a Chrome trace next to the JSON results when --trace is given.
@@ -9,6 +11,7 @@ and by CPU time, and writes a Chrome trace next to the JSON results when --trace
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 
@@ -48,6 +51,8 @@ def main() -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as profiler:
         metrics = trainer.step()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     print({key: round(value, 3) for key, value in metrics.items() if key.startswith("time/")})
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(profiler.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=60))

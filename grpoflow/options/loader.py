@@ -189,6 +189,8 @@ def _mapping(name: str, value: Any) -> Mapping[Any, Any]:
 
 def _literal(name: str, value: Any, allowed: tuple) -> Any:
     text = value if not isinstance(value, bool) else str(value).lower()
+    if isinstance(value, bool) and text not in allowed:
+        text = "yes" if value else "no"  # YAML 1.1 reads an unquoted no/yes/off/on as a bool
     if all(isinstance(arg, int) for arg in allowed) and isinstance(text, str) and text.isdigit():
         text = int(text)
     if text not in allowed:

@@ -9,9 +9,11 @@ A step has two phases that hold different memory, and the peak is the larger:
   kept for the backward pass of one micro-batch and the float32 logits of one log-prob chunk.
 
 Under FSDP the weights, gradients and optimizer state are sharded over the ranks (the rollout
-gathers the weights in full); LoRA trains only the adapters, whose parameters PEFT keeps in
+gathers the weights in full beside each rank's shard); LoRA trains only the adapters, whose parameters PEFT keeps in
 float32, and the reference is the policy with the adapters off (no copy). The optimizer is
-torch's AdamW: two moments per trained parameter, in the parameter's dtype. Activations are an
+torch's AdamW: two moments per trained parameter, in the parameter's dtype; its foreach step
+(optim adamw_torch, not the fused one) also holds a temporary the size of the trained parameters
+once the activations are gone. Activations are an
 estimate (per token and layer, a Llama-family layer keeps about 6 hidden-size, 2 key/value-size
 and 4 intermediate-size vectors without gradient checkpointing; with it, the layer's input only,
 plus one layer recomputed); the allocator's fragmentation is not modelled.
@@ -127,6 +129,8 @@ class PlanSettings:
     """The optimizer state lives on the CPU but for the optimizer step."""
     fsdp_world_size: int = 1
     """Ranks the weights, gradients and optimizer state are sharded over (1: replicated)."""
+    optimizer_temporaries: bool = False
+    """The optimizer step holds a temporary the size of the trained parameters (foreach AdamW)."""
     kv_cache_bytes: int = 0
     """The native engine's KV cache and workspace during rollouts (0: an engine elsewhere)."""
 
@@ -195,19 +199,25 @@ def activation_bytes(shape: ModelShape, settings: PlanSettings) -> int:
 def plan_memory(shape: ModelShape, settings: PlanSettings, capacity: int) -> MemoryPlan:
     """The plan of one GPU of `capacity` bytes (see the module's docstring)."""
     resident = resident_parts(shape, settings)
-    weights_gathered = resident["weights"] * settings.fsdp_world_size
-    rollout = {**resident, "weights": weights_gathered, "kv_cache": settings.kv_cache_bytes}
+    gathered = shape.num_parameters() * shape.dtype_bytes if settings.fsdp_world_size > 1 else 0
+    rollout = {**resident, "gathered_weights": gathered, "kv_cache": settings.kv_cache_bytes}
     trained = resident["adapters"] if settings.lora_rank is not None else resident["weights"]
     reference = resident["reference"]
     if settings.reference_copy and settings.offload_model:  # on the GPU for its own pass only
         reference = shape.num_parameters() * shape.dtype_bytes // settings.fsdp_world_size
     chunk = min(settings.logprob_chunk_size, settings.micro_batch_size * settings.sequence_length)
+    activations = activation_bytes(shape, settings)
+    logits = 3 * chunk * shape.vocab_size * 4  # float32 logits, their exp and their gradient
+    # The optimizer step runs after the backward pass has freed activations and logits: only what
+    # its temporaries need beyond them raises the phase's peak.
+    step = trained if settings.optimizer_temporaries else 0
     update = {
         **resident,
         "reference": reference,
         "gradients": trained,
-        "activations": activation_bytes(shape, settings),
-        "logits": 3 * chunk * shape.vocab_size * 4,  # float32 logits, their exp and their gradient
+        "activations": activations,
+        "logits": logits,
+        "optimizer_step": max(0, step - activations - logits),
     }
     return MemoryPlan(
         rollout={k: v for k, v in rollout.items() if v},

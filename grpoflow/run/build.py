@@ -296,6 +296,7 @@ def build_optimizer(
         lr=training.learning_rate,
         betas=(training.adam_beta1, training.adam_beta2),
         weight_decay=training.weight_decay,
+        fused=training.optim == "adamw_torch_fused",
     )
     scheduler = get_scheduler(
         training.lr_scheduler_type,

@@ -242,6 +242,7 @@ BOOKKEEPING_KEYS = frozenset(
         "disable_tqdm",
         "html_report",
         "save_steps",
+        "save_strategy",
         "save_total_limit",
     }
 )

@@ -90,6 +90,7 @@ def plan_settings(config, kv_cache_bytes: int = 0) -> PlanSettings:
         offload_model=config.placement.offload_model,
         offload_optimizer=config.placement.offload_optimizer,
         fsdp_world_size=_world_size() if config.placement.fsdp else 1,
+        optimizer_temporaries=config.training.optim == "adamw_torch",
         kv_cache_bytes=kv_cache_bytes,
     )
 
@@ -163,13 +164,14 @@ def run_plan(config, capacity: int) -> tuple[MemoryPlan, int | None]:
 def format_plan(plan: MemoryPlan) -> str:
     """A table of the parts in GiB per phase, the peak, the GPU and whether it fits."""
     names = list(dict.fromkeys([*plan.update, *plan.rollout]))
-    lines = [f"{'part':<12} {'rollout GiB':>12} {'update GiB':>12}"]
+    width = max(12, *map(len, names))
+    lines = [f"{'part':<{width}} {'rollout GiB':>12} {'update GiB':>12}"]
     for name in names:
         lines.append(
-            f"{name:<12} {plan.rollout.get(name, 0) / GIB:>12.2f} {plan.update.get(name, 0) / GIB:>12.2f}"
+            f"{name:<{width}} {plan.rollout.get(name, 0) / GIB:>12.2f} {plan.update.get(name, 0) / GIB:>12.2f}"
         )
     lines.append(
-        f"{'total':<12} {sum(plan.rollout.values()) / GIB:>12.2f} {sum(plan.update.values()) / GIB:>12.2f}"
+        f"{'total':<{width}} {sum(plan.rollout.values()) / GIB:>12.2f} {sum(plan.update.values()) / GIB:>12.2f}"
     )
     verdict = "fits" if plan.fits else "does NOT fit"
     lines.append(

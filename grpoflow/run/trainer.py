@@ -245,7 +245,10 @@ class GRPOTrainer:
                 {name for name in self.reward_names if metrics[f"rewards/{name}/failed_all"] == 1.0}
             )
         saved = None
-        if self.step_count % self.config.training.save_steps == 0 or self.step_count == self.total_steps:
+        training = self.config.training
+        if training.save_strategy == "steps" and (
+            self.step_count % training.save_steps == 0 or self.step_count == self.total_steps
+        ):
             saved = self.save()
         if evaluated and evaluation.metric_for_best_model is not None:
             with phase("checkpoint"):

@@ -13,6 +13,10 @@ from grpoflow.policy.tiny import DEFAULT_SEED
 class TrainingConfig:
     """Optimisation, schedule, checkpoints."""
 
+    optim: Literal["adamw_torch_fused", "adamw_torch"] = "adamw_torch_fused"
+    """The optimizer, by transformers' names: torch's AdamW with its fused kernel (a few kernels
+    per step and no full-size temporaries), or with its multi-tensor (foreach) kernels, whose
+    step holds a temporary the size of the trained parameters."""
     learning_rate: float = 1e-6
     """Peak learning rate of AdamW."""
     lr_scheduler_type: Literal[
@@ -59,8 +63,12 @@ class TrainingConfig:
     """Let a new run take an output_dir holding another run's files, deleting them when training
     starts (checkpoints, run.json, metrics and completions logs, TensorBoard's runs/; nothing else);
     also lets a resume from an older checkpoint delete the run's later ones."""
+    save_strategy: Literal["steps", "no"] = "steps"
+    """`steps`: save a checkpoint every save_steps steps and at the end; `no`: none on that
+    schedule (a run that stops early, on a failure or an interrupt, still saves one to resume
+    from, and metric_for_best_model still keeps checkpoint-best)."""
     save_steps: int = 500
-    """Save a checkpoint every this many steps (and at the end)."""
+    """Under save_strategy steps, save a checkpoint every this many steps (and at the end)."""
     save_total_limit: int | None = None
     """Keep at most this many checkpoints (oldest deleted)."""
     resume_from_checkpoint: str | None = None

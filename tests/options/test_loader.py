@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 
 from grpoflow.options import flatten, load, to_flat
@@ -47,6 +49,8 @@ def test_round_trip_through_flat_values():
         ("on", bool, True),
         ("a, b", list[str], ["a", "b"]),
         ("null", int | None, None),
+        (False, Literal["steps", "no"], "no"),  # YAML's reading of an unquoted `no`
+        (True, Literal["true", "false", "x"], "true"),
     ],
 )
 def test_values_are_converted_to_the_declared_type(value, hint, expected):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from grpoflow.policy.memory_plan import ModelShape, PlanSettings, activation_bytes, plan_memory
@@ -72,7 +74,22 @@ def test_lora_with_checkpointing_and_offloads_by_hand():
 def test_fsdp_shards_resident_parts_and_gathers_for_rollouts():
     plan = plan_memory(SHAPE, PlanSettings(fsdp_world_size=4), capacity=10**6)
     assert plan.update["weights"] == 2704 // 4 and plan.update["optimizer"] == 2 * 2704 // 4
-    assert plan.rollout["weights"] == 2704
+    # The rollout gathers the full weights beside each rank's shard.
+    assert plan.rollout["weights"] == 2704 // 4 and plan.rollout["gathered_weights"] == 2704
+
+
+def test_a_foreach_optimizer_step_raises_the_peak_by_what_outlives_the_backward_pass():
+    settings = PlanSettings(micro_batch_size=1, sequence_length=2, logprob_chunk_size=1)
+    fused = plan_memory(SHAPE, settings, capacity=10**6)
+    foreach = plan_memory(SHAPE, dataclasses.replace(settings, optimizer_temporaries=True), 10**6)
+    # Activations 2 tokens * 2 layers * 304 = 1216, logits 3*1*10*4 = 120: the step's temporary
+    # (2704, the trained weights' size) adds 2704 - 1216 - 120 = 1368 to the update's peak.
+    assert "optimizer_step" not in fused.update
+    assert foreach.update["optimizer_step"] == 1368
+    assert foreach.peak == fused.peak + 1368
+    # With more activations than the temporary needs, the step adds nothing.
+    big = PlanSettings(micro_batch_size=8, sequence_length=4, optimizer_temporaries=True)
+    assert "optimizer_step" not in plan_memory(SHAPE, big, capacity=10**6).update
 
 
 def test_settings_are_checked():
