@@ -13,7 +13,8 @@ gathers the weights in full beside each rank's shard); LoRA trains only the adap
 float32, and the reference is the policy with the adapters off (no copy). The optimizer is
 torch's AdamW: two moments per trained parameter, in the parameter's dtype; its foreach step
 (optim adamw_torch, not the fused one) also holds a temporary the size of the trained parameters
-once the activations are gone. Activations are an
+once the activations are gone. Under FSDP reducing the gradients once per optimizer step, each
+rank also accumulates the full gradients (float32 under mixed precision). Activations are an
 estimate (per token and layer, a Llama-family layer keeps about 6 hidden-size, 2 key/value-size
 and 4 intermediate-size vectors without gradient checkpointing; with it, the layer's input only,
 plus one layer recomputed); the allocator's fragmentation is not modelled.
@@ -129,6 +130,9 @@ class PlanSettings:
     """The optimizer state lives on the CPU but for the optimizer step."""
     fsdp_world_size: int = 1
     """Ranks the weights, gradients and optimizer state are sharded over (1: replicated)."""
+    accumulated_gradient_bytes: int = 0
+    """Under FSDP reducing once per optimizer step: bytes per trained parameter of the full
+    gradients each rank accumulates over the micro-batches (0: reduced every micro-batch)."""
     optimizer_temporaries: bool = False
     """The optimizer step holds a temporary the size of the trained parameters (foreach AdamW)."""
     kv_cache_bytes: int = 0
@@ -173,9 +177,7 @@ def resident_parts(shape: ModelShape, settings: PlanSettings) -> dict[str, int]:
     shards = settings.fsdp_world_size
     weights = shape.num_parameters() * shape.dtype_bytes
     if settings.lora_rank is not None:
-        trained_bytes = (
-            shape.num_lora_parameters(settings.lora_rank, settings.target_modules) * LORA_DTYPE_BYTES
-        )
+        trained_bytes = _trained_parameters(shape, settings) * LORA_DTYPE_BYTES
     else:
         trained_bytes = weights
     return {
@@ -184,6 +186,12 @@ def resident_parts(shape: ModelShape, settings: PlanSettings) -> dict[str, int]:
         "adapters": trained_bytes // shards if settings.lora_rank is not None else 0,
         "optimizer": 0 if settings.offload_optimizer else 2 * trained_bytes // shards,
     }
+
+
+def _trained_parameters(shape: ModelShape, settings: PlanSettings) -> int:
+    if settings.lora_rank is None:
+        return shape.num_parameters()
+    return shape.num_lora_parameters(settings.lora_rank, settings.target_modules)
 
 
 def activation_bytes(shape: ModelShape, settings: PlanSettings) -> int:
@@ -217,6 +225,7 @@ def plan_memory(shape: ModelShape, settings: PlanSettings, capacity: int) -> Mem
         "gradients": trained,
         "activations": activations,
         "logits": logits,
+        "accumulated_gradients": _trained_parameters(shape, settings) * settings.accumulated_gradient_bytes,
         "optimizer_step": max(0, step - activations - logits),
     }
     return MemoryPlan(

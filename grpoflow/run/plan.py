@@ -76,8 +76,8 @@ def model_shape(config, on_gpu: bool) -> ModelShape:
     return ModelShape.from_config(getattr(hf_config, "text_config", hf_config), dtype_bytes=dtype_bytes)
 
 
-def plan_settings(config, kv_cache_bytes: int = 0) -> PlanSettings:
-    """The options of `config` (a GRPOConfig) that decide memory."""
+def plan_settings(config, kv_cache_bytes: int = 0, dtype_bytes: int = 2) -> PlanSettings:
+    """The options of `config` (a GRPOConfig) that decide memory, for weights of `dtype_bytes`."""
     lora = config.adapter.train_type == "lora"
     return PlanSettings(
         lora_rank=config.adapter.lora_rank if lora else None,
@@ -90,6 +90,7 @@ def plan_settings(config, kv_cache_bytes: int = 0) -> PlanSettings:
         offload_model=config.placement.offload_model,
         offload_optimizer=config.placement.offload_optimizer,
         fsdp_world_size=_world_size() if config.placement.fsdp else 1,
+        accumulated_gradient_bytes=_accumulated_gradient_bytes(config, dtype_bytes),
         optimizer_temporaries=config.training.optim == "adamw_torch",
         kv_cache_bytes=kv_cache_bytes,
     )
@@ -123,7 +124,9 @@ def kv_cache_blocks(config, shape: ModelShape, capacity: int) -> tuple[int, int]
     useful = engine.max_num_seqs * math.ceil(
         (engine.max_model_len or config.max_model_len) / engine.block_size
     )
-    resident = sum(plan_memory(shape, plan_settings(config), capacity).rollout.values())
+    resident = sum(
+        plan_memory(shape, plan_settings(config, dtype_bytes=shape.dtype_bytes), capacity).rollout.values()
+    )
     budget = int(capacity * engine.gpu_memory_utilization) - resident - workspace
     blocks = max(0, min(budget // per_block, useful))
     return blocks, blocks * per_block + workspace_bytes(native, engine_in_use(config, engine), dtype)
@@ -158,7 +161,7 @@ def run_plan(config, capacity: int) -> tuple[MemoryPlan, int | None]:
     blocks, kv_bytes = None, 0
     if config.generation.engine_name == "native":
         blocks, kv_bytes = kv_cache_blocks(config, shape, capacity)
-    return plan_memory(shape, plan_settings(config, kv_bytes), capacity), blocks
+    return plan_memory(shape, plan_settings(config, kv_bytes, shape.dtype_bytes), capacity), blocks
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -208,6 +211,18 @@ def check_plan(config) -> int | None:
             raise ValueError(misfit_message(plan))
         logger.warning("%s", misfit_message(plan))
     return blocks if config.plan.kv_cache_from_plan and blocks else None
+
+
+def _accumulated_gradient_bytes(config, dtype_bytes: int) -> int:
+    """Bytes per trained parameter of the full gradients an FSDP rank accumulates when it reduces
+    once per optimizer step: FSDP accumulates them in the reduce dtype (float32 unless
+    fsdp_mixed_precision is no: then the trained parameters' dtype)."""
+    layout = config.placement
+    if not layout.fsdp or layout.fsdp_reduce_every_micro_batch or _world_size() == 1:
+        return 0
+    if layout.fsdp_mixed_precision != "no" or config.adapter.train_type == "lora":
+        return 4
+    return dtype_bytes
 
 
 def _world_size() -> int:

@@ -298,6 +298,7 @@ def update_policy(
                 window[0] += (entropy.detach() * effective).sum()
                 window[1] += effective.sum()
                 metrics["policy_loss"] = loss.detach() * scale * num_micro_batches
+            placement.sync_gradients(last=index == len(parts) - 1)
             total.backward()
             # The whole batch's loss as this micro-batch estimates it; the mean over micro-batches
             # and ranks is the whole batch's loss.

@@ -78,6 +78,15 @@ def test_fsdp_shards_resident_parts_and_gathers_for_rollouts():
     assert plan.rollout["weights"] == 2704 // 4 and plan.rollout["gathered_weights"] == 2704
 
 
+def test_fsdp_reducing_once_per_step_holds_the_full_gradients_on_every_rank():
+    settings = PlanSettings(fsdp_world_size=2, accumulated_gradient_bytes=4)
+    plan = plan_memory(SHAPE, settings, capacity=10**6)
+    # 1352 parameters' float32 gradients in full, beside the bf16 shard of them (2704 / 2).
+    assert plan.update["accumulated_gradients"] == 1352 * 4 and plan.update["gradients"] == 1352
+    lora = PlanSettings(lora_rank=2, target_modules=["q_proj", "v_proj"], accumulated_gradient_bytes=4)
+    assert plan_memory(SHAPE, lora, capacity=10**6).update["accumulated_gradients"] == 112 * 4
+
+
 def test_a_foreach_optimizer_step_raises_the_peak_by_what_outlives_the_backward_pass():
     settings = PlanSettings(micro_batch_size=1, sequence_length=2, logprob_chunk_size=1)
     fused = plan_memory(SHAPE, settings, capacity=10**6)

@@ -61,6 +61,29 @@ def test_fsdp_on_two_processes_equals_one_unsharded_process(fsdp_run, tmp_path):
     assert moved > 1e-3  # the steps changed the weights: the comparison can fail
 
 
+def test_fsdp_reducing_once_per_optimizer_step_equals_one_unsharded_process(tmp_path):
+    # Two micro-batches per rank, two optimizer steps per generation batch (num_iterations 2):
+    # the first backward of each step keeps full gradients on its rank, the second reduces both.
+    micro = {"per_device_train_batch_size": 8, "max_steps": 2}
+    config_path, output_dir = write_config(
+        tmp_path,
+        "fsdp",
+        fsdp=True,
+        fsdp_reduce_every_micro_batch=False,
+        gradient_accumulation_steps=2,
+        **micro,
+    )
+    finish(grpoflow_train(config_path, clean_env(), torchrun=True))
+    history = run(load_config(None, recipe_values(tmp_path / "one", gradient_accumulation_steps=4, **micro)))
+    logged = read_jsonl(output_dir / "metrics.jsonl")
+    for expected, got in zip(history, logged, strict=True):
+        for key in ("loss", "kl", "grad_norm"):
+            assert got[key] == pytest.approx(expected[key], abs=1e-5), key
+    single, sharded = weights(tmp_path / "one" / "checkpoint-2"), weights(output_dir / "checkpoint-2")
+    for name in single:
+        torch.testing.assert_close(sharded[name], single[name], atol=1e-5, rtol=0, msg=name)
+
+
 def test_fsdp_resume_replays_the_run_exactly(fsdp_run, tmp_path):
     config_path, output_dir = write_config(
         tmp_path, "resumed", fsdp=True, resume_from_checkpoint=str(fsdp_run / "checkpoint-2")

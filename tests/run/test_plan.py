@@ -7,7 +7,7 @@ from helpers.support import recipe
 
 from grpoflow.cli import main
 from grpoflow.run.build import build_trainer
-from grpoflow.run.plan import check_plan, run_plan
+from grpoflow.run.plan import check_plan, plan_settings, run_plan
 
 
 def test_plan_prints_a_table_without_loading_weights(capsys):
@@ -60,3 +60,21 @@ def test_the_peak_counts_the_workspace_the_runs_calls_use(tmp_path):
     assert (used.max_num_seqs, used.max_prefill_tokens) == (128, 16 * 128)
     episodes = recipe(tmp_path, tools=["grpoflow.tasks.calculator:calculate"])
     assert engine_in_use(episodes, bounds) is bounds  # turns re-prefill their context: the bounds
+
+
+def test_the_config_decides_what_fsdp_accumulates_and_the_optimizer_holds(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = {"model": "random:qwen2-0.5b", "fsdp": True, "torch_dtype": "bfloat16"}
+    settings = {
+        name: plan_settings(recipe(tmp_path / name, **base, **values), dtype_bytes=2)
+        for name, values in {
+            "every": {},
+            "once": {"fsdp_reduce_every_micro_batch": False},
+            "once_no_mixed": {"fsdp_reduce_every_micro_batch": False, "fsdp_mixed_precision": "no"},
+            "foreach": {"optim": "adamw_torch"},
+        }.items()
+    }
+    assert settings["every"].accumulated_gradient_bytes == 0 and settings["every"].fsdp_world_size == 2
+    assert settings["once"].accumulated_gradient_bytes == 4  # float32, the reduce dtype
+    assert settings["once_no_mixed"].accumulated_gradient_bytes == 2  # the weights' dtype
+    assert settings["foreach"].optimizer_temporaries and not settings["every"].optimizer_temporaries
