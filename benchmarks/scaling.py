@@ -73,6 +73,7 @@ def variant_config(args, name: str, model_dir: Path, prompts: Path, workdir: Pat
     if args.model not in ("tiny", "qwen2-0.5b"):  # built on each rank, nothing written
         config["model"] = f"random:{args.model}"
     config["gradient_accumulation_steps"] = args.prompts * 8 // args.micro_batch
+    config["save_strategy"] = "no"  # steps only: a 7B checkpoint takes longer than several steps
     if args.model == "tiny":  # small enough for two CPU processes
         config.update(
             per_device_train_batch_size=16, gradient_accumulation_steps=2, gpu_memory_utilization=0.1

@@ -245,10 +245,7 @@ class GRPOTrainer:
                 {name for name in self.reward_names if metrics[f"rewards/{name}/failed_all"] == 1.0}
             )
         saved = None
-        training = self.config.training
-        if training.save_strategy == "steps" and (
-            self.step_count % training.save_steps == 0 or self.step_count == self.total_steps
-        ):
+        if self.config.training.saves_at(self.step_count, self.total_steps):
             saved = self.save()
         if evaluated and evaluation.metric_for_best_model is not None:
             with phase("checkpoint"):

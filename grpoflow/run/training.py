@@ -101,3 +101,9 @@ class TrainingConfig:
             "> 0, or -1 to use num_train_epochs",
             self.max_steps,
         )
+
+    def saves_at(self, step: int, total_steps: int) -> bool:
+        """Whether step `step` of `total_steps` ends with a scheduled checkpoint."""
+        if self.save_strategy == "no":
+            return False
+        return step % self.save_steps == 0 or step == total_steps
