@@ -9,8 +9,9 @@ A step has two phases that hold different memory, and the peak is the larger:
   kept for the backward pass of one micro-batch and the float32 logits of one log-prob chunk.
 
 Under FSDP the weights, gradients and optimizer state are sharded over the ranks (the rollout
-gathers the weights in full beside each rank's shard); LoRA trains only the adapters, whose parameters PEFT keeps in
-float32, and the reference is the policy with the adapters off (no copy). The optimizer is
+gathers the weights in full beside each rank's shard); LoRA trains only the adapters, whose
+parameters PEFT keeps in float32, and the reference is the policy with the adapters off (no
+copy). The optimizer is
 torch's AdamW: two moments per trained parameter, in the parameter's dtype; its foreach step
 (optim adamw_torch, not the fused one) also holds a temporary the size of the trained parameters
 once the activations are gone. Under FSDP reducing the gradients once per optimizer step, each
