@@ -249,12 +249,20 @@ def adapter_weights(
         yield from _low_rank(module, prefix.removesuffix("."))
         return
     if isinstance(module, ModulesToSaveWrapper):
-        yield from _plain_parameters(module, prefix, seen)
+        for name, parameter in _plain_parameters(module, prefix, seen):
+            yield name, whole(parameter)
         return
     if with_base:
         yield from _own_parameters(module, prefix, seen)
     for name, child in module.named_children():
         yield from adapter_weights(child, f"{prefix}{name}.", seen, skip, with_base=with_base)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP's DTensor) parameter gathered in full, a collective every rank calls in
+    step; any other tensor as it is."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else tensor
 
 
 def _low_rank(layer, name: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -263,9 +271,9 @@ def _low_rank(layer, name: str) -> Iterator[tuple[str, torch.Tensor]]:
     if not active or layer.disable_adapters:
         return
     with torch.no_grad():
-        down = torch.cat([layer.lora_A[adapter].weight.detach() for adapter in active])
+        down = torch.cat([whole(layer.lora_A[adapter].weight).detach() for adapter in active])
         up = torch.cat(
-            [layer.lora_B[adapter].weight.detach() * layer.scaling[adapter] for adapter in active], 1
+            [whole(layer.lora_B[adapter].weight).detach() * layer.scaling[adapter] for adapter in active], 1
         )
     yield f"{name}{DOWN}", down
     yield f"{name}{UP}", up

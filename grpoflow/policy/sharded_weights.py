@@ -6,8 +6,10 @@ its share is given and every tensor handed over as a CPU copy, so neither the ra
 an engine that collects the whole list holds more than one gathered unit at a time. What each
 unit gives is `lora.rollout_parts`'s choice, as for a whole policy: the merged weights; or, for
 an engine that adds a LoRA policy's adapters to its own copy of the base, the unmerged base with
-the adapters on its first sync and then the adapters (and `modules_to_save`) alone, when a unit
-holding neither is not gathered at all.
+the adapters on its first sync and then the adapters (and `modules_to_save`) alone. Those later
+syncs gather no unit: each adapter tensor is gathered by itself (`lora.whole`), so they move the
+adapters' megabytes rather than every adapted layer, in the adapters' own dtype as from an
+unsharded policy (unless the shards were offloaded to the CPU: then their units are gathered).
 
 Each gather is a collective: every rank walks the same units in the same order, which holds
 because the walk depends only on the model's structure and on what the engine holds (every
@@ -17,7 +19,7 @@ rank's engine took the same syncs).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -49,12 +51,26 @@ def _unit_weights(
     skip: tuple[nn.Module, ...] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The share of `module` (less `skip`), whose parameters the FSDP `unit` holds, gathered and
-    copied to the CPU; no gather when `parts` needs nothing of it."""
+    copied to the CPU; no gather when `parts` needs nothing of it, and the adapters alone gathered
+    tensor by tensor rather than with the unit."""
     if not parts.needs(module, skip):
         return
-    with unsharded(unit):
+    alone = parts.adapters and not parts.with_base and _shards_where_they_compute(unit)
+    with nullcontext() if alone else unsharded(unit):
         for name, tensor in parts.weights(module, prefix, seen, skip):
             yield name, tensor.detach().to("cpu", copy=True)
+
+
+def _shards_where_they_compute(unit: nn.Module) -> bool:
+    """Whether `unit`'s shards live on the device type their mesh communicates on (not offloaded
+    to the CPU under a GPU mesh), so a tensor of them can be gathered by itself."""
+    from torch.distributed.tensor import DTensor
+
+    return all(
+        not isinstance(parameter, DTensor)
+        or parameter.to_local().device.type == parameter.device_mesh.device_type
+        for parameter in unit.parameters()
+    )
 
 
 @contextmanager

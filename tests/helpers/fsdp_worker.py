@@ -136,7 +136,7 @@ def check_adapter_sync(context: DistributedContext, ids: torch.Tensor) -> None:
     layer = whole.get_base_model().model.layers[1].mlp.down_proj
     up = dict(later)[f"model.layers.1.mlp.down_proj{UP}"]
     assert torch.equal(up, layer.lora_B["default"].weight.detach() * 32 / 4), "B scaled by alpha / r"
-    assert gathered == where.units, "every unit holds an adapter or the trained norm: all gathered"
+    assert gathered == [], "the adapters and the trained norm are gathered tensor by tensor, no unit"
     merging = AdapterEngine(accepts_adapters=False, holds_base=True)
     check_close(
         dict(where.rollout_weights(merging)), dict(lora.merged_weights(whole)), "merged for any other"
@@ -155,9 +155,9 @@ def check_adapter_sync(context: DistributedContext, ids: torch.Tensor) -> None:
     check_close(dict(where.rollout_weights(engine)), trained, "adapter sync after 2 steps", atol=1e-5)
 
 
-def check_adapter_sync_skips_units_without_adapters(context: DistributedContext) -> None:
-    """Without modules_to_save the root (embeddings, norm, tied head) holds no adapter: an
-    adapter-only sync gathers the decoder layers alone; the first sync gathers every unit."""
+def check_adapter_sync_gathers_units_only_with_the_base(context: DistributedContext) -> None:
+    """The first sync gathers every unit (the base goes too); an adapter-only one none (each
+    adapter tensor is gathered by itself), unless the shards live off the mesh's device."""
     whole = tiny_model(with_lora=True)
     context.broadcast_parameters(whole)
     where = placement.shard_model(copy.deepcopy(whole), CPU, world_size=context.world_size)
@@ -165,9 +165,22 @@ def check_adapter_sync_skips_units_without_adapters(context: DistributedContext)
     assert gathered == where.units
     check_equal(first, list(lora.adapter_update(whole, with_base=True)), "first sync without modules_to_save")
     gathered, later = gathering_units(lambda: list(where.rollout_weights(AdapterEngine(holds_base=True))))
-    assert gathered == where.units[1:] == list(placement.decoder_layers(where.module))
+    assert gathered == []
     assert all(is_adapter_name(name) for name, _ in later)
     check_equal(later, list(lora.adapter_update(whole, with_base=False)), "adapters without modules_to_save")
+    # Shards off the mesh's device (CPU-offloaded under a GPU mesh, which a CPU test cannot build):
+    # the units holding adapters are gathered, not the root, which holds none.
+    assert sharded_weights._shards_where_they_compute(where.units[1])
+    on_mesh_device, sharded_weights._shards_where_they_compute = (
+        sharded_weights._shards_where_they_compute,
+        (lambda unit: False),
+    )
+    try:
+        gathered, later = gathering_units(lambda: list(where.rollout_weights(AdapterEngine(holds_base=True))))
+    finally:
+        sharded_weights._shards_where_they_compute = on_mesh_device
+    assert gathered == where.units[1:] == list(placement.decoder_layers(where.module))
+    check_equal(later, list(lora.adapter_update(whole, with_base=False)), "adapters of offloaded shards")
 
 
 def main() -> None:
@@ -220,7 +233,7 @@ def main() -> None:
             full, {k: v for k, v in whole.state_dict().items() if k in full}, f"after reload {what}", 1e-5
         )
     check_adapter_sync(context, ids)
-    check_adapter_sync_skips_units_without_adapters(context)
+    check_adapter_sync_gathers_units_only_with_the_base(context)
     torch_dist.destroy_process_group()
     print("fsdp worker: all checks passed")
 

@@ -113,7 +113,7 @@ def test_sharded_units_gather_merge_and_restore_as_the_whole_model(tmp_path):
     # rollout_weights (one layer at a time), full_parameters around a forward, optimizer state
     # gathered and scattered, full state dicts; plain, with FSDP's CPU offload, and with LoRA;
     # for an engine that accepts adapters, the unmerged base with the adapters, then the adapters
-    # and modules_to_save alone, gathering only the units that hold them.
+    # and modules_to_save alone, each tensor gathered by itself (units only when offloaded).
     worker = Path(__file__).parents[1] / "helpers" / "fsdp_worker.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += ["--master_port", str(free_port()), str(worker)]
