@@ -128,7 +128,8 @@ class PlanSettings:
     offload_model: bool = False
     """The reference copy lives on the CPU but for its log-prob pass."""
     offload_optimizer: bool = False
-    """The optimizer state lives on the CPU but for the optimizer step."""
+    """The optimizer state lives on the CPU but for the optimizer step (when it may raise the
+    update's peak: the activations are gone by then)."""
     fsdp_world_size: int = 1
     """Ranks the weights, gradients and optimizer state are sharded over (1: replicated)."""
     accumulated_gradient_bytes: int = 0
@@ -218,8 +219,11 @@ def plan_memory(shape: ModelShape, settings: PlanSettings, capacity: int) -> Mem
     activations = activation_bytes(shape, settings)
     logits = 3 * chunk * shape.vocab_size * 4  # float32 logits, their exp and their gradient
     # The optimizer step runs after the backward pass has freed activations and logits: only what
-    # its temporaries need beyond them raises the phase's peak.
+    # it brings beyond them raises the phase's peak (its temporaries; offloaded moments, which
+    # come back to the GPU for it).
     step = trained if settings.optimizer_temporaries else 0
+    if settings.offload_optimizer:
+        step += 2 * trained
     update = {
         **resident,
         "reference": reference,

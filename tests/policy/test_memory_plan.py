@@ -87,7 +87,7 @@ def test_fsdp_reducing_once_per_step_holds_the_full_gradients_on_every_rank():
     assert plan_memory(SHAPE, lora, capacity=10**6).update["accumulated_gradients"] == 112 * 4
 
 
-def test_a_foreach_optimizer_step_raises_the_peak_by_what_outlives_the_backward_pass():
+def test_the_optimizer_step_raises_the_peak_by_what_outlives_the_backward_pass():
     settings = PlanSettings(micro_batch_size=1, sequence_length=2, logprob_chunk_size=1)
     fused = plan_memory(SHAPE, settings, capacity=10**6)
     foreach = plan_memory(SHAPE, dataclasses.replace(settings, optimizer_temporaries=True), 10**6)
@@ -96,6 +96,11 @@ def test_a_foreach_optimizer_step_raises_the_peak_by_what_outlives_the_backward_
     assert "optimizer_step" not in fused.update
     assert foreach.update["optimizer_step"] == 1368
     assert foreach.peak == fused.peak + 1368
+    # Offloaded moments (2 x 2704) come back for the step: 5408 - 1336 above the backward pass,
+    # though the rollout and the backward pass hold none of them.
+    offloaded = plan_memory(SHAPE, dataclasses.replace(settings, offload_optimizer=True), 10**6)
+    assert "optimizer" not in offloaded.rollout and "optimizer" not in offloaded.update
+    assert offloaded.update["optimizer_step"] == 2 * 2704 - 1216 - 120
     # With more activations than the temporary needs, the step adds nothing.
     big = PlanSettings(micro_batch_size=8, sequence_length=4, optimizer_temporaries=True)
     assert "optimizer_step" not in plan_memory(SHAPE, big, capacity=10**6).update
