@@ -9,13 +9,13 @@ A step has two phases that hold different memory, and the peak is the larger:
   kept for the backward pass of one micro-batch and the float32 logits of one log-prob chunk.
 
 Under FSDP the weights, gradients and optimizer state are sharded over the ranks (the rollout
-gathers the weights in full beside each rank's shard); LoRA trains only the adapters, whose
-parameters PEFT keeps in float32, and the reference is the policy with the adapters off (no
-copy). The optimizer is
-torch's AdamW: two moments per trained parameter, in the parameter's dtype; its foreach step
-(optim adamw_torch, not the fused one) also holds a temporary the size of the trained parameters
-once the activations are gone. Under FSDP reducing the gradients once per optimizer step, each
-rank also accumulates the full gradients (float32 under mixed precision). Activations are an
+gathers the weights in full beside each rank's shard, and so does the update without
+reshard-after-forward); LoRA trains only the adapters, whose parameters PEFT keeps in float32,
+and the reference is the policy with the adapters off (no copy). The optimizer is torch's AdamW:
+two moments per trained parameter, in the parameter's dtype; its foreach step (optim adamw_torch,
+not the fused one) also holds a temporary the size of the trained parameters once the activations
+are gone. Under FSDP reducing the gradients once per optimizer step, each rank also accumulates
+the full gradients (float32 under mixed precision). Activations are an
 estimate (per token and layer, a Llama-family layer keeps about 6 hidden-size, 2 key/value-size
 and 4 intermediate-size vectors without gradient checkpointing; with it, the layer's input only,
 plus one layer recomputed); the allocator's fragmentation is not modelled.
@@ -132,6 +132,9 @@ class PlanSettings:
     update's peak: the activations are gone by then)."""
     fsdp_world_size: int = 1
     """Ranks the weights, gradients and optimizer state are sharded over (1: replicated)."""
+    fsdp_reshard_after_forward: bool = True
+    """Under FSDP: each layer frees its gathered weights after its forward pass (false: the update
+    holds the full weights from the forward to the backward pass)."""
     accumulated_gradient_bytes: int = 0
     """Under FSDP reducing once per optimizer step: bytes per trained parameter of the full
     gradients each rank accumulates over the micro-batches (0: reduced every micro-batch)."""
@@ -230,6 +233,7 @@ def plan_memory(shape: ModelShape, settings: PlanSettings, capacity: int) -> Mem
         "gradients": trained,
         "activations": activations,
         "logits": logits,
+        "gathered_weights": 0 if settings.fsdp_reshard_after_forward else gathered,
         "accumulated_gradients": _trained_parameters(shape, settings) * settings.accumulated_gradient_bytes,
         "optimizer_step": max(0, step - activations - logits),
     }

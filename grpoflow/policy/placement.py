@@ -25,6 +25,7 @@ modules themselves carry nothing: a model built without `place_models` gets `Pla
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -58,6 +59,11 @@ class PlacementConfig:
     fsdp_offload_params: bool = False
     """Under fsdp: keep the sharded parameters, gradients and optimizer state on the CPU (the
     optimizer steps there); each unit comes to the GPU for its forward and backward."""
+    fsdp_reshard_after_forward: bool = True
+    """Under fsdp: free each decoder layer's gathered weights after its forward pass and gather
+    them again for the backward pass (least memory); false: keep them from the forward to the
+    backward pass, one all-gather per micro-batch fewer for the full weights' memory during the
+    update (FSDP2's reshard_after_forward, accelerate's fsdp_reshard_after_forward)."""
     fsdp_reduce_every_micro_batch: bool = True
     """Under fsdp: reduce-scatter the gradients after every micro-batch's backward pass (each rank
     holds only its shard of them); false: once per optimizer step, after its last micro-batch,
@@ -133,6 +139,10 @@ class Placement:
     reduce_every_micro_batch: bool = True
     """Sharded: whether every backward pass reduce-scatters the gradients (else the last one of
     each optimizer step, as `sync_gradients` says)."""
+    reshard_after_forward: bool = True
+    """Sharded: whether a decoder layer frees its gathered weights after its forward pass."""
+    gathered: bool = field(default=False, init=False, repr=False)
+    """Inside `full_parameters`: every unit holds its full parameters until the block ends."""
 
     @classmethod
     def local(cls, module: nn.Module, device: torch.device | None = None) -> Placement:
@@ -164,10 +174,12 @@ class Placement:
         if self.root is None:
             return function()
         result = self.root(function)
-        if not torch.is_grad_enabled():
-            # The root keeps its gathered parameters after forward for the backward pass; without
-            # one they would stay gathered, and registered in place of the shards the optimizer holds.
-            self.root.reshard()
+        if not torch.is_grad_enabled() and not self.gathered:
+            # The root (and, without reshard_after_forward, every layer) keeps its gathered
+            # parameters after forward for the backward pass; without one they would stay
+            # gathered, registered in place of the shards the optimizer updates.
+            for unit in self.units:
+                unit.reshard()
         return result
 
     @contextmanager
@@ -181,13 +193,17 @@ class Placement:
             for unit in units:
                 unit.set_reshard_after_forward(False, recurse=False)
                 unit.unshard()
+        self.gathered = bool(units)
         try:
             yield
         finally:
+            self.gathered = False
             with phase("gather"):
                 for unit in units:
                     unit.reshard()
-                    unit.set_reshard_after_forward(unit is not root, recurse=False)
+                    unit.set_reshard_after_forward(
+                        unit is not root and self.reshard_after_forward, recurse=False
+                    )
 
     @contextmanager
     def rollout_context(self, engine) -> Iterator[None]:
@@ -302,6 +318,7 @@ def shard_model(
     offload_params: bool = False,
     precision: str = "auto",
     reduce_every_micro_batch: bool = True,
+    reshard_after_forward: bool = True,
 ) -> Placement:
     """Shard `model` in place with FSDP2 over `world_size` ranks (every rank calls this with the
     same full weights); its placement. One unit per decoder layer, the rest in the root."""
@@ -318,7 +335,7 @@ def shard_model(
         else OffloadPolicy(),
     }
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=True, **options)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **options)
     root = ShardedRoot(model)
     fully_shard(root, reshard_after_forward=False, **options)
     units = [module for module in root.modules() if hasattr(module, "set_gradient_divide_factor")]
@@ -333,7 +350,11 @@ def shard_model(
         root(lambda: None)
     root.reshard()
     return Placement(
-        module=model, device=device, root=root, reduce_every_micro_batch=reduce_every_micro_batch
+        module=model,
+        device=device,
+        root=root,
+        reduce_every_micro_batch=reduce_every_micro_batch,
+        reshard_after_forward=reshard_after_forward,
     )
 
 
@@ -412,12 +433,16 @@ def place_models(
             "precision": config.fsdp_mixed_precision,
         }
         policy = shard_model(
-            model, device, **options, reduce_every_micro_batch=config.fsdp_reduce_every_micro_batch
+            model,
+            device,
+            **options,
+            reduce_every_micro_batch=config.fsdp_reduce_every_micro_batch,
+            reshard_after_forward=config.fsdp_reshard_after_forward,
         )
         if ref_model is None:
             return policy, None
         if lora.is_peft_model(model):  # the policy with its adapters off: the policy's own units
-            return policy, Placement(module=ref_model, device=device, root=policy.root)
+            return policy, dataclasses.replace(policy, module=ref_model)
         return policy, shard_model(ref_model, device, **options)
     if config.offload_model and engine_shares_weights:
         logger.warning(

@@ -83,6 +83,10 @@ def test_fsdp_reducing_once_per_step_holds_the_full_gradients_on_every_rank():
     plan = plan_memory(SHAPE, settings, capacity=10**6)
     # 1352 parameters' float32 gradients in full, beside the bf16 shard of them (2704 / 2).
     assert plan.update["accumulated_gradients"] == 1352 * 4 and plan.update["gradients"] == 1352
+    # Without reshard-after-forward the update holds the full weights as the rollout does.
+    kept = plan_memory(SHAPE, PlanSettings(fsdp_world_size=2, fsdp_reshard_after_forward=False), 10**6)
+    assert kept.update["gathered_weights"] == kept.rollout["gathered_weights"] == 2704
+    assert "gathered_weights" not in plan.update
     lora = PlanSettings(lora_rank=2, target_modules=["q_proj", "v_proj"], accumulated_gradient_bytes=4)
     assert plan_memory(SHAPE, lora, capacity=10**6).update["accumulated_gradients"] == 112 * 4
 

@@ -61,17 +61,17 @@ def test_fsdp_on_two_processes_equals_one_unsharded_process(fsdp_run, tmp_path):
     assert moved > 1e-3  # the steps changed the weights: the comparison can fail
 
 
-def test_fsdp_reducing_once_per_optimizer_step_equals_one_unsharded_process(tmp_path):
-    # Two micro-batches per rank, two optimizer steps per generation batch (num_iterations 2):
-    # the first backward of each step keeps full gradients on its rank, the second reduces both.
+@pytest.mark.parametrize(
+    "layout", [{"fsdp_reduce_every_micro_batch": False}, {"fsdp_reshard_after_forward": False}]
+)
+def test_fsdp_update_options_equal_one_unsharded_process(tmp_path, layout):
+    # Two micro-batches per rank, two optimizer steps per generation batch (num_iterations 2),
+    # a sharded reference (beta > 0) and old log-probs: reducing once per step, the first backward
+    # of each step keeps full gradients on its rank and the second reduces both; without
+    # reshard-after-forward, the layers stay gathered from forward to backward.
     micro = {"per_device_train_batch_size": 8, "max_steps": 2}
     config_path, output_dir = write_config(
-        tmp_path,
-        "fsdp",
-        fsdp=True,
-        fsdp_reduce_every_micro_batch=False,
-        gradient_accumulation_steps=2,
-        **micro,
+        tmp_path, "fsdp", fsdp=True, gradient_accumulation_steps=2, **layout, **micro
     )
     finish(grpoflow_train(config_path, clean_env(), torchrun=True))
     history = run(load_config(None, recipe_values(tmp_path / "one", gradient_accumulation_steps=4, **micro)))

@@ -72,9 +72,11 @@ def test_the_config_decides_what_fsdp_accumulates_and_the_optimizer_holds(tmp_pa
             "once": {"fsdp_reduce_every_micro_batch": False},
             "once_no_mixed": {"fsdp_reduce_every_micro_batch": False, "fsdp_mixed_precision": "no"},
             "foreach": {"optim": "adamw_torch"},
+            "kept": {"fsdp_reshard_after_forward": False},
         }.items()
     }
     assert settings["every"].accumulated_gradient_bytes == 0 and settings["every"].fsdp_world_size == 2
     assert settings["once"].accumulated_gradient_bytes == 4  # float32, the reduce dtype
     assert settings["once_no_mixed"].accumulated_gradient_bytes == 2  # the weights' dtype
     assert settings["foreach"].optimizer_temporaries and not settings["every"].optimizer_temporaries
+    assert settings["every"].fsdp_reshard_after_forward and not settings["kept"].fsdp_reshard_after_forward
