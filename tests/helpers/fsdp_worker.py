@@ -183,6 +183,22 @@ def check_adapter_sync_gathers_units_only_with_the_base(context: DistributedCont
     check_equal(later, list(lora.adapter_update(whole, with_base=False)), "adapters of offloaded shards")
 
 
+def check_no_grad_passes_leave_every_unit_sharded(context: DistributedContext, ids: torch.Tensor) -> None:
+    """Without reshard-after-forward a layer keeps its gathered weights for a backward pass; a
+    no-grad pass has none, so every unit is sharded again after it (else the next optimizer step
+    would update shards the gathered copies hide); inside full_parameters nothing is."""
+    model = tiny_model(False)
+    context.broadcast_parameters(model)
+    where = placement.shard_model(model, CPU, world_size=context.world_size, reshard_after_forward=False)
+    with torch.no_grad():
+        where.sharded_forward(lambda: model(input_ids=ids))
+    assert all(hasattr(p, "full_tensor") for p in model.parameters()), "a unit stayed gathered"
+    with where.full_parameters(), torch.no_grad():
+        where.sharded_forward(lambda: model(input_ids=ids))
+        assert not any(hasattr(p, "full_tensor") for p in model.parameters()), "resharded inside"
+    assert all(hasattr(p, "full_tensor") for p in model.parameters())
+
+
 def main() -> None:
     torch_dist.init_process_group("gloo")
     world_size = torch_dist.get_world_size()
@@ -234,6 +250,7 @@ def main() -> None:
         )
     check_adapter_sync(context, ids)
     check_adapter_sync_gathers_units_only_with_the_base(context)
+    check_no_grad_passes_leave_every_unit_sharded(context, ids)
     torch_dist.destroy_process_group()
     print("fsdp worker: all checks passed")
 
