@@ -48,6 +48,7 @@ VARIANTS: dict[str, tuple[int, dict]] = {
     "2gpu-ddp": (2, {}),
     "2gpu-fsdp": (2, {"fsdp": True}),
     "2gpu-fsdp-reduce-per-step": (2, {"fsdp": True, "fsdp_reduce_every_micro_batch": False}),
+    "2gpu-fsdp-keep-gathered": (2, {"fsdp": True, "fsdp_reshard_after_forward": False}),
     "1gpu-lora": (1, {"train_type": "lora", "learning_rate": 1e-5}),
     "1gpu-offload-optimizer": (1, {"offload_optimizer": True, "gc_collect_after_offload": True}),
     "1gpu-kl": (1, {"beta": 0.04}),
