@@ -12,7 +12,8 @@ import torch
 
 from grpoflow import hub
 from grpoflow.policy import varlen_attention
-from grpoflow.policy.lora import WithoutAdapters, is_adapter_checkpoint, is_peft_model, load_adapter_weights
+from grpoflow.policy.adapter_checkpoints import is_adapter_checkpoint, load_adapter_weights
+from grpoflow.policy.lora import WithoutAdapters, is_peft_model
 
 
 @dataclass(kw_only=True, slots=True)

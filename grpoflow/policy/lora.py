@@ -1,5 +1,5 @@
 """LoRA adapters through PEFT: adding them, what rollout engines and the reference model see of
-them, and adapter-only checkpoints.
+them (adapter-only checkpoints: `grpoflow.policy.adapter_checkpoints`).
 
 A LoRA policy is a `peft.PeftModel` around the base model. Only the adapters (and
 `modules_to_save`) train; the base weights stay exactly as loaded, which gives two things for
@@ -19,7 +19,6 @@ import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -60,10 +59,6 @@ class AdapterConfig:
         return add_lora(model, self) if self.train_type == "lora" else model
 
 
-ADAPTER_CONFIG = "adapter_config.json"
-"""The file PEFT's `save_pretrained` writes beside the adapter weights; it marks an adapter checkpoint."""
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-"""The adapter weights PEFT's `save_pretrained` writes."""
 ALL_LINEAR = "all-linear"
 
 
@@ -71,10 +66,6 @@ def is_peft_model(model: object) -> bool:
     """Whether `model` is a PEFT model (False without importing PEFT when no one has)."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(model, peft.PeftModel)
-
-
-def is_adapter_checkpoint(directory: str | Path) -> bool:
-    return (Path(directory) / ADAPTER_CONFIG).is_file()
 
 
 def add_lora(model: nn.Module, config: AdapterConfig) -> nn.Module:
@@ -327,61 +318,6 @@ class WithoutAdapters(nn.Module):
                 yield
         finally:
             self.policy.train(was_training)
-
-
-def load_adapter_weights(model: nn.Module, directory: str | Path) -> None:
-    """Load the adapter of an adapter checkpoint into the PeftModel `model`, after checking that
-    it was trained with the same adapter settings."""
-    from peft import LoraConfig, set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    adapter = model.active_adapter
-    _check_same_adapter(LoraConfig.from_pretrained(str(directory)), model.peft_config[adapter], directory)
-    device = next(model.parameters()).device
-    state = load_file(str(directory / ADAPTER_WEIGHTS), device=str(device))
-    result = set_peft_model_state_dict(model, state, adapter_name=adapter)
-    trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
-    missing = sorted(trainable & set(result.missing_keys))
-    if result.unexpected_keys or missing:
-        raise ValueError(
-            f"adapter checkpoint {directory} does not match the model (missing {missing[:3]}, "
-            f"unexpected {result.unexpected_keys[:3]}): resume with the model the run started from"
-        )
-
-
-def merge_adapter_checkpoint(base: nn.Module, directory: str | Path) -> nn.Module:
-    """The plain model `base` with the adapter saved in `directory` merged into its weights."""
-    from peft import PeftModel
-
-    return PeftModel.from_pretrained(base, str(directory)).merge_and_unload()
-
-
-_ADAPTER_SETTINGS = {
-    "r": "lora_rank",
-    "lora_alpha": "lora_alpha",
-    "target_modules": "target_modules",
-    "modules_to_save": "modules_to_save",
-}
-"""PEFT's LoraConfig fields a resumed run must share with its checkpoint, by grpoflow key."""
-
-
-def _check_same_adapter(saved, current, directory: Path) -> None:
-    for name, key in _ADAPTER_SETTINGS.items():
-        was, now = _comparable(getattr(saved, name)), _comparable(getattr(current, name))
-        if was != now:
-            raise ValueError(
-                f"checkpoint {directory} was trained with {key}={was} but this run has {key}={now}: "
-                "resume with the adapter settings the run started with"
-            )
-
-
-def _comparable(value):
-    if value is None:
-        return []
-    if isinstance(value, list | set | tuple):
-        return sorted(value)
-    return value
 
 
 def _tied_names(model: nn.Module) -> dict[str, list[str]]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from grpoflow.agents.setup import load_environment_factory
-from grpoflow.policy import lora
+from grpoflow.policy import adapter_checkpoints
 from grpoflow.policy.loading import resolve_device
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
@@ -93,9 +93,13 @@ def evaluate_model(config: GRPOConfig) -> dict[str, float]:
 def load_policy(config: GRPOConfig, vocab_size: int, device: torch.device) -> torch.nn.Module:
     """The model to evaluate: a run's adapter checkpoint merged into its base, else the model."""
     source = config.policy.model
-    if source is not None and checkpoint.is_checkpoint(source) and lora.is_adapter_checkpoint(source):
+    if (
+        source is not None
+        and checkpoint.is_checkpoint(source)
+        and adapter_checkpoints.is_adapter_checkpoint(source)
+    ):
         base = adapter_base(Path(source), None, vocab_size=vocab_size, device=device)
-        return lora.merge_adapter_checkpoint(base, source)
+        return adapter_checkpoints.merge_adapter_checkpoint(base, source)
     return config.policy.build(vocab_size=vocab_size, seed=config.training.seed, device=device)
 
 

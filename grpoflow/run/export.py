@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from grpoflow.policy import lora
+from grpoflow.policy import adapter_checkpoints
 from grpoflow.policy.loading import PolicyConfig, load_model, load_tokenizer, resolve_dtype
 from grpoflow.policy.tiny import DEFAULT_SEED
 from grpoflow.run import checkpoint
@@ -33,7 +33,7 @@ def export_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *, bas
         )
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ValueError(f"output {output} already exists and is not an empty directory: choose another")
-    if not lora.is_adapter_checkpoint(directory):
+    if not adapter_checkpoints.is_adapter_checkpoint(directory):
         if base is not None:
             logger.warning("--base %s is ignored: %s holds a full model, copied as it is", base, directory)
         output.mkdir(parents=True, exist_ok=True)
@@ -43,7 +43,7 @@ def export_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *, bas
         return output
     tokenizer = load_tokenizer(str(directory))
     model = adapter_base(directory, base, vocab_size=len(tokenizer))
-    lora.merge_adapter_checkpoint(model, directory).save_pretrained(output)
+    adapter_checkpoints.merge_adapter_checkpoint(model, directory).save_pretrained(output)
     tokenizer.save_pretrained(output)
     return output
 
