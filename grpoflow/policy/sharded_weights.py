@@ -31,8 +31,9 @@ def gathered_weights(
     model: nn.Module, root: nn.Module, layers: nn.ModuleList, parts: lora.RolloutParts
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`parts` of the sharded `model` (FSDP root unit `root`, one unit per decoder layer in
-    `layers`) on the CPU, named as for the whole model, in the mixed-precision dtype when one is
-    set. Every rank must walk it to the end in step."""
+    `layers`) on the CPU, named as for the whole model; what comes with a gathered unit is in the
+    mixed-precision dtype when one is set, adapters gathered alone in their own. Every rank must
+    walk it to the end in step."""
     base = lora.generation_model(model)
     prefix = next(name for name, module in base.named_modules() if module is layers)
     seen: set[int] = set()

@@ -197,21 +197,15 @@ class FamilyModel:
 
         self.adapters = [LayerAdapters.of(layer, find) for layer in self.layers]
         self.head_adapters = find(self.lm_head)
-        groups = [g for a in self.adapters for g in (a.qkv, [a.o], a.gate_up, [a.down])] + [
-            [self.head_adapters]
-        ]
-        self.copies = attach_copies(groups, self.dtype, self.copies)
+        # Projections multiplied together (fused q/k/v, gate/up) or alone, the output head last.
+        self.adapter_groups = [g for a in self.adapters for g in (a.qkv, [a.o], a.gate_up, [a.down])]
+        self.adapter_groups.append([self.head_adapters])
+        self.copies = attach_copies(self.adapter_groups, self.dtype, self.copies)
 
     def refresh_adapter_copies(self) -> None:
         """Write the adapters' current values into their copies in the base's dtype (see
         `adapters.attach_copies`); before a rollout, when the weights' values have changed."""
-        terms = [
-            term
-            for adapters in self.adapters
-            for projection in (*adapters.qkv, adapters.o, *adapters.gate_up, adapters.down)
-            for term in projection.terms
-        ]
-        refresh_copies(terms + self.head_adapters.terms)
+        refresh_copies([term for group in self.adapter_groups for p in group for term in p.terms])
 
     def fuse_projections(self) -> None:
         """Lay each layer's q/k/v weights (and biases) and gate/up weights back to back in memory
