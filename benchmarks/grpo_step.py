@@ -48,6 +48,11 @@ WORKLOADS = {
 """Defaults of each workload; --new-tokens and --micro-batch override them."""
 
 
+def matmul_tflops(gpu: str) -> float | None:
+    """The measured bf16 matrix-product peak of the GPU named `gpu` (MATMUL_TFLOPS), else None."""
+    return next((value for key, value in MATMUL_TFLOPS.items() if key in gpu), None)
+
+
 def reward_length(completions, **kwargs):
     """A cheap reward with spread: the completion's length in characters, scaled."""
     return [len(text) / 256 for text in completions]
@@ -386,7 +391,7 @@ def main() -> None:
         eos_mean_length=WORKLOADS[args.workload]["eos_mean_length"],
     )
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    tflops = next((value for key, value in MATMUL_TFLOPS.items() if key in gpu), None)
+    tflops = matmul_tflops(gpu)
     num_params = sum(
         p.numel()
         for p in __import__("transformers")

@@ -35,7 +35,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from grpo_step import MATMUL_TFLOPS, grpoflow_overrides, write_inputs  # noqa: E402
+from grpo_step import grpoflow_overrides, matmul_tflops, write_inputs  # noqa: E402
 
 from grpoflow.policy.memory_plan import GIB  # noqa: E402
 from grpoflow.run.config import load_config  # noqa: E402
@@ -140,7 +140,7 @@ def summarize(args, name: str, rows: list[dict], config: dict) -> dict:
         "update_mfu": None,
         "update_hw_mfu": None,
     }
-    tflops = next((value for key, value in MATMUL_TFLOPS.items() if key in _device_name(args)), None)
+    tflops = matmul_tflops(_device_name(args))
     if args.device == "cuda":
         row["predicted_gib_per_gpu"], num_params = predicted_peak(config, nproc)
         trained = generations * (128 + mean_length)  # per GPU
