@@ -8,7 +8,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from helpers import support  # noqa: E402
 from helpers.live_server import start_server, tiny_service  # noqa: E402
+
+from grpoflow.policy.tiny import save_tiny_checkpoint  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'][0] }}:{{ message['content'] }}\n{% endfor %}"
@@ -55,3 +58,10 @@ def chat_template() -> str:
 def client(live):
     with httpx.Client(base_url=live.url, timeout=60) as session:
         yield session
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory):
+    """The tiny Qwen2 that vLLM's CPU attention takes (head_dim 64), saved as a user's checkpoint
+    (seed 42): the model the vLLM server suites serve."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("checkpoint"), seed=42, **support.VLLM_TINY_SHAPE)

@@ -28,7 +28,7 @@ from safetensors.torch import save  # noqa: E402
 from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.engines.remote import RemoteEngine  # noqa: E402
 from grpoflow.policy.lora import AdapterConfig, add_lora, generation_model, merged_rollout_weights  # noqa: E402
-from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model, save_tiny_checkpoint  # noqa: E402
+from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpoflow.server import ServeConfig, build_service, vllm_backend  # noqa: E402
 from grpoflow.transport import WeightSyncError  # noqa: E402
 from grpoflow.transport.adapters import is_adapter_name  # noqa: E402
@@ -44,14 +44,9 @@ Q_PROJ = "model.layers.0.self_attn.q_proj"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("checkpoint"), seed=42, **SHAPE)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, serve_live):
+def server(vllm_model_dir, serve_live):
     config = ServeConfig(
-        model=str(model_dir),
+        model=str(vllm_model_dir),
         engine="vllm",
         device="cpu",
         max_model_len=256,
@@ -254,12 +249,12 @@ def test_a_trainer_whose_rank_is_above_the_servers_sends_the_merged_weights(serv
         engine.close()
 
 
-def test_the_trainer_runs_lora_steps_sending_the_adapters_alone(server, received, model_dir, tmp_path):
+def test_the_trainer_runs_lora_steps_sending_the_adapters_alone(server, received, vllm_model_dir, tmp_path):
     from grpoflow.run.build import build_trainer, run
 
     config = support.recipe(
         tmp_path,
-        model=str(model_dir),
+        model=str(vllm_model_dir),
         max_steps=2,
         train_type="lora",
         lora_rank=4,
@@ -282,9 +277,9 @@ def test_the_trainer_runs_lora_steps_sending_the_adapters_alone(server, received
     assert_same(served_greedy(server.url), local_greedy(merged(trainer.model)))
 
 
-def test_a_server_without_enable_lora_offers_none_and_gets_the_merged_weights(model_dir, serve_live):
+def test_a_server_without_enable_lora_offers_none_and_gets_the_merged_weights(vllm_model_dir, serve_live):
     config = ServeConfig(
-        model=str(model_dir), engine="vllm", device="cpu", max_model_len=256, enforce_eager=True
+        model=str(vllm_model_dir), engine="vllm", device="cpu", max_model_len=256, enforce_eager=True
     )
     live = serve_live(build_service(config))
     try:

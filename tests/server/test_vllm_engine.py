@@ -24,7 +24,7 @@ from safetensors.torch import save  # noqa: E402
 from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.engines.remote import RemoteEngine  # noqa: E402
 from grpoflow.engines.vllm import VLLMEngine  # noqa: E402
-from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model, save_tiny_checkpoint  # noqa: E402
+from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpoflow.server import ServeConfig, build_service, vllm_backend  # noqa: E402
 from grpoflow.transport import WeightSyncError  # noqa: E402
 
@@ -41,14 +41,9 @@ def model(seed: int) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("checkpoint"), seed=42, **TINY_SHAPE)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, serve_live):
+def server(vllm_model_dir, serve_live):
     config = ServeConfig(
-        model=str(model_dir),
+        model=str(vllm_model_dir),
         engine="vllm",
         device="cpu",
         max_model_len=256,
@@ -210,12 +205,12 @@ def test_a_collective_update_from_remote_engine_makes_it_generate_as_the_updated
     assert remote.generate(PROMPTS[:1], GREEDY)[0][0].policy_version == 4
 
 
-def test_the_trainer_runs_two_steps_against_it(server, model_dir, tmp_path):
+def test_the_trainer_runs_two_steps_against_it(server, vllm_model_dir, tmp_path):
     from grpoflow.run.build import build_trainer, run
 
     config = support.recipe(
         tmp_path,
-        model=str(model_dir),
+        model=str(vllm_model_dir),
         max_steps=2,
         use_vllm=True,
         vllm_mode="server",
