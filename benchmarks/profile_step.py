@@ -4,20 +4,40 @@
     torchrun --nproc_per_node 2 benchmarks/profile_step.py --smoke --set model=random:qwen2.5-7b \
         --set fsdp=true --micro-batch 16 --set gradient_accumulation_steps=8   # rank 0 prints
 
-Runs one warm-up step, then one step under torch.profiler; prints the top operators by GPU time
-and by CPU time, and writes a Chrome trace next to the JSON results when --trace is given.
+Runs `--warmup` steps (1; compiled runs want 2), then one step under torch.profiler; prints the
+top operators by GPU time and by CPU time, then (last) each phase's wall-clock seconds beside the
+GPU time of the kernels it launched, by kind (matrix products, attention, log-prob, optimizer,
+fused Triton, NCCL, copies and the rest). Writes a Chrome trace when --trace is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
+import re
 import tempfile
+from collections import defaultdict
 from pathlib import Path
 
 import grpo_step
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
+
+from grpoflow.phases import PROFILER_PREFIX
+
+KERNEL_KINDS = (
+    ("nccl", r"nccl"),
+    ("logprob", r"logprob|logsumexp|_log_prob"),
+    ("attention", r"flash|fmha|attention|attn|varlen"),
+    ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm80_|splitk"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("triton", r"^triton_|_kernel$"),
+    ("copy", r"copy|cat|split|fill|memcpy|memset|Memcpy|Memset"),
+)
+"""Kernel name patterns, first match wins; the rest count as `other` (eager elementwise, norms,
+reductions)."""
 
 
 def main() -> None:
@@ -35,8 +55,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--trace", default=None, help="write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--warmup", type=int, default=1, help="steps before the profiled one")
     args = parser.parse_args()
-    args.steps, args.workdir = 2, tempfile.mkdtemp(prefix="profile_step_")
+    args.workdir = tempfile.mkdtemp(prefix="profile_step_")
+    args.steps = args.warmup + 1
     workload = grpo_step.WORKLOADS[args.workload]
     args.new_tokens = args.new_tokens or workload["new_tokens"]
     model_dir, prompts = grpo_step.write_inputs(
@@ -47,7 +69,8 @@ def main() -> None:
 
     config = load_config(None, grpo_step.grpoflow_overrides(args, model_dir, prompts))
     trainer = build_trainer(config)
-    trainer.step()
+    for _ in range(args.warmup):
+        trainer.step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as profiler:
         metrics = trainer.step()
@@ -61,6 +84,55 @@ def main() -> None:
     )
     if args.trace:
         profiler.export_chrome_trace(args.trace)
+    print_phases(metrics, phase_kernels(profiler))
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name)), "other")
+
+
+def phase_kernels(profiler) -> dict[str, dict[str, float]]:
+    """GPU seconds per phase and kernel kind: each kernel is charged to the innermost phase range
+    open when it started (phases synchronise the GPU at their edges, so a phase's kernels run
+    inside its wall-clock range)."""
+    events = profiler.events()
+    ranges = sorted(
+        (event.time_range.start, event.time_range.end, event.name[len(PROFILER_PREFIX) :])
+        for event in events
+        if event.name.startswith(PROFILER_PREFIX) and event.device_type == DeviceType.CPU
+    )
+    starts = [start for start, _, _ in ranges]
+    seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for event in events:
+        annotation = event.is_user_annotation or "annotation" in str(event.activity_type or "")
+        if event.device_type != DeviceType.CUDA or annotation:
+            continue  # a range drawn on the GPU's timeline (record_function) is not a kernel
+        begin = event.time_range.start
+        index = bisect.bisect_right(starts, begin) - 1
+        while index >= 0 and ranges[index][1] < begin:
+            index -= 1  # an earlier, longer range may still enclose it (nesting)
+        name = ranges[index][2] if index >= 0 else "(no phase)"
+        seconds[name][kernel_kind(event.name)] += event.time_range.elapsed_us() / 1e6
+    return seconds
+
+
+def print_phases(metrics: dict, kernels: dict[str, dict[str, float]]) -> None:
+    kinds = [kind for kind, _ in KERNEL_KINDS] + ["other"]
+    print("phase | wall s | GPU s | " + " | ".join(kinds))
+    names = sorted(
+        {key.removeprefix("time/") for key in metrics if key.startswith("time/")} | set(kernels),
+        key=lambda name: -metrics.get(f"time/{name}", 0.0),
+    )
+    everything: dict[str, float] = defaultdict(float)
+    for per_kind in kernels.values():
+        for kind, seconds in per_kind.items():
+            everything[kind] += seconds
+    for name in names:
+        gpu = everything if name == "step" else kernels.get(name, {})
+        wall = metrics.get(f"time/{name}")
+        cells = [f"{gpu.get(kind, 0.0):.3f}" for kind in kinds]
+        wall_cell = f"{wall:.3f}" if wall is not None else "-"
+        print(f"{name} | {wall_cell} | {sum(gpu.values()):.3f} | " + " | ".join(cells))
 
 
 if __name__ == "__main__":

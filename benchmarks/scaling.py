@@ -1,7 +1,7 @@
 """Weak scaling of a GRPO step over 1 and 2 GPUs, and the memory options, in one run.
 
     python benchmarks/scaling.py                          # a 2-GPU machine, the standard workload
-    python benchmarks/scaling.py --variants 1gpu,2gpu-fsdp --steps 4
+    python benchmarks/scaling.py --variants 1gpu,2gpu-fsdp,2gpu-fsdp+keep-gathered+nccl-simple --steps 4
     python benchmarks/scaling.py --device cpu --model tiny   # two CPU processes, to check the script
     python benchmarks/scaling.py --model qwen2.5-7b --prompts 16 --micro-batch 16 --variants 1gpu,2gpu-fsdp
 
@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -43,18 +44,43 @@ from grpoflow.run.infer_workers import free_port  # noqa: E402
 from grpoflow.run.plan import model_shape, run_plan  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-VARIANTS: dict[str, tuple[int, dict]] = {
+BASES: dict[str, tuple[int, dict]] = {
     "1gpu": (1, {}),
     "2gpu-ddp": (2, {}),
     "2gpu-fsdp": (2, {"fsdp": True}),
-    "2gpu-fsdp-reduce-per-step": (2, {"fsdp": True, "fsdp_reduce_every_micro_batch": False}),
-    "2gpu-fsdp-keep-gathered": (2, {"fsdp": True, "fsdp_reshard_after_forward": False}),
-    "1gpu-lora": (1, {"train_type": "lora", "learning_rate": 1e-5}),
-    "1gpu-offload-optimizer": (1, {"offload_optimizer": True, "gc_collect_after_offload": True}),
-    "1gpu-kl": (1, {"beta": 0.04}),
-    "1gpu-kl-offload-model": (1, {"beta": 0.04, "offload_model": True, "gc_collect_after_offload": True}),
 }
-"""Variant name -> (processes, config keys on top of the standard workload)."""
+"""Variant base -> (processes, config keys on top of the standard workload)."""
+OPTIONS: dict[str, dict] = {
+    "reduce-per-step": {"fsdp_reduce_every_micro_batch": False},
+    "keep-gathered": {"fsdp_reshard_after_forward": False},
+    "bf16-reduce": {"fsdp_mixed_precision": "no"},
+    "lora": {"train_type": "lora", "learning_rate": 1e-5},
+    "offload-optimizer": {"offload_optimizer": True, "gc_collect_after_offload": True},
+    "kl": {"beta": 0.04},
+    "offload-model": {"offload_model": True, "gc_collect_after_offload": True},
+}
+"""Options a variant adds to its base, `+`-joined: `2gpu-fsdp+keep-gathered+reduce-per-step`.
+`bf16-reduce` reduce-scatters the gradients in the weights' dtype (bf16 here) rather than float32."""
+ENVIRONMENTS: dict[str, dict[str, str]] = {"nccl-simple": {"NCCL_PROTO": "Simple"}}
+"""Options that set the processes' environment rather than the config."""
+DEFAULT_VARIANTS = "1gpu,2gpu-ddp,2gpu-fsdp,1gpu+lora,1gpu+offload-optimizer,1gpu+kl,1gpu+kl+offload-model"
+
+
+def parse_variant(name: str) -> tuple[int, dict, dict[str, str]]:
+    """A variant's processes, config keys and environment; SystemExit naming what is unknown."""
+    base, *options = name.split("+")
+    unknown = [part for part in options if part not in OPTIONS and part not in ENVIRONMENTS]
+    if base not in BASES or unknown:
+        raise SystemExit(
+            f"unknown variant {name!r}: a base of {', '.join(BASES)}, then +options of "
+            f"{', '.join([*OPTIONS, *ENVIRONMENTS])}"
+        )
+    nproc, keys = BASES[base]
+    keys, env = dict(keys), {}
+    for part in options:
+        keys.update(OPTIONS.get(part, {}))
+        env.update(ENVIRONMENTS.get(part, {}))
+    return nproc, keys, env
 
 
 def variant_config(args, name: str, model_dir: Path, prompts: Path, workdir: Path) -> dict:
@@ -70,7 +96,11 @@ def variant_config(args, name: str, model_dir: Path, prompts: Path, workdir: Pat
         engine="native",
         workdir=str(workdir / name),
     )
-    config = {**grpoflow_overrides(settings, model_dir, prompts), **VARIANTS[name][1], "device": args.device}
+    config = {
+        **grpoflow_overrides(settings, model_dir, prompts),
+        **parse_variant(name)[1],
+        "device": args.device,
+    }
     if args.model not in ("tiny", "qwen2-0.5b"):  # built on each rank, nothing written
         config["model"] = f"random:{args.model}"
     config["gradient_accumulation_steps"] = args.prompts * 8 // args.micro_batch
@@ -86,10 +116,10 @@ def run_variant(args, name: str, config: dict, workdir: Path) -> list[dict]:
     """Train the variant (its `config`) under torchrun; its metrics.jsonl rows."""
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    nproc = VARIANTS[name][0]
+    nproc, _, variant_env = parse_variant(name)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     command += ["--master_port", str(free_port()), "-m", "grpoflow.cli", "train", "--config", str(path)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **variant_env}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NPROC_PER_NODE", "NNODES"):
         env.pop(key, None)
     result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -117,7 +147,7 @@ def predicted_peak(config: dict, nproc: int) -> tuple[float, int]:
 
 def summarize(args, name: str, rows: list[dict], config: dict) -> dict:
     """The variant's steady-state means (steps after --warmup), its peak against the plan's, MFU."""
-    nproc = VARIANTS[name][0]
+    nproc = parse_variant(name)[0]
     steady = rows[args.warmup :] or rows
 
     def mean(key: str) -> float | None:
@@ -155,10 +185,23 @@ def _device_name(args) -> str:
     return torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
 
 
+def add_efficiency(rows: list[dict]) -> None:
+    """Each multi-GPU row's generated tokens per second per GPU against the 1-GPU row's."""
+    base = next((row for row in rows if row["variant"] == "1gpu" and "error" not in row), None)
+    for row in rows:
+        if "error" not in row:
+            scaled = base is not None and row["gpus"] > 1
+            per_gpu = row["generated_tokens_per_s_per_gpu"]
+            row["scaling_efficiency"] = per_gpu / base["generated_tokens_per_s_per_gpu"] if scaled else None
+
+
 def print_table(rows: list[dict]) -> None:
-    keys = list(rows[0])
+    keys = list(next((row for row in rows if "error" not in row), rows[0]))
     print(" | ".join(keys))
     for row in rows:
+        if "error" in row:
+            print(f"{row['variant']} | {row['gpus']} | failed: {row['error'].strip().splitlines()[-1]}")
+            continue
         cells = [f"{row[key]:.3g}" if isinstance(row[key], float) else str(row[key] or "-") for key in keys]
         print(" | ".join(cells))
 
@@ -167,7 +210,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument(
+        "--variants",
+        default=DEFAULT_VARIANTS,
+        help=f"comma-separated; each a base of {', '.join(BASES)}, then +options of "
+        f"{', '.join([*OPTIONS, *ENVIRONMENTS])}",
+    )
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=None, help="per GPU and step (64; tiny: 4)")
@@ -181,12 +229,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     names = [name for name in args.variants.split(",") if name]
-    unknown = [name for name in names if name not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    for name in names:
+        parse_variant(name)
     if args.device == "cuda":
         visible = torch.cuda.device_count()
-        skipped = [name for name in names if VARIANTS[name][0] > visible]
+        skipped = [name for name in names if parse_variant(name)[0] > visible]
         if skipped:
             print(f"skipping {skipped}: {visible} GPU(s) visible")
         names = [name for name in names if name not in skipped]
@@ -198,29 +245,27 @@ def main() -> None:
         model_dir, prompts = write_inputs(
             workdir, args.model != "qwen2-0.5b", num_prompts=args.prompts * 2 * args.steps
         )
+        today = datetime.date.today().isoformat()
+        out = (
+            Path(args.out) if args.out else RESULTS / f"{today}-scaling-{device_name.replace(' ', '_')}.json"
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        record = {"date": today, "device": device_name, "torch": torch.__version__, "args": vars(args)}
         results, rows = {}, []
         for name in names:
             print(f"running {name} ...", flush=True)
+            started = time.perf_counter()
             config = variant_config(args, name, model_dir, prompts, workdir)
-            results[name] = run_variant(args, name, config, workdir)
+            try:
+                results[name] = run_variant(args, name, config, workdir)
+            except RuntimeError as error:  # one variant out of memory: the others still run
+                print(error, flush=True)
+                rows.append({"variant": name, "gpus": parse_variant(name)[0], "error": str(error)[-2000:]})
+                continue
             rows.append(summarize(args, name, results[name], config))
-    base = next((row for row in rows if row["variant"] == "1gpu"), None)
-    for row in rows:
-        scaled = base is not None and row["gpus"] > 1
-        per_gpu = row["generated_tokens_per_s_per_gpu"]
-        row["scaling_efficiency"] = per_gpu / base["generated_tokens_per_s_per_gpu"] if scaled else None
-    today = datetime.date.today().isoformat()
-    out = Path(args.out) if args.out else RESULTS / f"{today}-scaling-{device_name.replace(' ', '_')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    record = {
-        "date": today,
-        "device": device_name,
-        "torch": torch.__version__,
-        "args": vars(args),
-        "rows": rows,
-    }
-    record["steps"] = results
-    out.write_text(json.dumps(record, indent=1))
+            print(f"{name}: {time.perf_counter() - started:.0f} s", flush=True)
+            add_efficiency(rows)
+            out.write_text(json.dumps({**record, "rows": rows, "steps": results}, indent=1))
     print_table(rows)
     print(f"wrote {out}")
 

@@ -21,6 +21,9 @@ from contextvars import ContextVar
 
 import torch
 
+PROFILER_PREFIX = "phase/"
+"""Each phase is also a `torch.profiler` range named `phase/<name>`, so a profile can charge
+kernels to the phase that launched them (benchmarks/profile_step.py)."""
 _ACTIVE: ContextVar[PhaseTimer | None] = ContextVar("grpoflow_phase_timer", default=None)
 
 
@@ -46,7 +49,8 @@ class PhaseTimer:
         start = time.perf_counter()
         self._open.append(0.0)
         try:
-            yield
+            with torch.profiler.record_function(f"{PROFILER_PREFIX}{name}"):
+                yield
         finally:
             self._sync()
             elapsed = time.perf_counter() - start
