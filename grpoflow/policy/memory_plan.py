@@ -15,7 +15,8 @@ and the reference is the policy with the adapters off (no copy). The optimizer i
 two moments per trained parameter, in the parameter's dtype; its foreach step (optim adamw_torch,
 not the fused one) also holds a temporary the size of the trained parameters once the activations
 are gone. Under FSDP reducing the gradients once per optimizer step, each rank also accumulates
-the full gradients (float32 under mixed precision). Activations are an
+the full gradients (float32 under mixed precision) in place of its shard of them: the shard is
+made by the step's last reduce-scatter, layer by layer as the full ones go. Activations are an
 estimate (per token and layer, a Llama-family layer keeps about 6 hidden-size, 2 key/value-size
 and 4 intermediate-size vectors without gradient checkpointing; with it, the layer's input only,
 plus one layer recomputed); the allocator's fragmentation is not modelled.
@@ -227,14 +228,15 @@ def plan_memory(shape: ModelShape, settings: PlanSettings, capacity: int) -> Mem
     step = trained if settings.optimizer_temporaries else 0
     if settings.offload_optimizer:
         step += 2 * trained
+    accumulated = _trained_parameters(shape, settings) * settings.accumulated_gradient_bytes
     update = {
         **resident,
         "reference": reference,
-        "gradients": trained,
+        "gradients": 0 if accumulated else trained,
         "activations": activations,
         "logits": logits,
         "gathered_weights": 0 if settings.fsdp_reshard_after_forward else gathered,
-        "accumulated_gradients": _trained_parameters(shape, settings) * settings.accumulated_gradient_bytes,
+        "accumulated_gradients": accumulated,
         "optimizer_step": max(0, step - activations - logits),
     }
     return MemoryPlan(

@@ -81,8 +81,11 @@ def test_fsdp_shards_resident_parts_and_gathers_for_rollouts():
 def test_fsdp_reducing_once_per_step_holds_the_full_gradients_on_every_rank():
     settings = PlanSettings(fsdp_world_size=2, accumulated_gradient_bytes=4)
     plan = plan_memory(SHAPE, settings, capacity=10**6)
-    # 1352 parameters' float32 gradients in full, beside the bf16 shard of them (2704 / 2).
-    assert plan.update["accumulated_gradients"] == 1352 * 4 and plan.update["gradients"] == 1352
+    # 1352 parameters' float32 gradients in full, in place of the bf16 shard of them (made from
+    # the full ones by the step's last reduce-scatter).
+    assert plan.update["accumulated_gradients"] == 1352 * 4 and "gradients" not in plan.update
+    every_micro_batch = plan_memory(SHAPE, PlanSettings(fsdp_world_size=2), capacity=10**6)
+    assert every_micro_batch.update["gradients"] == 2704 // 2
     # Without reshard-after-forward the update holds the full weights as the rollout does.
     kept = plan_memory(SHAPE, PlanSettings(fsdp_world_size=2, fsdp_reshard_after_forward=False), 10**6)
     assert kept.update["gathered_weights"] == kept.rollout["gathered_weights"] == 2704
