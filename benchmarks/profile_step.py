@@ -104,8 +104,7 @@ def phase_kernels(profiler) -> dict[str, dict[str, float]]:
     starts = [start for start, _, _ in ranges]
     seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for event in events:
-        annotation = event.is_user_annotation or "annotation" in str(event.activity_type or "")
-        if event.device_type != DeviceType.CUDA or annotation:
+        if event.device_type != DeviceType.CUDA or event.is_user_annotation:
             continue  # a range drawn on the GPU's timeline (record_function) is not a kernel
         begin = event.time_range.start
         index = bisect.bisect_right(starts, begin) - 1
