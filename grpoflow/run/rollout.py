@@ -8,7 +8,8 @@ rollout function (TRL's `rollout_func`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
@@ -270,25 +271,34 @@ def collate(groups: Sequence[Group], pad_token_id: int, device: torch.device) ->
 def collate_pairs(
     pairs: Sequence[tuple[Sequence[int], Completion]], pad_token_id: int, device: torch.device
 ) -> RolloutBatch:
-    """Pad `(prompt ids, completion)` pairs into one batch of tensors on `device`."""
+    """Pad `(prompt ids, completion)` pairs into one batch of tensors on `device`: prompts on the
+    left, completions on the right. Each field goes in as one flat tensor, scattered through a
+    row-major mask (a row's positions in order, row after row: the pairs' order)."""
     batch = len(pairs)
-    prompt_len = max(len(prompt) for prompt, _ in pairs)
-    completion_len = max(1, max(len(c.token_ids) for _, c in pairs))
-    prompt_ids = torch.full((batch, prompt_len), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((batch, prompt_len), dtype=torch.long)
-    completion_ids = torch.full((batch, completion_len), pad_token_id, dtype=torch.long)
-    completion_mask = torch.zeros((batch, completion_len), dtype=torch.long)
-    sampling_logps = torch.zeros((batch, completion_len), dtype=torch.float32)
-    loss_mask = torch.zeros((batch, completion_len), dtype=torch.long)
-    for row, (prompt, completion) in enumerate(pairs):
-        size = len(completion.token_ids)
-        prompt_ids[row, prompt_len - len(prompt) :] = torch.as_tensor(prompt)
-        prompt_mask[row, prompt_len - len(prompt) :] = 1
-        if size:
-            completion_ids[row, :size] = torch.as_tensor(completion.token_ids)
-            completion_mask[row, :size] = 1
-            sampling_logps[row, :size] = torch.as_tensor(completion.logprobs, dtype=torch.float32)
-            loss_mask[row, :size] = torch.as_tensor(completion.loss_mask)
+    prompt_lengths = torch.tensor([len(prompt) for prompt, _ in pairs], dtype=torch.long)
+    lengths = torch.tensor([len(c.token_ids) for _, c in pairs], dtype=torch.long)
+    prompt_len = int(prompt_lengths.max())
+    completion_len = max(1, int(lengths.max()))
+    prompt_mask = (torch.arange(prompt_len) >= prompt_len - prompt_lengths[:, None]).long()
+    completion_mask = (torch.arange(completion_len) < lengths[:, None]).long()
+    filled = completion_mask.bool()
+
+    def scatter(flat: list, fill, dtype: torch.dtype, where: torch.Tensor, width: int) -> torch.Tensor:
+        out = torch.full((batch, width), fill, dtype=dtype)
+        out[where] = torch.tensor(flat, dtype=dtype)
+        return out
+
+    prompt_ids = scatter(
+        _chain(p for p, _ in pairs), pad_token_id, torch.long, prompt_mask.bool(), prompt_len
+    )
+    completion_ids = scatter(
+        _chain(c.token_ids for _, c in pairs), pad_token_id, torch.long, filled, completion_len
+    )
+    sampling_logps = scatter(_chain(c.logprobs for _, c in pairs), 0.0, torch.float32, filled, completion_len)
+    if all(c.mask is None for _, c in pairs):
+        loss_mask = completion_mask.clone()
+    else:
+        loss_mask = scatter(_chain(c.loss_mask for _, c in pairs), 0, torch.long, filled, completion_len)
     truncated = torch.tensor([c.truncated for _, c in pairs], dtype=torch.bool)
     return RolloutBatch(
         prompt_ids=prompt_ids.to(device),
@@ -300,6 +310,10 @@ def collate_pairs(
         left_padded=len({len(prompt) for prompt, _ in pairs}) > 1,
         loss_mask=loss_mask.to(device),
     )
+
+
+def _chain(lists: Iterable[Sequence]) -> list:
+    return list(itertools.chain.from_iterable(lists))
 
 
 def subset_groups(scored: ScoredGroups, keep: torch.Tensor, num_generations: int) -> ScoredGroups:

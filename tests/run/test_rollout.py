@@ -51,6 +51,19 @@ def test_collate_places_sampling_logprobs_under_their_tokens(groups):
     assert (batch.sampling_logps[batch.completion_mask == 0] == 0).all()
 
 
+def test_collate_places_each_completions_loss_mask_under_its_tokens(groups):
+    inserted = Completion(token_ids=[7, 8, 9, 2], logprobs=[0.0] * 4, finish_reason="stop", mask=[1, 0, 0, 1])
+    batch = collate([group([5], [inserted, completion([1, 2])])], PAD, torch.device("cpu"))
+    assert batch.loss_mask.tolist() == [[1, 0, 0, 1], [1, 1, 0, 0]]
+    assert batch.completion_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert collate(groups, PAD, torch.device("cpu")).loss_mask.tolist() == [
+        [1, 1, 1],
+        [1, 0, 0],
+        [1, 1, 0],
+        [0, 0, 0],
+    ]
+
+
 def test_collate_uses_the_pad_id():
     batch = collate([group([3], [completion([4]), completion([4, 5])])], 99, torch.device("cpu"))
     assert batch.completion_ids.tolist() == [[4, 99], [4, 5]]
