@@ -19,6 +19,9 @@ GPUs, gloo otherwise), which `grpoflow serve` offers; `checkpoint` writes safete
 server reloads through `/collective_rpc` (any vLLM server with `VLLM_SERVER_DEV_MODE=1`, on any
 device; set `GRPOFLOW_WEIGHT_SYNC_DIR` to a shared filesystem when the servers run on other
 machines); `auto` takes collective when every server offers it and the trainer is a single process.
+A LoRA policy's adapters go alone after the first sync to servers that take them: as tensors to
+`grpoflow serve`, as a directory loaded by path to vLLM's own server with runtime LoRA loading
+(`remote_adapters`).
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ from typing import Literal
 import torch
 
 from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
+from grpoflow.engines.remote_adapters import ServerAdapters
 from grpoflow.engines.remote_capabilities import adapters_alone, choose_transfer, discover
 from grpoflow.engines.remote_client import ServerClient, server_urls
 from grpoflow.engines.vllm import finish_reason, penalises_repetition, sampling_fields
 from grpoflow.options import require
 from grpoflow.transport import WEIGHT_TRANSFERS, ServerError
+from grpoflow.transport.adapters import split_adapters
 from grpoflow.transport.checkpoint_sender import CheckpointSender
 from grpoflow.transport.collective import DEFAULT_BUCKET_BYTES
 from grpoflow.transport.collective_sender import CollectiveSender
@@ -102,6 +107,7 @@ class RemoteEngine:
         self.accepts_adapters = adapters_alone(offers, model)
         self.holds_base = False  # until the first sync: then a LoRA policy sends its adapters alone
         self.weight_transfer = choose_transfer(weight_transfer, offers, exclusive_servers=exclusive_servers)
+        self.server_adapters: ServerAdapters | None = None
         self.transport: CollectiveSender | CheckpointSender
         if self.weight_transfer == "collective":
             self.transport = CollectiveSender(
@@ -121,6 +127,10 @@ class RemoteEngine:
                 bucket_bytes=bucket_bytes,
                 timeout=weight_sync_timeout,
             )
+            if self.accepts_adapters and all(offer.adapter_directories for offer in offers):
+                self.server_adapters = ServerAdapters(
+                    self.client, self.urls, self.transport.directory, weight_sync_timeout
+                )
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -137,7 +147,9 @@ class RemoteEngine:
             )
         start = time.perf_counter()
         chunks = [[list(prompts[i]) for i in part] for part in split_evenly(len(prompts), len(self.urls))]
-        busy = [(url, name, chunk) for url, name, chunk in zip(self.urls, self.model_names, chunks) if chunk]
+        adapter = self.server_adapters.name if self.server_adapters is not None else None
+        names = [adapter] * len(self.urls) if adapter else self.model_names
+        busy = [(url, name, chunk) for url, name, chunk in zip(self.urls, names, chunks) if chunk]
         answers = self.client.starmap(lambda *job: self._complete(*job, params), busy)
         groups = [group for answer in answers for group in answer]
         self.stats = EngineStats(
@@ -219,8 +231,18 @@ class RemoteEngine:
         """Broadcast the weights to every server (collective), or write them to
         `sync_dir/policy-v{version}` and have every server reload them (checkpoint). Servers that
         take adapters (`accepts_adapters`) may get a LoRA policy's adapters as tensors; the first
-        update that arrives whole gives them the base (`holds_base`)."""
-        self.transport.send(weights, version)
+        update that arrives whole gives them the base (`holds_base`); vLLM's own servers get the
+        adapters as a directory they load (`remote_adapters`), the rest through the transport."""
+        if self.server_adapters is not None:
+            weights, adapters = split_adapters(weights)
+            if weights:
+                self.transport.send(weights, version)
+            if adapters:
+                self.server_adapters.load(adapters, version)
+            else:
+                self.server_adapters.clear()
+        else:
+            self.transport.send(weights, version)
         self.policy_version = version
         self.holds_base = True
 
@@ -232,6 +254,8 @@ class RemoteEngine:
         return None
 
     def close(self) -> None:
+        if self.server_adapters is not None:
+            self.server_adapters.close()
         self.transport.close()
         self.client.close()
 

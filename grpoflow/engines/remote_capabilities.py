@@ -3,7 +3,8 @@
 `discover` asks every server for its model (/v1/models) and its /server_info (vLLM exposes it, and
 /collective_rpc, only with `VLLM_SERVER_DEV_MODE=1`), warns when a server's log-probs are taken
 before temperature, and finds the method each reloads a checkpoint with (grpoflow's worker
-extension's when installed, else vLLM's own). `choose_transfer` takes `collective` when asked, or
+extension's when installed, else vLLM's own) and whether vLLM's own server loads LoRA adapters at
+run time (`remote_adapters`). `choose_transfer` takes `collective` when asked, or
 under `auto` when every server offers it (grpoflow serve does, vLLM's own server does not) and the
 trainer is a single process (or the servers are its alone); else `checkpoint`. `adapters_alone`
 says whether a LoRA policy's adapters travel alone after the first sync (the servers' offers
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from grpoflow.engines.remote_adapters import runtime_lora_rank
 from grpoflow.engines.remote_client import ServerClient
 from grpoflow.engines.vllm import LOGPROBS_MODE
 from grpoflow.engines.vllm_adapters import adapter_obstacle, adapter_rank, lora_layers
@@ -49,6 +51,9 @@ class ServerOffer:
     """The engine that generates (grpoflow serve's --engine); None when it does not say."""
     max_lora_rank: int | None = None
     """The largest adapter rank it takes; None: any."""
+    adapter_directories: bool = False
+    """It takes adapters as a PEFT directory it loads by path (vLLM's own server with runtime LoRA
+    loading, `remote_adapters`), not as tensors."""
 
 
 def discover(client: ServerClient) -> list[ServerOffer]:
@@ -56,10 +61,17 @@ def discover(client: ServerClient) -> list[ServerOffer]:
     models = client.map(lambda url: served_model(client, url))
     infos = client.map(lambda url: server_info(client, url))
     methods = client.map(lambda url, info: reload_method(client, url, info), infos)
+    lora_ranks = client.map(
+        lambda url, info: None if (info or {}).get("grpoflow") else runtime_lora_rank(client, url, info),
+        infos,
+    )
     offers = []
-    for url, model, info, method in zip(client.urls, models, infos, methods):
+    for url, model, info, method, lora_rank in zip(client.urls, models, infos, methods, lora_ranks):
         grpoflow = (info or {}).get("grpoflow") or {}
         collective = "gloo" in grpoflow.get("weight_transfer", {}).get("backends", [])
+        if lora_rank is not None:  # vLLM's own server, loading adapter directories at run time
+            offers.append(ServerOffer(url, model, method, False, None, True, "vllm", lora_rank, True))
+            continue
         offers.append(
             ServerOffer(
                 url,
@@ -90,8 +102,11 @@ def adapters_alone(offers: Sequence[ServerOffer], model: nn.Module | None = None
     if lacking:
         reason = (
             f"server(s) {', '.join(lacking)} take no LoRA adapters (grpoflow serve takes them with "
-            f"--engine native, or --engine vllm --enable-lora)"
+            f"--engine native, or --engine vllm --enable-lora; vLLM's own server with --enable-lora "
+            f"and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, in dev mode)"
         )
+    elif len({offer.adapter_directories for offer in offers}) > 1:
+        reason = "some servers are grpoflow serve and some vLLM's own, which take adapters differently"
     elif layers:
         reason = _adapter_refusal(offers, model)
     if reason is not None:

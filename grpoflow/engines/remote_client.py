@@ -63,12 +63,13 @@ class ServerClient:
         *,
         timeout: float | None = None,
         retries: int | None = None,
+        text: bool = False,
         **kwargs: Any,
     ) -> Any:
         """`method url+path` (kwargs as httpx takes them) within `timeout` seconds in all; the
         answer's JSON (None for an empty body), or ServerError naming the server, the call and what
         went wrong. `retries`: further tries after a failure worth retrying (default 2 for GET, 0
-        otherwise)."""
+        otherwise). `text`: the answer is plain text (vLLM's LoRA routes): return it as a str."""
         timeout = timeout or self.request_timeout
         retries = (2 if method == "GET" else 0) if retries is None else retries
         deadline = time.monotonic() + timeout
@@ -88,8 +89,12 @@ class ServerClient:
                 time.sleep(min(RETRY_BACKOFF_S * 2**attempt, max(0.0, deadline - time.monotonic())))
                 continue
             if status != 200:
-                text = content[:1000].decode("utf-8", "replace")
-                raise ServerError(f"vLLM server {url} answered {method} {path} with HTTP {status}: {text}")
+                detail = content[:1000].decode("utf-8", "replace")
+                raise ServerError(
+                    f"vLLM server {url} answered {method} {path} with HTTP {status}: {detail}", status
+                )
+            if text:
+                return content.decode("utf-8", "replace")
             if not content:
                 return None
             try:

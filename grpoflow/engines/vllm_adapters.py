@@ -125,6 +125,34 @@ def adaptable_modules(worker) -> list[str]:
     )
 
 
+def write_peft_adapter(directory: Path, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Save `adapters` ({module: (A (r, in), B (out, r) scaled)}, Hugging Face module names) as a
+    PEFT adapter directory vLLM loads (alpha = r: B already carries alpha / r). vLLM loads one
+    rank per adapter: a module of a lower rank is padded with zeros to the largest (the same
+    product)."""
+    from safetensors.torch import save_file
+
+    check_pairs(adapters)
+    directory.mkdir(parents=True, exist_ok=True)
+    rank = max(down.shape[0] for down, _ in adapters.values())
+    tensors = {}
+    for module, (down, up) in adapters.items():
+        down, up = pad_rank(down.detach().to("cpu"), up.detach().to("cpu"), rank)
+        tensors[f"{PEFT_PREFIX}{module}{DOWN}"] = down.contiguous()
+        tensors[f"{PEFT_PREFIX}{module}{UP}"] = up.contiguous()
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = dict(
+        peft_type="LORA",
+        task_type="CAUSAL_LM",
+        r=rank,
+        lora_alpha=rank,  # B arrives already times alpha / r
+        target_modules=sorted({module.rsplit(".", 1)[-1] for module in adapters}),
+        bias="none",
+        modules_to_save=None,
+    )
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+
+
 class AdapterSlot:
     """The one adapter vLLM generates with: a PEFT directory rewritten at each `write`, and the
     `LoRARequest` naming its current version (None: generate with the base alone)."""
@@ -135,29 +163,8 @@ class AdapterSlot:
         self._next_id = 1
 
     def write(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Save `adapters` ({module: (A (r, in), B (out, r) scaled)}, Hugging Face module names)
-        and point the request at them under a new id. vLLM loads one rank per adapter: a module
-        of a lower rank is padded with zeros to the largest (the same product)."""
-        from safetensors.torch import save_file
-
-        check_pairs(adapters)
-        rank = max(down.shape[0] for down, _ in adapters.values())
-        tensors = {}
-        for module, (down, up) in adapters.items():
-            down, up = pad_rank(down.detach().to("cpu"), up.detach().to("cpu"), rank)
-            tensors[f"{PEFT_PREFIX}{module}{DOWN}"] = down.contiguous()
-            tensors[f"{PEFT_PREFIX}{module}{UP}"] = up.contiguous()
-        save_file(tensors, str(self.directory / "adapter_model.safetensors"))
-        config = dict(
-            peft_type="LORA",
-            task_type="CAUSAL_LM",
-            r=rank,
-            lora_alpha=rank,  # B arrives already times alpha / r
-            target_modules=sorted({module.rsplit(".", 1)[-1] for module in adapters}),
-            bias="none",
-            modules_to_save=None,
-        )
-        (self.directory / "adapter_config.json").write_text(json.dumps(config))
+        """Save `adapters` (`write_peft_adapter`) and point the request at them under a new id."""
+        write_peft_adapter(self.directory, adapters)
         self.renew()
 
     def renew(self) -> None:

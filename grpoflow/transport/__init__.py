@@ -29,7 +29,12 @@ class WeightSyncError(RuntimeError):
 
 
 class ServerError(RuntimeError):
-    """A rollout server failed or answered badly; the message names the server."""
+    """A rollout server failed or answered badly; the message names the server. `status`: the
+    HTTP status it answered with, None when it gave no answer."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 Request = Callable[..., Any]
