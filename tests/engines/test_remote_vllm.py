@@ -4,9 +4,6 @@ transport; grpoflow serve: test_remote.py)."""
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -38,20 +35,9 @@ def policy(tmp_path_factory):
 def server(policy, tmp_path_factory):
     """A vLLM server in dev mode with grpoflow's worker extension; yields its URL."""
     _, directory = policy
-    port = support.free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")  # noqa: SIM115
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(directory), "--port", str(port), "--max-model-len", "256", "--enforce-eager",
-        "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
-        "--worker-extension-cls", "grpoflow.engines.vllm.WeightSyncExtension",
-    ]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    yield f"http://127.0.0.1:{port}"
-    support.stop_process(process, timeout=30)
-    log.close()
+    log_dir = tmp_path_factory.mktemp("server")
+    with support.vllm_openai_server(directory, log_dir, "--max-model-len", "256") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

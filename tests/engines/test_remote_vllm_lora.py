@@ -7,9 +7,6 @@ rollouts equal the merged policy's. The served checkpoint has other base weights
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -40,26 +37,10 @@ def server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("served")
     served.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    port = support.free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")  # noqa: SIM115
-    env = {
-        **os.environ,
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
-    }
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(directory), "--port", str(port), "--max-model-len", "128", "--enforce-eager",
-        "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
-        "--worker-extension-cls", "grpoflow.engines.vllm.WeightSyncExtension",
-        "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK),
-    ]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    yield f"http://127.0.0.1:{port}"
-    support.stop_process(process, timeout=30)
-    log.close()
+    flags = ("--max-model-len", "128", "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK))
+    log_dir = tmp_path_factory.mktemp("server")
+    with support.vllm_openai_server(directory, log_dir, *flags, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1") as url:
+        yield url
 
 
 def lora_policy(rank: int = 4):

@@ -64,6 +64,28 @@ def serve_in_subprocess(log_dir: Path, *flags: str, timeout: float = 120.0) -> I
         yield servers.urls[0]
 
 
+@contextlib.contextmanager
+def vllm_openai_server(model_dir: Path, log_dir: Path, *flags: str, **env: str) -> Iterator[str]:
+    """vLLM's own OpenAI server on the CPU for `model_dir` (float32, eager, the trainer's log-prob
+    mode, dev mode and grpoflow's worker extension) plus FLAGS and ENV, on a free port; yields its
+    URL at once (the engine under test waits for /health). The log is log_dir/server.log."""
+    port = free_port()
+    environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **env}
+    environment.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--port", str(port), "--enforce-eager",
+        "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", "grpoflow.engines.vllm.WeightSyncExtension", *flags,
+    ]  # fmt: skip
+    with open(log_dir / "server.log", "w") as log:
+        process = subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stop_process(process, timeout=30)
+
+
 RUN = {
     "report_to": ["none"],
     "disable_tqdm": True,
