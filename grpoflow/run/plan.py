@@ -206,6 +206,9 @@ def check_plan(config) -> int | None:
     if capacity is None or config.plan.memory_check == "off":
         return None
     plan, blocks = run_plan(config, capacity)
+    hint = faster_fsdp_layout(config, capacity)
+    if hint is not None:
+        logger.info("%s", hint)
     if not plan.fits:
         certain = plan.peak > capacity / UNCERTAIN_SHARE
         if config.plan.memory_check == "refuse" and certain:
@@ -230,3 +233,34 @@ def _world_size() -> int:
     import os
 
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+FASTER_FSDP = {"fsdp_reshard_after_forward": False, "fsdp_reduce_every_micro_batch": False}
+"""FSDP options that trade memory for fewer collectives per micro-batch (README, Multi-GPU)."""
+
+
+def faster_fsdp_layout(config, capacity: int) -> str | None:
+    """Under FSDP over several ranks, the options of the faster layout the run leaves unset when
+    the plan says their memory fits (the update's peak within UNCERTAIN_SHARE of the GPU), as a
+    line to log; else None. bf16 weights trained in full also reduce in bf16
+    (fsdp_mixed_precision no)."""
+    layout = config.placement
+    if not layout.fsdp or _world_size() == 1:
+        return None
+    wanted = dict(FASTER_FSDP)
+    if config.adapter.train_type == "full" and model_shape(config, on_gpu=True).dtype_bytes == 2:
+        wanted["fsdp_mixed_precision"] = "no"
+    missing = {key: value for key, value in wanted.items() if getattr(layout, key) != value}
+    if not missing:
+        return None
+    faster = dataclasses.replace(config, placement=dataclasses.replace(layout, **missing))
+    plan, _ = run_plan(faster, capacity)
+    update = sum(plan.update.values())
+    if not plan.fits or update > UNCERTAIN_SHARE * capacity:
+        return None
+    options = ", ".join(f"{key}: {str(value).lower()}" for key, value in missing.items())
+    return (
+        f"the memory plan leaves room for a faster FSDP layout: {options} (predicted update peak "
+        f"{update / GIB:.2f} GiB of {capacity / GIB:.2f}; one all-gather per micro-batch instead of "
+        f"two and one reduce-scatter per step: a 7B step over 2 H100s scaled 90.6% against 83.5%)"
+    )

@@ -80,3 +80,31 @@ def test_the_config_decides_what_fsdp_accumulates_and_the_optimizer_holds(tmp_pa
     assert settings["once_no_mixed"].accumulated_gradient_bytes == 2  # the weights' dtype
     assert settings["foreach"].optimizer_temporaries and not settings["every"].optimizer_temporaries
     assert settings["every"].fsdp_reshard_after_forward and not settings["kept"].fsdp_reshard_after_forward
+
+
+def test_fsdp_runs_hear_of_the_faster_layout_only_when_its_memory_fits(tmp_path, monkeypatch, caplog):
+    from grpoflow.run.plan import faster_fsdp_layout
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = {
+        "model": "random:qwen2.5-7b",
+        "fsdp": True,
+        "torch_dtype": "bfloat16",
+        "gradient_checkpointing": True,
+    }
+    config = recipe(tmp_path / "a", **base, per_device_train_batch_size=16, max_completion_length=256)
+    hint = faster_fsdp_layout(config, 80 * 2**30)
+    assert "fsdp_reshard_after_forward: false" in hint and "fsdp_reduce_every_micro_batch: false" in hint
+    assert "fsdp_mixed_precision: no" in hint  # bf16 weights trained in full reduce in bf16
+    with caplog.at_level("INFO", logger="grpoflow"):
+        check_plan(recipe(tmp_path / "b", **base, gpu_memory_gib=80, per_device_train_batch_size=16))
+    assert "faster FSDP layout" in caplog.text
+    # Already set, or no room for the full weights and gradients on every rank: nothing to say.
+    chosen = {"fsdp_reshard_after_forward": False, "fsdp_reduce_every_micro_batch": False}
+    set_already = recipe(tmp_path / "c", **base, **chosen, fsdp_mixed_precision="no")
+    assert faster_fsdp_layout(set_already, 80 * 2**30) is None
+    assert faster_fsdp_layout(config, 40 * 2**30) is None
+    lora = recipe(tmp_path / "d", **base, train_type="lora")
+    assert "fsdp_mixed_precision" not in faster_fsdp_layout(lora, 80 * 2**30)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert faster_fsdp_layout(config, 80 * 2**30) is None
