@@ -23,7 +23,7 @@ BLOCK = 4096
 
 
 @triton.jit
-def _forward_kernel(
+def _logprob_forward_kernel(
     logits_ptr, targets_ptr, lse_ptr, logp_ptr, entropy_ptr, num_cols, stride_row, inv_temperature,
     COMPUTE_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -53,7 +53,7 @@ def _forward_kernel(
 
 
 @triton.jit
-def _backward_kernel(
+def _logprob_backward_kernel(
     logits_ptr, targets_ptr, lse_ptr, grad_ptr, num_cols, stride_row, inv_temperature,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -81,7 +81,7 @@ def fused_log_softmax_forward(
     logp = torch.empty_like(lse)
     entropy = torch.empty_like(lse) if compute_entropy else lse
     if rows:
-        _forward_kernel[(rows,)](
+        _logprob_forward_kernel[(rows,)](
             logits, targets, lse, logp, entropy, vocab, logits.stride(0), 1.0 / temperature,
             COMPUTE_ENTROPY=compute_entropy, BLOCK=BLOCK, num_warps=8,
         )  # fmt: skip
@@ -100,7 +100,7 @@ def fused_log_softmax_backward_(
     rows, vocab = logits.shape
     assert logits.stride(1) == 1, "the vocabulary dimension must be contiguous"
     if rows:
-        _backward_kernel[(rows,)](
+        _logprob_backward_kernel[(rows,)](
             logits, targets, lse, grad_logp.float().contiguous(), vocab, logits.stride(0),
             1.0 / temperature, BLOCK=BLOCK, num_warps=8,
         )  # fmt: skip
