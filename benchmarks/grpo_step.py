@@ -188,7 +188,17 @@ def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
         metrics = trainer.step()
         metrics["time/wall"] = time.perf_counter() - start
         steps.append(metrics)
+        save_result(args, steps)
     return {"steps": steps, "peak_gib": _peak_gib()}
+
+
+def save_result(args, steps: list[dict]) -> None:
+    """The child's steps so far, written whole (a rename), so that a run cut off by --time-limit
+    still reports the steps it finished."""
+    path = Path(args.workdir) / f"{args.child}.json"
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps({"steps": steps, "peak_gib": _peak_gib()}, default=float))
+    partial.replace(path)
 
 
 class StepTimer(TrainerCallback):
@@ -196,7 +206,8 @@ class StepTimer(TrainerCallback):
     methods (rollout = generate-and-score minus rewards; update = the rest), and the completion
     lengths TRL logs for the step."""
 
-    def __init__(self) -> None:
+    def __init__(self, args) -> None:
+        self.args = args
         self.steps: list[dict] = []
         self.seconds = {"generate_and_score": 0.0, "reward": 0.0}
 
@@ -236,6 +247,7 @@ class StepTimer(TrainerCallback):
             for key in ("completions/mean_length", "completions/max_length"):
                 if key in logs:
                     self.steps[-1][key] = float(logs[key])
+            save_result(self.args, self.steps)
 
 
 def run_trl(args, model_dir: Path, prompts: Path) -> dict:
@@ -243,7 +255,7 @@ def run_trl(args, model_dir: Path, prompts: Path) -> dict:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    timer = StepTimer()
+    timer = StepTimer(args)
     config = GRPOConfig(
         output_dir=str(Path(args.workdir) / "trl"),
         per_device_train_batch_size=args.micro_batch,
@@ -316,6 +328,7 @@ def print_table(rows: list[dict]) -> None:
         "mean_completion_len",
         "max_completion_len",
         "peak_gib",
+        "steps_done",
     ]
     print(" | ".join(keys))
     for row in rows:
@@ -347,6 +360,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--torch-compile", type=int, default=0, help="grpoflow's; 1 compiles the layers")
     parser.add_argument("--set", action="append", default=[], help="grpoflow config KEY=VALUE")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=0,
+        help="seconds for the whole run: a system still running then is stopped and reported on "
+        "the steps it finished (0: none)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None)
@@ -372,14 +392,31 @@ def child_command(args, system: str, workdir: Path) -> list[str]:
     return command + [f"--set={item}" for item in args.set]
 
 
+def run_child(args, system: str, workdir: Path, deadline: float | None) -> dict | None:
+    """Run one system's steps in its own process, stopped at `deadline` (monotonic seconds);
+    the steps it finished (None: none)."""
+    process = subprocess.Popen(child_command(args, system, workdir))
+    try:
+        code = process.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        print(f"{system}: stopped at --time-limit {args.time_limit:g} s", flush=True)
+    else:
+        if code != 0:
+            raise SystemExit(f"{system} failed with exit code {code}")
+    path = workdir / f"{system}.json"
+    result = json.loads(path.read_text()) if path.exists() else None
+    return result if result and result["steps"] else None
+
+
 def main() -> None:
     args = parse_args()
     if args.child:
         runner = {"grpoflow": run_grpoflow, "trl": run_trl, "trl-fp32": run_trl}[args.child]
         workdir = Path(args.workdir)
         model_dir = workdir / ("model-fp32" if args.child == "trl-fp32" else "model")
-        result = runner(args, model_dir, workdir / "prompts.jsonl")
-        (workdir / f"{args.child}.json").write_text(json.dumps(result, default=float))
+        runner(args, model_dir, workdir / "prompts.jsonl")
         return
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="grpo_step_"))
     systems = args.systems.split(",")
@@ -399,10 +436,16 @@ def main() -> None:
         .parameters()
     )
     rows = []
+    deadline = time.monotonic() + args.time_limit if args.time_limit else None
     for system in systems:
-        subprocess.run(child_command(args, system, workdir), check=True)
-        result = json.loads((workdir / f"{system}.json").read_text())
-        rows.append(summarize(system, result, args.warmup, num_params, tflops))
+        result = run_child(args, system, workdir, deadline)
+        if result is None:
+            print(f"{system}: no step finished within --time-limit")
+            continue
+        row = summarize(system, result, args.warmup, num_params, tflops)
+        if len(result["steps"]) < args.steps:
+            row["steps_done"] = len(result["steps"])  # cut off by --time-limit
+        rows.append(row)
     ours = next((row for row in rows if row["system"] == "grpoflow"), None)
     for row in list(rows):
         if row["system"].startswith("trl") and ours and ours["seconds_per_step"] and row["seconds_per_step"]:

@@ -206,6 +206,9 @@ def main() -> None:
         ) / bandwidth
         native["roofline_fraction"] = ideal / native["seconds"]
         native["ms_per_decode_step"] = 1000 * native["seconds"] / max(native["decode_steps"], 1)
+        # Share of the step loop the host spent waiting for the GPU's results (low: host-bound).
+        loop = native.get("steps_seconds")
+        native["gpu_wait_fraction"] = native.get("gpu_wait_seconds", 0.0) / loop if loop else float("nan")
         results.append(dict(workload=workload.name, native=native, hf_note=workload.hf_note))
         print(f"native {workload.name}: {native['tokens_per_s']:,.0f} tokens/s", flush=True)
     profile = profile_decode(engine, workloads[0], device)
@@ -254,14 +257,15 @@ def print_report(report: dict) -> None:
         f"\n{report['device']}, copy bandwidth {report['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, "
         f"weights {report['weight_bytes'] / 1e9:.2f} GB"
     )
-    print(f"{'workload':<16}{'native tok/s':>14}{'ms/step':>9}{'roofline':>10}{'peak GiB':>10}"
-          f"{'hf tok/s':>11}{'ratio':>8}  transformers slice")  # fmt: skip
+    print(f"{'workload':<16}{'native tok/s':>14}{'ms/step':>9}{'roofline':>10}{'GPU wait':>10}"
+          f"{'peak GiB':>10}{'hf tok/s':>11}{'ratio':>8}  transformers slice")  # fmt: skip
     for result in report["results"]:
         native, hf = result["native"], result.get("transformers")
         hf_rate = hf["tokens_per_s"] if hf else float("nan")
         print(
             f"{result['workload']:<16}{native['tokens_per_s']:>14,.0f}{native['ms_per_decode_step']:>9.2f}"
-            f"{native['roofline_fraction']:>10.1%}{native['peak_gib']:>10.1f}{hf_rate:>11,.0f}"
+            f"{native['roofline_fraction']:>10.1%}{native['gpu_wait_fraction']:>10.1%}"
+            f"{native['peak_gib']:>10.1f}{hf_rate:>11,.0f}"
             f"{native['tokens_per_s'] / hf_rate:>8.1f}  {result['hf_note']}"
         )
 

@@ -187,6 +187,7 @@ class NativeEngine:
         prefill_steps = decode_steps = context_tokens = 0
         in_flight: deque[tuple[PrefillStep | DecodeStep, Launched]] = deque()  # results not read yet
         converted_ahead = False
+        started, waited = time.perf_counter(), 0.0
         while not (book.finished and not in_flight):
             scheduler.abort(abandoned())
             step = scheduler.schedule()
@@ -206,13 +207,20 @@ class NativeEngine:
             assert in_flight, "the scheduler stalled"
             if launched is None or len(in_flight) > STEPS_IN_FLIGHT:
                 done, results = in_flight.popleft()
-                scheduler.finish(done, *results.wait())
+                before = time.perf_counter()
+                tokens, logprobs = results.wait()
+                waited += time.perf_counter() - before
+                scheduler.finish(done, tokens, logprobs)
         extra = {
             "prefill_steps": float(prefill_steps),
             "decode_steps": float(decode_steps),
             "decode_context_tokens": float(context_tokens),
             "preemptions": float(scheduler.num_preemptions),
             "prefix_cached_blocks": float(runner.pool.num_cached),
+            # The host blocked on the GPU's results for this share of the loop: near 0, the host's
+            # per-step work (scheduling, launches) paces the GPU rather than the other way round.
+            "steps_seconds": time.perf_counter() - started,
+            "gpu_wait_seconds": waited,
         }
         return extra, PrefillStats(scheduler.num_prefill_tokens, scheduler.num_cached_tokens)
 
