@@ -8,11 +8,14 @@ each sync writes the adapters beside the checkpoints, on the filesystem the serv
 trainer (as the checkpoint transport needs), loads them under a name new at each version, points
 generation at that name and unloads the previous one: megabytes per sync instead of the model. A
 new name rather than `load_inplace` under the old one, so that vLLM's prefix cache, which keys
-blocks by the adapter, never serves blocks computed with an older version.
+blocks by the adapter, never serves blocks computed with an older version. Names carry a token of
+the engine's own, so a resumed run or another trainer on the same server never meets a name it
+did not load; a retried sync of the same version reloads it in place (the same weights).
 """
 
 from __future__ import annotations
 
+import secrets
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +27,7 @@ from grpoflow.engines.vllm_adapters import write_peft_adapter
 from grpoflow.transport import ServerError, WeightSyncError
 
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
-NAME = "grpoflow-policy-v{version}"
+NAME = "grpoflow-{token}-v{version}"
 """The name a version's adapter is served under."""
 
 
@@ -48,27 +51,29 @@ class ServerAdapters:
 
     def __init__(self, client: ServerClient, urls: Sequence[str], root: Path, timeout: float) -> None:
         self.client, self.urls, self.root, self.timeout = client, list(urls), root, timeout
+        self.token = secrets.token_hex(4)
         self.name: str | None = None
         self.directory: Path | None = None
 
     def load(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
         """Write `adapters` ({module: (A, B scaled)}) for `version`, have every server load them
         under the version's name, and drop the previous version."""
-        name, directory = NAME.format(version=version), self.root / f"adapter-v{version}"
-        if name == self.name:
-            raise ValueError(f"adapter version {version} is already loaded: versions must change")
+        name = NAME.format(token=self.token, version=version)
+        directory = self.root / f"adapter-{self.token}-v{version}"
         write_peft_adapter(directory, adapters)
-        body = {"lora_name": name, "lora_path": str(directory)}
+        body = {"lora_name": name, "lora_path": str(directory), "load_inplace": True}
         try:
             self.client.map(lambda url: self._call(url, LOAD, body))
         except ServerError as error:
-            shutil.rmtree(directory, ignore_errors=True)
+            if directory != self.directory:
+                shutil.rmtree(directory, ignore_errors=True)
             raise WeightSyncError(
                 f"loading the LoRA adapters failed: {error}. The servers need --enable-lora, "
                 f"--max-lora-rank at least the policy's lora_rank, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, "
                 f"and {self.root} readable at the same path"
             ) from error
-        self._drop()
+        if name != self.name:
+            self._drop()
         self.name, self.directory = name, directory
 
     def clear(self) -> None:

@@ -63,7 +63,8 @@ def test_the_base_once_then_adapters_alone_and_rollouts_equal_the_merged_policy(
         assert any(not is_adapter_name(name) for name, _ in first)  # the unmerged base
         engine.update_weights(first, version=1)
         assert_rollouts_match_merged(engine, policy)
-        assert sorted(path.name for path in tmp_path.iterdir()) == ["adapter-v1", "policy-v1"]
+        token = engine.server_adapters.token
+        assert sorted(path.name for path in tmp_path.iterdir()) == [f"adapter-{token}-v1", "policy-v1"]
 
         train_adapters(policy, seed=2)
         later = list(merged_rollout_weights(policy, engine))
@@ -71,9 +72,11 @@ def test_the_base_once_then_adapters_alone_and_rollouts_equal_the_merged_policy(
         engine.update_weights(later, version=2)
         assert_rollouts_match_merged(engine, policy)
         # No new checkpoint: the adapters alone, the previous version unloaded and removed.
-        assert sorted(path.name for path in tmp_path.iterdir()) == ["adapter-v2", "policy-v1"]
-        assert "grpoflow-policy-v2" in served_models(engine)
-        assert "grpoflow-policy-v1" not in served_models(engine)
+        assert sorted(path.name for path in tmp_path.iterdir()) == [f"adapter-{token}-v2", "policy-v1"]
+        assert f"grpoflow-{token}-v2" in served_models(engine)
+        assert f"grpoflow-{token}-v1" not in served_models(engine)
+        engine.update_weights(later, version=2)  # a retried sync of the same version
+        assert_rollouts_match_merged(engine, policy)
 
         # Adapters the server cannot load: the sync fails naming what the server needs, and the
         # loaded version keeps serving.
@@ -86,7 +89,7 @@ def test_the_base_once_then_adapters_alone_and_rollouts_equal_the_merged_policy(
         merged = copy.deepcopy(policy).merge_and_unload()
         engine.update_weights(merged.named_parameters(), version=4)
         assert engine.server_adapters.name is None
-        assert not any(name.startswith("grpoflow-policy") for name in served_models(engine))
+        assert not any(name.startswith(f"grpoflow-{token}") for name in served_models(engine))
         assert_rollouts_match_merged(engine, policy)
     finally:
         engine.close()
