@@ -34,22 +34,8 @@ def write_yaml(path: Path, values: dict) -> Path:
 
 
 def test_overrides_reach_the_config_typed():
-    overrides = parse_overrides(
-        [
-            "--learning_rate",
-            "1e-6",
-            "--max_steps=3",
-            "--log_completions",
-            "--reward_funcs",
-            "accuracy",
-            "format",
-            "--reward_weights",
-            "1",
-            "0.5",
-            "--epsilon_high",
-            "0.28",
-        ]
-    )
+    words = "--learning_rate 1e-6 --max_steps=3 --log_completions --reward_funcs accuracy format"
+    overrides = parse_overrides([*words.split(), "--reward_weights", "1", "0.5", "--epsilon_high", "0.28"])
     config = GRPOConfig.from_flat_dict({**MINIMAL, **overrides})
     assert config.training.learning_rate == pytest.approx(1e-6)
     assert config.training.max_steps == 3
