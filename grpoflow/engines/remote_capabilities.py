@@ -70,7 +70,19 @@ def discover(client: ServerClient) -> list[ServerOffer]:
         grpoflow = (info or {}).get("grpoflow") or {}
         collective = "gloo" in grpoflow.get("weight_transfer", {}).get("backends", [])
         if lora_rank is not None:  # vLLM's own server, loading adapter directories at run time
-            offers.append(ServerOffer(url, model, method, False, None, True, "vllm", lora_rank, True))
+            offers.append(
+                ServerOffer(
+                    url,
+                    model,
+                    method,
+                    collective=False,
+                    device=None,
+                    adapters=True,
+                    engine="vllm",
+                    max_lora_rank=lora_rank,
+                    adapter_directories=True,
+                )
+            )
             continue
         offers.append(
             ServerOffer(
