@@ -15,6 +15,7 @@ did not load; a retried sync of the same version reloads it in place (the same w
 
 from __future__ import annotations
 
+import logging
 import secrets
 import shutil
 from collections.abc import Sequence
@@ -25,6 +26,8 @@ import torch
 from grpoflow.engines.remote_client import ServerClient
 from grpoflow.engines.vllm_adapters import write_peft_adapter
 from grpoflow.transport import ServerError, WeightSyncError
+
+logger = logging.getLogger("grpoflow.engines.remote")
 
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 NAME = "grpoflow-{token}-v{version}"
@@ -82,9 +85,14 @@ class ServerAdapters:
         self.name = self.directory = None
 
     def _drop(self) -> None:
+        """Unload the current version (best effort: a server that fails to keeps a stale adapter
+        nobody asks for) and remove its directory."""
         if self.name is not None:
             body = {"lora_name": self.name}
-            self.client.map(lambda url: self._call(url, UNLOAD, body, missing_ok=True))
+            try:
+                self.client.map(lambda url: self._call(url, UNLOAD, body, missing_ok=True))
+            except ServerError as error:
+                logger.warning("unloading LoRA adapter %s failed: %s", self.name, error)
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
 
