@@ -129,7 +129,7 @@ class RemoteEngine:
             )
             if self.accepts_adapters and all(offer.adapter_directories for offer in offers):
                 self.server_adapters = ServerAdapters(
-                    self.client, self.urls, self.transport.directory, weight_sync_timeout
+                    self.client, self.transport.directory, weight_sync_timeout
                 )
 
     # -- generation ---------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import secrets
 import shutil
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -39,21 +38,22 @@ def runtime_lora_rank(client: ServerClient, url: str, info: dict | None) -> int 
     max_lora_rank), or None: no /server_info (dev mode), no `--enable-lora`, or no runtime loading
     (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`, without which the load route answers 404)."""
     lora = ((info or {}).get("vllm_config") or {}).get("lora_config")
-    if not isinstance(lora, dict) or not isinstance(lora.get("max_lora_rank"), int):
+    rank = lora.get("max_lora_rank") if isinstance(lora, dict) else None
+    if not isinstance(rank, int):
         return None
     try:
         client.request("POST", url, LOAD, json={})  # no fields: refused, unless the route is missing
     except ServerError as error:
-        return lora["max_lora_rank"] if error.status not in (404, 405, None) else None
-    return lora["max_lora_rank"]
+        return None if error.status in (404, 405, None) else rank
+    return rank
 
 
 class ServerAdapters:
     """The adapter every server generates with: its directory under `root` and its served name
     (None: generate with the base)."""
 
-    def __init__(self, client: ServerClient, urls: Sequence[str], root: Path, timeout: float) -> None:
-        self.client, self.urls, self.root, self.timeout = client, list(urls), root, timeout
+    def __init__(self, client: ServerClient, root: Path, timeout: float) -> None:
+        self.client, self.root, self.timeout = client, root, timeout
         self.token = secrets.token_hex(4)
         self.name: str | None = None
         self.directory: Path | None = None

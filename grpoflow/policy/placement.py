@@ -360,8 +360,7 @@ def shard_model(
 
 def clip_gradients(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """`clip_grad_norm_` over every rank's shards: the global norm, as a plain tensor."""
-    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return lora.whole(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
