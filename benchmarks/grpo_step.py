@@ -305,6 +305,13 @@ def summarize(name: str, result: dict, warmup: int, num_params: int, tflops: flo
     row["mean_completion_len"] = generated
     longest = [step["completions/max_length"] for step in steady if "completions/max_length" in step]
     row["max_completion_len"] = max(longest) if longest else None
+    row["per_step"] = [
+        {
+            key: step.get(key)
+            for key in ("time/wall", "time/rollout", "time/update", "completions/mean_length")
+        }
+        for step in result["steps"]
+    ]
     if generated is not None and row["rollout_s"]:
         row["generated_tokens_per_s"] = 512 * generated / row["rollout_s"]
         trained = 512 * (128 + generated)

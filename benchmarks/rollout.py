@@ -170,6 +170,32 @@ def profile_decode(engine: NativeEngine, workload: Workload, device: torch.devic
     return dict(wall_s=wall, gpu_busy_s=busy, kernels_ms=kernels)
 
 
+def profile_products(model, workload: Workload, device: torch.device, gpu_memory_utilization: float) -> list:
+    """GPU milliseconds of each product shape over one generate call of the workload, with CUDA
+    graphs off (a replayed graph hides its kernels' shapes; the kernels are the same)."""
+    if device.type != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    config = NativeEngineConfig(
+        max_num_seqs=512, max_model_len=1300, gpu_memory_utilization=gpu_memory_utilization,
+        use_cuda_graphs=False,
+    )  # fmt: skip
+    engine = NativeEngine(model, config=config)
+    engine.generate(workload.prompts, workload.params)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        engine.generate(workload.prompts, workload.params)
+        torch.cuda.synchronize()
+    engine.sleep()
+    rows = []
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key in ("aten::mm", "aten::addmm", "aten::linear") and event.device_time_total > 0:
+            rows.append(
+                (event.key, str(event.input_shapes)[:90], event.count, event.device_time_total / 1000)
+            )
+    return sorted(rows, key=lambda row: row[3], reverse=True)[:12]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few sequences")
@@ -177,6 +203,9 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per workload (the median counts)")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/...)")
+    parser.add_argument(
+        "--profile-products", action="store_true", help="also GPU time per product shape (graphs off)"
+    )
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -213,6 +242,8 @@ def main() -> None:
         print(f"native {workload.name}: {native['tokens_per_s']:,.0f} tokens/s", flush=True)
     profile = profile_decode(engine, workloads[0], device)
     engine.sleep()
+    if args.profile_products and profile:
+        profile["products_ms"] = profile_products(model, workloads[0], device, args.gpu_memory_utilization)
     if not args.skip_transformers:
         for result, workload in zip(results, workloads):
             result["transformers"] = run_transformers(model, workload, device)
@@ -253,6 +284,10 @@ def print_report(report: dict) -> None:
         )
         for name, ms in profile["kernels_ms"]:
             print(f"  {ms:9.1f}  {name}")
+        if profile.get("products_ms"):
+            print("products by shape, graphs off (GPU ms, calls):")
+            for op, shapes, count, ms in profile["products_ms"]:
+                print(f"  {ms:9.1f}  {count:6d}  {op} {shapes}")
     print(
         f"\n{report['device']}, copy bandwidth {report['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, "
         f"weights {report['weight_bytes'] / 1e9:.2f} GB"
