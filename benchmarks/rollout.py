@@ -189,7 +189,7 @@ def profile_products(model, workload: Workload, device: torch.device, gpu_memory
     engine.sleep()
     rows = []
     for event in prof.key_averages(group_by_input_shape=True):
-        if event.key in ("aten::mm", "aten::addmm", "aten::linear") and event.device_time_total > 0:
+        if event.key in ("aten::mm", "aten::addmm") and event.device_time_total > 0:
             rows.append(
                 (event.key, str(event.input_shapes)[:90], event.count, event.device_time_total / 1000)
             )
