@@ -19,7 +19,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -170,18 +170,15 @@ def profile_decode(engine: NativeEngine, workload: Workload, device: torch.devic
     return dict(wall_s=wall, gpu_busy_s=busy, kernels_ms=kernels)
 
 
-def profile_products(model, workload: Workload, device: torch.device, gpu_memory_utilization: float) -> list:
-    """GPU milliseconds of each product shape over one generate call of the workload, with CUDA
-    graphs off (a replayed graph hides its kernels' shapes; the kernels are the same)."""
+def profile_products(model, workload: Workload, device: torch.device, config: NativeEngineConfig) -> list:
+    """GPU milliseconds of each product shape over one generate call of the workload by an engine
+    of `config` with CUDA graphs off (a replayed graph hides its kernels' shapes; the kernels are
+    the same)."""
     if device.type != "cuda":
         return []
     from torch.profiler import ProfilerActivity, profile
 
-    config = NativeEngineConfig(
-        max_num_seqs=512, max_model_len=1300, gpu_memory_utilization=gpu_memory_utilization,
-        use_cuda_graphs=False,
-    )  # fmt: skip
-    engine = NativeEngine(model, config=config)
+    engine = NativeEngine(model, config=replace(config, use_cuda_graphs=False))
     engine.generate(workload.prompts, workload.params)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         engine.generate(workload.prompts, workload.params)
@@ -243,7 +240,7 @@ def main() -> None:
     profile = profile_decode(engine, workloads[0], device)
     engine.sleep()
     if args.profile_products and profile:
-        profile["products_ms"] = profile_products(model, workloads[0], device, args.gpu_memory_utilization)
+        profile["products_ms"] = profile_products(model, workloads[0], device, config)
     if not args.skip_transformers:
         for result, workload in zip(results, workloads):
             result["transformers"] = run_transformers(model, workload, device)

@@ -274,7 +274,6 @@ def collate_pairs(
     """Pad `(prompt ids, completion)` pairs into one batch of tensors on `device`: prompts on the
     left, completions on the right. Each field goes in as one flat tensor, scattered through a
     row-major mask (a row's positions in order, row after row: the pairs' order)."""
-    batch = len(pairs)
     prompt_lengths = torch.tensor([len(prompt) for prompt, _ in pairs], dtype=torch.long)
     lengths = torch.tensor([len(c.token_ids) for _, c in pairs], dtype=torch.long)
     prompt_len = int(prompt_lengths.max())
@@ -283,22 +282,18 @@ def collate_pairs(
     completion_mask = (torch.arange(completion_len) < lengths[:, None]).long()
     filled = completion_mask.bool()
 
-    def scatter(flat: list, fill, dtype: torch.dtype, where: torch.Tensor, width: int) -> torch.Tensor:
-        out = torch.full((batch, width), fill, dtype=dtype)
+    def scatter(flat: list, fill, dtype: torch.dtype, where: torch.Tensor) -> torch.Tensor:
+        out = torch.full(where.shape, fill, dtype=dtype)
         out[where] = torch.tensor(flat, dtype=dtype)
         return out
 
-    prompt_ids = scatter(
-        _chain(p for p, _ in pairs), pad_token_id, torch.long, prompt_mask.bool(), prompt_len
-    )
-    completion_ids = scatter(
-        _chain(c.token_ids for _, c in pairs), pad_token_id, torch.long, filled, completion_len
-    )
-    sampling_logps = scatter(_chain(c.logprobs for _, c in pairs), 0.0, torch.float32, filled, completion_len)
+    prompt_ids = scatter(_chain(p for p, _ in pairs), pad_token_id, torch.long, prompt_mask.bool())
+    completion_ids = scatter(_chain(c.token_ids for _, c in pairs), pad_token_id, torch.long, filled)
+    sampling_logps = scatter(_chain(c.logprobs for _, c in pairs), 0.0, torch.float32, filled)
     if all(c.mask is None for _, c in pairs):
         loss_mask = completion_mask.clone()
     else:
-        loss_mask = scatter(_chain(c.loss_mask for _, c in pairs), 0, torch.long, filled, completion_len)
+        loss_mask = scatter(_chain(c.loss_mask for _, c in pairs), 0, torch.long, filled)
     truncated = torch.tensor([c.truncated for _, c in pairs], dtype=torch.bool)
     return RolloutBatch(
         prompt_ids=prompt_ids.to(device),
