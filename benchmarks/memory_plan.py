@@ -24,7 +24,7 @@ import torch
 from grpoflow.policy.memory_plan import GIB
 from grpoflow.run.build import run
 from grpoflow.run.config import load_config
-from grpoflow.run.plan import gpu_capacity, run_plan
+from grpoflow.run.plan_check import gpu_capacity, run_plan
 
 RECIPE = Path(__file__).resolve().parents[1] / "grpoflow" / "recipes" / "default.yaml"
 COMMON = {

@@ -41,7 +41,7 @@ from grpo_step import grpoflow_overrides, matmul_tflops, write_inputs  # noqa: E
 from grpoflow.policy.memory_plan import GIB  # noqa: E402
 from grpoflow.run.config import load_config  # noqa: E402
 from grpoflow.run.infer_workers import free_port  # noqa: E402
-from grpoflow.run.plan import model_shape, run_plan  # noqa: E402
+from grpoflow.run.plan_check import model_shape, run_plan  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 BASES: dict[str, tuple[int, dict]] = {

@@ -175,7 +175,7 @@ def plan(argv: list[str]) -> int:
     known, rest = recipe_parser(
         "grpoflow plan", "Predict each GPU's peak memory, by part.", epilog
     ).parse_known_args(argv)
-    from grpoflow.run.plan import format_plan, gpu_capacity, run_plan
+    from grpoflow.run.plan_check import format_plan, gpu_capacity, run_plan
 
     try:
         overrides = options.parse_overrides(rest)

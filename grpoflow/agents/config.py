@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grpoflow.agents.tool_calls import check_tool_call_format
+from grpoflow.chat.tool_calls import check_tool_call_format
 from grpoflow.options import require
 
 
@@ -44,7 +44,7 @@ class AgentConfig:
     """An agent written against the `openai` client, as an import path (`pkg.module:fn`,
     `file.py:fn`): `async def agent(client, model, row) -> float | None`, one call per episode,
     sampling from the policy through chat completions; its return value is the episode's reward
-    (grpoflow.run.agent_programs)."""
+    (grpoflow.rollout.agent_programs)."""
     agent_concurrency: int = 64
     """Episodes of agent_program in flight at once."""
     agent_timeout: float = 600.0

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from grpoflow.agents.trajectory import EPISODE_HEADER
+from grpoflow.chat.trajectory import EPISODE_HEADER
 
 DISTRIBUTION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 """Request fields the run decides: they shape the distribution the log-probs are taken under."""

@@ -8,7 +8,7 @@ from typing import Any
 
 from grpoflow import imports
 from grpoflow.agents.config import AgentConfig
-from grpoflow.agents.runner import EpisodeRunner, environment_factories
+from grpoflow.agents.episode_runner import EpisodeRunner, environment_factories
 from grpoflow.agents.tools import environment_tools, resolve_tools
 
 

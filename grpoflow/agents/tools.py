@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpoflow import imports
-from grpoflow.agents.tool_calls import MalformedToolCall, ToolCall
+from grpoflow.chat.tool_calls import MalformedToolCall, ToolCall
 from grpoflow.threads import in_daemon_thread
 
 HOOKS = frozenset({"reset", "get_reward", "respond"})

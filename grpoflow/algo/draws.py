@@ -4,7 +4,7 @@ derives from the row's key, so anyone holding the logits and the key draws the s
 The native engine samples this way (its Triton kernel sums in another order, so the two can part
 only where the uniform falls within rounding of a boundary between two tokens), and the trainer
 replays the engine's draws on its own logits for sampling that is on-policy by construction
-(`grpoflow.run.on_policy`). A sequence's key stream depends on (seed, prompt index, sample index)
+(`grpoflow.rollout.on_policy`). A sequence's key stream depends on (seed, prompt index, sample index)
 and the index of the token being drawn, never on the batch it was sampled in.
 
 Two ways to draw, the same distribution:

@@ -5,7 +5,7 @@ A native-engine completion drawn with `draw="gumbel"` is a sequence of keyed dra
 engine's logits. Replaying
 every draw with the same key on the trainer's logits of the same prefix gives the token the
 trainer's distribution puts at that uniform; where the two agree the token is an exact draw from
-the trainer's forward. `grpoflow.run.on_policy` continues each completion from its first
+the trainer's forward. `grpoflow.rollout.on_policy` continues each completion from its first
 disagreement, so that every token ends up drawn from the trainer's forward.
 
 The log-probs come from `token_logprobs_from_hidden`, the function the update scores tokens with,

@@ -16,30 +16,30 @@ import numpy as np
 import torch
 
 from grpoflow import imports
-from grpoflow.agents.atropos import AtroposClient
+from grpoflow.agents.atropos_client import AtroposClient
 from grpoflow.agents.setup import build_episode_runner, environment_rewards, load_environment_factory
+from grpoflow.distributed import DistributedContext, init_distributed
 from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
 from grpoflow.engines.colocate import ColocateLayout
 from grpoflow.engines.remote_client import API_KEY_ENV
+from grpoflow.learn.update import replayed_truncation
 from grpoflow.policy import lora, placement
 from grpoflow.policy.loading import load_checkpoint_weights, reference_model, resolve_device
 from grpoflow.policy.offload import OptimizerOffload
 from grpoflow.rewards import RewardRunner
+from grpoflow.rollout.agent_programs import AgentPrograms, program_rewards
+from grpoflow.rollout.atropos import AtroposBatches
+from grpoflow.rollout.groups import Episodes, Rollout, SingleTurn
+from grpoflow.rollout.on_policy import OnPolicySingleTurn
+from grpoflow.rollout.rollout_func import RolloutFunction
 from grpoflow.run import checkpoint, infer_workers, report
-from grpoflow.run.agent_programs import AgentPrograms, program_rewards
-from grpoflow.run.atropos_batches import AtroposBatches
 from grpoflow.run.config import GRPOConfig
-from grpoflow.run.distributed import DistributedContext, init_distributed
 from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import MetricsLogger
-from grpoflow.run.on_policy import OnPolicySingleTurn
 from grpoflow.run.output_dir import claim_output_dir
-from grpoflow.run.plan import check_plan
-from grpoflow.run.rollout import Episodes, Rollout, SingleTurn
-from grpoflow.run.rollout_func import RolloutFunction
+from grpoflow.run.plan_check import check_plan
 from grpoflow.run.trainer import GRPOTrainer
-from grpoflow.run.update import replayed_truncation
 
 logger = logging.getLogger("grpoflow")
 

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from grpoflow.distributed import DistributedContext
 from grpoflow.policy.lora import is_peft_model
 from grpoflow.policy.placement import Placement
-from grpoflow.run.distributed import DistributedContext
 
 logger = logging.getLogger("grpoflow.run.checkpoint")
 

@@ -2,7 +2,7 @@
 
 Each component owns the dataclass of its settings (the policy's loading and LoRA in
 `grpoflow.policy`, prompts in `grpoflow.data`, sampling and engine sizes in `grpoflow.engines`,
-rewards in `grpoflow.rewards`, the objective in `grpoflow.run.update`, ...); this module composes
+rewards in `grpoflow.rewards`, the objective in `grpoflow.learn.update`, ...); this module composes
 them and holds what belongs to the run itself (the group size and engine choice, the schedule,
 checkpoints, weight syncs, asynchronous generation). Users write flat keys with the names they know
 from TRL's GRPOConfig and ms-swift (`learning_rate`, `num_generations`, `beta`, ...), in YAML or
@@ -21,24 +21,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 from grpoflow import options
-from grpoflow.agents.atropos import AtroposConfig
+from grpoflow.agents.atropos_client import AtroposConfig
 from grpoflow.agents.config import AgentConfig
 from grpoflow.data.prompts import DataConfig
 from grpoflow.engines.base import EngineConfig, SamplingParams
 from grpoflow.engines.remote import RemoteConfig
 from grpoflow.engines.vllm import VLLMConfig
+from grpoflow.learn.objective import AlgorithmConfig
+from grpoflow.learn.update import ImportanceCorrection, UpdateSettings, replayed_truncation
 from grpoflow.options import require, require_min
 from grpoflow.policy.loading import PolicyConfig
 from grpoflow.policy.lora import AdapterConfig
 from grpoflow.policy.placement import PlacementConfig
 from grpoflow.rewards.params import RewardConfig
-from grpoflow.run.algorithm import AlgorithmConfig
 from grpoflow.run.evaluation import EvalConfig
 from grpoflow.run.health import HealthConfig
 from grpoflow.run.metrics import LogConfig
-from grpoflow.run.plan import PlanConfig
-from grpoflow.run.training import TrainingConfig
-from grpoflow.run.update import ImportanceCorrection, UpdateSettings, replayed_truncation
+from grpoflow.run.plan_check import PlanConfig
+from grpoflow.run.training_config import TrainingConfig
 
 logger = logging.getLogger("grpoflow")
 
@@ -72,7 +72,7 @@ class GenerationConfig:
     on_policy_sampling: bool = False
     """Native engine: make every completion token an exact draw from the trainer's own forward
     (the trainer replays the engine's keyed draws on its logits and the engine continues from the
-    first disagreement), so the sampled tokens' log-probs are the trainer's (grpoflow.run.on_policy)."""
+    first disagreement), so the sampled tokens' log-probs are the trainer's (grpoflow.rollout.on_policy)."""
 
     def __post_init__(self) -> None:
         require_min("num_generations", self.num_generations, 2, " (group-relative advantages need a group)")
@@ -162,13 +162,13 @@ class GRPOConfig:
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     """Rollout servers over HTTP (grpoflow.engines.remote)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """The GRPO-family objective (grpoflow.run.update)."""
+    """The GRPO-family objective (grpoflow.learn.update)."""
     rewards: RewardConfig = field(default_factory=RewardConfig)
     """Which rewards score completions, and their parameters (grpoflow.rewards)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Multi-turn episodes: tools, an environment, turn limits (grpoflow.agents)."""
     atropos: AtroposConfig = field(default_factory=AtroposConfig)
-    """Training on the scored groups of Atropos environments (grpoflow.agents.atropos)."""
+    """Training on the scored groups of Atropos environments (grpoflow.agents.atropos_client)."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """Optimisation, schedule, checkpoints."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -184,7 +184,7 @@ class GRPOConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     """Checks on each step's metrics that warn or stop the run (grpoflow.run.health)."""
     plan: PlanConfig = field(default_factory=PlanConfig)
-    """The memory plan made before step 1 (grpoflow.run.plan)."""
+    """The memory plan made before step 1 (grpoflow.run.plan_check)."""
 
     def __post_init__(self) -> None:
         # The rewards read the completion budget the generation section owns.

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 
 from grpoflow.agents.setup import load_environment_factory
+from grpoflow.distributed import DistributedContext
 from grpoflow.policy import adapter_checkpoints
 from grpoflow.policy.loading import resolve_device
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
 from grpoflow.run.build import build_rollout, build_rollout_engine, rollout_rewards, seed_everything
 from grpoflow.run.config import GRPOConfig
-from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.export import adapter_base
 from grpoflow.run.step_metrics import completion_rows

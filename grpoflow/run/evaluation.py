@@ -24,12 +24,12 @@ import torch
 from grpoflow.algo import combine_rewards
 from grpoflow.algo.pass_at_k import k_values, majority_correct, pass_at_k
 from grpoflow.data.prompts import PromptItem
+from grpoflow.distributed import DistributedContext
 from grpoflow.engines import RolloutEngine, SamplingParams
 from grpoflow.options import require
 from grpoflow.rewards import RewardRunner
+from grpoflow.rollout.groups import Group, Rollout, reward_inputs
 from grpoflow.run import checkpoint
-from grpoflow.run.distributed import DistributedContext
-from grpoflow.run.rollout import Group, Rollout, reward_inputs
 
 logger = logging.getLogger("grpoflow")
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from grpoflow.distributed import DistributedContext
     from grpoflow.run.config import GRPOConfig
-    from grpoflow.run.distributed import DistributedContext
 
 logger = logging.getLogger("grpoflow")
 

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from grpoflow.phases import PhaseTimer
-from grpoflow.run.rollout import Group, RolloutBatch, ScoredGroups, reward_inputs
+from grpoflow.rollout.batch import RolloutBatch
+from grpoflow.rollout.groups import Group, ScoredGroups, reward_inputs
 
 
 def length_columns(batch: RolloutBatch) -> torch.Tensor:

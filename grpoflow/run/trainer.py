@@ -4,7 +4,7 @@ The trainer receives its parts (model, engine, rewards, prompts, logger) ready-m
 builds them from a config. One `step` is one generation batch and `num_iterations` optimizer
 steps on it.
 
-Over several ranks (`grpoflow.run.distributed`), each rank rolls out, scores and updates on its own
+Over several ranks (`grpoflow.distributed`), each rank rolls out, scores and updates on its own
 slice of the global generation batch; groups stay whole on one rank, so group advantages need no
 communication. The rewards and lengths of every completion (a few numbers each) are gathered so
 that batch-wide statistics (`scale_rewards: batch`, the logged means and spreads) are those of the
@@ -25,14 +25,20 @@ import torch
 
 from grpoflow.algo import check_packed_attention, overlong_mask
 from grpoflow.data.prompts import PromptItem
+from grpoflow.distributed import DistributedContext
 from grpoflow.engines import NonFiniteLogits, RolloutEngine
+from grpoflow.learn.objective import rank_advantages
+from grpoflow.learn.update import reward_kl, update_policy
 from grpoflow.phases import PhaseTimer, phase
 from grpoflow.policy.placement import Placement
 from grpoflow.rewards import RewardRunner
+from grpoflow.rollout.batch import RolloutBatch, collate
+from grpoflow.rollout.groups import Rollout, ScoredBatches, ScoredGroups, SingleTurn
+from grpoflow.rollout.prefetch import RolloutPrefetcher
+from grpoflow.rollout.prompt_draws import PromptDraws
+from grpoflow.rollout.scoring import RolloutScorer
 from grpoflow.run import checkpoint
-from grpoflow.run.algorithm import rank_advantages
 from grpoflow.run.config import GRPOConfig
-from grpoflow.run.distributed import DistributedContext
 from grpoflow.run.evaluation import BestCheckpoint, Evaluator
 from grpoflow.run.failures import (
     RewardFailureStreaks,
@@ -45,10 +51,6 @@ from grpoflow.run.failures import (
 )
 from grpoflow.run.health import Finding, HealthMonitor, stop_message
 from grpoflow.run.metrics import MetricsLogger
-from grpoflow.run.prefetch import RolloutPrefetcher
-from grpoflow.run.prompt_draws import PromptDraws
-from grpoflow.run.rollout import Rollout, RolloutBatch, ScoredBatches, ScoredGroups, SingleTurn, collate
-from grpoflow.run.scoring import RolloutScorer
 from grpoflow.run.step_metrics import (
     batch_metrics,
     completion_rows,
@@ -57,7 +59,6 @@ from grpoflow.run.step_metrics import (
     time_metrics,
 )
 from grpoflow.run.sync_check import SyncCheck, probe_ids
-from grpoflow.run.update import reward_kl, update_policy
 from grpoflow.transport import ServerError, WeightSyncError
 
 logger = logging.getLogger("grpoflow")
@@ -90,7 +91,7 @@ class GRPOTrainer:
         `placement` and `ref_placement` hold the policy and the reference model as `place_models`
         laid them out. `run_id` marks the run's checkpoints (see `grpoflow.run.output_dir`).
         `rollout`: turns prompts into groups (default: one sampled completion per member;
-        `grpoflow.run.rollout.Episodes` plays multi-turn episodes). `batches`: scored groups
+        `grpoflow.rollout.groups.Episodes` plays multi-turn episodes). `batches`: scored groups
         from elsewhere (Atropos), taken instead of sampling `items` and scoring with `rewards`;
         `engine` then only receives the weights. `evaluator`: evaluates on held-out prompts as
         the eval section says."""
@@ -146,7 +147,8 @@ class GRPOTrainer:
             draws=self.draws,
             items=items,
             reward_weights=self.reward_weights,
-            algorithm=config.algorithm,
+            dynamic_sample=config.algorithm.dynamic_sample,
+            max_resample_times=config.algorithm.max_resample_times,
             num_generations=config.generation.num_generations,
             num_prompts=self.num_prompts,
             distributed=self.distributed,

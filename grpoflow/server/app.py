@@ -8,7 +8,7 @@ RemoteEngine drive it unchanged):
   template, with `tools`; tool calls answered in OpenAI's shape): batched across concurrent
   requests (see batcher.py).
 - /v1/episodes, /v1/episodes/{id} (GET, DELETE): the chat turns of agent episodes, recorded for
-  requests that name an episode (`X-Episode-Id` header or `episode_id` field): episodes.py.
+  requests that name an episode (`X-Episode-Id` header or `episode_id` field): episode_recorder.py.
 - /generate: vLLM's demo API server endpoint as Atropos's VLLMServer calls it (token ids and the
   sampled tokens' log-probs of one prompt's n completions).
 - /pause, /resume, /is_paused, /reset_prefix_cache, /sleep, /wake_up, /is_sleeping: control.py.
@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from grpoflow.engines.base import accepts_adapters
-from grpoflow.server import control, episodes, weights
+from grpoflow.server import control, episode_recorder, weights
 from grpoflow.server.errors import RequestError
 from grpoflow.server.pools import run_in
 from grpoflow.server.protocol import (
@@ -95,7 +95,7 @@ def build_app(service: Service) -> FastAPI:
     app.add_api_route("/generate", generate, methods=["POST"])
     app.include_router(control.router)
     app.include_router(weights.router)
-    app.include_router(episodes.router)
+    app.include_router(episode_recorder.router)
     return app
 
 
@@ -257,7 +257,7 @@ async def chat_completions(request: Request) -> dict:
             400,
             "top_logprobs",
         )
-    episode_id = episodes.episode_id_of(request, body)
+    episode_id = episode_recorder.episode_id_of(request, body)
     requests = service.pools.requests
     prompt = await run_in(requests, chat_prompt, body, service.tokenizer, limits, service.templates)
     params = sampling_params(body, chat_max_tokens(body, prompt, limits), limits)
@@ -274,7 +274,9 @@ async def chat_completions(request: Request) -> dict:
         service.config.tool_call_parser,
     )
     if episode_id is not None:
-        service.episodes.record(episode_id, episodes.RecordedTurn.of(body, prompt, group[0], response))
+        service.episodes.record(
+            episode_id, episode_recorder.RecordedTurn.of(body, prompt, group[0], response)
+        )
     return response
 
 

@@ -8,7 +8,7 @@ which are log_softmax(logits / temperature) of the sampled token, as vLLM report
 `token_id:ID`, as vLLM writes them.
 
 A chat request that offers `tools` gets the calls in its answer's text as OpenAI `tool_calls`
-(read by grpoflow.agents.tool_calls in the server's `tool_call_parser` format) and the finish
+(read by grpoflow.chat.tool_calls in the server's `tool_call_parser` format) and the finish
 reason `tool_calls`. As in vLLM, a text with any call that cannot be read is answered as plain
 content, whole, with no `tool_calls`: the agent sees what the model wrote.
 """
@@ -19,7 +19,7 @@ import json
 import time
 import uuid
 
-from grpoflow.agents.tool_calls import ToolCall, parse_tool_calls
+from grpoflow.chat.tool_calls import ToolCall, parse_tool_calls
 from grpoflow.engines.base import Completion
 from grpoflow.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 

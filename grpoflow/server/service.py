@@ -15,7 +15,7 @@ from torch import nn
 
 from grpoflow.engines.base import Completion, RolloutEngine, SamplingParams, accepts_adapters
 from grpoflow.server.batcher import Batcher
-from grpoflow.server.episodes import EpisodeRecorder
+from grpoflow.server.episode_recorder import EpisodeRecorder
 from grpoflow.server.errors import RequestError
 from grpoflow.server.holds import Holds
 from grpoflow.server.pools import Pools, run_in

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grpoflow.agents.tool_calls import TOOL_CALL_FORMATS
+from grpoflow.chat.tool_calls import TOOL_CALL_FORMATS
 from grpoflow.engines.base import EngineConfig
 from grpoflow.options import require
 from grpoflow.policy.tiny import DEFAULT_SEED

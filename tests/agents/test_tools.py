@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from grpoflow.agents.tool_calls import MalformedToolCall, ToolCall
 from grpoflow.agents.tools import ToolBox, environment_tools, resolve_tools, tool_schema
+from grpoflow.chat.tool_calls import MalformedToolCall, ToolCall
 
 
 def add(a: int, b: int) -> int:

@@ -8,10 +8,10 @@ import copy
 import torch
 import torch.distributed as torch_dist
 
+from grpoflow.distributed import DistributedContext
 from grpoflow.policy import lora, placement, sharded_weights
 from grpoflow.policy.lora import AdapterConfig
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
-from grpoflow.run.distributed import DistributedContext
 from grpoflow.transport.adapters import DOWN, UP, is_adapter_name
 
 CPU = torch.device("cpu")

@@ -13,10 +13,10 @@ from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, SamplingParams
 from grpoflow.rewards import RewardRunner
 from grpoflow.rewards.params import RewardConfig
+from grpoflow.rollout.groups import Group
 from grpoflow.run.build import run
 from grpoflow.run.checkpoint import BEST, STATE_FILE
 from grpoflow.run.evaluation import EvalConfig, Evaluator
-from grpoflow.run.rollout import Group
 
 EVAL = {
     "eval_dataset": ["echo#12"],

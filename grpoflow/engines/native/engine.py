@@ -29,8 +29,8 @@ from torch import nn
 from grpoflow.engines.base import Completion, EngineStats, PrefillStats, SamplingParams
 from grpoflow.engines.native.generic import GenericRunner
 from grpoflow.engines.native.model import SUPPORTED_MODEL_TYPES, FamilyModel
+from grpoflow.engines.native.model_runner import STEPS_IN_FLIGHT, Launched, Runner, triton_available
 from grpoflow.engines.native.requests import RequestBook
-from grpoflow.engines.native.runner import STEPS_IN_FLIGHT, Launched, Runner, triton_available
 from grpoflow.engines.native.sampler import SamplingOptions
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep, Scheduler
 from grpoflow.engines.native.sizing import NativeEngineConfig

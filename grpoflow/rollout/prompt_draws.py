@@ -13,8 +13,8 @@ import dataclasses
 import torch
 
 from grpoflow.data.prompts import PromptSampler
+from grpoflow.distributed import DistributedContext
 from grpoflow.engines import SamplingParams
-from grpoflow.run.distributed import DistributedContext
 
 
 class PromptDraws:

@@ -17,9 +17,9 @@ from helpers.support import (
     write_plugin,
 )
 
+from grpoflow.distributed import DistributedContext
 from grpoflow.run.build import run
 from grpoflow.run.config import load_config
-from grpoflow.run.distributed import DistributedContext
 
 
 @pytest.fixture(scope="module")

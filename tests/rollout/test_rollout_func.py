@@ -15,9 +15,10 @@ from grpoflow.algo.losses import policy_loss
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, SamplingParams
 from grpoflow.policy.tiny import build_char_tokenizer
+from grpoflow.rollout.batch import collate
+from grpoflow.rollout.groups import reward_inputs
+from grpoflow.rollout.rollout_func import RolloutFunction, check_rollout_output
 from grpoflow.run.build import run
-from grpoflow.run.rollout import collate, reward_inputs
-from grpoflow.run.rollout_func import RolloutFunction, check_rollout_output
 
 # Written as TRL's OpenEnv documentation writes a rollout function (only the import differs).
 TRL_STYLE = """

@@ -1,6 +1,6 @@
 import pytest
 
-from grpoflow.agents.tool_calls import (
+from grpoflow.chat.tool_calls import (
     TOOL_CALL_FORMATS,
     MalformedToolCall,
     ParsedResponse,

@@ -18,12 +18,12 @@ import httpx  # noqa: E402
 from helpers.atropos_api import letter_environment, trajectory_api  # noqa: E402
 from helpers.atropos_env import GROUP_SIZE, LETTERS, PROMPT, letter_score  # noqa: E402
 
-from grpoflow.agents.atropos import AtroposClient, AtroposConfig  # noqa: E402
+from grpoflow.agents.atropos_client import AtroposClient, AtroposConfig  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer  # noqa: E402
-from grpoflow.run.atropos_batches import AtroposBatches, shared_prompt_length  # noqa: E402
+from grpoflow.rollout.atropos import AtroposBatches, shared_prompt_length  # noqa: E402
+from grpoflow.rollout.batch import collate  # noqa: E402
 from grpoflow.run.config import GRPOConfig  # noqa: E402
 from grpoflow.run.infer_workers import RolloutServers  # noqa: E402
-from grpoflow.run.rollout import collate  # noqa: E402
 
 IGNORED = -100
 

@@ -35,7 +35,7 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.requests import Request
 
-from grpoflow.agents.trajectory import EPISODE_HEADER
+from grpoflow.chat.trajectory import EPISODE_HEADER
 from grpoflow.engines.base import Completion
 from grpoflow.server.errors import RequestError
 from grpoflow.server.protocol import ChatCompletionRequest

@@ -10,13 +10,14 @@ import torch
 from helpers.environments import Shout
 
 from grpoflow.agents.config import AgentConfig
+from grpoflow.agents.episode_runner import EpisodeRunner
 from grpoflow.agents.render import TurnRenderer
-from grpoflow.agents.runner import EpisodeRunner
 from grpoflow.algo import policy_loss
 from grpoflow.data.prompts import PromptItem, encode_prompt
 from grpoflow.engines import Completion, EngineConfig, EngineOptions, SamplingParams, build_engine
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model
-from grpoflow.run.rollout import collate, episode_groups
+from grpoflow.rollout.batch import collate
+from grpoflow.rollout.groups import episode_groups
 from grpoflow.tasks.relay import RelayEnvironment
 
 CHAT_TEMPLATE = (

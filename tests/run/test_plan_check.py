@@ -7,7 +7,7 @@ from helpers.support import recipe
 
 from grpoflow.cli import main
 from grpoflow.run.build import build_trainer
-from grpoflow.run.plan import check_plan, plan_settings, run_plan
+from grpoflow.run.plan_check import check_plan, plan_settings, run_plan
 
 
 def test_plan_prints_a_table_without_loading_weights(capsys):
@@ -45,7 +45,7 @@ def test_kv_cache_takes_what_the_plan_leaves(tmp_path):
 
 def test_the_peak_counts_the_workspace_the_runs_calls_use(tmp_path):
     from grpoflow.engines.native.sizing import NativeEngineConfig
-    from grpoflow.run.plan import engine_in_use
+    from grpoflow.run.plan_check import engine_in_use
 
     bounds = NativeEngineConfig(max_num_seqs=512, max_prefill_tokens=16384)
     # 16 prompts x 8 samples a step, prompts of at most 128 tokens: 128 rows, 16 x 128 tokens
@@ -83,7 +83,7 @@ def test_the_config_decides_what_fsdp_accumulates_and_the_optimizer_holds(tmp_pa
 
 
 def test_fsdp_runs_hear_of_the_faster_layout_only_when_its_memory_fits(tmp_path, monkeypatch, caplog):
-    from grpoflow.run.plan import faster_fsdp_layout
+    from grpoflow.run.plan_check import faster_fsdp_layout
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     base = {

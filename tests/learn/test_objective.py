@@ -8,7 +8,7 @@ import torch
 from helpers.support import recipe
 
 from grpoflow.algo import ADV_ESTIMATORS, combine_rewards, normalize_then_sum_advantages
-from grpoflow.run.algorithm import AlgorithmConfig, batch_advantages
+from grpoflow.learn.objective import AlgorithmConfig, batch_advantages
 from grpoflow.run.build import run
 
 REWARDS = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 1.0], [0.5, 0.5]])

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from grpoflow.run.prefetch import RolloutPrefetcher
+from grpoflow.rollout.prefetch import RolloutPrefetcher
 
 
 def test_a_launched_rollout_runs_in_the_background_and_is_taken_once():

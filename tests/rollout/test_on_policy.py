@@ -17,9 +17,10 @@ from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.policy.placement import Placement
+from grpoflow.rollout.batch import collate
+from grpoflow.rollout.groups import SingleTurn
+from grpoflow.rollout.on_policy import OnPolicySingleTurn
 from grpoflow.run.build import run
-from grpoflow.run.on_policy import OnPolicySingleTurn
-from grpoflow.run.rollout import SingleTurn, collate
 
 
 class Tokens:

@@ -39,13 +39,13 @@ from grpoflow.algo import (
     token_budget_batches,
 )
 from grpoflow.algo.truncation import Truncation
+from grpoflow.distributed import DistributedContext
 from grpoflow.engines import SamplingParams
+from grpoflow.learn.objective import AlgorithmConfig
 from grpoflow.options import require
 from grpoflow.phases import phase
 from grpoflow.policy.placement import Placement, clip_gradients
-from grpoflow.run.algorithm import AlgorithmConfig
-from grpoflow.run.distributed import DistributedContext
-from grpoflow.run.rollout import RolloutBatch
+from grpoflow.rollout.batch import RolloutBatch
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
-from grpoflow.agents.atropos import AtroposClient, ScoredGroup
+from grpoflow.agents.atropos_client import AtroposClient, ScoredGroup
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion
-from grpoflow.run.rollout import Group, ScoredGroups
+from grpoflow.rollout.groups import Group, ScoredGroups
 
 logger = logging.getLogger("grpoflow")
 

@@ -26,11 +26,11 @@ from numbers import Integral, Real
 from types import SimpleNamespace
 from typing import Any
 
-from grpoflow.agents.rollout_function import RolloutTrainer
+from grpoflow.agents.rollout_trainer import RolloutTrainer
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, RolloutEngine, SamplingParams
-from grpoflow.run.atropos_batches import shared_prompt_length
-from grpoflow.run.rollout import Group
+from grpoflow.rollout.atropos import shared_prompt_length
+from grpoflow.rollout.groups import Group
 
 logger = logging.getLogger("grpoflow")
 

@@ -5,7 +5,8 @@ from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model
-from grpoflow.run.rollout import Group, SingleTurn, collate, generate_groups, reward_inputs
+from grpoflow.rollout.batch import collate
+from grpoflow.rollout.groups import Group, SingleTurn, generate_groups, reward_inputs
 
 PAD = 0
 

@@ -15,11 +15,11 @@ httpx = pytest.importorskip("httpx")
 from helpers.atropos_api import letter_environment, trajectory_api  # noqa: E402
 from helpers.atropos_env import GROUP_SIZE, LETTERS, MAX_TOKENS, PROMPT, letter_score  # noqa: E402
 
-from grpoflow.agents.atropos import AtroposClient, AtroposConfig, groups_from_batch  # noqa: E402
+from grpoflow.agents.atropos_client import AtroposClient, AtroposConfig, groups_from_batch  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer  # noqa: E402
 from grpoflow.run.infer_workers import RolloutServers, free_port  # noqa: E402
 
-LOGGER = "grpoflow.agents.atropos"
+LOGGER = "grpoflow.agents.atropos_client"
 
 
 @pytest.fixture(scope="module")

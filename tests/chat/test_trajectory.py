@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpoflow.agents.trajectory import chain_turns, chaining_runs
+from grpoflow.chat.trajectory import chain_turns, chaining_runs
 
 
 def turn(prompt, completion, finish="stop", version=3):

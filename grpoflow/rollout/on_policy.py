@@ -34,7 +34,8 @@ from grpoflow.algo.truncation import Truncation
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, RolloutEngine, SamplingParams
 from grpoflow.policy.placement import Placement
-from grpoflow.run.rollout import Group, SingleTurn, collate_pairs
+from grpoflow.rollout.batch import collate_pairs
+from grpoflow.rollout.groups import Group, SingleTurn
 
 MAX_ROUNDS = 32
 """Rounds of replay and continuation before a completion keeps its unchecked tail."""

@@ -18,8 +18,8 @@ from typing import Any
 from grpoflow.agents.config import AgentConfig
 from grpoflow.agents.episodes import FINISH_REASONS, Episode
 from grpoflow.agents.render import TurnRenderer
-from grpoflow.agents.tool_calls import parse_tool_calls
 from grpoflow.agents.tools import ToolBox, environment_tools, tool_schema
+from grpoflow.chat.tool_calls import parse_tool_calls
 from grpoflow.data.prompts import PromptItem, encode_prompt
 from grpoflow.engines import PrefillStats, RolloutEngine, SamplingParams, prefill_stats, prefix_cache_metrics
 from grpoflow.threads import in_daemon_thread

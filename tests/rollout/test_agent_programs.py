@@ -24,11 +24,12 @@ from grpoflow.cli import RECIPES  # noqa: E402
 from grpoflow.data.prompts import PromptItem  # noqa: E402
 from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
-from grpoflow.run.agent_programs import PROGRAM_REWARD, AgentPrograms, load_agent_program, program_rewards  # noqa: E402
+from grpoflow.rollout.agent_programs import PROGRAM_REWARD, AgentPrograms, load_agent_program, program_rewards  # noqa: E402
+from grpoflow.rollout.batch import collate  # noqa: E402
+from grpoflow.rollout.groups import reward_inputs  # noqa: E402
 from grpoflow.run.build import run  # noqa: E402
 from grpoflow.run.config import load_config  # noqa: E402
 from grpoflow.run.evaluate_model import RESULTS_FILE  # noqa: E402
-from grpoflow.run.rollout import collate, reward_inputs  # noqa: E402
 
 TURN_TOKENS = 6
 

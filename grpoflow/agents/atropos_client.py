@@ -25,7 +25,7 @@ from typing import Any
 
 from grpoflow.options import require
 
-logger = logging.getLogger("grpoflow.agents.atropos")
+logger = logging.getLogger("grpoflow.agents.atropos_client")
 
 IGNORED = -100
 """Atropos's mask value for a token that gets no loss."""

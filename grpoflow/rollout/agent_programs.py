@@ -23,7 +23,7 @@ by `grpoflow serve`'s app on 127.0.0.1 (`grpoflow.server.hosted`), whose gate is
 the programs run, so they never meet the trainer's weight updates or sleep; with `vllm_mode:
 server` the programs talk to the run's `grpoflow serve` servers themselves. Either way the server
 records every turn; once the program returns, the episode's turns are fetched (and deleted) and
-chained into one training sequence (`grpoflow.agents.trajectory`).
+chained into one training sequence (`grpoflow.chat.trajectory`).
 
 A program that raises, or runs past `agent_timeout`, or records no turn, ends only its own
 episode: it trains with advantage 0 (no reward), and the error is logged with its row. A request
@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 from grpoflow import imports
 from grpoflow.agents.config import AgentConfig
-from grpoflow.agents.trajectory import Trajectory, chain_turns
+from grpoflow.chat.trajectory import Trajectory, chain_turns
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, RolloutEngine, SamplingParams
-from grpoflow.run.rollout import Group
+from grpoflow.rollout.groups import Group
 from grpoflow.threads import in_daemon_thread
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class ProgramOutcome:
     num_turns: int = 0
     """Turns recorded."""
     num_dropped: int = 0
-    """Recorded turns left out of the training sequence (grpoflow.agents.trajectory)."""
+    """Recorded turns left out of the training sequence (grpoflow.chat.trajectory)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,12 +8,8 @@ import math
 import pytest
 import torch
 
-from grpoflow.policy.placement import Placement
-from grpoflow.policy.tiny import build_tiny_model
-from grpoflow.run.algorithm import AlgorithmConfig
-from grpoflow.run.config import TrainingConfig
-from grpoflow.run.rollout import RolloutBatch
-from grpoflow.run.update import (
+from grpoflow.learn.objective import AlgorithmConfig
+from grpoflow.learn.update import (
     ImportanceCorrection,
     UpdateSettings,
     batch_logprobs,
@@ -21,6 +17,10 @@ from grpoflow.run.update import (
     reward_kl,
     update_policy,
 )
+from grpoflow.policy.placement import Placement
+from grpoflow.policy.tiny import build_tiny_model
+from grpoflow.rollout.batch import RolloutBatch
+from grpoflow.run.config import TrainingConfig
 
 VOCAB = 40
 

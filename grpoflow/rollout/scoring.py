@@ -10,13 +10,12 @@ import torch
 
 from grpoflow.algo import combine_rewards, zero_std_groups
 from grpoflow.data.prompts import PromptItem
+from grpoflow.distributed import DistributedContext
 from grpoflow.engines import RolloutEngine
 from grpoflow.phases import phase
 from grpoflow.rewards import RewardRunner
-from grpoflow.run.algorithm import AlgorithmConfig
-from grpoflow.run.distributed import DistributedContext
-from grpoflow.run.prompt_draws import PromptDraws
-from grpoflow.run.rollout import Rollout, ScoredGroups, merge_groups, reward_inputs, subset_groups
+from grpoflow.rollout.groups import Rollout, ScoredGroups, merge_groups, reward_inputs, subset_groups
+from grpoflow.rollout.prompt_draws import PromptDraws
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,7 +29,10 @@ class RolloutScorer:
     draws: PromptDraws
     items: Sequence[PromptItem]
     reward_weights: torch.Tensor
-    algorithm: AlgorithmConfig
+    dynamic_sample: bool
+    """Drop groups whose rewards have zero spread and sample more prompts (DAPO)."""
+    max_resample_times: int
+    """Most extra sampling rounds under `dynamic_sample`."""
     num_generations: int
     num_prompts: int
     """Prompts this rank plays per step."""
@@ -45,8 +47,8 @@ class RolloutScorer:
         A rank that lacks none still calls the engine, with no prompts: ranks sharing an engine
         (colocated vLLM with tensor parallelism) generate together.
         """
-        algorithm, g = self.algorithm, self.num_generations
-        rounds = 1 + (algorithm.max_resample_times if algorithm.dynamic_sample else 0)
+        g = self.num_generations
+        rounds = 1 + (self.max_resample_times if self.dynamic_sample else 0)
         kept: list[ScoredGroups] = []
         spare: list[ScoredGroups] = []
         errors: list = []
@@ -67,7 +69,7 @@ class RolloutScorer:
             with phase("reward"):
                 scored = self._score(groups, round_index + 1, failed)
             failed = scored.failed_everywhere
-            if not algorithm.dynamic_sample:
+            if not self.dynamic_sample:
                 return scored
             with phase("reward"):
                 errors.extend(scored.errors)

@@ -1,0 +1,133 @@
+"""Groups to padded training tensors: the `RolloutBatch` the learner reads."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from grpoflow.engines import Completion
+from grpoflow.rollout.groups import Group
+
+
+@dataclass(slots=True)
+class RolloutBatch:
+    """Padded tensors of a generation batch; rows are consecutive groups of G completions."""
+
+    prompt_ids: torch.Tensor
+    """(batch, prompt_len) left-padded."""
+    prompt_mask: torch.Tensor
+    """(batch, prompt_len) 1 on real tokens."""
+    completion_ids: torch.Tensor
+    """(batch, completion_len) right-padded."""
+    completion_mask: torch.Tensor
+    """(batch, completion_len) 1 on real tokens."""
+    sampling_logps: torch.Tensor
+    """(batch, completion_len) the engine's log-probs of the sampled tokens."""
+    truncated: torch.Tensor
+    """(batch,) bool: the completion hit max_completion_length."""
+    left_padded: bool = True
+    """Some prompt is left-padded. When none is, the causal mask alone hides every padding
+    token (completions are padded on the right), so the model runs without an attention mask."""
+    loss_mask: torch.Tensor | None = None
+    """(batch, completion_len) 1 on the tokens that get a loss: those the policy sampled (not
+    those an environment inserted), less any filtered out; `completion_mask` when unset."""
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.completion_mask.clone()
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(batch, prompt_len + completion_len)` input ids and the attention mask, None when no
+        prompt is left-padded (the causal mask then hides the right padding)."""
+        input_ids = torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+        if not self.left_padded:
+            return input_ids, None
+        return input_ids, torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    def sequence_lengths(self) -> torch.Tensor:
+        """(batch,) each row's real tokens, prompt and completion."""
+        return self.prompt_mask.sum(dim=1) + self.completion_mask.sum(dim=1)
+
+    def by_length(self) -> torch.Tensor:
+        """Row indices from the longest sequence (prompt and completion tokens) to the shortest,
+        ties in row order."""
+        return torch.sort(self.sequence_lengths(), descending=True, stable=True).indices
+
+    def take(self, rows: torch.Tensor) -> RolloutBatch:
+        """The rows `rows` (indices), in that order."""
+        tensors = {item.name: getattr(self, item.name) for item in fields(self)}
+        return replace(
+            self, **{name: value[rows] for name, value in tensors.items() if isinstance(value, torch.Tensor)}
+        )
+
+    def rows(self, start: int, stop: int) -> RolloutBatch:
+        """Rows [start, stop) with the all-padding columns cut away."""
+        prompt_mask = self.prompt_mask[start:stop]
+        completion_mask = self.completion_mask[start:stop]
+        first = int(prompt_mask.any(0).nonzero()[0]) if prompt_mask.any() else 0
+        last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
+        return RolloutBatch(
+            prompt_ids=self.prompt_ids[start:stop, first:],
+            prompt_mask=prompt_mask[:, first:],
+            completion_ids=self.completion_ids[start:stop, :last],
+            completion_mask=completion_mask[:, :last],
+            sampling_logps=self.sampling_logps[start:stop, :last],
+            truncated=self.truncated[start:stop],
+            left_padded=self.left_padded and not bool(prompt_mask[:, first:].all()),
+            loss_mask=self.loss_mask[start:stop, :last],
+        )
+
+
+def collate(groups: Sequence[Group], pad_token_id: int, device: torch.device) -> RolloutBatch:
+    """Pad every completion of every group into one batch of tensors on `device`."""
+    pairs = [(group.item.prompt_ids, c) for group in groups for c in group.completions]
+    return collate_pairs(pairs, pad_token_id, device)
+
+
+def collate_pairs(
+    pairs: Sequence[tuple[Sequence[int], Completion]], pad_token_id: int, device: torch.device
+) -> RolloutBatch:
+    """Pad `(prompt ids, completion)` pairs into one batch of tensors on `device`: prompts on the
+    left, completions on the right. Each field goes in as one flat tensor, scattered through a
+    row-major mask (a row's positions in order, row after row: the pairs' order)."""
+    prompt_lengths = torch.tensor([len(prompt) for prompt, _ in pairs], dtype=torch.long)
+    lengths = torch.tensor([len(c.token_ids) for _, c in pairs], dtype=torch.long)
+    prompt_len = int(prompt_lengths.max())
+    completion_len = max(1, int(lengths.max()))
+    prompt_mask = (torch.arange(prompt_len) >= prompt_len - prompt_lengths[:, None]).long()
+    completion_mask = (torch.arange(completion_len) < lengths[:, None]).long()
+    filled = completion_mask.bool()
+
+    def scatter(flat: list, fill, dtype: torch.dtype, where: torch.Tensor) -> torch.Tensor:
+        out = torch.full(where.shape, fill, dtype=dtype)
+        out[where] = torch.tensor(flat, dtype=dtype)
+        return out
+
+    prompt_ids = scatter(_chain(p for p, _ in pairs), pad_token_id, torch.long, prompt_mask.bool())
+    completion_ids = scatter(_chain(c.token_ids for _, c in pairs), pad_token_id, torch.long, filled)
+    sampling_logps = scatter(_chain(c.logprobs for _, c in pairs), 0.0, torch.float32, filled)
+    if all(c.mask is None for _, c in pairs):
+        loss_mask = completion_mask.clone()
+    else:
+        loss_mask = scatter(_chain(c.loss_mask for _, c in pairs), 0, torch.long, filled)
+    truncated = torch.tensor([c.truncated for _, c in pairs], dtype=torch.bool)
+    return RolloutBatch(
+        prompt_ids=prompt_ids.to(device),
+        prompt_mask=prompt_mask.to(device),
+        completion_ids=completion_ids.to(device),
+        completion_mask=completion_mask.to(device),
+        sampling_logps=sampling_logps.to(device),
+        truncated=truncated.to(device),
+        left_padded=len({len(prompt) for prompt, _ in pairs}) > 1,
+        loss_mask=loss_mask.to(device),
+    )
+
+
+def _chain(lists: Iterable[Sequence]) -> list:
+    return list(itertools.chain.from_iterable(lists))
