@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 
@@ -97,3 +97,12 @@ def phase(name: str) -> AbstractContextManager[None]:
     """Charge the block's seconds to `name` on the timer active in this context, if any."""
     timer = _ACTIVE.get()
     return timer(name) if timer is not None else nullcontext()
+
+
+def charge_background(seconds: Mapping[str, float]) -> None:
+    """Charge seconds per phase spent in another thread, overlapping this span, to the timer
+    active in this context (`time/background/...`), if any."""
+    timer = _ACTIVE.get()
+    if timer is not None:
+        for name, value in seconds.items():
+            timer.background[name] += value

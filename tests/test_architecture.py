@@ -1,5 +1,6 @@
 """The package's architecture, frozen: grpoflow's modules import one another without cycles, each
-layer imports only the layers below it, and every flat option key has exactly one owner.
+layer imports only the layers below it, every flat option key has exactly one owner, and no module,
+function or part of the package outgrows the sizes that keep it readable.
 
 The import graph is read from the source with `ast`, without importing it. Every import of a
 grpoflow module counts wherever it is written: at module level, inside a function, or under
@@ -285,3 +286,42 @@ def test_every_flat_option_key_has_one_owner(root: str):
     except ValueError as error:
         pytest.fail(f"{root}: a flat option key has more than one owner: {error}")
     assert fields, f"{root} has no flat option keys"
+
+
+MAX_FILE_LINES = 500
+"""Lines a module of the package may hold."""
+MAX_FUNCTION_LINES = 80
+"""Lines a function may span, GPU kernels (`@triton.jit`) aside: a kernel is one launch."""
+MAX_PACKAGE_LINES = 5_000
+"""Lines a part of the package (a first-level folder) may hold in all."""
+
+
+def _is_gpu_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return any("jit" in ast.unparse(decorator) for decorator in node.decorator_list)
+
+
+def test_no_file_is_over_the_limit():
+    lengths = {name: len(path.read_text().splitlines()) for name, path in module_files().items()}
+    long = sorted(f"{name}: {lines}" for name, lines in lengths.items() if lines > MAX_FILE_LINES)
+    assert not long, f"modules over {MAX_FILE_LINES} lines (split them by job): {long}"
+
+
+def test_no_function_is_over_the_limit():
+    long = []
+    for name, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not _is_gpu_kernel(node):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {lines}")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (cut them into named steps): {long}"
+
+
+def test_no_part_of_the_package_is_over_the_limit():
+    totals: dict[str, int] = {}
+    for name, path in module_files().items():
+        totals[part_of(name)] = totals.get(part_of(name), 0) + len(path.read_text().splitlines())
+    large = sorted(f"{part}: {lines}" for part, lines in totals.items() if lines > MAX_PACKAGE_LINES)
+    assert not large, (
+        f"parts of grpoflow over {MAX_PACKAGE_LINES} lines (split them by what they do): {large}"
+    )

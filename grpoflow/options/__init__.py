@@ -20,12 +20,13 @@ from grpoflow.options.fields import (
     key,
 )
 from grpoflow.options.flags import add_flags, from_flags
-from grpoflow.options.loader import flatten, load, load_yaml, parse_overrides, to_flat
+from grpoflow.options.loader import apply_derived, flatten, load, load_yaml, parse_overrides, to_flat
 
 __all__ = [
     "NOT_AN_OPTION",
     "FlatField",
     "add_flags",
+    "apply_derived",
     "default_of",
     "derived_from",
     "field_docs",

@@ -45,13 +45,33 @@ def load(
             suggestion = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"unknown config key {raw_key!r}{suggestion}{f' ({hint})' if hint else ''}")
         leaves[owners[name].path] = coerce(name, value, owners[name].hint)
-    for path, source in derived_fields(root).items():
+    for path, source in derived_fields(root).items():  # before the sections check their values
         if owners[source].path in leaves:
             leaves[path] = leaves[owners[source].path]
     try:
         return _build(root, (), leaves)
     except (TypeError, ValueError) as error:
         raise ValueError(f"invalid config: {error}") from None
+
+
+def apply_derived(tree: Any) -> None:
+    """Set each `derived_from` field of `tree`, a root config built in Python, to the value of the
+    option it derives from (`load` sets them before the sections check their values): a section
+    reads another section's setting only by declaring it `derived_from`."""
+    owners = flat_fields(type(tree))
+    for path, source in derived_fields(type(tree)).items():
+        value = tree
+        for name in owners[source].path:
+            value = getattr(value, name)
+        setattr(tree, path[0], _replaced(getattr(tree, path[0]), path[1:], value))
+
+
+def _replaced(node: Any, path: tuple[str, ...], value: Any) -> Any:
+    """`node` with the field at `path` below it set to `value` (a copy when it changes)."""
+    name, rest = path[0], path[1:]
+    current = getattr(node, name)
+    new = _replaced(current, rest, value) if rest else value
+    return node if new == current else dataclasses.replace(node, **{name: new})
 
 
 def _build(cls: type, prefix: tuple[str, ...], leaves: dict[tuple[str, ...], Any]) -> Any:

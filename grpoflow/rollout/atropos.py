@@ -21,7 +21,9 @@ import torch
 from grpoflow.agents.atropos_client import AtroposClient, ScoredGroup
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion
+from grpoflow.phases import phase
 from grpoflow.rollout.groups import Group, ScoredGroups
+from grpoflow.rollout.source import GroupSource
 
 logger = logging.getLogger("grpoflow")
 
@@ -31,10 +33,11 @@ HONOURED_OVERRIDES = frozenset({"set_advantage_to_zero"})
 """Per-sequence overrides the trainer applies; others are warned about once."""
 
 
-class AtroposBatches:
+class AtroposGroups(GroupSource):
     """One batch of scored groups per step from Atropos's trajectory API."""
 
     reward_names = (REWARD_NAME,)
+    reward_weights = torch.ones(1)
 
     def __init__(self, client: AtroposClient, tokenizer, *, policy_version: int = 0) -> None:
         self.client, self.tokenizer = client, tokenizer
@@ -42,19 +45,26 @@ class AtroposBatches:
         """The trainer's step: the version the batch's sequences are taken to come from."""
         self._warned: set[str] = set()
 
-    def register(self, num_steps: int, starting_step: int) -> None:
-        """Register the run as the API's trainer."""
-        trainer_id = self.client.register(num_steps, starting_step)
+    def start(self, total_steps: int, step: int) -> None:
+        """Register the run as the API's trainer for steps `step + 1..total_steps`."""
+        trainer_id = self.client.register(total_steps, step)
         logger.info(
             "registered with the Atropos API at %s as trainer %d (steps %d..%d)",
             self.client.url,
             trainer_id,
-            starting_step + 1,
-            num_steps,
+            step + 1,
+            total_steps,
         )
 
-    def next(self) -> ScoredGroups:
-        """The next batch (waits for the environments to post enough groups)."""
+    def next(self, step: int) -> ScoredGroups:
+        """The next batch (waits for the environments to post enough groups; TimeoutError when
+        none comes in `atropos_max_wait_seconds`)."""
+        self.policy_version = step
+        with phase("rollout_wait"):
+            return self.take()
+
+    def take(self) -> ScoredGroups:
+        """The next batch the API hands out, as groups."""
         raw = self.client.next_batch()
         groups, scores, sizes, zeroed = [], [], [], []
         logprobs_everywhere = all(group.logprobs is not None for group in raw)

@@ -55,26 +55,15 @@ class ScoredGroups:
     sampling_logprobs: bool = True
     """Whether the completions carry their sampling log-probs (the importance-sampling
     correction needs them)."""
+    staleness: int = 0
+    """Policy versions between the weights that sampled the completions and the policy they
+    train (set by the source that hands them to the trainer)."""
+    rollout_metrics: dict[str, float] = field(default_factory=dict)
+    """Metrics of the rollout that made them (turns per episode, prefix-cache hits, ...)."""
 
     def oldest_version(self) -> int:
         """The oldest policy version that sampled one of the completions."""
         return min(c.policy_version for group in self.groups for c in group.completions)
-
-
-class ScoredBatches(Protocol):
-    """Where a run's scored groups come from when it does not sample and score them itself
-    (`grpoflow.rollout.atropos`)."""
-
-    reward_names: Sequence[str]
-    """The reward columns of its batches."""
-    policy_version: int
-    """Set by the trainer before each `next`: its current step."""
-
-    def next(self) -> ScoredGroups:
-        """The next step's groups, scored."""
-        ...
-
-    def close(self) -> None: ...
 
 
 class Rollout(Protocol):

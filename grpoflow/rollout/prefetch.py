@@ -18,6 +18,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from grpoflow.phases import PhaseTimer, charge_background, phase
+from grpoflow.rollout.groups import ScoredGroups
+from grpoflow.rollout.scoring import SampledGroups
+from grpoflow.rollout.source import GroupSource
+
 T = TypeVar("T")
 
 logger = logging.getLogger("grpoflow")
@@ -101,3 +106,51 @@ class RolloutPrefetcher(Generic[T]):
         self.wait()
         self._pending = None
         self._executor.shutdown(wait=True)
+
+
+class PrefetchedGroups(GroupSource):
+    """Sampled groups made one step ahead, in the background, while the trainer updates
+    (`async_generate`); a batch older than `max_staleness` policy versions is made again."""
+
+    def __init__(self, source: SampledGroups, max_staleness: int) -> None:
+        self.source, self.max_staleness = source, max_staleness
+        self.reward_names, self.reward_weights = source.reward_names, source.reward_weights
+        self.prefetcher: RolloutPrefetcher[ScoredGroups] = RolloutPrefetcher()
+
+    def next(self, step: int) -> ScoredGroups:
+        if self.prefetcher.pending:
+            with phase("rollout_wait"):
+                fresh = self.prefetcher.take_fresh(step, self.max_staleness, ScoredGroups.oldest_version)
+            if fresh is not None:
+                prefetched, staleness = fresh
+                charge_background(prefetched.seconds)
+                prefetched.value.staleness = staleness
+                return prefetched.value
+        return self.source.next(step)
+
+    def ahead(self, step: int) -> None:
+        """Start making the next step's groups (their seconds are logged as `time/background/...`:
+        they overlap the update)."""
+
+        def produce() -> tuple[ScoredGroups, dict[str, float]]:
+            timer = PhaseTimer(synchronize=False)
+            with timer.active():
+                return self.source.make(), dict(timer.seconds)
+
+        with phase("rollout_launch"):
+            self.prefetcher.launch(produce, self.source.state_dict())
+
+    def settle(self) -> None:
+        with phase("rollout_wait"):
+            self.prefetcher.wait()  # weights never change under a running generation
+
+    def state_dict(self) -> dict:
+        # A batch made ahead is not in the checkpoint: resuming makes it again.
+        return self.prefetcher.resume_state or self.source.state_dict()
+
+    def load_state_dict(self, state: dict) -> bool:
+        return self.source.load_state_dict(state)
+
+    def close(self) -> None:
+        self.prefetcher.close()
+        self.source.close()

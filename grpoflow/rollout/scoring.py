@@ -1,34 +1,35 @@
-"""A step's prompts to scored groups: generate, score, and under `dynamic_sample` resample the
-prompts of groups whose rewards have zero spread (DAPO), up to `max_resample_times` rounds."""
+"""The source of groups sampled from the run's prompts: draw prompts, play them through the run's
+`Rollout`, score them with its rewards, and under `dynamic_sample` resample the prompts of groups
+whose rewards have zero spread (DAPO), up to `max_resample_times` rounds."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from grpoflow.algo import combine_rewards, zero_std_groups
 from grpoflow.data.prompts import PromptItem
 from grpoflow.distributed import DistributedContext
 from grpoflow.engines import RolloutEngine
 from grpoflow.phases import phase
+from grpoflow.policy.placement import Placement
 from grpoflow.rewards import RewardRunner
 from grpoflow.rollout.groups import Rollout, ScoredGroups, merge_groups, reward_inputs, subset_groups
 from grpoflow.rollout.prompt_draws import PromptDraws
+from grpoflow.rollout.source import GroupSource, engine_awake
 
 
-@dataclass(kw_only=True, slots=True)
-class RolloutScorer:
+@dataclass(kw_only=True)
+class SampledGroups(GroupSource):
     """Generates and scores one step's share of prompts (`rollout` and `reward` phases)."""
 
     rollout: Rollout
     engine: RolloutEngine
-    rewards: RewardRunner | None
-    """None when scored groups come from elsewhere (then the scorer is not called)."""
+    placement: Placement
+    """The policy, laid out for the engine while it generates."""
+    rewards: RewardRunner
     draws: PromptDraws
     items: Sequence[PromptItem]
-    reward_weights: torch.Tensor
     dynamic_sample: bool
     """Drop groups whose rewards have zero spread and sample more prompts (DAPO)."""
     max_resample_times: int
@@ -38,8 +39,17 @@ class RolloutScorer:
     """Prompts this rank plays per step."""
     distributed: DistributedContext
 
-    def __call__(self) -> ScoredGroups:
-        """This rank's scored groups.
+    def __post_init__(self) -> None:
+        self.reward_names, self.reward_weights = list(self.rewards.names), self.rewards.weights
+
+    def next(self, step: int) -> ScoredGroups:
+        with engine_awake(self.engine, self.placement):
+            scored = self.make()
+        scored.staleness = step - self.engine.policy_version
+        return scored
+
+    def make(self) -> ScoredGroups:
+        """This rank's scored groups, with the engine as it is (awake, or generating for itself).
 
         Over several ranks, each resampling round every rank takes the largest number of prompts
         any rank still lacks (so all ranks run the same rounds and walk the prompt order
@@ -70,20 +80,31 @@ class RolloutScorer:
                 scored = self._score(groups, round_index + 1, failed)
             failed = scored.failed_everywhere
             if not self.dynamic_sample:
+                scored.rollout_metrics = dict(self.rollout.last_metrics)
                 return scored
             with phase("reward"):
                 errors.extend(scored.errors)
                 flat_mask = zero_std_groups(combine_rewards(scored.rewards, self.reward_weights), g)
                 kept.append(subset_groups(scored, ~flat_mask, g))
                 spare.append(subset_groups(scored, flat_mask, g))
-        return merge_groups(kept + spare, self.num_prompts, errors, rounds_run, failed or frozenset())
+        merged = merge_groups(kept + spare, self.num_prompts, errors, rounds_run, failed or frozenset())
+        merged.rollout_metrics = dict(self.rollout.last_metrics)
+        return merged
 
     def _score(self, groups, rounds: int, failed: frozenset[str] | None) -> ScoredGroups:
         """Score `groups`; a completion the engine failed scores NaN. `failed`: the rewards that
         failed everywhere in the rounds before (None in the first)."""
-        assert self.rewards is not None
         result = self.rewards.score(*reward_inputs(groups))
         failed = result.failed_everywhere if failed is None else failed & result.failed_everywhere
         values = result.training_values
         values[[c.finish_reason == "error" for group in groups for c in group.completions]] = float("nan")
         return ScoredGroups(groups, values, list(result.errors), rounds, failed)
+
+    def state_dict(self) -> dict:
+        return self.draws.state_dict()
+
+    def load_state_dict(self, state: dict) -> bool:
+        return self.draws.load_state_dict(state)
+
+    def close(self) -> None:
+        self.rewards.close()

@@ -6,84 +6,68 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import random
-from collections.abc import Callable, Mapping
-from types import SimpleNamespace
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from grpoflow import imports
-from grpoflow.agents.atropos_client import AtroposClient
-from grpoflow.agents.setup import build_episode_runner, environment_rewards, load_environment_factory
+from grpoflow.agents.setup import load_environment_factory
+from grpoflow.algo import check_packed_attention
 from grpoflow.distributed import DistributedContext, init_distributed
 from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
 from grpoflow.engines.colocate import ColocateLayout
-from grpoflow.engines.remote_client import API_KEY_ENV
-from grpoflow.learn.update import replayed_truncation
+from grpoflow.learn.learner import Learner
+from grpoflow.learn.step_advantages import StepAdvantages
 from grpoflow.policy import lora, placement
 from grpoflow.policy.loading import load_checkpoint_weights, reference_model, resolve_device
 from grpoflow.policy.offload import OptimizerOffload
 from grpoflow.rewards import RewardRunner
-from grpoflow.rollout.agent_programs import AgentPrograms, program_rewards
-from grpoflow.rollout.atropos import AtroposBatches
-from grpoflow.rollout.groups import Episodes, Rollout, SingleTurn
-from grpoflow.rollout.on_policy import OnPolicySingleTurn
-from grpoflow.rollout.rollout_func import RolloutFunction
+from grpoflow.rollout.agent_programs import AgentPrograms
+from grpoflow.rollout.groups import Rollout
+from grpoflow.rollout.source import GroupSource
 from grpoflow.run import checkpoint, infer_workers, report
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.evaluation import Evaluator
+from grpoflow.run.health import HealthMonitor
 from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import MetricsLogger
 from grpoflow.run.output_dir import claim_output_dir
 from grpoflow.run.plan_check import check_plan
+from grpoflow.run.sources import build_group_source, build_rollout, rollout_rewards
 from grpoflow.run.trainer import GRPOTrainer
 
 logger = logging.getLogger("grpoflow")
 
 
 def build_trainer(config: GRPOConfig) -> GRPOTrainer:
-    """Everything a run needs: prompts, rewards, policy, engine, placement, optimizer, trainer."""
+    """Everything a run needs, each part built from its own section and handed to the trainer:
+    prompts, rewards, policy, engine, placement, the source of groups, the learner, the services."""
     training = config.training
     seed_everything(training.seed)
     claim = claim_output_dir(
         training.output_dir, training.resume_from_checkpoint, training.overwrite_output_dir
     )
-    resume = claim.resume
     kv_blocks = check_plan(config)  # before anything heavy loads
     distributed, device = init_distributed(resolve_device(config.policy.device))
     check_world(config, distributed)
-    if device.type != "cuda":
-        kv_blocks = None
     if device.type == "cuda":
         # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
         # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
         torch.backends.cuda.enable_cudnn_sdp(False)
-    atropos = config.atropos.enabled
     environment_factory = load_environment_factory(config.agent.environment_factory)
-    rewards = (
-        None
-        if atropos
-        else RewardRunner.from_config(  # first: a missing package stops here
-            config.rewards, device=device, extra=rollout_rewards(config, environment_factory)
-        )
-    )
+    rewards = None
+    if not config.atropos.enabled:  # first: a missing package stops here
+        extra = rollout_rewards(config, environment_factory)
+        rewards = RewardRunner.from_config(config.rewards, device=device, extra=extra)
     tokenizer = config.policy.load_tokenizer()
-    rollout = build_rollout(config, tokenizer, environment_factory)
-    items = [] if atropos else config.data.load_prompts(tokenizer, seed=training.seed)
-    model = config.adapter.apply(
-        config.policy.build(vocab_size=len(tokenizer), seed=training.seed, device=device)
-    )
-    if isinstance(rollout, RolloutFunction):  # its ids may use every embedding row, not only the tokenizer's
-        rollout.vocab_size = model.get_input_embeddings().num_embeddings
-    ref_model = reference_model(model) if config.algorithm.beta != 0 else None
-    if resume is not None:
-        load_checkpoint_weights(model, resume)
-    distributed.broadcast_parameters(model)
+    items = [] if config.atropos.enabled else config.data.load_prompts(tokenizer, seed=training.seed)
+    model, ref_model = build_models(config, tokenizer, device, claim.resume, distributed)
     workers = infer_workers.start_for_run(config, distributed, next(model.parameters()).dtype)
-    engine = build_rollout_engine(config, model, tokenizer, distributed, workers, kv_blocks)
+    engine = build_rollout_engine(
+        config, model, tokenizer, distributed, workers, kv_blocks if device.type == "cuda" else None
+    )
     policy_placement, ref_placement = placement.place_models(
         model,
         ref_model,
@@ -92,108 +76,104 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         world_size=distributed.world_size,
         engine_shares_weights=engine.shares_policy_weights,
     )
-    if config.generation.on_policy_sampling:
-        rollout = OnPolicySingleTurn(
-            tokenizer,
-            policy_placement,
-            micro_batch_size=config.training.per_device_train_batch_size,
-            temperature=config.generation.sampling.temperature,
-            truncation=replayed_truncation(config.generation.sampling, config.algorithm),
-            chunk_size=config.algorithm.logprob_chunk_size,
-        )
-    steps = config.total_steps(len(items), distributed.world_size)
-    optimizer, scheduler = build_optimizer(
-        model, config, steps * config.algorithm.num_iterations, sharded=policy_placement.is_sharded
+    vocab_size = model.get_input_embeddings().num_embeddings
+    rollout = build_rollout(
+        config, tokenizer, environment_factory, placement=policy_placement, vocab_size=vocab_size
     )
-    trainer = GRPOTrainer(
+    source = build_group_source(
         config,
-        tokenizer=tokenizer,
+        rollout=rollout,
         engine=engine,
+        placement=policy_placement,
         rewards=rewards,
         items=items,
-        optimizer=optimizer,
-        scheduler=scheduler,
+        tokenizer=tokenizer,
+        distributed=distributed,
+    )
+    total_steps = config.total_steps(len(items), distributed.world_size)
+    trainer = GRPOTrainer(
+        config.loop_settings(total_steps),
+        source=source,
+        advantages=StepAdvantages(
+            algorithm=config.algorithm,
+            estimator=config.algorithm.advantage_estimator(),
+            reward_weights=source.reward_weights,
+            num_generations=config.generation.num_generations,
+            distributed=distributed,
+        ),
+        learner=build_learner(config, policy_placement, ref_placement, engine, distributed, total_steps),
+        engine=engine,
+        weight_sync=config.sync.build(engine, policy_placement, items, tokenizer),
+        checkpoints=training.checkpointer(policy_placement, tokenizer, distributed, claim.run_id),
+        health=HealthMonitor(config.health),
+        tokenizer=tokenizer,
         placement=policy_placement,
         ref_placement=ref_placement,
         distributed=distributed,
-        per_prompt_seeds=config.generation.engine_name == "native",
-        run_id=claim.run_id,
-        rollout=rollout,
-        batches=atropos_batches(config, tokenizer) if atropos else None,
+        evaluator=build_evaluator(config, rollout, rewards, source, tokenizer, distributed),
+        cleanups=run_cleanups(rollout, workers),
     )
-    if isinstance(rollout, AgentPrograms):
-        trainer.add_cleanup(rollout.close)
-    if workers:
-        trainer.add_cleanup(workers.close)
-        if resume is None:  # the servers start from the model's files; the policy may differ
-            engine.update_weights(policy_placement.rollout_weights(engine), 0)
-    if resume is not None:
-        state = checkpoint.load_trainer_state(resume)
-        checkpoint.warn_about_changes(state.get("config", {}), config.to_flat_dict())
-        trainer.load_state_dict(state)
-        logger.info("resumed from %s at step %d", resume, trainer.step_count)
-    if config.eval.during_training:
-        trainer.evaluator = build_evaluator(config, trainer, tokenizer)
-    elif config.eval.eval_dataset:
-        logger.warning(
-            "eval_dataset is set but eval_strategy is 'no' and eval_on_start false: the run will not "
-            "evaluate (set eval_strategy: steps, or use `grpoflow eval`)"
-        )
-    if trainer.batches is not None:
-        trainer.batches.register(trainer.total_steps, trainer.step_count)
-    distributed.barrier()  # every rank has read the directory before rank 0 changes it
-    if distributed.is_main:
-        claim.apply(settings=config.to_flat_dict())
-    distributed.barrier()
+    start(trainer, config, claim, workers)
     return trainer
 
 
-def build_rollout(
-    config: GRPOConfig, tokenizer, environment_factory: Callable[[], Any] | Mapping | None
-) -> Rollout:
-    """What turns a step's prompts into groups: the user's rollout_func when one is named, an agent
-    program's episodes, episodes of tools or an environment, else one sampled completion per
-    group member."""
-    agent = config.agent
-    if agent.rollout_func is not None:
-        return RolloutFunction(
-            imports.load_object(agent.rollout_func, "rollout_func"),
-            tokenizer,
-            SimpleNamespace(**config.to_flat_dict()),
-            per_prompt_params=config.generation.engine_name == "native",
-        )
-    if agent.agent_program is not None:
-        return AgentPrograms(
-            agent,
-            tokenizer,
-            model_name=config.policy.model,
-            max_model_len=config.generation.engine.max_model_len or config.max_model_len,
-            tool_call_parser=agent.tool_call_parser,
-            server_api_key=config.remote.vllm_server_api_key or os.environ.get(API_KEY_ENV),
-        )
-    runner = build_episode_runner(
-        config.agent,
-        tokenizer,
-        environment_factory,
-        max_completion_length=config.generation.max_completion_length,
-        max_prompt_length=config.data.max_prompt_length,
-        system=config.data.system,
-        per_prompt_params=config.generation.engine_name == "native",
+def build_models(
+    config: GRPOConfig, tokenizer, device: torch.device, resume: Path | None, distributed: DistributedContext
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The policy (adapters applied, a resumed run's weights loaded, the same on every rank) and
+    its reference model when beta is not 0."""
+    model = config.adapter.apply(
+        config.policy.build(vocab_size=len(tokenizer), seed=config.training.seed, device=device)
     )
-    return Episodes(runner, tokenizer) if runner is not None else SingleTurn(tokenizer)
+    if config.training.padding_free:
+        check_packed_attention(model)
+    ref_model = reference_model(model) if config.algorithm.beta != 0 else None
+    if resume is not None:
+        load_checkpoint_weights(model, resume)
+    distributed.broadcast_parameters(model)
+    return model, ref_model
 
 
-def rollout_rewards(
-    config: GRPOConfig, environment_factory: Callable[[], Any] | Mapping | None
-) -> list[tuple[str, Callable[..., Any]]]:
-    """Rewards the rollout brings beside reward_funcs: an environment's `get_reward`, what an
-    agent program returns."""
-    extra = environment_rewards(environment_factory)
-    return extra + program_rewards() if config.agent.agent_program is not None else extra
+def build_learner(
+    config: GRPOConfig,
+    policy_placement: placement.Placement,
+    ref_placement: placement.Placement | None,
+    engine: RolloutEngine,
+    distributed: DistributedContext,
+    total_steps: int,
+) -> Learner:
+    """The learner of the algorithm and training sections, with its optimizer over every
+    optimizer step of the run."""
+    optimizer, scheduler = build_optimizer(
+        policy_placement.module,
+        config,
+        total_steps * config.algorithm.num_iterations,
+        sharded=policy_placement.is_sharded,
+    )
+    settings = config.update_settings(copies_weights=not engine.shares_policy_weights)
+    return Learner(
+        policy_placement, optimizer, scheduler, settings, ref_placement=ref_placement, distributed=distributed
+    )
 
 
-def build_evaluator(config: GRPOConfig, trainer: GRPOTrainer, tokenizer) -> Evaluator:
-    """The evaluator of the eval section, sampling like the trainer through its rollout."""
+def build_evaluator(
+    config: GRPOConfig,
+    rollout: Rollout,
+    rewards: RewardRunner | None,
+    source: GroupSource,
+    tokenizer,
+    distributed: DistributedContext,
+) -> Evaluator | None:
+    """The evaluator of the eval section, sampling like the run through its rollout; None when
+    the run does not evaluate."""
+    if not config.eval.during_training:
+        if config.eval.eval_dataset:
+            logger.warning(
+                "eval_dataset is set but eval_strategy is 'no' and eval_on_start false: the run will "
+                "not evaluate (set eval_strategy: steps, or use `grpoflow eval`)"
+            )
+        return None
+    assert rewards is not None, "a run that evaluates has rewards (atropos_url refuses eval_dataset)"
     data = dataclasses.replace(
         config.data, dataset=config.eval.eval_dataset, dataset_split=config.eval.eval_split
     )
@@ -202,21 +182,38 @@ def build_evaluator(config: GRPOConfig, trainer: GRPOTrainer, tokenizer) -> Eval
     return Evaluator(
         config.eval,
         items,
-        rollout=trainer.rollout,
-        rewards=trainer.rewards,
-        sampling=trainer.sampling,
-        distributed=trainer.distributed,
-        per_prompt_seeds=trainer.draws.per_prompt_seeds,
+        rollout=rollout,
+        rewards=rewards,
+        sampling=config.step_sampling(tokenizer.eos_token_id),
+        distributed=distributed,
+        per_prompt_seeds=config.generation.engine_name == "native",
         batch_size=config.generation_batch_size,
     )
 
 
-def atropos_batches(config: GRPOConfig, tokenizer) -> AtroposBatches:
-    """The run's source of scored groups on Atropos's trajectory API (registered once built)."""
-    settings = config.atropos
-    size = settings.atropos_batch_size or config.generation_batch_size
-    client = AtroposClient(dataclasses.replace(settings, atropos_batch_size=size))
-    return AtroposBatches(client, tokenizer)
+def run_cleanups(rollout: Rollout, workers: RolloutServers | None) -> list[Callable[[], None]]:
+    """What the run closes at its end besides its source: the agent programs' server, the
+    rollout servers it started."""
+    cleanups = [rollout.close] if isinstance(rollout, AgentPrograms) else []
+    return cleanups + [workers.close] if workers else cleanups
+
+
+def start(trainer: GRPOTrainer, config: GRPOConfig, claim, workers: RolloutServers | None) -> None:
+    """Bring the run to its first step: the servers it started get the policy, a resumed run its
+    state, and the output directory is claimed once every rank has read it."""
+    resume = claim.resume
+    if workers and resume is None:  # the servers start from the model's files; the policy may differ
+        trainer.weight_sync.send(0)
+    if resume is not None:
+        state = checkpoint.load_trainer_state(resume)
+        checkpoint.warn_about_changes(state.get("config", {}), config.to_flat_dict())
+        trainer.load_state_dict(state)
+        logger.info("resumed from %s at step %d", resume, trainer.step_count)
+    distributed = trainer.distributed
+    distributed.barrier()  # every rank has read the directory before rank 0 changes it
+    if distributed.is_main:
+        claim.apply(settings=config.to_flat_dict())
+    distributed.barrier()
 
 
 def seed_everything(seed: int) -> None:

@@ -19,7 +19,8 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from grpoflow.distributed import DistributedContext
+from grpoflow.phases import phase
 from grpoflow.policy.lora import is_peft_model
 from grpoflow.policy.placement import Placement
 
@@ -296,3 +298,38 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+@dataclass(kw_only=True)
+class Checkpointer:
+    """Where and when a run's checkpoints are written, and what each holds besides the trainer's
+    state: the placed policy's full weights and the tokenizer."""
+
+    output_dir: str | Path
+    placement: Placement
+    tokenizer: Any
+    distributed: DistributedContext
+    is_due: Callable[[int, int], bool]
+    """`(step, total_steps)`: whether the step ends with a scheduled checkpoint."""
+    save_total_limit: int | None = None
+    run_id: str | None = None
+    """Marks the run's checkpoints (`grpoflow.run.output_dir`)."""
+
+    def save(self, step: int, trainer_state: dict[str, Any]) -> Path:
+        """Write step `step`'s checkpoint (rank 0 writes, holding every rank's RNG state; the
+        others wait)."""
+        with phase("checkpoint"):
+            return save_placed_checkpoint(
+                self.output_dir,
+                step,
+                placement=self.placement,
+                tokenizer=self.tokenizer,
+                trainer_state=trainer_state,
+                distributed=self.distributed,
+                save_total_limit=self.save_total_limit,
+                run_id=self.run_id,
+            )
+
+    def by_step(self) -> dict[int, Path]:
+        """The run's checkpoints by step."""
+        return {checkpoint_step(path): path for path in list_checkpoints(self.output_dir)}

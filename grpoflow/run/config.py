@@ -38,7 +38,9 @@ from grpoflow.run.evaluation import EvalConfig
 from grpoflow.run.health import HealthConfig
 from grpoflow.run.metrics import LogConfig
 from grpoflow.run.plan_check import PlanConfig
+from grpoflow.run.trainer import LoopSettings
 from grpoflow.run.training_config import TrainingConfig
+from grpoflow.run.weight_sync import WeightSyncConfig
 
 logger = logging.getLogger("grpoflow")
 
@@ -102,33 +104,6 @@ class GenerationConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class WeightSyncConfig:
-    """When the trainer's weights go to an engine that keeps its own copy, and the check after."""
-
-    weight_sync_interval: int = 1
-    """Send the weights to an engine that keeps its own copy every this many steps (rollouts in
-    between use weights up to k-1 steps old)."""
-    weight_sync_check: bool = True
-    """After each sync to an engine that copies weights, compare its log-probs on a probe prompt
-    with the trainer's and stop the run on a mismatch (cost logged as time/sync_check)."""
-    weight_sync_check_tolerance: float = 0.5
-    """Largest mean log-prob gap (nats per token) the check accepts."""
-    weight_sync_retries: int = 2
-    """Further tries of a weight sync that failed (a collective group is set up afresh for each);
-    when they fail too, the run stops with a checkpoint of the step just taken."""
-
-    def __post_init__(self) -> None:
-        require(self.weight_sync_interval > 0, "weight_sync_interval", "> 0", self.weight_sync_interval)
-        require(self.weight_sync_retries >= 0, "weight_sync_retries", ">= 0", self.weight_sync_retries)
-        require(
-            self.weight_sync_check_tolerance > 0,
-            "weight_sync_check_tolerance",
-            "> 0",
-            self.weight_sync_check_tolerance,
-        )
-
-
-@dataclass(kw_only=True, slots=True)
 class OffPolicyConfig:
     """Asynchronous generation, and the correction of rollouts the trainer's policy did not sample."""
 
@@ -187,10 +162,7 @@ class GRPOConfig:
     """The memory plan made before step 1 (grpoflow.run.plan_check)."""
 
     def __post_init__(self) -> None:
-        # The rewards read the completion budget the generation section owns.
-        self.rewards = dataclasses.replace(
-            self.rewards, max_completion_length=self.generation.max_completion_length
-        )
+        options.apply_derived(self)  # e.g. the rewards read the generation's completion budget
         self.validate()
 
     @property
@@ -226,6 +198,20 @@ class GRPOConfig:
             padding_free=self.training.padding_free,
             max_tokens_per_micro_batch=self.training.max_tokens_per_micro_batch,
             group_by_length=self.groups_by_length(),
+        )
+
+    def loop_settings(self, total_steps: int) -> LoopSettings:
+        """What the training loop reads, for a run of `total_steps`."""
+        return LoopSettings(
+            total_steps=total_steps,
+            logging_steps=self.log.logging_steps,
+            log_completions=self.log.log_completions,
+            mask_truncated_completions=self.algorithm.mask_truncated_completions,
+            kl_in_reward=self.algorithm.kl_in_reward,
+            stop_on_nonfinite=self.health.health_nonfinite != "off",
+            max_consecutive_reward_failures=self.rewards.max_consecutive_reward_failures,
+            eval=self.eval,
+            flat_config=self.to_flat_dict(),
         )
 
     def groups_by_length(self) -> bool:

@@ -26,10 +26,11 @@ from grpoflow.policy import adapter_checkpoints
 from grpoflow.policy.loading import resolve_device
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
-from grpoflow.run.build import build_rollout, build_rollout_engine, rollout_rewards, seed_everything
+from grpoflow.run.build import build_rollout_engine, seed_everything
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.export import adapter_base
+from grpoflow.run.sources import build_rollout, rollout_rewards
 from grpoflow.run.step_metrics import completion_rows
 
 logger = logging.getLogger("grpoflow")

@@ -3,14 +3,9 @@ servers that fail past their retries, a weight sync that keeps failing."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from grpoflow.transport import WeightSyncError
-
-logger = logging.getLogger("grpoflow.run")
 
 
 class RunStopped(RuntimeError):
@@ -46,25 +41,6 @@ def reward_failure_message(name: str, steps: int, step: int, saved: Path, errors
         f"(last error: {last}). Checkpoint: {saved}. Fix the reward and resume with "
         "--resume_from_checkpoint latest (max_consecutive_reward_failures sets the limit; 0 never stops)"
     )
-
-
-def sync_with_retries(sync: Callable[[], None], retries: int, version: int) -> WeightSyncError | None:
-    """Run `sync` (a weight update to the engine), trying again up to `retries` times after a
-    WeightSyncError; the last error when every try failed, else None."""
-    for attempt in range(retries + 1):
-        try:
-            sync()
-            return None
-        except WeightSyncError as error:
-            logger.warning(
-                "weight sync to version %d failed (try %d of %d): %s",
-                version,
-                attempt + 1,
-                retries + 1,
-                error,
-            )
-            failure = error
-    return failure
 
 
 def server_failure_message(error: Exception, step: int, saved: Path | str) -> str:

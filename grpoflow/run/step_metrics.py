@@ -101,7 +101,6 @@ def rank_metrics(
     rollout_seconds: float,
     reward_names: Sequence[str],
     device: torch.device,
-    rollout_metrics: dict[str, float],
 ) -> dict[str, float]:
     """This rank's share of a step's metrics, to be summed, maxed or averaged over ranks: reward
     failures, rollout tokens/s (over `rollout_seconds`), peak memory and the rollout's own
@@ -117,5 +116,5 @@ def rank_metrics(
     host_peak = peak_host_memory_gib()
     if host_peak is not None:
         metrics["memory/max_rss_gib"] = host_peak
-    metrics.update(rollout_metrics)
+    metrics.update(scored.rollout_metrics)
     return metrics

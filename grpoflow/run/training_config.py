@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from grpoflow.distributed import DistributedContext
 from grpoflow.options import require
+from grpoflow.policy.placement import Placement
 from grpoflow.policy.tiny import DEFAULT_SEED
+from grpoflow.run.checkpoint import Checkpointer
 
 
 @dataclass(kw_only=True, slots=True)
@@ -107,3 +110,17 @@ class TrainingConfig:
         if self.save_strategy == "no":
             return False
         return step % self.save_steps == 0 or step == total_steps
+
+    def checkpointer(
+        self, placement: Placement, tokenizer, distributed: DistributedContext, run_id: str | None
+    ) -> Checkpointer:
+        """The run's checkpoints: in output_dir, on the save schedule, at most save_total_limit."""
+        return Checkpointer(
+            output_dir=self.output_dir,
+            placement=placement,
+            tokenizer=tokenizer,
+            distributed=distributed,
+            is_due=self.saves_at,
+            save_total_limit=self.save_total_limit,
+            run_id=run_id,
+        )

@@ -20,7 +20,7 @@ from helpers.atropos_env import GROUP_SIZE, LETTERS, PROMPT, letter_score  # noq
 
 from grpoflow.agents.atropos_client import AtroposClient, AtroposConfig  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer  # noqa: E402
-from grpoflow.rollout.atropos import AtroposBatches, shared_prompt_length  # noqa: E402
+from grpoflow.rollout.atropos import AtroposGroups, shared_prompt_length  # noqa: E402
 from grpoflow.rollout.batch import collate  # noqa: E402
 from grpoflow.run.config import GRPOConfig  # noqa: E402
 from grpoflow.run.infer_workers import RolloutServers  # noqa: E402
@@ -34,8 +34,8 @@ def api(tmp_path_factory) -> Iterator[str]:
         yield url
 
 
-def batches_from(api: str, groups: list[dict], batch_size: int) -> AtroposBatches:
-    """A registered AtroposBatches on `api`, emptied first, with `groups` posted."""
+def batches_from(api: str, groups: list[dict], batch_size: int) -> AtroposGroups:
+    """A registered AtroposGroups on `api`, emptied first, with `groups` posted."""
     httpx.get(f"{api}/reset_data", timeout=10).raise_for_status()
     config = AtroposConfig(
         atropos_url=api,
@@ -43,8 +43,8 @@ def batches_from(api: str, groups: list[dict], batch_size: int) -> AtroposBatche
         atropos_poll_seconds=0.05,
         atropos_max_wait_seconds=10,
     )
-    batches = AtroposBatches(AtroposClient(config), build_char_tokenizer())
-    batches.register(num_steps=5, starting_step=0)
+    batches = AtroposGroups(AtroposClient(config), build_char_tokenizer())
+    batches.start(total_steps=5, step=0)
     for group in groups:
         httpx.post(f"{api}/scored_data", json=group, timeout=10).raise_for_status()
     return batches
@@ -61,7 +61,7 @@ def test_a_multi_turn_group_splits_at_its_shared_prompt_and_keeps_masks_and_logp
     logprobs = [[1.0, 1.0, 1.0, -0.5, -0.25], [1.0, 1.0, 1.0, -1.0, 1.0, 1.0, -2.0]]
     group = {"tokens": tokens, "masks": masks, "scores": [1.0, 0.0], "inference_logprobs": logprobs}
     source = batches_from(api, [group], batch_size=2)
-    scored = source.next()
+    scored = source.next(0)
     source.close()
     (trainer_group,) = scored.groups
     assert trainer_group.item.prompt_ids == [5, 6, 7]
@@ -92,7 +92,7 @@ def test_groups_of_different_sizes_overrides_and_missing_logprobs(api, caplog):
     }
     source = batches_from(api, [small, large, {**small, "overrides": None}], batch_size=8)
     with caplog.at_level(logging.WARNING, logger="grpoflow"):
-        scored = source.next()
+        scored = source.next(0)
     source.close()
     assert sorted(scored.group_sizes) == [2, 2, 4]
     assert len(scored.rewards) == 8 and int(scored.zero_advantage.sum()) == 1
