@@ -55,13 +55,13 @@ def test_a_checkpoint_taken_while_a_batch_is_prefetched_resumes_before_it(fresh,
         for _ in range(2):
             asynchronous.step()
             synchronous.step()
-        assert asynchronous.prefetcher.pending
+        assert asynchronous.source.prefetcher.pending
         assert asynchronous.state_dict()["sampler"] == synchronous.state_dict()["sampler"]
         assert torch.equal(
             asynchronous.state_dict()["seed_generator"], synchronous.state_dict()["seed_generator"]
         )
     finally:
-        asynchronous.prefetcher.close()
+        asynchronous.source.prefetcher.close()
         asynchronous.engine.close()
         synchronous.engine.close()
 
