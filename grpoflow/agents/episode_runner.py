@@ -21,7 +21,7 @@ from grpoflow.agents.render import TurnRenderer
 from grpoflow.agents.tools import ToolBox, environment_tools, tool_schema
 from grpoflow.chat.tool_calls import parse_tool_calls
 from grpoflow.data.prompts import PromptItem, encode_prompt
-from grpoflow.engines import PrefillStats, RolloutEngine, SamplingParams, prefill_stats, prefix_cache_metrics
+from grpoflow.engines import PrefillStats, RolloutEngine, SamplingParams, prefix_cache_metrics
 from grpoflow.threads import in_daemon_thread
 
 logger = logging.getLogger("grpoflow.agents")
@@ -88,7 +88,7 @@ class EpisodeRunner:
         prefill: PrefillStats | None = None  # summed over turns, when the engine counts it
         while active := [episode for episode in episodes if episode.finish is None]:
             self._generate_turn(engine, active, per_item[0], seeds)
-            turn = prefill_stats(engine)
+            turn = engine.stats.prefill
             if turn is not None:
                 prefill = turn if prefill is None else prefill + turn
             before = time.perf_counter()

@@ -9,6 +9,7 @@ import importlib
 
 from grpoflow.engines.base import (
     Completion,
+    EngineCapabilities,
     EngineConfig,
     EngineOptions,
     EngineStats,
@@ -16,7 +17,6 @@ from grpoflow.engines.base import (
     PrefillStats,
     RolloutEngine,
     SamplingParams,
-    prefill_stats,
     prefix_cache_metrics,
 )
 
@@ -40,6 +40,7 @@ def build_engine(name: str, model, tokenizer, options: EngineOptions) -> Rollout
 __all__ = [
     "ENGINES",
     "Completion",
+    "EngineCapabilities",
     "EngineConfig",
     "EngineOptions",
     "EngineStats",
@@ -48,6 +49,5 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "build_engine",
-    "prefill_stats",
     "prefix_cache_metrics",
 ]

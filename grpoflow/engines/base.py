@@ -8,19 +8,17 @@ never reaches into its internals:
     update_weights(weights, version)                       # iterable of (hf_name, tensor)
     sleep(level) / wake_up()                               # free / retake generation memory
 
-Engines that generate straight from the policy module's parameters (the transformers reference
-engine and the native engine) report `shares_policy_weights = True`; for them `update_weights`
-only records the policy version. Such an engine that generates a LoRA policy with its adapters
-unmerged (the native engine adds them in its own forward) also reports `applies_adapters = True`,
-and the run then leaves the base weights alone around a rollout (`applies_adapters(engine)`).
-An engine with its own copy of the weights that adds LoRA adapters sent as tensors to its base
-reports `accepts_adapters = True`: after the first sync it gets the adapters alone.
+What an engine offers beyond these (LoRA adapters sent as tensors or applied unmerged, a prefix
+cache, one SamplingParams per prompt, aborts, hosting, rollout servers) it states once, when built,
+in its `capabilities` (`EngineCapabilities`); the run, the server and the rollouts read that record
+and never probe an engine for attributes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
@@ -150,11 +148,6 @@ class PrefillStats:
         )
 
 
-def prefill_stats(engine: Any) -> PrefillStats | None:
-    """The prefill stats of `engine`'s last `generate` call; None for an engine that keeps none."""
-    return getattr(getattr(engine, "stats", None), "prefill", None)
-
-
 def prefix_cache_metrics(stats: PrefillStats | None) -> dict[str, float]:
     """`rollout/prefill_tokens`, `rollout/prefix_cache_hit_tokens` and
     `rollout/prefix_cache_hit_rate` (cached over cached plus prefilled); {} without stats."""
@@ -180,12 +173,47 @@ class EngineStats:
     """Prefilled and prefix-cached prompt tokens; None where the engine does not count them."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineCapabilities:
+    """What an engine offers beyond the protocol's methods, stated when it is built."""
+
+    name: str
+    """Its registry name (`grpoflow.engines.ENGINES`): a server hosting it reports it as --engine."""
+    accepts_adapters: bool = False
+    """With its own copy of the weights, it takes a LoRA policy's adapters as tensors
+    (`grpoflow.transport.adapters`) and adds them to its base: once it `holds_base`, they go alone."""
+    applies_adapters: bool = False
+    """It generates a LoRA policy from its LoRA layers as they are: the base stays unmerged."""
+    max_adapter_rank: int | None = None
+    """The largest adapter rank `update_weights` takes; None: any."""
+    adaptable_modules: frozenset[str] | None = None
+    """The layers (last name part) an adapter may adapt; None: any, or not known."""
+    per_prompt_params: bool = False
+    """`generate` takes one SamplingParams per prompt and on_error="error_completion"."""
+    aborts: bool = False
+    """`generate` takes an `abandoned` hook naming prompts nobody waits for, and stops them."""
+    prefix_cache: bool = False
+    """It keeps prompt prefixes' keys and values across calls; `reset_prefix_cache` drops them."""
+    module: torch.nn.Module | None = None
+    """The module it generates from, which a server hosting it in-process exposes."""
+    model_dir: Path | None = None
+    """The checkpoint its own copy of the weights came from, which a hosting server reads instead."""
+    servers: tuple[tuple[str, str], ...] = ()
+    """(base URL, served model name) of each rollout server it generates on; empty: in-process."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """The contract between the trainer and a generation backend."""
 
+    capabilities: EngineCapabilities
     shares_policy_weights: bool
+    """It generates from the policy module's own parameters: `update_weights` records the version."""
+    holds_base: bool
+    """It holds the base weights a LoRA policy's adapters add to (after its first sync)."""
     policy_version: int
+    stats: EngineStats
+    """What the last `generate` call did."""
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """Sample `params.n` completions for each prompt (token ids, no padding). No prompts give
@@ -205,17 +233,13 @@ class RolloutEngine(Protocol):
         """Take generation memory back before the next `generate`."""
         ...
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (nothing to do without `capabilities.prefix_cache`)."""
+        ...
 
-def accepts_adapters(engine: object) -> bool:
-    """Whether `engine`, with its own copy of the weights, takes a LoRA policy's adapters as
-    tensors (`grpoflow.transport.adapters`) and adds them to the base it holds; then it also says
-    whether it `holds_base` already (after its first sync)."""
-    return bool(getattr(engine, "accepts_adapters", False))
-
-
-def applies_adapters(engine: object) -> bool:
-    """Whether `engine` generates a LoRA policy from its LoRA layers as they are (no merge)."""
-    return bool(getattr(engine, "applies_adapters", False))
+    def close(self) -> None:
+        """Release what the engine holds (servers' connections, vLLM, temporary files)."""
+        ...
 
 
 @dataclass(kw_only=True, slots=True)

@@ -14,16 +14,18 @@ from contextlib import contextmanager
 import torch
 
 from grpoflow.algo import sequence_logprobs
-from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
+from grpoflow.engines.base import Completion, EngineCapabilities, EngineOptions, EngineStats, SamplingParams
 
 
 class HFEngine:
     """Generates with `model.generate` on the live policy module."""
 
-    shares_policy_weights = True
+    capabilities: EngineCapabilities
+    shares_policy_weights = holds_base = True
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, logprob_chunk_size: int = 4096) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.capabilities = EngineCapabilities(name="hf", module=model)
         self.logprob_chunk_size = logprob_chunk_size
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.policy_version = 0
@@ -173,6 +175,12 @@ class HFEngine:
 
     def wake_up(self) -> None:
         return None
+
+    def reset_prefix_cache(self) -> None:
+        """No prefix outlives a call."""
+
+    def close(self) -> None:
+        """Nothing outlives a call."""
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

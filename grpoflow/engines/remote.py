@@ -37,7 +37,7 @@ from typing import Literal
 
 import torch
 
-from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
+from grpoflow.engines.base import Completion, EngineCapabilities, EngineOptions, EngineStats, SamplingParams
 from grpoflow.engines.remote_adapters import ServerAdapters
 from grpoflow.engines.remote_capabilities import adapters_alone, choose_transfer, discover
 from grpoflow.engines.remote_client import ServerClient, server_urls
@@ -64,6 +64,7 @@ def split_evenly(count: int, parts: int) -> list[range]:
 class RemoteEngine:
     """Generates on vLLM servers over HTTP and pushes weights to them through `transport`."""
 
+    capabilities: EngineCapabilities
     shares_policy_weights = False
 
     def __init__(
@@ -102,9 +103,12 @@ class RemoteEngine:
         self._warned: set[str] = set()
         self.client.wait_until_healthy(startup_timeout)
         offers = discover(self.client)
-        self.model_names = [offer.model for offer in offers]
         self.reload_methods = [offer.reload_method for offer in offers]
-        self.accepts_adapters = adapters_alone(offers, model)
+        self.capabilities = EngineCapabilities(
+            name="vllm_server",
+            accepts_adapters=adapters_alone(offers, model),
+            servers=tuple((offer.url, offer.model) for offer in offers),
+        )
         self.holds_base = False  # until the first sync: then a LoRA policy sends its adapters alone
         self.weight_transfer = choose_transfer(weight_transfer, offers, exclusive_servers=exclusive_servers)
         self.server_adapters: ServerAdapters | None = None
@@ -127,7 +131,7 @@ class RemoteEngine:
                 bucket_bytes=bucket_bytes,
                 timeout=weight_sync_timeout,
             )
-            if self.accepts_adapters and all(offer.adapter_directories for offer in offers):
+            if self.capabilities.accepts_adapters and all(offer.adapter_directories for offer in offers):
                 self.server_adapters = ServerAdapters(
                     self.client, self.transport.directory, weight_sync_timeout
                 )
@@ -148,7 +152,7 @@ class RemoteEngine:
         start = time.perf_counter()
         chunks = [[list(prompts[i]) for i in part] for part in split_evenly(len(prompts), len(self.urls))]
         adapter = self.server_adapters.name if self.server_adapters is not None else None
-        names = [adapter] * len(self.urls) if adapter else self.model_names
+        names = [adapter] * len(self.urls) if adapter else [name for _, name in self.capabilities.servers]
         busy = [(url, name, chunk) for url, name, chunk in zip(self.urls, names, chunks) if chunk]
         answers = self.client.starmap(lambda *job: self._complete(*job, params), busy)
         groups = [group for answer in answers for group in answer]
@@ -230,7 +234,7 @@ class RemoteEngine:
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Broadcast the weights to every server (collective), or write them to
         `sync_dir/policy-v{version}` and have every server reload them (checkpoint). Servers that
-        take adapters (`accepts_adapters`) may get a LoRA policy's adapters as tensors; the first
+        take adapters (`capabilities.accepts_adapters`) may get a LoRA policy's adapters as tensors; the first
         update that arrives whole gives them the base (`holds_base`); vLLM's own servers get the
         adapters as a directory they load (`remote_adapters`), the rest through the transport."""
         if self.server_adapters is not None:
@@ -252,6 +256,9 @@ class RemoteEngine:
 
     def wake_up(self) -> None:
         return None
+
+    def reset_prefix_cache(self) -> None:
+        """Each server keeps its own cache, dropped at every weight update."""
 
     def close(self) -> None:
         if self.server_adapters is not None:

@@ -65,38 +65,27 @@ def discover(client: ServerClient) -> list[ServerOffer]:
         lambda url, info: None if (info or {}).get("grpoflow") else runtime_lora_rank(client, url, info),
         infos,
     )
-    offers = []
-    for url, model, info, method, lora_rank in zip(client.urls, models, infos, methods, lora_ranks):
-        grpoflow = (info or {}).get("grpoflow") or {}
-        collective = "gloo" in grpoflow.get("weight_transfer", {}).get("backends", [])
-        if lora_rank is not None:  # vLLM's own server, loading adapter directories at run time
-            offers.append(
-                ServerOffer(
-                    url,
-                    model,
-                    method,
-                    collective=False,
-                    device=None,
-                    adapters=True,
-                    engine="vllm",
-                    max_lora_rank=lora_rank,
-                    adapter_directories=True,
-                )
-            )
-            continue
-        offers.append(
-            ServerOffer(
-                url,
-                model,
-                method,
-                collective,
-                grpoflow.get("device"),
-                adapters=grpoflow.get("adapter_updates") is True,
-                engine=grpoflow.get("engine"),
-                max_lora_rank=_integer(grpoflow.get("max_lora_rank")),
-            )
-        )
-    return offers
+    answers = zip(client.urls, models, infos, methods, lora_ranks)
+    return [_offer(*answer) for answer in answers]
+
+
+def _offer(url: str, model: str, info: dict | None, method: str | None, lora_rank: int | None) -> ServerOffer:
+    """One server's offer, from its answers; `lora_rank` set: vLLM's own server, loading adapter
+    directories at run time."""
+    if lora_rank is not None:
+        # no collective transfer, no device said; adapters up to its rank, as directories
+        return ServerOffer(url, model, method, False, None, True, "vllm", lora_rank, adapter_directories=True)
+    grpoflow = (info or {}).get("grpoflow") or {}
+    return ServerOffer(
+        url,
+        model,
+        method,
+        collective="gloo" in grpoflow.get("weight_transfer", {}).get("backends", []),
+        device=grpoflow.get("device"),
+        adapters=grpoflow.get("adapter_updates") is True,
+        engine=grpoflow.get("engine"),
+        max_lora_rank=_integer(grpoflow.get("max_lora_rank")),
+    )
 
 
 def _integer(value: object) -> int | None:

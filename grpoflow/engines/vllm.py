@@ -41,7 +41,7 @@ from typing import Literal
 
 import torch
 
-from grpoflow.engines.base import Completion, EngineOptions, EngineStats, SamplingParams
+from grpoflow.engines.base import Completion, EngineCapabilities, EngineOptions, EngineStats, SamplingParams
 from grpoflow.engines.colocate import ColocateLayout, EngineGroup, merge_shares, own_share
 from grpoflow.engines.vllm_adapters import (
     AdapterSlot,
@@ -163,6 +163,7 @@ class VLLMEngine:
     (`grpoflow.engines.vllm_adapters`).
     """
 
+    capabilities: EngineCapabilities
     shares_policy_weights = False
 
     def __init__(
@@ -199,7 +200,6 @@ class VLLMEngine:
         self.layout = layout or ColocateLayout()
         self.group = EngineGroup(self.layout)
         self.adapters = AdapterSlot() if lora_rank else None
-        self.accepts_adapters = self.adapters is not None
         # the directory's weights may differ from the policy's (a dtype, an older copy)
         self.holds_base = False
         self.llm = LLM(
@@ -218,10 +218,14 @@ class VLLMEngine:
             **_lora_arguments(lora_rank),
         )
         self.num_layers = self.llm.model_config.get_total_num_hidden_layers()
-        # the largest adapter rank `update_weights` takes, and the layers (last name part) they
-        # may adapt (None: no adapters, or not known)
-        self.max_adapter_rank = lora_rank or None
-        self.adaptable_modules = self._adaptable_modules()
+        self.capabilities = EngineCapabilities(
+            name="vllm",
+            accepts_adapters=self.adapters is not None,
+            max_adapter_rank=lora_rank or None,
+            adaptable_modules=self._adaptable_modules(),
+            prefix_cache=True,
+            model_dir=self.model_dir,
+        )
         self.policy_version = 0
         self.stats = EngineStats()
         self._asleep = 0

@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from grpoflow.engines.base import accepts_adapters
+from grpoflow.engines.base import RolloutEngine
 from grpoflow.options import require
 from grpoflow.phases import phase
 from grpoflow.policy.lora_precision import compute_in_input_dtype
@@ -156,7 +156,7 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from _plain_parameters(model.get_base_model(), "", set())
 
 
-def merged_rollout_weights(model: nn.Module, engine) -> Iterable[tuple[str, torch.Tensor]]:
+def merged_rollout_weights(model: nn.Module, engine: RolloutEngine) -> Iterable[tuple[str, torch.Tensor]]:
     """What `engine.update_weights` receives after an update from a whole (unsharded) policy;
     `Placement.rollout_weights` gives the same for any layout.
 
@@ -201,11 +201,11 @@ class RolloutParts:
         return self.with_base or has_adapters(module, skip)
 
 
-def rollout_parts(model: nn.Module, engine) -> RolloutParts:
+def rollout_parts(model: nn.Module, engine: RolloutEngine) -> RolloutParts:
     """What `engine`, with its own copy of the weights, gets of `model`: the adapters (with the
     base until it `holds_base`) when it `accepts_adapters` of a PEFT model, else merged weights."""
-    if is_peft_model(model) and accepts_adapters(engine):
-        return RolloutParts(adapters=True, with_base=not getattr(engine, "holds_base", False))
+    if is_peft_model(model) and engine.capabilities.accepts_adapters:
+        return RolloutParts(adapters=True, with_base=not engine.holds_base)
     return RolloutParts()
 
 

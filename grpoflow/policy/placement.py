@@ -36,7 +36,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from grpoflow.engines.base import applies_adapters
+from grpoflow.engines.base import RolloutEngine
 from grpoflow.options import require
 from grpoflow.phases import phase
 from grpoflow.policy import lora, offload, sharded_weights
@@ -206,13 +206,15 @@ class Placement:
                     )
 
     @contextmanager
-    def rollout_context(self, engine) -> Iterator[None]:
+    def rollout_context(self, engine: RolloutEngine) -> Iterator[None]:
         """Around a rollout. An engine that reads the policy's parameters (`shares_policy_weights`)
         sees them full and, unless it applies LoRA adapters itself (`applies_adapters`), with the
         adapters merged. For an engine with its own copy, the policy's weights go to the CPU
         meanwhile under `offload_model`."""
         if engine.shares_policy_weights:
-            merge = nullcontext() if applies_adapters(engine) else lora.merged_adapters(self.module)
+            merge = (
+                nullcontext() if engine.capabilities.applies_adapters else lora.merged_adapters(self.module)
+            )
             with self.full_parameters(), merge:
                 yield
             return
@@ -248,7 +250,7 @@ class Placement:
             if self.gc_collect:
                 offload.release_memory()
 
-    def rollout_weights(self, engine) -> Iterable[tuple[str, torch.Tensor]]:
+    def rollout_weights(self, engine: RolloutEngine) -> Iterable[tuple[str, torch.Tensor]]:
         """What `engine.update_weights` receives after an update (see `lora.merged_rollout_weights`).
 
         Sharded: nothing for an engine that reads the policy in place (it sees the new weights at

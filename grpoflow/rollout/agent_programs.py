@@ -196,11 +196,11 @@ class AgentPrograms:
     # -- where the policy is served -------------------------------------------------------------
 
     def _endpoints(self, engine: RolloutEngine) -> list[Endpoint]:
-        urls = getattr(engine, "urls", None)
-        if urls:  # rollout servers: the programs sample from them directly
-            for url in urls:
+        servers = engine.capabilities.servers
+        if servers:  # rollout servers: the programs sample from them directly
+            for url, _ in servers:
                 self._check_records_episodes(url)
-            return [Endpoint(url, self.server_api_key, name) for url, name in zip(urls, engine.model_names)]
+            return [Endpoint(url, self.server_api_key, name) for url, name in servers]
         if self._hosted_engine is not engine:
             from grpoflow.server.hosted import host_engine
 

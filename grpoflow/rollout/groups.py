@@ -17,7 +17,7 @@ import torch
 
 from grpoflow.algo import select_groups
 from grpoflow.data.prompts import PromptItem
-from grpoflow.engines import Completion, RolloutEngine, SamplingParams, prefill_stats, prefix_cache_metrics
+from grpoflow.engines import Completion, RolloutEngine, SamplingParams, prefix_cache_metrics
 
 
 @dataclass(slots=True)
@@ -89,7 +89,7 @@ class SingleTurn:
         self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
     ) -> list[Group]:
         groups = generate_groups(engine, self.tokenizer, items, params)
-        self.last_metrics = prefix_cache_metrics(prefill_stats(engine))
+        self.last_metrics = prefix_cache_metrics(engine.stats.prefill)
         return groups
 
 

@@ -77,8 +77,7 @@ def evaluate_model(config: GRPOConfig) -> dict[str, float]:
         engine.wake_up()
         result = evaluator(engine)
         engine.sleep()  # frees the KV cache now rather than when the engine is collected
-    for part in (rollout, engine):  # an agent program's policy server, then the engine
-        close = getattr(part, "close", None)
+    for close in (getattr(rollout, "close", None), engine.close):  # an agent program's server, the engine
         if close is not None:
             close()
     write_results(config, result.metrics, evaluator, time.perf_counter() - started)

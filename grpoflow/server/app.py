@@ -36,7 +36,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from grpoflow.engines.base import accepts_adapters
 from grpoflow.server import control, episode_recorder, weights
 from grpoflow.server.errors import RequestError
 from grpoflow.server.pools import run_in
@@ -200,8 +199,8 @@ async def server_info(request: Request) -> dict:
             "engine": config.engine,
             "device": str(service.device),
             "weight_version": service.weight_version,
-            "adapter_updates": accepts_adapters(service.engine),
-            "max_lora_rank": getattr(service.engine, "max_adapter_rank", None),
+            "adapter_updates": service.engine.capabilities.accepts_adapters,
+            "max_lora_rank": service.engine.capabilities.max_adapter_rank,
             "weight_transfer": {
                 "backend": service.transfer_backend or "http",
                 "backends": ["http", *service.receiver.offered_backends()],

@@ -2,8 +2,8 @@
 
 Requests join a queue; the first of a batch waits `window_s` for others to arrive, then every
 waiting request goes to the engine at once, in as few `generate` calls as the engine allows. An
-engine whose `generate` takes one SamplingParams per prompt (the native engine, recognised by its
-`on_error` argument) gets one call per set of distribution fields (temperature, top_p, top_k,
+engine whose `generate` takes one SamplingParams per prompt (`capabilities.per_prompt_params`: the
+native engine) gets one call per set of distribution fields (temperature, top_p, top_k,
 min_p, repetition_penalty), so requests that differ only in n, max_tokens, seed or stops share a
 call; other engines get one call per distinct SamplingParams. Engine calls run one at a time in the
 engine's own worker thread (pools.py), so the event loop keeps answering, under `lock`, which
@@ -14,7 +14,7 @@ and new requests wait in the queue. Closing the gate waits for the running batch
 update always lands between two batches, never inside one.
 
 A request whose client went away is dropped from the queue. If its batch is already running on
-an engine that takes an `abandoned` hook (the native engine), the engine stops its sequences at the
+an engine that takes an `abandoned` hook (`capabilities.aborts`: the native engine), the engine stops its sequences at the
 next step and gives their cache blocks back, so the rest of the batch, and the requests queued
 behind it, do not wait for work nobody reads; on other engines the call finishes and the request's
 share of the results is discarded.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import inspect
 import logging
 import threading
 from collections.abc import Callable
@@ -70,9 +69,8 @@ class Batcher:
         self.engine, self.window_s = engine, window_s
         self.executor = executor or DaemonPool(1, "grpoflow-engine")
         self.lock = threading.Lock()
-        accepted = inspect.signature(engine.generate).parameters
-        self.per_prompt = "on_error" in accepted
-        self.abortable = "abandoned" in accepted
+        self.per_prompt = engine.capabilities.per_prompt_params
+        self.abortable = engine.capabilities.aborts
         self.paused = False
         self.num_batches = self.num_engine_calls = 0
         self._queue: list[Job] = []

@@ -41,9 +41,8 @@ async def is_paused(request: Request) -> dict:
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> dict:
     service = service_of(request)
-    reset = getattr(service.engine, "reset_prefix_cache", None)
-    if reset is not None:
-        await service.batcher.exclusive(reset)
+    if service.engine.capabilities.prefix_cache:
+        await service.batcher.exclusive(service.engine.reset_prefix_cache)
     return {"success": True}
 
 

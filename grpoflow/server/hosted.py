@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from grpoflow.engines.base import RolloutEngine
+from grpoflow.engines.base import EngineStats, RolloutEngine
 from grpoflow.server.build import served_limits
 from grpoflow.server.service import Service
 from grpoflow.server.settings import ServeConfig
@@ -35,19 +35,34 @@ STARTUP_TIMEOUT_S = 60.0
 
 
 class BorrowedEngine:
-    """An engine seen through the server: every attribute is the engine's, but the server cannot
-    close it (its owner does)."""
-
-    close = None
+    """An engine seen through the server: it generates, takes weights, sleeps and wakes up as the
+    engine, whose version and stats it shows, but the server cannot close it (its owner does)."""
 
     def __init__(self, engine: RolloutEngine) -> None:
-        object.__setattr__(self, "_engine", engine)
+        self._engine = engine
+        self.capabilities, self.shares_policy_weights = engine.capabilities, engine.shares_policy_weights
+        self.generate, self.update_weights = engine.generate, engine.update_weights
+        self.sleep, self.wake_up = engine.sleep, engine.wake_up
+        self.reset_prefix_cache = engine.reset_prefix_cache
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+    @property
+    def policy_version(self) -> int:
+        return self._engine.policy_version
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._engine, name, value)
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self._engine.policy_version = version
+
+    @property
+    def holds_base(self) -> bool:
+        return self._engine.holds_base
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._engine.stats
+
+    def close(self) -> None:
+        """Nothing: the owner closes its engine."""
 
 
 @dataclass
@@ -107,7 +122,7 @@ def host_engine(
     port = sock.getsockname()[1]
     config = ServeConfig(
         model=model_name,
-        engine=engine_label(engine),
+        engine=engine.capabilities.name,
         host="127.0.0.1",
         port=port,
         api_key=secrets.token_urlsafe(24),
@@ -170,12 +185,16 @@ def _wait_until_started(server, thread: threading.Thread) -> None:
 def served_module(engine: RolloutEngine) -> torch.nn.Module:
     """The module the engine generates from; for an engine with its own weights (vLLM), its model
     on the meta device (names and shapes)."""
-    module = getattr(engine, "model", None)
-    if isinstance(module, torch.nn.Module):
-        return module
+    capabilities = engine.capabilities
+    if capabilities.module is not None:
+        return capabilities.module
+    if capabilities.model_dir is None:
+        raise ValueError(
+            f"the {capabilities.name} engine generates on servers of its own: it cannot be hosted"
+        )
     from grpoflow.server.vllm_backend import meta_module
 
-    return meta_module(str(engine.model_dir), trust_remote_code=False)
+    return meta_module(str(capabilities.model_dir), trust_remote_code=False)
 
 
 def engine_device(module: torch.nn.Module) -> torch.device:
@@ -187,9 +206,3 @@ def engine_device(module: torch.nn.Module) -> torch.device:
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
-
-
-def engine_label(engine: RolloutEngine) -> str:
-    """The `grpoflow serve --engine` name of an in-process engine."""
-    module = type(engine).__module__
-    return next((name for name in ("vllm", "hf") if module.endswith(f".{name}")), "native")

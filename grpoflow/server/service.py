@@ -13,7 +13,7 @@ import torch
 from starlette.requests import Request
 from torch import nn
 
-from grpoflow.engines.base import Completion, RolloutEngine, SamplingParams, accepts_adapters
+from grpoflow.engines.base import Completion, EngineCapabilities, RolloutEngine, SamplingParams
 from grpoflow.server.batcher import Batcher
 from grpoflow.server.episode_recorder import EpisodeRecorder
 from grpoflow.server.errors import RequestError
@@ -105,9 +105,7 @@ class Service:
         self.receiver.close()
         if self.templates is not None:
             self.templates.close()
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            await run_in(self.pools.engine, close)
+        await run_in(self.pools.engine, self.engine.close)
         self.pools.shutdown()
 
     async def generate(
@@ -140,14 +138,14 @@ class Service:
         shapes: dict[str, Sequence[int]] = dict(self.parameter_shapes())
         adapters = [name for name in given if is_adapter_name(name)]
         if adapters:
-            if not accepts_adapters(self.engine):
+            if not self.engine.capabilities.accepts_adapters:
                 raise ReceiveError(NO_ADAPTERS.format(name=adapters[0]))
             ranks = ranks_of(given)
             linear = {
                 name: m.weight.shape for name, m in self.model.named_modules() if isinstance(m, nn.Linear)
             }
             shapes.update(adapter_shapes(adapters, ranks, linear))
-            check_adapters(self.engine, ranks)
+            check_adapters(self.engine.capabilities, ranks)
         return shapes
 
     def max_weights_bytes(self) -> int:
@@ -183,11 +181,11 @@ NO_ADAPTERS = (
 )
 
 
-def check_adapters(engine: RolloutEngine, ranks: Mapping[str, int]) -> None:
+def check_adapters(capabilities: EngineCapabilities, ranks: Mapping[str, int]) -> None:
     """ReceiveError 400 when an adapter (module: rank) is above the engine's `max_adapter_rank`
     or adapts a layer outside its `adaptable_modules` (vLLM would take it, then fail to load it
     at the next generation)."""
-    limit = getattr(engine, "max_adapter_rank", None)
+    limit = capabilities.max_adapter_rank
     over = {module: rank for module, rank in ranks.items() if limit is not None and rank > limit}
     if over:
         module, rank = max(over.items(), key=lambda item: item[1])
@@ -196,7 +194,7 @@ def check_adapters(engine: RolloutEngine, ranks: Mapping[str, int]) -> None:
             f"restart the server with --max-lora-rank {rank} or more (a grpoflow trainer reads it "
             f"from /server_info and sends the merged weights instead)"
         )
-    allowed = getattr(engine, "adaptable_modules", None)
+    allowed = capabilities.adaptable_modules
     refused = [module for module in ranks if allowed is not None and module.rsplit(".", 1)[-1] not in allowed]
     if refused:
         raise ReceiveError(

@@ -29,6 +29,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,95 @@ def staged(
     return pairs
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JoinRequest:
+    """An /init_weight_transfer_engine's `init_info`, checked."""
+
+    backend: str
+    address: str
+    port: int
+    rank: int
+    world_size: int
+    timeout: float
+    """Seconds the join may take, at most MAX_INIT_TIMEOUT_S."""
+    group_id: str
+    secret: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.address}:{self.port}"
+
+    @classmethod
+    def parse(cls, info: dict, device: torch.device, offered: Sequence[str]) -> JoinRequest:
+        """The checked request; ReceiveError 400 naming the first bad field."""
+        missing = [name for name in INIT_FIELDS if name not in info]
+        if missing:
+            raise ReceiveError(f"init_info lacks {', '.join(missing)}", 400, "init_info")
+        backend = info.get("backend") or ("nccl" if device.type == "cuda" else "gloo")
+        if backend not in offered:
+            raise ReceiveError(
+                f"backend {backend!r} is not offered by this server on {device}; use one of "
+                f"{', '.join(offered)} (nccl needs the trainer and the server on CUDA)",
+                400,
+                "init_info",
+            )
+        try:
+            address, port = str(info["master_address"]), int(info["master_port"])
+            rank, world_size = int(info["rank_offset"]), int(info["world_size"])
+            timeout = float(info.get("timeout") or DEFAULT_INIT_TIMEOUT_S)
+        except (TypeError, ValueError, OverflowError):
+            raise ReceiveError(
+                "init_info: master_port, rank_offset and world_size must be integers, timeout a number",
+                400,
+                "init_info",
+            ) from None
+        _check_join_numbers(port, rank, world_size, timeout)
+        return cls(
+            backend=backend,
+            address=address,
+            port=port,
+            rank=rank,
+            world_size=world_size,
+            timeout=min(timeout, MAX_INIT_TIMEOUT_S),
+            group_id=str(info.get("group_id") or ""),
+            secret=str(info.get("secret") or ""),
+        )
+
+    def join(self, device: torch.device) -> tuple[WeightGroup, str | None]:
+        """Join the group as this request's rank (blocking); the group and, with a secret, the
+        proof answering the trainer's challenge."""
+        deadline = time.monotonic() + self.timeout
+        store = collective.connect_store(self.address, self.port, self.timeout)
+        group = WeightGroup(
+            store,
+            backend=self.backend,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=device,
+            timeout=self.timeout,
+            group_id=self.group_id,
+            secret=self.secret,
+        )
+        if not self.secret:
+            return group, None
+        return group, collective.answer_challenge(group, self.secret, deadline=deadline)
+
+
+def _check_join_numbers(port: int, rank: int, world_size: int, timeout: float) -> None:
+    """ReceiveError 400 for a port, rank, world size or timeout out of range."""
+    if not 0 < port < 65536:
+        raise ReceiveError(f"init_info.master_port {port} is not in 1..65535", 400, "init_info")
+    if not 1 <= rank < world_size <= MAX_WORLD_SIZE:
+        raise ReceiveError(
+            f"rank_offset {rank} must be in 1..world_size-1 ({world_size - 1}), world_size at most "
+            f"{MAX_WORLD_SIZE}",
+            400,
+            "init_info",
+        )
+    if not 0 < timeout < float("inf"):
+        raise ReceiveError(f"init_info.timeout {timeout} must be a positive number", 400, "init_info")
+
+
 class CollectiveReceiver:
     """This process's rank in the trainer's weight-transfer group, on `device`. Joins run one at a
     time, each in a daemon thread of its own."""
@@ -114,41 +204,9 @@ class CollectiveReceiver:
 
     async def join(self, info: dict) -> dict:
         """Join the trainer's group (replacing any earlier one); ReceiveError 400 for bad fields,
-        504 when the trainer does not complete the rendezvous in time. Returns the answer."""
-        missing = [name for name in INIT_FIELDS if name not in info]
-        if missing:
-            raise ReceiveError(f"init_info lacks {', '.join(missing)}", 400, "init_info")
-        device = self.device
-        backend = info.get("backend") or ("nccl" if device.type == "cuda" else "gloo")
-        if backend not in self.offered_backends():
-            raise ReceiveError(
-                f"backend {backend!r} is not offered by this server on {device}; use one of "
-                f"{', '.join(self.offered_backends())} (nccl needs the trainer and the server on CUDA)",
-                400,
-                "init_info",
-            )
-        try:
-            address, port = str(info["master_address"]), int(info["master_port"])
-            rank, world_size = int(info["rank_offset"]), int(info["world_size"])
-            timeout = float(info.get("timeout") or DEFAULT_INIT_TIMEOUT_S)
-        except (TypeError, ValueError, OverflowError):
-            raise ReceiveError(
-                "init_info: master_port, rank_offset and world_size must be integers, timeout a number",
-                400,
-                "init_info",
-            ) from None
-        if not 0 < port < 65536:
-            raise ReceiveError(f"init_info.master_port {port} is not in 1..65535", 400, "init_info")
-        if not 1 <= rank < world_size <= MAX_WORLD_SIZE:
-            raise ReceiveError(
-                f"rank_offset {rank} must be in 1..world_size-1 ({world_size - 1}), world_size at most "
-                f"{MAX_WORLD_SIZE}",
-                400,
-                "init_info",
-            )
-        if not 0 < timeout < float("inf"):
-            raise ReceiveError(f"init_info.timeout {timeout} must be a positive number", 400, "init_info")
-        timeout = min(timeout, MAX_INIT_TIMEOUT_S)
+        409 while another join runs, 504 when the trainer does not complete the rendezvous in time.
+        Returns the answer."""
+        request = JoinRequest.parse(info, self.device, self.offered_backends())
         if self.joining:
             raise ReceiveError(
                 "another /init_weight_transfer_engine is still joining a group; retry once it ends "
@@ -157,50 +215,30 @@ class CollectiveReceiver:
                 "init_info",
             )
         self.close()
-
-        secret = str(info.get("secret") or "")
-
-        def join() -> tuple[WeightGroup, str | None]:
-            deadline = time.monotonic() + timeout
-            store = collective.connect_store(address, port, timeout)
-            group = WeightGroup(
-                store,
-                backend=backend,
-                rank=rank,
-                world_size=world_size,
-                device=device,
-                timeout=timeout,
-                group_id=str(info.get("group_id") or ""),
-                secret=secret,
-            )
-            if not secret:
-                return group, None
-            return group, collective.answer_challenge(group, secret, deadline=deadline)
-
         self.joining = True  # until the thread is done, even if the wait below gives up first
-        future = asyncio.wrap_future(in_daemon_thread(join))
+        future = asyncio.wrap_future(in_daemon_thread(request.join, self.device))
         future.add_done_callback(lambda _: setattr(self, "joining", False))
         try:
-            group, proof = await asyncio.wait_for(asyncio.shield(future), timeout + 10)
+            group, proof = await asyncio.wait_for(asyncio.shield(future), request.timeout + 10)
         except (TimeoutError, RuntimeError, ValueError) as error:
             # What the remote end sent stays in the server's log: the answer does not echo it.
-            logger.warning("joining the weight-transfer group at %s:%d failed: %s", address, port, error)
+            logger.warning("joining the weight-transfer group at %s failed: %s", request.where, error)
             raise ReceiveError(
-                f"could not join the weight-transfer group at {address}:{port} as rank {rank} of "
-                f"{world_size} ({backend}) within {timeout:.0f}s; is the trainer joining too?",
+                f"could not join the weight-transfer group at {request.where} as rank {request.rank} of "
+                f"{request.world_size} ({request.backend}) within {request.timeout:.0f}s; is the "
+                "trainer joining too?",
                 504,
                 "init_info",
             ) from None
         self.group = group
         logger.info(
-            "joined the %s weight-transfer group at %s:%d as rank %d of %d",
-            backend,
-            address,
-            port,
-            rank,
-            world_size,
+            "joined the %s weight-transfer group at %s as rank %d of %d",
+            request.backend,
+            request.where,
+            request.rank,
+            request.world_size,
         )
-        answer = {"message": "Weight transfer initialized", "backend": backend, "rank": rank}
+        answer = {"message": "Weight transfer initialized", "backend": request.backend, "rank": request.rank}
         return answer if proof is None else {**answer, "proof": proof}
 
     def close(self) -> None:

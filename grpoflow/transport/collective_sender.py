@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -26,6 +25,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from grpoflow.threads import in_daemon_thread
 from grpoflow.transport import Request, WeightSyncError, collective
 from grpoflow.transport.collective import DEFAULT_BUCKET_BYTES, TransferTimeout, WeightGroup
 
@@ -114,31 +114,22 @@ class CollectiveSender:
         }
         bodies = [{"init_info": {**base, "rank_offset": rank}} for rank in range(1, world_size)]
         answers = self._post_all("/init_weight_transfer_engine", bodies, self.init_timeout + 30)
-        joined: list[WeightGroup | BaseException] = []
-
-        def join() -> None:
-            try:
-                joined.append(
-                    WeightGroup(
-                        store,
-                        backend=backend,
-                        rank=0,
-                        world_size=world_size,
-                        device=device,
-                        timeout=self.init_timeout,
-                        group_id=group_id,
-                        secret=secret,
-                    )
-                )
-            except BaseException as error:
-                joined.append(error)
-
         # A daemon thread: when a server refuses at once, the rendezvous is abandoned, not awaited.
-        threading.Thread(target=join, daemon=True, name="grpoflow-weight-group").start()
+        joining = in_daemon_thread(
+            WeightGroup,
+            store,
+            backend=backend,
+            rank=0,
+            world_size=world_size,
+            device=device,
+            timeout=self.init_timeout,
+            group_id=group_id,
+            secret=secret,
+        )
         poll = _failure_poll(self.urls, answers)
         deadline = time.monotonic() + self.init_timeout + 5
         where = f"weight update to version {version}: setting up the {backend} weight-transfer group"
-        while not joined:
+        while not joining.done():
             try:
                 poll()
             except ServerFailed as error:
@@ -146,9 +137,9 @@ class CollectiveSender:
             if time.monotonic() > deadline:
                 self._fail(f"{where} timed out after {self.init_timeout:.0f}s", answers)
             time.sleep(collective.POLL_S * 10)
-        if isinstance(joined[0], BaseException):
-            self._fail(f"{where} failed: {joined[0]}", answers)
-        self.group = joined[0]
+        if joining.exception() is not None:
+            self._fail(f"{where} failed: {joining.exception()}", answers)
+        self.group = joining.result()
         self._check_members(secret, answers, where)
 
     def _check_members(self, secret: str, answers: list[Future], where: str) -> None:

@@ -14,7 +14,15 @@ from grpoflow.agents.episode_runner import EpisodeRunner
 from grpoflow.agents.render import TurnRenderer
 from grpoflow.algo import policy_loss
 from grpoflow.data.prompts import PromptItem, encode_prompt
-from grpoflow.engines import Completion, EngineConfig, EngineOptions, SamplingParams, build_engine
+from grpoflow.engines import (
+    Completion,
+    EngineCapabilities,
+    EngineConfig,
+    EngineOptions,
+    EngineStats,
+    SamplingParams,
+    build_engine,
+)
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model
 from grpoflow.rollout.batch import collate
 from grpoflow.rollout.groups import episode_groups
@@ -43,7 +51,8 @@ def tokenizer():
 class ScriptedEngine:
     """Our engine interface answering from a script: `reply(prompt_text) -> text`; records every prompt."""
 
-    shares_policy_weights, policy_version = True, 0
+    capabilities = EngineCapabilities(name="scripted")
+    shares_policy_weights, policy_version, stats = True, 0, EngineStats()
 
     def __init__(self, tokenizer, reply):
         self.tokenizer, self.reply, self.prompts = tokenizer, reply, []

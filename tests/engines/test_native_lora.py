@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.native_fixtures import forward_logprobs, one_thread, tiny  # noqa: F401 (a fixture)
 
-from grpoflow.engines.base import SamplingParams, applies_adapters
+from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 
 pytest.importorskip("peft")
@@ -60,7 +60,7 @@ def test_unmerged_adapters_roll_out_as_the_merged_model(model_type, fuse):
     policy, plain = adapted(model_type)
     before = base_weights(policy)
     native = engine(generation_model(policy), fuse_projections=fuse)
-    assert native.path == "family" and applies_adapters(native)
+    assert native.path == "family" and native.capabilities.applies_adapters
     reference = engine(plain, fuse_projections=fuse)
     for params in (GREEDY, SAMPLED):
         assert_same_rollouts(native.generate(PROMPTS, params), reference.generate(PROMPTS, params))

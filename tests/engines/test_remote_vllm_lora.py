@@ -58,7 +58,7 @@ def test_the_base_once_then_adapters_alone_and_rollouts_equal_the_merged_policy(
     policy = lora_policy()
     engine = RemoteEngine([server], startup_timeout=240, sync_dir=tmp_path, model=generation_model(policy))
     try:
-        assert engine.accepts_adapters and engine.server_adapters is not None
+        assert engine.capabilities.accepts_adapters and engine.server_adapters is not None
         first = list(merged_rollout_weights(policy, engine))
         assert any(not is_adapter_name(name) for name, _ in first)  # the unmerged base
         engine.update_weights(first, version=1)
@@ -102,7 +102,7 @@ def test_a_rank_above_the_servers_max_lora_rank_sends_merged_weights(server, tmp
             [server], startup_timeout=240, sync_dir=tmp_path, model=generation_model(policy)
         )
     try:
-        assert not engine.accepts_adapters and engine.server_adapters is None
+        assert not engine.capabilities.accepts_adapters and engine.server_adapters is None
         assert f"above the --max-lora-rank of server(s) {server} ({MAX_LORA_RANK})" in caplog.text
     finally:
         engine.close()

@@ -20,7 +20,6 @@ from helpers import support  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
-from grpoflow.engines.base import accepts_adapters  # noqa: E402
 from grpoflow.engines.vllm import VLLMConfig, adapter_sync_rank  # noqa: E402
 from grpoflow.engines.vllm_adapters import PEFT_PREFIX, AdapterSlot, vllm_max_lora_rank  # noqa: E402
 from grpoflow.policy.lora import (  # noqa: E402
@@ -86,7 +85,7 @@ def lora_engine():
 
 def test_first_sync_brings_the_base_then_rollouts_equal_the_merged_policy(lora_engine):
     engine, policy = lora_engine
-    assert accepts_adapters(engine) and not engine.holds_base
+    assert engine.capabilities.accepts_adapters and not engine.holds_base
     weights = list(merged_rollout_weights(policy, engine))
     assert any(not is_adapter_name(name) for name, _ in weights)  # the unmerged base
     engine.update_weights(weights, version=1)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as torch_dist
 
 from grpoflow.distributed import DistributedContext
+from grpoflow.engines import EngineCapabilities
 from grpoflow.policy import lora, placement, sharded_weights
 from grpoflow.policy.lora import AdapterConfig
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
@@ -20,6 +21,7 @@ CPU = torch.device("cpu")
 class CopyingEngine:
     """An engine with its own copy of the weights (as vLLM): takes what rollout_weights yields."""
 
+    capabilities = EngineCapabilities(name="copying")
     shares_policy_weights = False
 
 
@@ -30,7 +32,8 @@ class AdapterEngine:
     shares_policy_weights = False
 
     def __init__(self, accepts_adapters: bool = True, holds_base: bool = False) -> None:
-        self.accepts_adapters, self.holds_base = accepts_adapters, holds_base
+        self.capabilities = EngineCapabilities(name="adapter", accepts_adapters=accepts_adapters)
+        self.holds_base = holds_base
 
 
 def tiny_model(with_lora: bool = False, modules_to_save: tuple[str, ...] = ()) -> torch.nn.Module:

@@ -16,7 +16,14 @@ from helpers.native_fixtures import one_thread  # noqa: E402, F401 (a fixture)
 
 from grpoflow import cli  # noqa: E402
 from grpoflow.algo import sequence_logprobs  # noqa: E402
-from grpoflow.engines import ENGINES, EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
+from grpoflow.engines import (  # noqa: E402
+    ENGINES,
+    EngineCapabilities,
+    EngineConfig,
+    EngineOptions,
+    SamplingParams,
+    build_engine,
+)
 from grpoflow.policy import lora  # noqa: E402
 from grpoflow.policy.loading import reference_model  # noqa: E402
 from grpoflow.policy.lora import (  # noqa: E402
@@ -91,7 +98,7 @@ def test_native_engine_rollouts_merge_nothing_and_leave_the_base_bit_for_bit(tmp
     monkeypatch.setattr(lora, "merged_adapters", refuse)
     config = recipe(tmp_path, max_steps=4, learning_rate=0.05, beta=0.04, lora_dropout=0.1)
     trainer = build_trainer(config)
-    assert trainer.engine.applies_adapters
+    assert trainer.engine.capabilities.applies_adapters
     frozen = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if not p.requires_grad}
     adapters = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "lora_B" in name}
     history = run(config, trainer)
@@ -128,7 +135,8 @@ class CopyEngine:
     shares_policy_weights = False
 
     def __init__(self, accepts_adapters: bool, holds_base: bool = False) -> None:
-        self.accepts_adapters, self.holds_base = accepts_adapters, holds_base
+        self.capabilities = EngineCapabilities(name="copy", accepts_adapters=accepts_adapters)
+        self.holds_base = holds_base
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from helpers.support import (
 )
 
 from grpoflow import options
+from grpoflow.engines import EngineCapabilities
 from grpoflow.policy import placement
 from grpoflow.policy.offload import CPU, OptimizerOffload, module_offloaded
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
@@ -165,10 +166,12 @@ def test_optimizer_state_leaves_for_the_cpu_between_steps_and_returns_for_each()
 
 
 class CopyingEngine:
+    capabilities = EngineCapabilities(name="copying")
     shares_policy_weights = False
 
 
 class SharingEngine:
+    capabilities = EngineCapabilities(name="sharing")
     shares_policy_weights = True
 
 

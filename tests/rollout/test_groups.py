@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from grpoflow.data.prompts import PromptItem
-from grpoflow.engines import Completion, SamplingParams
+from grpoflow.engines import Completion, EngineCapabilities, EngineStats, SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model
 from grpoflow.rollout.batch import collate
@@ -138,8 +138,8 @@ def test_reward_inputs_for_conversational_prompts():
 class FakeEngine:
     """Returns fixed completions and records what it was asked for."""
 
-    shares_policy_weights = True
-    policy_version = 0
+    capabilities = EngineCapabilities(name="fake")
+    shares_policy_weights, policy_version, stats = True, 0, EngineStats()
 
     def __init__(self):
         self.calls = []

@@ -13,7 +13,7 @@ from helpers.support import read_jsonl, recipe
 from grpoflow.agents import RolloutTrainer, generate_rollout_completions
 from grpoflow.algo.losses import policy_loss
 from grpoflow.data.prompts import PromptItem
-from grpoflow.engines import Completion, SamplingParams
+from grpoflow.engines import Completion, EngineCapabilities, EngineStats, SamplingParams
 from grpoflow.policy.tiny import build_char_tokenizer
 from grpoflow.rollout.batch import collate
 from grpoflow.rollout.groups import reward_inputs
@@ -208,8 +208,8 @@ def test_the_helper_samples_one_completion_per_prompt_with_the_runs_settings():
 class FixedEngine:
     """An engine answering every prompt with the same completion (ids 7, 8, 9)."""
 
-    shares_policy_weights = True
-    policy_version = 3
+    capabilities = EngineCapabilities(name="fixed")
+    shares_policy_weights, policy_version, stats = True, 3, EngineStats()
 
     def __init__(self) -> None:
         self.calls = []

@@ -93,7 +93,7 @@ def test_after_the_base_only_adapters_are_sent_and_the_server_generates_the_merg
     policy = lora_policy(modules_to_save=["model.norm"])
     engine = RemoteEngine([url], startup_timeout=60, weight_transfer=transfer, weight_sync_timeout=60)
     try:
-        assert engine.accepts_adapters and not engine.holds_base
+        assert engine.capabilities.accepts_adapters and not engine.holds_base
         full = sum(t.numel() * t.element_size() for _, t in merged_weights(policy))
         first = sync(engine, policy, 1)
         assert engine.holds_base and first > full  # the base, and the adapters beside it

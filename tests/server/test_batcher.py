@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from grpoflow.engines.base import Completion, SamplingParams
+from grpoflow.engines.base import Completion, EngineCapabilities, SamplingParams
 from grpoflow.server.batcher import Batcher
 from grpoflow.server.errors import RequestError
 
@@ -14,6 +14,7 @@ from grpoflow.server.errors import RequestError
 class OneParamsEngine:
     """Like the hf engine: one SamplingParams per call. Answers token = prompt's first id."""
 
+    capabilities = EngineCapabilities(name="hf")
     policy_version = 0
 
     def __init__(self) -> None:
@@ -28,6 +29,8 @@ class OneParamsEngine:
 
 class PerPromptEngine(OneParamsEngine):
     """Like the native engine: one SamplingParams per prompt and error completions."""
+
+    capabilities = EngineCapabilities(name="native", per_prompt_params=True)
 
     def generate(self, prompts, params, *, on_error="raise"):
         self.calls.append((list(prompts), params))

@@ -183,7 +183,7 @@ def test_the_server_offers_adapter_updates_up_to_its_max_rank(server):
     info = httpx.get(server.url + "/server_info").json()["grpoflow"]
     assert info["engine"] == "vllm"
     assert info["adapter_updates"] is True and info["max_lora_rank"] == MAX_LORA_RANK
-    assert server.service.engine.adaptable_modules == {
+    assert server.service.engine.capabilities.adaptable_modules == {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
     }  # fmt: skip
 
@@ -195,7 +195,7 @@ def test_after_the_base_only_adapters_are_sent_and_vllm_generates_the_merged_pol
     policy = lora_policy()
     engine = remote(server.url, policy, transfer)
     try:
-        assert engine.accepts_adapters and not engine.holds_base
+        assert engine.capabilities.accepts_adapters and not engine.holds_base
         full = sum(nbytes(tensor) for tensor in merged(policy).state_dict().values())
         first = sync(engine, policy, 1)
         assert any(not is_adapter_name(name) for name in first)  # the base, unmerged
@@ -239,7 +239,7 @@ def test_a_trainer_whose_rank_is_above_the_servers_sends_the_merged_weights(serv
     policy = lora_policy(rank=16)
     engine = remote(server.url, policy)
     try:
-        assert not engine.accepts_adapters
+        assert not engine.capabilities.accepts_adapters
         for version in (1, 2):
             names = sync(engine, policy, version)
             assert not any(map(is_adapter_name, names)) and received[-1][0] == set(names)
@@ -264,7 +264,7 @@ def test_the_trainer_runs_lora_steps_sending_the_adapters_alone(server, received
     )
     trainer = build_trainer(config)
     try:
-        assert trainer.engine.accepts_adapters
+        assert trainer.engine.capabilities.accepts_adapters
         history = run(config, trainer)
     finally:
         trainer.engine.close()
@@ -290,7 +290,7 @@ def test_a_server_without_enable_lora_offers_none_and_gets_the_merged_weights(vl
         policy = lora_policy()
         engine = remote(live.url, policy)
         try:
-            assert not engine.accepts_adapters
+            assert not engine.capabilities.accepts_adapters
             for version in (1, 2):
                 names = sync(engine, policy, version)
                 assert not any(map(is_adapter_name, names))

@@ -26,7 +26,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 import torch
 from torch import nn
 
-from grpoflow.engines.base import Completion, EngineStats, PrefillStats, SamplingParams
+from grpoflow.engines.base import Completion, EngineCapabilities, EngineStats, PrefillStats, SamplingParams
 from grpoflow.engines.native.generic import GenericRunner
 from grpoflow.engines.native.model import SUPPORTED_MODEL_TYPES, FamilyModel
 from grpoflow.engines.native.model_runner import STEPS_IN_FLIGHT, Launched, Runner, triton_available
@@ -49,13 +49,8 @@ class NativeEngine:
     graphs on CUDA, torch reference ops on the CPU); any other causal LM runs the generic path.
     """
 
-    shares_policy_weights = True
-    applies_adapters = True
-
-    @property
-    def accepts_adapters(self) -> bool:
-        """Whether `update_weights` takes LoRA adapters as tensors (the family path adds them)."""
-        return self.family is not None
+    capabilities: EngineCapabilities
+    shares_policy_weights = holds_base = True
 
     def __init__(self, model: nn.Module, *, config: NativeEngineConfig | None = None, tokenizer=None) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -63,6 +58,15 @@ class NativeEngine:
         self.policy_version = 0
         self.stats = EngineStats()
         self.family = None if config.force_generic else FamilyModel.from_hf(model)
+        self.capabilities = EngineCapabilities(  # the family path adds adapters and caches prefixes
+            name="native",
+            accepts_adapters=self.family is not None,
+            applies_adapters=True,
+            per_prompt_params=True,
+            aborts=True,
+            prefix_cache=self.family is not None,
+            module=model,
+        )
         model_config = model.config
         model_limit = getattr(model_config, "max_position_embeddings", None) or getattr(
             model_config, "n_positions", None
@@ -298,6 +302,9 @@ class NativeEngine:
         """Take the KV cache back (generate also does this when needed)."""
         if self.runner is not None and not self.runner.awake:
             self.runner.allocate()
+
+    def close(self) -> None:
+        """The weights and the cache are the policy's and the process's: nothing to release."""
 
     def _signature(self) -> tuple:
         """The parameters' addresses and, for a LoRA policy, which adapters apply: a change
