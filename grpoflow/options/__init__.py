@@ -13,6 +13,7 @@ from grpoflow.options.checks import require, require_fraction, require_min
 from grpoflow.options.fields import (
     NOT_AN_OPTION,
     FlatField,
+    choices,
     default_of,
     derived_from,
     field_docs,
@@ -26,6 +27,7 @@ __all__ = [
     "NOT_AN_OPTION",
     "FlatField",
     "add_flags",
+    "choices",
     "default_of",
     "derived_from",
     "field_docs",

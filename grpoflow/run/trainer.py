@@ -28,7 +28,6 @@ from grpoflow.data.prompts import PromptItem
 from grpoflow.distributed import DistributedContext
 from grpoflow.engines import NonFiniteLogits, RolloutEngine
 from grpoflow.learn.objective import rank_advantages
-from grpoflow.learn.update import reward_kl, update_policy
 from grpoflow.phases import PhaseTimer, phase
 from grpoflow.policy.placement import Placement
 from grpoflow.rewards import RewardRunner
