@@ -29,6 +29,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from grpoflow.algo.registry import add_entry, entry
+
 
 @dataclass(frozen=True, slots=True)
 class BatchTotals:
@@ -118,16 +120,12 @@ def register_loss(
     """Decorator that registers a surrogate as loss type `name`, reduced by `LOSS_REDUCTIONS[reduction]`
     and configured by an instance of the dataclass `settings`; a name taken twice is an error (the
     same registration repeated, as by a module imported again, is none)."""
-    if reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"Unknown loss reduction {reduction!r}; known: {sorted(LOSS_REDUCTIONS)}.")
+    reduce = entry(LOSS_REDUCTIONS, "loss reduction", reduction)
 
     def register(surrogate: Surrogate) -> Surrogate:
-        kind = LossType(surrogate, LOSS_REDUCTIONS[reduction], settings, weighs_sampler_mismatch)
-        if name in LOSS_TYPES and LOSS_TYPES[name] != kind:
-            raise ValueError(
-                f"loss_type {name!r} is already registered; choose another name (taken: {sorted(LOSS_TYPES)})."
-            )
-        LOSS_TYPES[name] = kind
+        add_entry(
+            LOSS_TYPES, "loss_type", name, LossType(surrogate, reduce, settings, weighs_sampler_mismatch)
+        )
         return surrogate
 
     return register
@@ -135,6 +133,4 @@ def register_loss(
 
 def loss_type(name: str) -> LossType:
     """The loss type registered under `name`; ValueError naming the known ones."""
-    if name not in LOSS_TYPES:
-        raise ValueError(f"Unknown loss_type {name!r}; known: {sorted(LOSS_TYPES)}.")
-    return LOSS_TYPES[name]
+    return entry(LOSS_TYPES, "loss_type", name)

@@ -40,6 +40,7 @@ from torch import Tensor
 from grpoflow.algo import loss_types
 from grpoflow.algo.kl import kl_estimate
 from grpoflow.algo.loss_types import BatchTotals
+from grpoflow.algo.registry import entry
 from grpoflow.algo.surrogates import SurrogateInputs, masked_mean
 
 
@@ -117,11 +118,7 @@ class LossSettings:
                 f"loss_type {self.loss_type!r} takes {settings_class.__name__}, got "
                 f"{type(self.surrogate_settings).__name__}."
             )
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(
-                f"Unknown importance_sampling_level {self.importance_sampling_level!r}; known: "
-                f"{sorted(IMPORTANCE_SAMPLING_LEVELS)}."
-            )
+        entry(IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level", self.importance_sampling_level)
 
     def surrogate(self) -> object:
         """The loss type's settings: those given, or its dataclass's defaults."""
