@@ -76,7 +76,7 @@ def describe_options() -> str:
             section = item.path[0]
             lines.append(f"\n[{section}]")
         doc = options.field_docs(item.owner).get(item.path[-1], "")
-        choices = allowed_values(item.hint)
+        choices = allowed_values(item.value_hint)
         lines.append(f"  --{key} (default: {item.default!r}{choices})  {doc}")
     return "\n".join(lines)
 

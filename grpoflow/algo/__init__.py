@@ -19,14 +19,15 @@ from grpoflow.algo.logprobs import (
     sequence_logprobs,
     token_logprobs_from_hidden,
 )
-from grpoflow.algo.losses import (
-    IMPORTANCE_SAMPLING_LEVELS,
+from grpoflow.algo.loss_types import (
     LOSS_REDUCTIONS,
     LOSS_TYPES,
+    BatchTotals,
     LossType,
-    micro_batch_scale,
-    policy_loss,
+    loss_type,
+    register_loss,
 )
+from grpoflow.algo.losses import IMPORTANCE_SAMPLING_LEVELS, LossSettings, micro_batch_scale, policy_loss
 from grpoflow.algo.packing import (
     PackedSequences,
     check_packed_attention,
@@ -34,20 +35,25 @@ from grpoflow.algo.packing import (
     token_budget_batches,
     unpack,
 )
-from grpoflow.algo.surrogates import SurrogateSettings
+from grpoflow.algo.surrogates import ClipSettings, SapoSettings, SurrogateInputs, VespoSettings
 
 __all__ = [
     "AdaptiveEntropy",
+    "BatchTotals",
+    "ClipSettings",
     "KL_ESTIMATORS",
     "ADV_ESTIMATORS",
     "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_REDUCTIONS",
     "LOSS_TYPES",
+    "LossSettings",
     "LossType",
     "PackedSequences",
     "SAMPLING_CORRECTION_MODES",
     "SCALE_MODES",
-    "SurrogateSettings",
+    "SapoSettings",
+    "SurrogateInputs",
+    "VespoSettings",
     "adv_estimator",
     "check_packed_attention",
     "combine_rewards",
@@ -57,6 +63,7 @@ __all__ = [
     "high_entropy_mask",
     "k3_kl",
     "kl_estimate",
+    "loss_type",
     "micro_batch_scale",
     "normalize_then_sum_advantages",
     "off_policy_mask",
@@ -66,6 +73,7 @@ __all__ = [
     "policy_loss",
     "position_ids_from_mask",
     "register_adv_estimator",
+    "register_loss",
     "sampling_correction",
     "sampling_logp_gap",
     "select_groups",

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from grpoflow.algo.advantages import group_advantages, grouped_rewards, nan_mean_std, reward_metrics
+from grpoflow.algo.registry import add_entry, entry
 
 WHITEN_EPSILON = 1e-8
 """Added to the variance before its square root when whitening, as verl does."""
@@ -41,9 +42,7 @@ def register_adv_estimator(name: str) -> Callable[[AdvantageEstimator], Advantag
     """Decorator that registers an estimator under `name`; a name taken twice is an error."""
 
     def register(estimator: AdvantageEstimator) -> AdvantageEstimator:
-        if name in ADV_ESTIMATORS and ADV_ESTIMATORS[name] is not estimator:
-            raise ValueError(f"adv_estimator {name!r} is already registered; choose another name.")
-        ADV_ESTIMATORS[name] = estimator
+        add_entry(ADV_ESTIMATORS, "adv_estimator", name, estimator)
         return estimator
 
     return register
@@ -51,9 +50,7 @@ def register_adv_estimator(name: str) -> Callable[[AdvantageEstimator], Advantag
 
 def adv_estimator(name: str) -> AdvantageEstimator:
     """The estimator registered under `name`; ValueError naming the known ones."""
-    if name not in ADV_ESTIMATORS:
-        raise ValueError(f"Unknown adv_estimator {name!r}; known: {sorted(ADV_ESTIMATORS)}.")
-    return ADV_ESTIMATORS[name]
+    return entry(ADV_ESTIMATORS, "adv_estimator", name)
 
 
 register_adv_estimator("grpo")(group_advantages)

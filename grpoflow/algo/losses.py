@@ -1,8 +1,8 @@
 """The policy loss of the GRPO family: a per-token surrogate, a KL penalty, and a reduction.
 
-A `loss_type` names a surrogate (`surrogates.py`: clipped, CISPO, SAPO, VESPO) and a reduction that
-turns masked per-token losses into a scalar. The math matches TRL 1.16's `GRPOTrainer`; where that
-departs from the papers:
+A `loss_type` names a registered surrogate (`surrogates.py`: clipped, CISPO, SAPO, VESPO) and a
+reduction that turns masked per-token losses into a scalar (`loss_types.py`). The math matches TRL
+1.16's `GRPOTrainer`; where that departs from the papers:
 
 - GRPO (`loss_type="grpo"`): per-sequence token mean, then mean over sequences, as in the paper.
   The KL penalty is Schulman's k3 estimator added to every token's loss; it is added after the
@@ -32,110 +32,16 @@ departs from the papers:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from grpoflow.algo import loss_types
 from grpoflow.algo.kl import kl_estimate
-from grpoflow.algo.surrogates import (
-    Surrogate,
-    SurrogateInputs,
-    SurrogateSettings,
-    cispo,
-    clipped,
-    masked_mean,
-    sapo,
-    vespo,
-)
-
-
-def _reduce_grpo(per_token_loss: Tensor, mask: Tensor, **_) -> Tensor:
-    per_sequence = (per_token_loss * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
-    return per_sequence.mean()
-
-
-def _reduce_bnpo(per_token_loss: Tensor, mask: Tensor, **_) -> Tensor:
-    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def _reduce_dr_grpo(
-    per_token_loss: Tensor,
-    mask: Tensor,
-    *,
-    max_completion_length: int | None,
-    num_sequences_in_batch: int | None,
-    **_,
-) -> Tensor:
-    if max_completion_length is None:
-        raise ValueError("loss_type='dr_grpo' divides by max_completion_length; pass it to policy_loss.")
-    num_sequences = mask.size(0) if num_sequences_in_batch is None else num_sequences_in_batch
-    return (per_token_loss * mask).sum() / (num_sequences * max_completion_length)
-
-
-def _reduce_dapo(
-    per_token_loss: Tensor, mask: Tensor, *, num_items_in_batch: Tensor | int | None, **_
-) -> Tensor:
-    num_items = mask.sum() if num_items_in_batch is None else num_items_in_batch
-    num_items = torch.as_tensor(num_items, dtype=per_token_loss.dtype, device=per_token_loss.device)
-    return (per_token_loss * mask).sum() / num_items.clamp(min=1.0)
-
-
-def _reduce_luspo(per_token_loss: Tensor, mask: Tensor, **_) -> Tensor:
-    return (per_token_loss * mask).sum(dim=-1).mean()
-
-
-@dataclass(frozen=True, slots=True)
-class LossReduction:
-    """How one loss type turns masked per-token losses into a scalar."""
-
-    reduce: Callable[..., Tensor]
-    """`(per_token_loss (batch, seq), mask (batch, seq), **batch totals) -> 0-dim loss`."""
-    accumulation: Literal["sum", "sequences", "micro_batches"]
-    """How micro-batch losses add up to the batch's (`micro_batch_scale`): "sum" when the divisor
-    already counts the whole generation batch; "sequences" for a mean over the micro-batch's
-    sequences, weighted by its share of the batch's sequences; "micro_batches" for a mean over
-    the micro-batch's tokens, averaged over micro-batches (TRL's local-batch normalisation)."""
-
-
-LOSS_REDUCTIONS: dict[str, LossReduction] = {
-    "grpo": LossReduction(_reduce_grpo, accumulation="sequences"),
-    "bnpo": LossReduction(_reduce_bnpo, accumulation="micro_batches"),
-    "dr_grpo": LossReduction(_reduce_dr_grpo, accumulation="sum"),
-    "dapo": LossReduction(_reduce_dapo, accumulation="sum"),
-    "luspo": LossReduction(_reduce_luspo, accumulation="sequences"),
-}
-"""Loss reductions by the name of the loss type that introduced them."""
-
-
-@dataclass(frozen=True, slots=True)
-class LossType:
-    """A per-token surrogate and the reduction of its per-token losses."""
-
-    surrogate: Surrogate
-    reduction: LossReduction
-    weighs_sampler_mismatch: bool = True
-    """False when the surrogate folds the sampler-mismatch weights in itself (VESPO)."""
-
-
-LOSS_TYPES: dict[str, LossType] = {
-    "grpo": LossType(clipped, LOSS_REDUCTIONS["grpo"]),
-    "bnpo": LossType(clipped, LOSS_REDUCTIONS["bnpo"]),
-    "dr_grpo": LossType(clipped, LOSS_REDUCTIONS["dr_grpo"]),
-    "dapo": LossType(clipped, LOSS_REDUCTIONS["dapo"]),
-    "luspo": LossType(clipped, LOSS_REDUCTIONS["luspo"]),
-    "cispo": LossType(cispo, LOSS_REDUCTIONS["dapo"]),
-    "sapo": LossType(sapo, LOSS_REDUCTIONS["grpo"]),
-    "vespo": LossType(vespo, LOSS_REDUCTIONS["dapo"], weighs_sampler_mismatch=False),
-}
-"""Loss types by `loss_type` name; a plugin adds one by adding an entry."""
-
-
-def _loss_type(loss_type: str) -> LossType:
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"Unknown loss_type {loss_type!r}; known: {sorted(LOSS_TYPES)}.")
-    return LOSS_TYPES[loss_type]
+from grpoflow.algo.loss_types import BatchTotals
+from grpoflow.algo.registry import entry
+from grpoflow.algo.surrogates import SurrogateInputs, masked_mean
 
 
 def micro_batch_scale(
@@ -162,7 +68,7 @@ def micro_batch_scale(
     """
     if num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}.")
-    accumulation = _loss_type(loss_type).reduction.accumulation
+    accumulation = loss_types.loss_type(loss_type).reduction.accumulation
     if accumulation == "sum":
         return 1.0
     if accumulation == "sequences" and num_sequences is not None and num_sequences_in_batch:
@@ -186,29 +92,53 @@ IMPORTANCE_SAMPLING_LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 """`(log_ratio (batch, seq), mask (batch, seq)) -> log importance weights (batch, seq) or (batch, 1)`."""
 
 
+@dataclass(frozen=True, slots=True)
+class LossSettings:
+    """What `policy_loss` computes: the loss type with its own settings, the importance-sampling
+    level and the KL penalty."""
+
+    loss_type: str = "dapo"
+    """A key of `LOSS_TYPES`."""
+    surrogate_settings: object | None = None
+    """An instance of the loss type's `settings` dataclass; None: that dataclass's defaults."""
+    importance_sampling_level: str = "token"
+    """A key of `IMPORTANCE_SAMPLING_LEVELS` ("sequence" is GSPO)."""
+    beta: float = 0.0
+    """Weight of the per-token KL penalty."""
+    kl_estimator: str = "k3"
+    """A key of `kl.KL_ESTIMATORS` for the per-token KL penalty."""
+    kl_bias_correction: bool = True
+    """Multiply the per-token KL by the importance ratio (TRL's `use_bias_correction_kl`); False
+    gives the GRPO paper's plain k3 penalty."""
+
+    def __post_init__(self) -> None:
+        settings_class = loss_types.loss_type(self.loss_type).settings
+        if self.surrogate_settings is not None and type(self.surrogate_settings) is not settings_class:
+            raise TypeError(
+                f"loss_type {self.loss_type!r} takes {settings_class.__name__}, got "
+                f"{type(self.surrogate_settings).__name__}."
+            )
+        entry(IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level", self.importance_sampling_level)
+
+    def surrogate(self) -> object:
+        """The loss type's settings: those given, or its dataclass's defaults."""
+        settings_class = loss_types.loss_type(self.loss_type).settings
+        return settings_class() if self.surrogate_settings is None else self.surrogate_settings
+
+
 def policy_loss(
     logps: Tensor,
     old_logps: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
+    settings: LossSettings | None = None,
+    totals: BatchTotals | None = None,
     *,
     ref_logps: Tensor | None = None,
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    delta: float | None = None,
-    loss_type: str = "dapo",
-    importance_sampling_level: str = "token",
-    max_completion_length: int | None = None,
-    num_items_in_batch: Tensor | int | None = None,
-    num_sequences_in_batch: int | None = None,
     is_weights: Tensor | None = None,
-    kl_bias_correction: bool = True,
-    surrogate_settings: SurrogateSettings | None = None,
-    kl_estimator: str = "k3",
     loss_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token surrogate plus an optional KL penalty, reduced as `loss_type` says.
+    """Per-token surrogate plus an optional KL penalty, reduced as `settings.loss_type` says.
 
     Args:
         logps: `(batch, seq)` log-probabilities of the completion tokens under the policy (with grad).
@@ -216,25 +146,14 @@ def policy_loss(
             on-policy (`logps.detach()`, ratio 1).
         advantages: `(batch,)`, or `(batch, seq)` per token.
         mask: `(batch, seq)`, 1 on completion tokens that count in the loss.
+        settings: the loss type and its settings, the importance-sampling level and the KL
+            penalty; None: `LossSettings()` (dapo with TRL's defaults, no KL).
+        totals: the whole generation batch's counts ("dapo", "cispo", "vespo" divide by its
+            completion tokens, "dr_grpo" by its completions times the generation limit); None:
+            this batch's own (`max_completion_length` is then missing, which "dr_grpo" needs).
         ref_logps: `(batch, seq)` reference log-probabilities; required when `beta != 0`.
-        beta: weight of the per-token KL penalty.
-        epsilon_low, epsilon_high: clip range `[1 - epsilon_low, 1 + epsilon_high]` (CISPO caps
-            its weight at `epsilon_high`).
-        delta: if set, the ratio is also capped at `delta` (two-sided clipping).
-        loss_type: a key of `LOSS_TYPES`.
-        importance_sampling_level: a key of `IMPORTANCE_SAMPLING_LEVELS` ("sequence" is GSPO).
-        max_completion_length: the generation limit; required by "dr_grpo".
-        num_items_in_batch: completion tokens in the whole generation batch ("dapo", "cispo",
-            "vespo"); defaults to `mask.sum()`.
-        num_sequences_in_batch: completions in the whole generation batch ("dr_grpo");
-            defaults to `batch`.
         is_weights: `(batch, seq)` or `(batch, 1)` importance-sampling correction weights (e.g.
             trainer-vs-sampler mismatch); they multiply the surrogate, not the KL term.
-        kl_bias_correction: multiply the per-token KL by the importance ratio (TRL's
-            `use_bias_correction_kl`); False gives the GRPO paper's plain k3 penalty.
-        surrogate_settings: SAPO temperatures and VESPO shape parameters; the epsilons and
-            `delta` given here take precedence over its own.
-        kl_estimator: a key of `kl.KL_ESTIMATORS` for the per-token KL penalty.
         loss_weights: `(batch, seq)` or `(batch, 1)` 0/1 weights of the surrogate (the off-policy
             mask, the high-entropy token mask); the KL term and the normaliser keep every token.
 
@@ -245,44 +164,28 @@ def policy_loss(
             `cispo_clip_ratio`; `vespo/phi_seq_mean`) and, when `beta != 0`, `kl` (token mean of
             the KL term as it enters the loss, before `beta`).
     """
-    kind = _loss_type(loss_type)
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"Unknown importance_sampling_level {importance_sampling_level!r}; known: "
-            f"{sorted(IMPORTANCE_SAMPLING_LEVELS)}."
-        )
-    if beta != 0.0 and ref_logps is None:
+    settings = LossSettings() if settings is None else settings
+    kind = loss_types.loss_type(settings.loss_type)
+    if settings.beta != 0.0 and ref_logps is None:
         raise ValueError("beta != 0 adds a KL penalty to the reference model; pass ref_logps.")
-    settings = replace(
-        surrogate_settings or SurrogateSettings(),
-        epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high,
-        delta=delta,
-    )
     mask = mask.to(logps.dtype)
     old_logps = logps.detach() if old_logps is None else old_logps
     advantages = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # (batch, 1 or seq)
 
     log_ratio = logps - old_logps
-    ratio = torch.exp(IMPORTANCE_SAMPLING_LEVELS[importance_sampling_level](log_ratio, mask))
+    ratio = torch.exp(IMPORTANCE_SAMPLING_LEVELS[settings.importance_sampling_level](log_ratio, mask))
     inputs = SurrogateInputs(logps, log_ratio, ratio, advantages, mask, is_weights)
-    per_token_loss, metrics = kind.surrogate(inputs, settings)  # (batch, seq) or (batch, 1)
+    per_token_loss, metrics = kind.surrogate(inputs, settings.surrogate())  # (batch, seq) or (batch, 1)
     if loss_weights is not None:
         per_token_loss = per_token_loss * loss_weights
     if is_weights is not None and kind.weighs_sampler_mismatch:
         per_token_loss = per_token_loss * is_weights
-    if beta != 0.0:
-        kl = kl_estimate(logps, ref_logps, kl_estimator) * (
-            ratio if kl_bias_correction else 1.0
+    if settings.beta != 0.0:
+        kl = kl_estimate(logps, ref_logps, settings.kl_estimator) * (
+            ratio if settings.kl_bias_correction else 1.0
         )  # (batch, seq)
-        per_token_loss = per_token_loss + beta * kl
+        per_token_loss = per_token_loss + settings.beta * kl
         metrics["kl"] = masked_mean(kl, mask)
 
-    loss = kind.reduction.reduce(
-        per_token_loss,
-        mask,
-        max_completion_length=max_completion_length,
-        num_items_in_batch=num_items_in_batch,
-        num_sequences_in_batch=num_sequences_in_batch,
-    )
+    loss = kind.reduction.reduce(per_token_loss, mask, BatchTotals() if totals is None else totals)
     return loss, {name: value.detach() for name, value in metrics.items()}

@@ -1,4 +1,5 @@
-"""Per-token policy objectives, one per family of `loss_type`, as TRL 1.16 defines them.
+"""Per-token policy objectives, one per family of `loss_type`, as TRL 1.16 defines them, each
+registered as the loss types it makes (`loss_types.register_loss`) with its settings' dataclass.
 
 Each surrogate turns importance ratios and advantages into a per-token loss; `losses.py` then adds
 the KL penalty and reduces. Where they depart from their papers:
@@ -21,26 +22,55 @@ the KL penalty and reduces. Where they depart from their papers:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from grpoflow.algo.loss_types import register_loss
+
 
 @dataclass(frozen=True, slots=True)
-class SurrogateSettings:
-    """The hyperparameters of every surrogate (TRL's GRPOConfig names and defaults)."""
+class ClipSettings:
+    """The clip range of the clipped surrogates and CISPO (TRL's names and defaults)."""
 
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
+    epsilon: float = 0.2
+    """Lower clip range of the importance ratio."""
+    epsilon_high: float | None = None
+    """Upper clip range (DAPO clip-higher); defaults to epsilon.
+
+    CISPO caps its weight at this value itself, not at 1 + epsilon_high."""
     delta: float | None = None
+    """Upper clamp on the unclipped ratio (two-sided clipping); off when None."""
+
+    @property
+    def upper(self) -> float:
+        """`epsilon_high`, or `epsilon` when unset."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@dataclass(frozen=True, slots=True)
+class SapoSettings:
+    """The gate temperatures of SAPO (TRL's names and defaults)."""
+
     sapo_temperature_pos: float = 1.0
+    """SAPO gate temperature for tokens with positive advantage."""
     sapo_temperature_neg: float = 1.05
+    """SAPO gate temperature for tokens with zero or negative advantage."""
+
+
+@dataclass(frozen=True, slots=True)
+class VespoSettings:
+    """The shape of VESPO's Gamma weight (TRL's names and defaults)."""
+
     vespo_k_pos: float = 2.0
+    """VESPO power exponent for non-negative advantages (down-weights ratios below 1)."""
     vespo_lambda_pos: float = 3.0
+    """VESPO decay for non-negative advantages (down-weights ratios above 1)."""
     vespo_k_neg: float = 3.0
+    """VESPO power exponent for negative advantages."""
     vespo_lambda_neg: float = 2.0
+    """VESPO decay for negative advantages."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +103,15 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def clipped(inputs: SurrogateInputs, settings: SurrogateSettings) -> tuple[Tensor, dict[str, Tensor]]:
+def clipped(inputs: SurrogateInputs, settings: ClipSettings) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate; metrics `clip_ratio/{low,high,region}_mean`."""
     ratio, advantages = inputs.ratio, inputs.advantages
-    clipped_ratio = torch.clamp(ratio, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
+    clipped_ratio = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.upper)
     if settings.delta is not None:
         ratio = torch.clamp(ratio, max=settings.delta)
     per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
-    is_low = (ratio < 1 - settings.epsilon_low) & (advantages < 0)
-    is_high = (ratio > 1 + settings.epsilon_high) & (advantages > 0)
+    is_low = (ratio < 1 - settings.epsilon) & (advantages < 0)
+    is_high = (ratio > 1 + settings.upper) & (advantages > 0)
     metrics = {
         "clip_ratio/low_mean": masked_mean(is_low.float(), inputs.mask),
         "clip_ratio/high_mean": masked_mean(is_high.float(), inputs.mask),
@@ -90,16 +120,23 @@ def clipped(inputs: SurrogateInputs, settings: SurrogateSettings) -> tuple[Tenso
     return per_token_loss, metrics
 
 
-def cispo(inputs: SurrogateInputs, settings: SurrogateSettings) -> tuple[Tensor, dict[str, Tensor]]:
+# Registered in the order options and errors list the loss types.
+for _name in ("grpo", "bnpo", "dr_grpo", "dapo"):
+    register_loss(_name, reduction=_name, settings=ClipSettings)(clipped)
+
+
+@register_loss("cispo", reduction="dapo", settings=ClipSettings)
+def cispo(inputs: SurrogateInputs, settings: ClipSettings) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO's clipped, detached importance weight times the policy gradient; metric
     `cispo_clip_ratio` (tokens with `A > 0` whose ratio exceeds `epsilon_high`)."""
-    weight = torch.clamp(inputs.ratio, max=settings.epsilon_high).detach()
+    weight = torch.clamp(inputs.ratio, max=settings.upper).detach()
     per_token_loss = -weight * inputs.advantages * inputs.logps
-    is_clipped = (inputs.ratio > settings.epsilon_high) & (inputs.advantages > 0)
+    is_clipped = (inputs.ratio > settings.upper) & (inputs.advantages > 0)
     return per_token_loss, {"cispo_clip_ratio": masked_mean(is_clipped.float(), inputs.mask)}
 
 
-def sapo(inputs: SurrogateInputs, settings: SurrogateSettings) -> tuple[Tensor, dict[str, Tensor]]:
+@register_loss("sapo", reduction="grpo", settings=SapoSettings)
+def sapo(inputs: SurrogateInputs, settings: SapoSettings) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO's sigmoid-gated surrogate; no metrics."""
     positive = inputs.advantages > 0
     temperature = _pick(positive, settings.sapo_temperature_pos, settings.sapo_temperature_neg, inputs.ratio)
@@ -107,11 +144,13 @@ def sapo(inputs: SurrogateInputs, settings: SurrogateSettings) -> tuple[Tensor, 
     return -gate * inputs.advantages, {}
 
 
+register_loss("luspo", reduction="luspo", settings=ClipSettings)(clipped)
+
 _LOG_WEIGHT_FLOOR = math.log(1e-8)
 
 
 @torch.no_grad()
-def vespo_weights(inputs: SurrogateInputs, settings: SurrogateSettings) -> Tensor:
+def vespo_weights(inputs: SurrogateInputs, settings: VespoSettings) -> Tensor:
     """`phi(w)` per sequence, `(batch, 1)`, without grad (see the module docstring)."""
     log_ratio = torch.clamp(inputs.log_ratio, -20.0, 20.0)
     log_weight = (log_ratio * inputs.mask).sum(dim=-1, keepdim=True)  # (batch, 1)
@@ -128,12 +167,9 @@ def vespo_weights(inputs: SurrogateInputs, settings: SurrogateSettings) -> Tenso
     return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def vespo(inputs: SurrogateInputs, settings: SurrogateSettings) -> tuple[Tensor, dict[str, Tensor]]:
+@register_loss("vespo", reduction="dapo", settings=VespoSettings, weighs_sampler_mismatch=False)
+def vespo(inputs: SurrogateInputs, settings: VespoSettings) -> tuple[Tensor, dict[str, Tensor]]:
     """VESPO's Gamma-weighted policy gradient; metric `vespo/phi_seq_mean`."""
     phi = vespo_weights(inputs, settings)
     per_token_loss = -phi * inputs.advantages * inputs.logps
     return per_token_loss, {"vespo/phi_seq_mean": masked_mean(phi, inputs.mask)}
-
-
-Surrogate = Callable[[SurrogateInputs, SurrogateSettings], tuple[Tensor, dict[str, Tensor]]]
-"""`(inputs, settings) -> (per-token loss (batch, seq) or (batch, 1), metrics)`."""

@@ -1,27 +1,33 @@
 """The options of the GRPO-family objective: loss, advantages, KL and entropy terms.
 
 Names and defaults follow TRL 1.16's GRPOConfig; `adv_estimator`, `kl_estimator` and
-`kl_in_reward` follow verl, which TRL has no names for.
+`kl_in_reward` follow verl, which TRL has no names for. The settings of the loss types (the clip
+range, SAPO's temperatures, VESPO's shape) are the loss types' own dataclasses (`algo.surrogates`),
+nested here, so that their flat keys and defaults are declared once.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
 
 from grpoflow.algo import (
     ADV_ESTIMATORS,
+    LOSS_TYPES,
     AdaptiveEntropy,
-    SurrogateSettings,
+    ClipSettings,
+    LossSettings,
+    SapoSettings,
+    VespoSettings,
     combine_rewards,
     normalize_then_sum_advantages,
 )
 from grpoflow.algo.estimators import AdvantageEstimator
 from grpoflow.imports import load_object
-from grpoflow.options import require
+from grpoflow.options import choices, require
 
 logger = logging.getLogger(__name__)
 
@@ -37,28 +43,16 @@ class AlgorithmConfig:
     kl_in_reward: bool = False
     """Subtract beta x the completion's summed KL from its reward before advantages, instead of
     adding the KL to the loss."""
-    epsilon: float = 0.2
-    """Lower clip range of the importance ratio."""
-    epsilon_high: float | None = None
-    """Upper clip range (DAPO clip-higher); defaults to epsilon."""
-    delta: float | None = None
-    """Upper clamp on the unclipped ratio (two-sided clipping); off when None."""
+    clip: ClipSettings = field(default_factory=ClipSettings)
+    """The clip range of the clipped loss types and CISPO (epsilon, epsilon_high, delta)."""
     num_iterations: int = 1
     """Policy updates per generation batch."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    loss_type: str = field(default="dapo", metadata=choices(LOSS_TYPES))
     """Per-token surrogate and reduction (`algo.LOSS_TYPES`)."""
-    sapo_temperature_pos: float = 1.0
-    """SAPO gate temperature for tokens with positive advantage."""
-    sapo_temperature_neg: float = 1.05
-    """SAPO gate temperature for tokens with zero or negative advantage."""
-    vespo_k_pos: float = 2.0
-    """VESPO power exponent for non-negative advantages (down-weights ratios below 1)."""
-    vespo_lambda_pos: float = 3.0
-    """VESPO decay for non-negative advantages (down-weights ratios above 1)."""
-    vespo_k_neg: float = 3.0
-    """VESPO power exponent for negative advantages."""
-    vespo_lambda_neg: float = 2.0
-    """VESPO decay for negative advantages."""
+    sapo: SapoSettings = field(default_factory=SapoSettings)
+    """SAPO's gate temperatures (sapo_temperature_pos, sapo_temperature_neg)."""
+    vespo: VespoSettings = field(default_factory=VespoSettings)
+    """VESPO's Gamma weight (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)."""
     adv_estimator: str = "grpo"
     """How rewards become advantages: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline
     (`algo.ADV_ESTIMATORS`), or an estimator's import path (`pkg.module:fn`, `file.py:fn`)."""
@@ -102,12 +96,9 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         require(self.beta >= 0, "beta", ">= 0", self.beta)
-        for name in ("epsilon", "epsilon_high", "num_iterations", "logprob_chunk_size"):
-            value = getattr(self, name)
-            require(value is None or value > 0, name, "> 0", value)
-        require(
-            self.delta is None or self.delta > 1, "delta", "> 1 (an upper bound on the ratio)", self.delta
-        )
+        require(self.loss_type in LOSS_TYPES, "loss_type", f"one of {', '.join(LOSS_TYPES)}", self.loss_type)
+        for name in ("num_iterations", "logprob_chunk_size"):
+            require(getattr(self, name) > 0, name, "> 0", getattr(self, name))
         require(self.max_resample_times >= 0, "max_resample_times", ">= 0", self.max_resample_times)
         require(
             not self.kl_in_reward or self.beta > 0,
@@ -135,10 +126,19 @@ class AlgorithmConfig:
                 "scale_rewards=%s is ignored: it applies to adv_estimator grpo", self.scale_rewards
             )
         self._check_entropy_options()
+        self._check_loss_options()
+
+    def _check_loss_options(self) -> None:
+        for name in ("epsilon", "epsilon_high"):
+            value = getattr(self.clip, name)
+            require(value is None or value > 0, name, "> 0", value)
+        delta = self.clip.delta
+        require(delta is None or delta > 1, "delta", "> 1 (an upper bound on the ratio)", delta)
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            require(getattr(self, name) > 0, name, "> 0 (it divides the gate)", getattr(self, name))
+            value = getattr(self.sapo, name)
+            require(value > 0, name, "> 0 (it divides the gate)", value)
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            require(getattr(self, name) >= 0, name, ">= 0", getattr(self, name))
+            require(getattr(self.vespo, name) >= 0, name, ">= 0", getattr(self.vespo, name))
 
     def _check_entropy_options(self) -> None:
         require(self.entropy_coef >= 0, "entropy_coef", ">= 0", self.entropy_coef)
@@ -182,24 +182,19 @@ class AlgorithmConfig:
         require(callable(estimator), "adv_estimator", "a function's import path", self.adv_estimator)
         return estimator
 
-    def surrogate_settings(self) -> SurrogateSettings:
-        """The loss's hyperparameters as `algo.policy_loss` takes them."""
-        return SurrogateSettings(
-            epsilon_low=self.epsilon,
-            epsilon_high=self.epsilon_high or self.epsilon,
-            delta=self.delta,
-            **{name: getattr(self, name) for name in _SURROGATE_OPTIONS},
+    def loss_settings(self) -> LossSettings:
+        """The loss as `algo.policy_loss` takes it. The loss type's settings are the section of
+        these options of its settings' class; a plugin's loss type with a class of its own gets its
+        defaults. Under kl_in_reward the KL goes into the reward, not the loss."""
+        settings_class = LOSS_TYPES[self.loss_type].settings
+        sections = (getattr(self, item.name) for item in fields(self))
+        return LossSettings(
+            loss_type=self.loss_type,
+            surrogate_settings=next((s for s in sections if type(s) is settings_class), None),
+            importance_sampling_level=self.importance_sampling_level,
+            beta=0.0 if self.kl_in_reward else self.beta,
+            kl_estimator=self.kl_estimator,
         )
-
-
-_SURROGATE_OPTIONS = (
-    "sapo_temperature_pos",
-    "sapo_temperature_neg",
-    "vespo_k_pos",
-    "vespo_lambda_pos",
-    "vespo_k_neg",
-    "vespo_lambda_neg",
-)
 
 
 def batch_advantages(

@@ -13,6 +13,7 @@ from grpoflow.options.checks import require, require_fraction, require_min
 from grpoflow.options.fields import (
     NOT_AN_OPTION,
     FlatField,
+    choices,
     default_of,
     derived_from,
     field_docs,
@@ -27,6 +28,7 @@ __all__ = [
     "FlatField",
     "add_flags",
     "apply_derived",
+    "choices",
     "default_of",
     "derived_from",
     "field_docs",

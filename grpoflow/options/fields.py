@@ -3,7 +3,9 @@
 A field whose type is a dataclass is a node: its own fields are read in turn. Every other field is
 a leaf with one flat key: its name, or `metadata["key"]` (`key("max_completion_length")`) where
 the component's name differs from the one users know. A leaf marked `NOT_AN_OPTION` is set by
-the code that uses the component (per request, or from another option) and has no key.
+the code that uses the component (per request, or from another option) and has no key. A leaf
+whose values are the names of a registry (`choices(LOSS_TYPES)`) takes them as a `Literal` of the
+names registered when a value is read or shown, plugins' included.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import functools
 import inspect
 import textwrap
 import typing
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 NOT_AN_OPTION = {"option": False}
 """Field metadata: set by the code that uses the component (per request, or from another option),
@@ -35,6 +37,12 @@ def key(name: str) -> dict[str, str]:
     return {"key": name}
 
 
+def choices(registry: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """Field metadata: the option takes one of `registry`'s names, those registered when a value
+    is read or shown (a component's variants registered by name, plugins' included)."""
+    return {"choices": registry}
+
+
 @dataclass(frozen=True, slots=True)
 class FlatField:
     """Where one flat key lands in the tree."""
@@ -47,6 +55,13 @@ class FlatField:
     """The dataclass that declares the field."""
     default: Any
     """The field's default (dataclasses.MISSING when required)."""
+    choices: Mapping[str, Any] | None = field(default=None, compare=False)
+    """The registry whose names the option takes (`choices`), or None."""
+
+    @property
+    def value_hint(self) -> Any:
+        """The type a value is read as: `hint`, or a Literal of the registry's names now."""
+        return self.hint if self.choices is None else Literal[tuple(self.choices)]
 
 
 def is_node(hint: Any) -> bool:
@@ -83,7 +98,7 @@ def _leaves(cls: type, prefix: tuple[str, ...]) -> Iterator[tuple[dataclasses.Fi
         if is_node(hint):
             yield from _leaves(hint, path)
         else:
-            yield item, FlatField(path, hint, cls, _default(item))
+            yield item, FlatField(path, hint, cls, _default(item), item.metadata.get("choices"))
 
 
 def _default(item: dataclasses.Field) -> Any:

@@ -44,7 +44,7 @@ def load(
             close = difflib.get_close_matches(name, [*owners, *aliases], n=3)
             suggestion = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"unknown config key {raw_key!r}{suggestion}{f' ({hint})' if hint else ''}")
-        leaves[owners[name].path] = coerce(name, value, owners[name].hint)
+        leaves[owners[name].path] = coerce(name, value, owners[name].value_hint)
     for path, source in derived_fields(root).items():  # before the sections check their values
         if owners[source].path in leaves:
             leaves[path] = leaves[owners[source].path]

@@ -2,11 +2,11 @@
 
 Each component owns the dataclass of its settings (the policy's loading and LoRA in
 `grpoflow.policy`, prompts in `grpoflow.data`, sampling and engine sizes in `grpoflow.engines`,
-rewards in `grpoflow.rewards`, the objective in `grpoflow.learn.update`, ...); this module composes
-them and holds what belongs to the run itself (the group size and engine choice, the schedule,
-checkpoints, weight syncs, asynchronous generation). Users write flat keys with the names they know
-from TRL's GRPOConfig and ms-swift (`learning_rate`, `num_generations`, `beta`, ...), in YAML or
-as `--key value` flags; `grpoflow.options` gives each key exactly one owner in this tree and
+rewards in `grpoflow.rewards`, the objective in `grpoflow.learn.objective`, ...); this module
+composes them and holds what belongs to the run itself (the group size and engine choice, the
+schedule, checkpoints, weight syncs, asynchronous generation). Users write flat keys with the names
+they know from TRL's GRPOConfig and ms-swift (`learning_rate`, `num_generations`, `beta`, ...), in
+YAML or as `--key value` flags; `grpoflow.options` gives each key exactly one owner in this tree and
 builds it, each section checking its own values. The rules that span sections are checked once,
 when the tree is built (`GRPOConfig.__post_init__`).
 """
@@ -137,7 +137,7 @@ class GRPOConfig:
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     """Rollout servers over HTTP (grpoflow.engines.remote)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """The GRPO-family objective (grpoflow.learn.update)."""
+    """The GRPO-family objective (grpoflow.learn.objective)."""
     rewards: RewardConfig = field(default_factory=RewardConfig)
     """Which rewards score completions, and their parameters (grpoflow.rewards)."""
     agent: AgentConfig = field(default_factory=AgentConfig)

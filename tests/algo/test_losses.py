@@ -3,11 +3,51 @@ import math
 import pytest
 import torch
 
-from grpoflow.algo import kl_estimate, micro_batch_scale, policy_loss
+from grpoflow.algo import (
+    BatchTotals,
+    ClipSettings,
+    LossSettings,
+    kl_estimate,
+    loss_types,
+    micro_batch_scale,
+    policy_loss,
+)
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 SOFT = dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)
 VESPO = dict(vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
+
+
+def policy_loss_with(
+    logps,
+    old_logps,
+    advantages,
+    mask,
+    *,
+    ref_logps=None,
+    is_weights=None,
+    epsilon_low=0.2,
+    epsilon_high=0.2,
+    delta=None,
+    max_completion_length=None,
+    num_items_in_batch=None,
+    num_sequences_in_batch=None,
+    **settings,
+):
+    """`policy_loss` with its settings and batch totals as keywords; the clip range reaches the loss
+    types whose settings hold it."""
+    clip = ClipSettings(epsilon=epsilon_low, epsilon_high=epsilon_high, delta=delta)
+    uses_clip = loss_types.LOSS_TYPES[settings.get("loss_type", "dapo")].settings is ClipSettings
+    return policy_loss(
+        logps,
+        old_logps,
+        advantages,
+        mask,
+        LossSettings(surrogate_settings=clip if uses_clip else None, **settings),
+        BatchTotals(num_items_in_batch, num_sequences_in_batch, max_completion_length),
+        ref_logps=ref_logps,
+        is_weights=is_weights,
+    )
 
 
 def reference_token_loss(loss_type, ratio, advantage, logp, options):
@@ -37,7 +77,7 @@ def reference_loss(tensors: dict, options: dict) -> float:
     """Token by token with Python floats, straight from the formulas.
 
     `tensors` holds nested lists `logps`, `old_logps`, `ref_logps`, `is_weights`, `mask` (batch, seq)
-    and `advantages` (batch,); `options` holds `policy_loss`'s keyword arguments.
+    and `advantages` (batch,); `options` holds `policy_loss_with`'s keyword arguments.
     """
     logps, old_logps, ref_logps = tensors["logps"], tensors["old_logps"], tensors["ref_logps"]
     mask, advantages, is_weights = tensors["mask"], tensors["advantages"], tensors["is_weights"]
@@ -115,7 +155,7 @@ def test_matches_reference(loss_type, level, beta, delta, use_is_weights, kl_bia
         is_weights=is_weights if use_is_weights else None,
         kl_bias_correction=kl_bias_correction,
     )
-    loss, metrics = policy_loss(logps, old_logps, advantages, mask, **options)
+    loss, metrics = policy_loss_with(logps, old_logps, advantages, mask, **options)
     tensors = dict(logps=logps, old_logps=old_logps, ref_logps=ref_logps, advantages=advantages, mask=mask)
     tensors["is_weights"] = is_weights if use_is_weights else torch.ones_like(logps)
     expected = reference_loss({name: value.tolist() for name, value in tensors.items()}, options)
@@ -129,7 +169,7 @@ def test_on_policy_gradient_closed_form():
     logps = torch.zeros(2, 3, requires_grad=True)
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     advantages = torch.tensor([1.0, -2.0])
-    loss, metrics = policy_loss(logps, None, advantages, mask, loss_type="grpo")
+    loss, metrics = policy_loss_with(logps, None, advantages, mask, loss_type="grpo")
     loss.backward()
     assert loss.item() == pytest.approx(0.5)  # mean of -A
     expected = torch.tensor([[-1 / 6, -1 / 6, -1 / 6], [1.0, 0.0, 0.0]])
@@ -142,7 +182,7 @@ def test_clip_metrics_hand_computed():
     log_ratio = torch.log(torch.tensor([[0.5, 1.5], [0.5, 1.5]]))
     mask = torch.ones(2, 2)
     advantages = torch.tensor([-1.0, 1.0])
-    _, metrics = policy_loss(log_ratio, old_logps, advantages, mask)
+    _, metrics = policy_loss_with(log_ratio, old_logps, advantages, mask)
     # row 0 (A < 0): ratio 0.5 below 0.8 -> low; row 1 (A > 0): ratio 1.5 above 1.2 -> high
     assert metrics["clip_ratio/low_mean"].item() == pytest.approx(0.25)
     assert metrics["clip_ratio/high_mean"].item() == pytest.approx(0.25)
@@ -153,13 +193,13 @@ def test_is_weights_scale_the_surrogate_but_not_the_kl():
     logps, old_logps, ref_logps, advantages, mask = random_inputs(seed=2)
     zero_advantages = torch.zeros_like(advantages)
     weights = torch.full_like(logps, 3.0)
-    plain, _ = policy_loss(logps, old_logps, zero_advantages, mask, ref_logps=ref_logps, beta=0.1)
-    weighted, _ = policy_loss(
+    plain, _ = policy_loss_with(logps, old_logps, zero_advantages, mask, ref_logps=ref_logps, beta=0.1)
+    weighted, _ = policy_loss_with(
         logps, old_logps, zero_advantages, mask, ref_logps=ref_logps, beta=0.1, is_weights=weights
     )
     torch.testing.assert_close(plain, weighted)
-    surrogate, _ = policy_loss(logps, old_logps, advantages, mask)
-    tripled, _ = policy_loss(logps, old_logps, advantages, mask, is_weights=weights)
+    surrogate, _ = policy_loss_with(logps, old_logps, advantages, mask)
+    tripled, _ = policy_loss_with(logps, old_logps, advantages, mask, is_weights=weights)
     torch.testing.assert_close(3 * surrogate, tripled)
 
 
@@ -169,11 +209,11 @@ def test_micro_batches_add_up_to_the_full_batch(loss_type):
     mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
     totals = dict(max_completion_length=6, num_items_in_batch=mask.sum(), num_sequences_in_batch=4)
     common = dict(ref_logps=ref_logps, beta=0.05, loss_type=loss_type)
-    full, _ = policy_loss(logps, old_logps, advantages, mask, **common, **totals)
+    full, _ = policy_loss_with(logps, old_logps, advantages, mask, **common, **totals)
     accumulated = 0.0
     for rows in (slice(0, 2), slice(2, 4)):
         micro_common = dict(common, ref_logps=ref_logps[rows])
-        micro, _ = policy_loss(
+        micro, _ = policy_loss_with(
             logps[rows], old_logps[rows], advantages[rows], mask[rows], **micro_common, **totals
         )
         accumulated = accumulated + micro * micro_batch_scale(loss_type, 2)
@@ -190,10 +230,10 @@ def test_unequal_micro_batches_add_up_to_the_full_batch(loss_type):
     mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
     totals = dict(max_completion_length=6, num_items_in_batch=mask.sum(), num_sequences_in_batch=4)
     common = dict(beta=0.05, loss_type=loss_type)
-    full, _ = policy_loss(logps, old_logps, advantages, mask, ref_logps=ref_logps, **common, **totals)
+    full, _ = policy_loss_with(logps, old_logps, advantages, mask, ref_logps=ref_logps, **common, **totals)
     accumulated = 0.0
     for rows in (slice(0, 1), slice(1, 4)):
-        micro, _ = policy_loss(
+        micro, _ = policy_loss_with(
             logps[rows],
             old_logps[rows],
             advantages[rows],
@@ -218,13 +258,13 @@ def test_errors_name_the_known_choices():
     with pytest.raises(
         ValueError, match=r"\['bnpo', 'cispo', 'dapo', 'dr_grpo', 'grpo', 'luspo', 'sapo', 'vespo'\]"
     ):
-        policy_loss(logps, old_logps, advantages, mask, loss_type="ppo")
+        policy_loss(logps, old_logps, advantages, mask, LossSettings(loss_type="ppo"))
     with pytest.raises(ValueError, match=r"\['sequence', 'token'\]"):
-        policy_loss(logps, old_logps, advantages, mask, importance_sampling_level="seq")
+        policy_loss(logps, old_logps, advantages, mask, LossSettings(importance_sampling_level="seq"))
     with pytest.raises(ValueError, match="ref_logps"):
-        policy_loss(logps, old_logps, advantages, mask, beta=0.1)
+        policy_loss(logps, old_logps, advantages, mask, LossSettings(beta=0.1))
     with pytest.raises(ValueError, match="max_completion_length"):
-        policy_loss(logps, old_logps, advantages, mask, loss_type="dr_grpo")
+        policy_loss(logps, old_logps, advantages, mask, LossSettings(loss_type="dr_grpo"))
     with pytest.raises(ValueError, match="known"):
         micro_batch_scale("ppo", 2)
 
@@ -235,7 +275,7 @@ def test_on_policy_kl_gradient_closed_form(kl_bias_correction):
     # plain k3 gives 1 - exp(ref - logp).
     logps = torch.tensor([[-1.0, -0.2]], requires_grad=True)
     ref_logps = torch.tensor([[-0.5, -0.9]])
-    loss, metrics = policy_loss(
+    loss, metrics = policy_loss_with(
         logps,
         None,
         torch.zeros(1),
@@ -263,7 +303,7 @@ def test_on_policy_gradient_is_the_plain_policy_gradient(loss_type, normalizer):
     logps = torch.tensor([[-0.3, -1.2, -0.7], [-2.0, -0.1, -0.5]], requires_grad=True)
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     advantages = torch.tensor([1.0, -2.0])
-    loss, _ = policy_loss(logps, None, advantages, mask, loss_type=loss_type, epsilon_high=1.5)
+    loss, _ = policy_loss_with(logps, None, advantages, mask, loss_type=loss_type, epsilon_high=1.5)
     loss.backward()
     expected = -advantages.unsqueeze(1) / torch.tensor(normalizer).unsqueeze(1) * mask
     torch.testing.assert_close(logps.grad, expected.float())
@@ -272,7 +312,7 @@ def test_on_policy_gradient_is_the_plain_policy_gradient(loss_type, normalizer):
 def test_cispo_weight_is_capped_and_carries_no_gradient():
     old_logps = torch.zeros(1, 2)
     logps = torch.log(torch.tensor([[0.5, 4.0]])).requires_grad_()
-    loss, metrics = policy_loss(
+    loss, metrics = policy_loss_with(
         logps, old_logps, torch.ones(1), torch.ones(1, 2), loss_type="cispo", epsilon_high=2.0
     )
     loss.backward()
@@ -284,7 +324,7 @@ def test_cispo_weight_is_capped_and_carries_no_gradient():
 def test_sapo_gate_fades_away_from_ratio_one():
     old_logps = torch.zeros(1, 3)
     logps = torch.log(torch.tensor([[1.0, 2.0, 6.0]])).requires_grad_()
-    loss, _ = policy_loss(logps, old_logps, torch.ones(1), torch.ones(1, 3), loss_type="sapo")
+    loss, _ = policy_loss_with(logps, old_logps, torch.ones(1), torch.ones(1, 3), loss_type="sapo")
     loss.backward()
     # d/dlogp of -4 sigmoid(r - 1) A / 3 is -4 sigmoid'(r - 1) r / 3
     ratio = torch.tensor([1.0, 2.0, 6.0])
@@ -296,7 +336,7 @@ def test_sapo_gate_fades_away_from_ratio_one():
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "low_var_kl"])
 def test_kl_estimator_chooses_the_penalty(estimator):
     logps, old_logps, ref_logps, _, mask = random_inputs(seed=3)
-    loss, metrics = policy_loss(
+    loss, metrics = policy_loss_with(
         logps,
         old_logps,
         torch.zeros(4, dtype=torch.float64),

@@ -15,6 +15,8 @@ from helpers.packed_batches import VOCAB, padded_batch
 
 from grpoflow.algo import (
     LOSS_TYPES,
+    BatchTotals,
+    LossSettings,
     check_packed_attention,
     pack_sequences,
     packed_sequence_logprobs,
@@ -93,10 +95,9 @@ def _gradients(model, logps_fn, loss_type: str) -> dict[str, torch.Tensor]:
         old,
         advantages,
         mask,
+        LossSettings(loss_type=loss_type, beta=0.04),
+        BatchTotals(max_completion_length=mask.size(1)),
         ref_logps=old + 0.1,
-        beta=0.04,
-        loss_type=loss_type,
-        max_completion_length=mask.size(1),
     )
     loss.backward()
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

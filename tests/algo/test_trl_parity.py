@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from grpoflow.algo import (
+    LOSS_TYPES,
     AdaptiveEntropy,
-    SurrogateSettings,
+    BatchTotals,
+    LossSettings,
     combine_rewards,
     entropy_bonus,
     group_advantages,
@@ -154,9 +156,6 @@ LOSS_CASES = {
         loss_type="dapo", off_policy_mask_threshold=0.05, top_entropy_quantile=0.5, beta=0.05
     ),
 }
-SURROGATE_OPTIONS = [
-    field.name for field in fields(SurrogateSettings) if field.name.startswith(("sapo", "vespo"))
-]
 BATCH, PROMPT_LENGTH, COMPLETION_LENGTHS = 4, 4, [6, 4, 1, 5]
 
 
@@ -255,24 +254,25 @@ def test_loss_and_gradients_match_trl(tmp_path, tiny_checkpoint, case, num_micro
         )
         loss_weights = loss_weights * kept
         assert 0 < kept.sum() < len(kept)  # some completions dropped
+    # The loss type's settings have TRL's names: epsilon, epsilon_high, delta, sapo_*, vespo_*.
+    settings_class = LOSS_TYPES[trainer.loss_type].settings
     loss, metrics = policy_loss(
         logps,
         inputs["old_per_token_logps"],
         inputs["advantages"],
         completion_mask,
+        LossSettings(
+            loss_type=trainer.loss_type,
+            surrogate_settings=settings_class(
+                **{f.name: getattr(args, f.name) for f in fields(settings_class)}
+            ),
+            importance_sampling_level=trainer.importance_sampling_level,
+            beta=trainer.beta,
+            kl_bias_correction=args.use_bias_correction_kl,
+        ),
+        BatchTotals(inputs["num_items_in_batch"], BATCH * num_micro_batches, trainer.max_completion_length),
         ref_logps=inputs.get("ref_per_token_logps"),
-        beta=trainer.beta,
-        epsilon_low=trainer.epsilon_low,
-        epsilon_high=trainer.epsilon_high,
-        delta=args.delta,
-        loss_type=trainer.loss_type,
-        importance_sampling_level=trainer.importance_sampling_level,
-        max_completion_length=trainer.max_completion_length,
-        num_items_in_batch=inputs["num_items_in_batch"],
-        num_sequences_in_batch=BATCH * num_micro_batches,
         is_weights=inputs.get("importance_sampling_ratio"),
-        kl_bias_correction=args.use_bias_correction_kl,
-        surrogate_settings=SurrogateSettings(**{name: getattr(args, name) for name in SURROGATE_OPTIONS}),
         loss_weights=loss_weights,
     )
     loss = loss * micro_batch_scale(trainer.loss_type, num_micro_batches)
@@ -335,7 +335,11 @@ def test_adaptive_entropy_matches_trl(tmp_path, tiny_checkpoint):
             entropy_grad=True,
         )
         loss, _ = policy_loss(
-            logps, inputs["old_per_token_logps"], inputs["advantages"], mask, num_items_in_batch=mask.sum()
+            logps,
+            inputs["old_per_token_logps"],
+            inputs["advantages"],
+            mask,
+            totals=BatchTotals(num_items_in_batch=mask.sum()),
         )
         loss = loss - control.applied_coef() * entropy_bonus(entropy, mask)
         loss.backward()

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from helpers.support import stop_process
 
 from grpoflow.run.infer_workers import free_port
+from helpers.support import stop_process
 
 ENV_SCRIPT = Path(__file__).resolve().parent / "atropos_env.py"
 

@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.plugin_loss import ScaledSettings, scaled_loss
 from helpers.support import recipe
 
-from grpoflow.algo import ADV_ESTIMATORS, combine_rewards, normalize_then_sum_advantages
+from grpoflow import cli
+from grpoflow.algo import (
+    ADV_ESTIMATORS,
+    ClipSettings,
+    SapoSettings,
+    combine_rewards,
+    normalize_then_sum_advantages,
+)
 from grpoflow.learn.objective import AlgorithmConfig, batch_advantages
+from grpoflow.options import load
 from grpoflow.run.build import run
 
 REWARDS = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 1.0], [0.5, 0.5]])
@@ -33,6 +42,33 @@ def test_kl_in_reward_subtracts_beta_times_the_completion_kl():
     torch.testing.assert_close(advantages, torch.tensor([1.0, -1.0, 1.375, -1.375]))
     torch.testing.assert_close(metrics["reward"], rewards.mean())
     torch.testing.assert_close(metrics["reward_kl"], kl.mean())
+
+
+def test_the_loss_settings_are_the_loss_types_own_section_of_the_options():
+    config = load(
+        AlgorithmConfig, {"loss_type": "sapo", "sapo_temperature_neg": "2", "epsilon": 0.1, "beta": 0.1}
+    )
+    settings = config.loss_settings()
+    assert settings.surrogate_settings == SapoSettings(sapo_temperature_neg=2.0)
+    assert (settings.loss_type, settings.beta, settings.kl_estimator) == ("sapo", 0.1, "k3")
+    clipped = AlgorithmConfig(
+        clip=ClipSettings(epsilon_high=0.28), kl_in_reward=True, beta=0.1
+    ).loss_settings()
+    assert clipped.surrogate_settings == ClipSettings(epsilon_high=0.28)
+    assert clipped.beta == 0.0  # the KL goes into the reward
+
+
+def test_a_registered_loss_type_is_an_option_listed_with_the_built_in_ones():
+    with scaled_loss() as name:
+        assert AlgorithmConfig(loss_type=name).loss_settings().surrogate() == ScaledSettings()
+        assert load(AlgorithmConfig, {"loss_type": name}).loss_type == name
+        assert (
+            f"one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo, {name})" in cli.describe_options()
+        )
+        with pytest.raises(ValueError, match=f"loss_type must be one of grpo, .*, vespo, {name}; got 'ppo'"):
+            load(AlgorithmConfig, {"loss_type": "ppo"})
+    with pytest.raises(ValueError, match=f"loss_type must be one of grpo, .*, vespo, got '{name}'"):
+        AlgorithmConfig(loss_type=name)
 
 
 LEARNING_RUNS = {

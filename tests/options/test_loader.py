@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
 import pytest
 
-from grpoflow.options import flatten, load, to_flat
+from grpoflow.options import choices, flat_fields, flatten, load, to_flat
 from grpoflow.options.loader import coerce
 
 from .test_fields import Root
@@ -72,3 +73,24 @@ def test_a_mapping_option_reads_yaml_mappings_and_name_value_flags():
     assert coerce("env", "null", hint) is None
     with pytest.raises(ValueError, match="env must be a mapping: NAME=VALUE pairs"):
         coerce("env", "a=x,=y", dict[str, str])
+
+
+KINDS = {"plain": None, "fancy": None}
+
+
+@dataclass(kw_only=True)
+class Registered:
+    kind: str = field(default="plain", metadata=choices(KINDS))
+    """A name of the registry."""
+
+
+def test_an_option_takes_the_names_its_registry_holds_when_read():
+    assert load(Registered, {"kind": "fancy"}).kind == "fancy"
+    with pytest.raises(ValueError, match="kind must be one of plain, fancy; got 'later'"):
+        load(Registered, {"kind": "later"})
+    KINDS["later"] = None  # registered after the fields were first read
+    try:
+        assert load(Registered, {"kind": "later"}).kind == "later"
+        assert flat_fields(Registered)["kind"].value_hint == Literal["plain", "fancy", "later"]
+    finally:
+        del KINDS["later"]

@@ -7,7 +7,13 @@ import pytest
 import torch
 from helpers.packed_batches import COMPLETION_LENGTHS, PROMPT_LENGTHS, VOCAB, padded_batch
 
-from grpoflow.algo import pack_sequences, packed_sequence_logprobs, policy_loss, sequence_logprobs
+from grpoflow.algo import (
+    LossSettings,
+    pack_sequences,
+    packed_sequence_logprobs,
+    policy_loss,
+    sequence_logprobs,
+)
 from grpoflow.policy import varlen_attention
 from grpoflow.policy.tiny import build_tiny_model
 
@@ -36,7 +42,7 @@ def gradients(model, logps_fn, inputs) -> dict[str, torch.Tensor]:
     logps = logps_fn(model, inputs)
     mask = inputs[3]
     advantages = torch.tensor([1.0, -0.5, 0.25, -1.0], device=mask.device)
-    loss, _ = policy_loss(logps, logps.detach() - 0.05, advantages, mask, loss_type="dapo")
+    loss, _ = policy_loss(logps, logps.detach() - 0.05, advantages, mask, LossSettings(loss_type="dapo"))
     loss.backward()
     return {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
 

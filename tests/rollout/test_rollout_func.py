@@ -11,7 +11,7 @@ import torch
 from helpers.support import read_jsonl, recipe
 
 from grpoflow.agents import RolloutTrainer, generate_rollout_completions
-from grpoflow.algo.losses import policy_loss
+from grpoflow.algo.losses import LossSettings, policy_loss
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, EngineCapabilities, EngineStats, SamplingParams
 from grpoflow.policy.tiny import build_char_tokenizer
@@ -153,7 +153,12 @@ def test_env_mask_tokens_get_no_gradient_and_no_kl():
     assert batch.sampling_logps[0, 1] == 0.0  # an environment token carries no sampling log-prob
     logps = torch.full((2, 3), -1.0, requires_grad=True)
     loss, _ = policy_loss(
-        logps, None, torch.tensor([1.0, -1.0]), batch.loss_mask, ref_logps=torch.full((2, 3), -2.0), beta=0.1
+        logps,
+        None,
+        torch.tensor([1.0, -1.0]),
+        batch.loss_mask,
+        LossSettings(beta=0.1),
+        ref_logps=torch.full((2, 3), -2.0),
     )
     loss.backward()
     assert logps.grad[0, 1] == 0 and logps.grad[0, 0] != 0 and logps.grad[0, 2] != 0

@@ -42,7 +42,7 @@ def test_overrides_reach_the_config_typed():
     assert config.log.log_completions is True
     assert config.rewards.reward_funcs == ["accuracy", "format"]
     assert config.rewards.reward_weights == [1.0, 0.5]
-    assert config.algorithm.epsilon_high == pytest.approx(0.28)
+    assert config.algorithm.clip.epsilon_high == pytest.approx(0.28)
 
 
 # type coercion
@@ -76,7 +76,7 @@ def test_numbers_from_strings_and_yaml():
 def test_none_for_optional_keys(text):
     config = build(save_total_limit=text, epsilon_high=text, system=text)
     assert config.training.save_total_limit is None
-    assert config.algorithm.epsilon_high is None
+    assert config.algorithm.clip.epsilon_high is None
     assert config.data.system is None
 
 
@@ -84,7 +84,7 @@ def test_optional_keys_take_values():
     config = build(save_total_limit="2", delta="1.5", system="be brief", move_model_batches="4")
     assert config.training.save_total_limit == 2
     assert config.vllm.move_model_batches == 4 and build().vllm.move_model_batches is None
-    assert config.algorithm.delta == pytest.approx(1.5)
+    assert config.algorithm.clip.delta == pytest.approx(1.5)
     assert config.data.system == "be brief"
 
 

@@ -1,5 +1,5 @@
-"""The update phase: the importance-sampling correction against the engine's log-probs, forward
-passes through the given placements, padding-free (packed) updates and token-budget micro-batches."""
+"""The learner: the importance-sampling correction against the engine's log-probs, forward passes
+through the given placements, padding-free (packed) updates and token-budget micro-batches."""
 
 from __future__ import annotations
 
@@ -7,16 +7,13 @@ import math
 
 import pytest
 import torch
+from helpers.plugin_loss import scaled_loss
 
+from grpoflow.learn.learner import Learner
+from grpoflow.learn.logprobs import batch_logprobs
+from grpoflow.learn.micro_batches import micro_batches
 from grpoflow.learn.objective import AlgorithmConfig
-from grpoflow.learn.update import (
-    ImportanceCorrection,
-    UpdateSettings,
-    batch_logprobs,
-    micro_batches,
-    reward_kl,
-    update_policy,
-)
+from grpoflow.learn.update import ImportanceCorrection, UpdateSettings
 from grpoflow.policy.placement import Placement
 from grpoflow.policy.tiny import build_tiny_model
 from grpoflow.rollout.batch import RolloutBatch
@@ -29,6 +26,15 @@ def _settings(**overrides) -> UpdateSettings:
     return UpdateSettings(
         **{"algorithm": AlgorithmConfig(), "max_completion_length": 6, "max_grad_norm": 0.0, **overrides}
     )
+
+
+def _learner(
+    placement: Placement, settings: UpdateSettings, ref_placement: Placement | None = None, lr: float = 1.0
+) -> Learner:
+    """A learner with plain SGD at a constant learning rate."""
+    optimizer = torch.optim.SGD(placement.module.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return Learner(placement, optimizer, scheduler, settings, ref_placement=ref_placement)
 
 
 def _batch(model, settings) -> RolloutBatch:
@@ -53,12 +59,9 @@ def _train(correction: ImportanceCorrection | None, shift: float) -> tuple[dict,
     settings = _settings(micro_batch_size=2, temperature=1.0, sampling_correction=correction)
     batch = _batch(model, settings)
     batch.sampling_logps = batch.sampling_logps - shift
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    learner = _learner(Placement.local(model), settings)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    metrics = update_policy(
-        Placement.local(model), optimizer, scheduler, batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), settings
-    )
+    metrics = learner.learn(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]))
     return {name: p.detach() - before[name] for name, p in model.named_parameters()}, metrics
 
 
@@ -122,12 +125,8 @@ def test_every_forward_pass_runs_through_the_placements_it_is_given():
         micro_batch_size=2, temperature=1.0, algorithm=AlgorithmConfig(beta=0.1, num_iterations=2)
     )
     batch = _batch(model, settings)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     policy, reference = CountingPlacement(model), CountingPlacement(ref_model)
-    update_policy(
-        policy, optimizer, scheduler, batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), settings, reference
-    )
+    _learner(policy, settings, reference, lr=0.1).learn(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]))
     # Two micro-batches: old log-probs once, then the loss's forward in each of two iterations.
     assert (policy.forwards, policy.uses) == (2 + 2 * 2, 0)
     assert (reference.forwards, reference.uses) == (2, 1)
@@ -168,12 +167,9 @@ def _ragged_update(settings: UpdateSettings, beta: float = 0.0) -> tuple[dict, d
     model = build_tiny_model(VOCAB, seed=0)
     batch = _ragged_batch(model, _settings(micro_batch_size=6, temperature=0.9))
     ref = Placement.local(build_tiny_model(VOCAB, seed=1)) if beta else None
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    learner = _learner(Placement.local(model), settings, ref)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    metrics = update_policy(
-        Placement.local(model), optimizer, scheduler, batch, RAGGED_ADVANTAGES, settings, ref
-    )
+    metrics = learner.learn(batch, RAGGED_ADVANTAGES)
     return {name: p.detach() - before[name] for name, p in model.named_parameters()}, metrics
 
 
@@ -231,8 +227,8 @@ def test_padding_free_reward_kl_equals_the_padded_one():
         max_tokens_per_micro_batch=40,
     )
     policy, reference = Placement.local(model), Placement.local(ref_model)
-    padded = reward_kl(policy, reference, batch, padded_settings)
-    packed = reward_kl(policy, reference, batch, packed_settings)
+    padded = _learner(policy, padded_settings, reference).reward_kl(batch)
+    packed = _learner(policy, packed_settings, reference).reward_kl(batch)
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-6)
 
 
@@ -274,3 +270,29 @@ def test_grouping_by_length_cuts_the_padded_rectangles():
         )
 
     assert padded(grouped) < padded(batch)
+
+
+def test_a_registered_loss_type_trains_through_the_learner():
+    """The plugin's loss is twice dapo's, so with SGD its update is twice dapo's."""
+    dapo, _ = _ragged_update(_settings(micro_batch_size=2, temperature=0.9))
+    with scaled_loss() as name:
+        settings = _settings(micro_batch_size=2, temperature=0.9, algorithm=AlgorithmConfig(loss_type=name))
+        scaled, metrics = _ragged_update(settings)
+    _assert_same_update(scaled, {parameter: 2 * delta for parameter, delta in dapo.items()})
+    assert "clip_ratio/region_mean" in metrics
+
+
+def test_the_state_carries_the_optimizer_schedule_and_entropy_coefficient():
+    model = build_tiny_model(VOCAB, seed=0)
+    algorithm = AlgorithmConfig(entropy_coef=0.1, use_adaptive_entropy=True, entropy_target=50.0)
+    settings = _settings(micro_batch_size=2, temperature=1.0, algorithm=algorithm)
+    learner = _learner(Placement.local(model), settings)
+    learner.learn(_batch(model, settings), torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    state = learner.state_dict()
+    assert set(state) == {"optimizer", "scheduler", "entropy_control"}
+    restored = _learner(Placement.local(model), settings)
+    restored.load_state_dict(state)
+    assert restored.entropy_control.coef == learner.entropy_control.coef > 0.1
+    assert restored.scheduler.state_dict()["last_epoch"] == 1
+    restored.load_state_dict({**state, "entropy_control": None})  # a checkpoint from before the bonus
+    assert restored.entropy_control.coef == learner.entropy_control.coef

@@ -1,0 +1,37 @@
+"""The metrics of one update, summed over its micro-batches and optimizer steps on the device."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+_EXTREMES = {"/min": torch.minimum, "/max": torch.maximum}
+"""Name endings of metrics kept as extremes, and how two values of one combine."""
+
+
+class MetricsAccumulator:
+    """Adds up each metric's values and averages them at the end; a metric named `.../min` or
+    `.../max` keeps its extreme instead. Values stay where they are (on the device) until
+    `result`: a float() per micro-batch would stall the GPU."""
+
+    __slots__ = ("_counts", "_totals")
+
+    def __init__(self) -> None:
+        self._totals: dict[str, torch.Tensor | float] = {}
+        self._counts: dict[str, int] = {}
+
+    def add(self, metrics: Mapping[str, torch.Tensor | float]) -> None:
+        """Add one micro-batch's (or optimizer step's) 0-dim metrics."""
+        for name, value in metrics.items():
+            value = value.detach() if isinstance(value, torch.Tensor) else value
+            extreme = next((keep for end, keep in _EXTREMES.items() if name.endswith(end)), None)
+            if extreme is not None and name in self._totals:
+                self._totals[name] = extreme(self._totals[name], value)
+                continue
+            self._totals[name] = self._totals.get(name, 0.0) + value
+            self._counts[name] = self._counts.get(name, 0) + 1
+
+    def result(self) -> dict[str, float]:
+        """Each metric's mean (or extreme) as a float, in the order the metrics first came."""
+        return {name: float(total) / self._counts[name] for name, total in self._totals.items()}
