@@ -11,7 +11,7 @@ each at once, with token-id prompts and `return_token_ids`, so no text is re-tok
 `--logprobs-mode processed_logprobs` makes the servers report log_softmax(logits / temperature)
 of each sampled token, as the trainer computes it (vLLM's default reports it before temperature).
 
-The engine is assembled from `remote_client.ServerClient` (HTTP, the /health wait, the thread per
+The engine is assembled from `grpoflow.transport.server_client.ServerClient` (HTTP, the /health wait, the thread per
 server), `remote_capabilities` (what each server offers, and the weight transfer chosen from it)
 and a sender of `grpoflow.transport`. Weight updates (`weight_transfer`): `collective` broadcasts
 the weights in packed buckets over a process group of the trainer and every server (NCCL between
@@ -40,7 +40,6 @@ import torch
 from grpoflow.engines.base import Completion, EngineCapabilities, EngineOptions, EngineStats, SamplingParams
 from grpoflow.engines.remote_adapters import ServerAdapters
 from grpoflow.engines.remote_capabilities import adapters_alone, choose_transfer, discover
-from grpoflow.engines.remote_client import ServerClient, server_urls
 from grpoflow.engines.vllm import finish_reason, penalises_repetition, sampling_fields
 from grpoflow.options import require
 from grpoflow.transport import WEIGHT_TRANSFERS, ServerError
@@ -48,6 +47,7 @@ from grpoflow.transport.adapters import split_adapters
 from grpoflow.transport.checkpoint_sender import CheckpointSender
 from grpoflow.transport.collective import DEFAULT_BUCKET_BYTES
 from grpoflow.transport.collective_sender import CollectiveSender
+from grpoflow.transport.server_client import ServerClient, server_urls
 
 logger = logging.getLogger("grpoflow.engines.remote")
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from grpoflow.engines.remote_client import ServerClient
 from grpoflow.engines.vllm_adapters import write_peft_adapter
 from grpoflow.transport import ServerError, WeightSyncError
+from grpoflow.transport.server_client import ServerClient
 
 logger = logging.getLogger("grpoflow.engines.remote")
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from grpoflow.engines.remote_adapters import runtime_lora_rank
-from grpoflow.engines.remote_client import ServerClient
 from grpoflow.engines.vllm import LOGPROBS_MODE
 from grpoflow.engines.vllm_adapters import adapter_obstacle, adapter_rank, lora_layers
 from grpoflow.transport import ServerError
 from grpoflow.transport.checkpoint_sender import READY_METHOD, RELOAD_METHOD, VLLM_RELOAD_METHOD
+from grpoflow.transport.server_client import ServerClient
 
 logger = logging.getLogger("grpoflow.engines.remote")
 

@@ -26,7 +26,6 @@ from grpoflow.policy.offload import OptimizerOffload
 from grpoflow.rewards import RewardRunner
 from grpoflow.rollout.agent_programs import AgentPrograms
 from grpoflow.rollout.groups import Rollout
-from grpoflow.rollout.source import GroupSource
 from grpoflow.run import checkpoint, infer_workers, report
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.evaluation import Evaluator
@@ -110,7 +109,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         placement=policy_placement,
         ref_placement=ref_placement,
         distributed=distributed,
-        evaluator=build_evaluator(config, rollout, rewards, source, tokenizer, distributed),
+        evaluator=build_evaluator(config, rollout, rewards, engine, tokenizer, distributed),
         cleanups=run_cleanups(rollout, workers),
     )
     start(trainer, config, claim, workers)
@@ -160,7 +159,7 @@ def build_evaluator(
     config: GRPOConfig,
     rollout: Rollout,
     rewards: RewardRunner | None,
-    source: GroupSource,
+    engine: RolloutEngine,
     tokenizer,
     distributed: DistributedContext,
 ) -> Evaluator | None:
@@ -186,7 +185,7 @@ def build_evaluator(
         rewards=rewards,
         sampling=config.step_sampling(tokenizer.eos_token_id),
         distributed=distributed,
-        per_prompt_seeds=config.generation.engine_name == "native",
+        per_prompt_seeds=engine.capabilities.per_prompt_params,
         batch_size=config.generation_batch_size,
     )
 

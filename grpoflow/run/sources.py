@@ -14,7 +14,6 @@ from grpoflow.agents.atropos_client import AtroposClient
 from grpoflow.agents.setup import build_episode_runner, environment_rewards
 from grpoflow.distributed import DistributedContext
 from grpoflow.engines import RolloutEngine
-from grpoflow.engines.remote_client import API_KEY_ENV
 from grpoflow.learn.update import replayed_truncation
 from grpoflow.policy.placement import Placement
 from grpoflow.rewards import RewardRunner
@@ -28,6 +27,7 @@ from grpoflow.rollout.rollout_func import RolloutFunction
 from grpoflow.rollout.scoring import SampledGroups
 from grpoflow.rollout.source import GroupSource
 from grpoflow.run.config import GRPOConfig
+from grpoflow.transport.server_client import API_KEY_ENV
 
 
 def build_rollout(
@@ -112,7 +112,7 @@ def build_group_source(
         return AtroposGroups(client, tokenizer)
     assert rewards is not None, "a run that samples its own groups has rewards"
     generation, algorithm = config.generation, config.algorithm
-    per_prompt_seeds = generation.engine_name == "native"
+    per_prompt_seeds = engine.capabilities.per_prompt_params
     draws = PromptDraws(
         len(items),
         seed=config.training.seed,

@@ -1,4 +1,5 @@
-"""Moving the trainer's weights to rollout engines, each transport's sending and receiving side.
+"""Moving the trainer's weights to rollout engines, each transport's sending and receiving side,
+and the HTTP client every request to a rollout server goes through (`server_client.py`).
 
 - `collective`: a process group of its own between the trainer and the rollout servers, the
   weights broadcast in packed buckets (NCCL between GPUs, gloo otherwise). `collective.py` is the
@@ -10,8 +11,9 @@
 - `in_process`: the weights handed by reference to a vLLM engine in the same process
   (`in_process.py`), and the vLLM worker methods that load them.
 
-No module here knows the server, the engines or the run: a sender is given a `request` callable,
-a receiver the model's shapes, a way to load tensors and a way to hold generation.
+No module here knows the server, the engines or the run: a sender is given a `request` callable
+(a `ServerClient`'s, for the remote engine), a receiver the model's shapes, a way to load tensors
+and a way to hold generation.
 """
 
 from __future__ import annotations

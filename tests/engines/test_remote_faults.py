@@ -19,9 +19,9 @@ from helpers.live_server import start_server, tiny_service  # noqa: E402
 
 from grpoflow.engines import SamplingParams  # noqa: E402
 from grpoflow.engines.remote import RemoteEngine  # noqa: E402
-from grpoflow.engines.remote_client import ServerClient  # noqa: E402
 from grpoflow.run.failures import RunStopped  # noqa: E402
 from grpoflow.transport import ServerError  # noqa: E402
+from grpoflow.transport.server_client import ServerClient  # noqa: E402
 
 PARAMS = SamplingParams(n=2, max_tokens=4)
 

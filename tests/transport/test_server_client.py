@@ -9,8 +9,8 @@ pytest.importorskip("httpx")
 
 from grpoflow.engines.remote import RemoteEngine, split_evenly  # noqa: E402
 from grpoflow.engines.remote_capabilities import ServerOffer, choose_transfer  # noqa: E402
-from grpoflow.engines.remote_client import ServerClient, server_urls  # noqa: E402
 from grpoflow.transport import ServerError  # noqa: E402
+from grpoflow.transport.server_client import ServerClient, server_urls  # noqa: E402
 
 NOWHERE = "http://127.0.0.1:1"
 """A URL nothing listens on."""
