@@ -16,7 +16,9 @@ from grpoflow.options import require
 @dataclass(kw_only=True, slots=True)
 class ImportanceCorrection:
     """The importance-sampling correction of rollouts that the trainer's policy did not sample
-    itself (TRL's names): the loss is weighted by pi_trainer / pi_sampler (`algo.sampling_correction`)."""
+    itself: the loss is weighted by pi_trainer / pi_sampler (`algo.sampling_correction`). The
+    option names are TRL's, which names them after vLLM; here they apply to every engine (the
+    native engine, rollout servers, a user's rollout function's log-probs)."""
 
     vllm_importance_sampling_correction: bool | None = None
     """Reweight the loss by pi_trainer / pi_sampler; unset: on for engines that hold their own
