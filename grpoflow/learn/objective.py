@@ -26,8 +26,10 @@ from grpoflow.algo import (
     normalize_then_sum_advantages,
 )
 from grpoflow.algo.estimators import AdvantageEstimator
+from grpoflow.distributed import DistributedContext
 from grpoflow.imports import load_object
 from grpoflow.options import choices, require
+from grpoflow.rollout.groups import ScoredGroups
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +184,19 @@ class AlgorithmConfig:
         require(callable(estimator), "adv_estimator", "a function's import path", self.adv_estimator)
         return estimator
 
+    def step_advantages(
+        self, reward_weights: torch.Tensor, num_generations: int, distributed: DistributedContext
+    ) -> StepAdvantages:
+        """A step's advantages as these options say, for rewards weighted by `reward_weights`
+        in groups of `num_generations` (where the groups give no sizes of their own)."""
+        return StepAdvantages(
+            algorithm=self,
+            estimator=self.advantage_estimator(),
+            reward_weights=reward_weights,
+            num_generations=num_generations,
+            distributed=distributed,
+        )
+
     def loss_settings(self) -> LossSettings:
         """The loss as `algo.policy_loss` takes it. The loss type's settings are the section of
         these options of its settings' class; a plugin's loss type with a class of its own gets its
@@ -247,3 +262,35 @@ def rank_advantages(
     if zero_advantage is not None:
         advantages = advantages.masked_fill(zero_advantage.to(advantages.device), 0.0)
     return advantages, metrics
+
+
+@dataclass(frozen=True, slots=True)
+class StepAdvantages:
+    """Advantages as the objective says (`adv_estimator`, `scale_rewards`, ...), over the global
+    batch, then this rank's slice (groups stay whole on one rank)."""
+
+    algorithm: AlgorithmConfig
+    estimator: AdvantageEstimator
+    reward_weights: torch.Tensor
+    """(num_rewards,) how the reward columns add up."""
+    num_generations: int
+    """The group size, where the groups do not give their own sizes."""
+    distributed: DistributedContext
+
+    def __call__(
+        self, all_rewards: torch.Tensor, scored: ScoredGroups, all_kl: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This rank's advantages `(batch,)` and the reward metrics, from every rank's rewards
+        `(global_batch, num_rewards)` (and each completion's KL to the reference under
+        kl_in_reward); `scored` are this rank's groups."""
+        size, rank = len(all_rewards) // self.distributed.world_size, self.distributed.rank
+        return rank_advantages(
+            self.algorithm,
+            self.estimator,
+            all_rewards,
+            self.reward_weights,
+            scored.group_sizes or self.num_generations,
+            slice(rank * size, (rank + 1) * size),
+            scored.zero_advantage,
+            all_kl,
+        )

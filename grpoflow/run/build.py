@@ -19,7 +19,6 @@ from grpoflow.distributed import DistributedContext, init_distributed
 from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
 from grpoflow.engines.colocate import ColocateLayout
 from grpoflow.learn.learner import Learner
-from grpoflow.learn.step_advantages import StepAdvantages
 from grpoflow.policy import lora, placement
 from grpoflow.policy.loading import load_checkpoint_weights, reference_model, resolve_device
 from grpoflow.policy.offload import OptimizerOffload
@@ -93,12 +92,8 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     trainer = GRPOTrainer(
         config.loop_settings(total_steps),
         source=source,
-        advantages=StepAdvantages(
-            algorithm=config.algorithm,
-            estimator=config.algorithm.advantage_estimator(),
-            reward_weights=source.reward_weights,
-            num_generations=config.generation.num_generations,
-            distributed=distributed,
+        advantages=config.algorithm.step_advantages(
+            source.reward_weights, config.generation.num_generations, distributed
         ),
         learner=build_learner(config, policy_placement, ref_placement, engine, distributed, total_steps),
         engine=engine,

@@ -27,7 +27,7 @@ from grpoflow.algo import overlong_mask
 from grpoflow.distributed import DistributedContext
 from grpoflow.engines import NonFiniteLogits, RolloutEngine
 from grpoflow.learn.learner import Learner
-from grpoflow.learn.step_advantages import StepAdvantages
+from grpoflow.learn.objective import StepAdvantages
 from grpoflow.phases import PhaseTimer, phase
 from grpoflow.policy.placement import Placement
 from grpoflow.rollout.batch import RolloutBatch, collate
