@@ -147,6 +147,18 @@ class GRPOTrainer:
             start_metrics = self.evaluate()
             if metrics_logger is not None:
                 metrics_logger.log(0, start_metrics)
+        try:
+            self._loop(metrics_logger, streaks, history)
+        finally:
+            self.source.settle()  # nothing generates in the background once train returns
+        return history
+
+    def _loop(
+        self,
+        metrics_logger: MetricsLogger | None,
+        streaks: RewardFailureStreaks,
+        history: list[dict[str, float]],
+    ) -> None:
         log_seconds = 0.0
         while self.step_count < self.total_steps:
             timer = PhaseTimer()
@@ -158,13 +170,12 @@ class GRPOTrainer:
             history.append(metrics)
             started = time.perf_counter()
             if metrics_logger is not None:
-                if self.step_count % settings.logging_steps == 0 or evaluated:
+                if self.step_count % self.settings.logging_steps == 0 or evaluated:
                     metrics_logger.log(self.step_count, metrics)
                 metrics_logger.advance(self.step_count, metrics)
             log_seconds = time.perf_counter() - started
             if stop is not None:
                 raise stop
-        return history
 
     def step(self, metrics_logger: MetricsLogger | None = None) -> dict[str, float]:
         """One generation batch: next groups, advantages, learn, sync; its metrics with its
