@@ -13,6 +13,7 @@ from grpoflow.algo.filters import off_policy_mask, overlong_mask, select_groups,
 from grpoflow.algo.importance import SAMPLING_CORRECTION_MODES, sampling_correction, sampling_logp_gap
 from grpoflow.algo.kl import KL_ESTIMATORS, k3_kl, kl_estimate, sequence_kl
 from grpoflow.algo.logprobs import (
+    LogprobOptions,
     packed_sequence_logprobs,
     position_ids_from_mask,
     selective_log_softmax,
@@ -46,6 +47,7 @@ __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_REDUCTIONS",
     "LOSS_TYPES",
+    "LogprobOptions",
     "LossSettings",
     "LossType",
     "PackedSequences",

@@ -17,6 +17,7 @@ tokens from a padding-free row (`packing.py`).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,34 @@ _LOGIT_SCALING_ATTRIBUTES = (
     "logits_scaling",
 )
 """Config fields of models whose forward transforms the logits after the output projection."""
+
+
+def _check_scoring(temperature: float, chunk_size: int) -> None:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}.")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LogprobOptions:
+    """How completion tokens are scored: the distribution they are scored under and the memory
+    bound of the projection. The same for a padded batch and a packed one."""
+
+    temperature: float = 1.0
+    """Divides the logits, as at sampling time; > 0."""
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Tokens projected to the vocabulary at a time; the float32 logits never exceed
+    `(chunk_size, vocab)`, in the forward pass or in backward."""
+    compute_entropy: bool = False
+    """Also return the entropy of each temperature-scaled (and truncated) distribution."""
+    entropy_grad: bool = False
+    """The entropy carries a gradient (for an entropy bonus in the loss)."""
+    truncation: Truncation | None = None
+    """Top-k/top-p/min-p replayed on the scaled logits; None or inactive: the whole vocabulary."""
+
+    def __post_init__(self) -> None:
+        _check_scoring(self.temperature, self.chunk_size)
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
@@ -112,23 +141,15 @@ def token_logprobs_from_hidden(
         hidden: `(batch, seq, hidden)` last hidden states; position t predicts `targets[:, t]`.
         lm_head: the output projection, an `nn.Module` or its weight `(vocab, hidden)`.
         targets: `(batch, seq)` token ids.
-        temperature: divides the logits, as at sampling time.
-        chunk_size: tokens projected at a time; the float32 logits never exceed
-            `(chunk_size, vocab)`, in the forward pass or in backward.
-        compute_entropy: also return the entropy of each temperature-scaled distribution.
+        temperature, chunk_size, compute_entropy, entropy_grad, truncation: as the fields of
+            `LogprobOptions`.
         bias: `(vocab,)`, only with a weight tensor.
-        entropy_grad: the entropy carries a gradient (for an entropy bonus in the loss).
-        truncation: top-k/top-p/min-p replayed on the scaled logits (the entropy is then the
-            truncated distribution's); None or inactive: the whole vocabulary.
 
     Returns:
         log_probs: `(batch, seq)` float32.
         entropy: `(batch, seq)` float32, without gradient unless `entropy_grad`, or None.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}.")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    _check_scoring(temperature, chunk_size)
     truncation = truncation if truncation is not None and truncation.active else None
     if isinstance(lm_head, nn.Linear | Tensor) and truncation is None:
         weight, bias = _linear_parameters(lm_head, bias)
@@ -253,25 +274,36 @@ def _load_kernels():
     return logprob_kernels
 
 
+def _logprobs_from_hidden(
+    hidden: Tensor, head: nn.Module, targets: Tensor, options: LogprobOptions
+) -> tuple[Tensor, Tensor | None]:
+    """`token_logprobs_from_hidden` under `options`."""
+    return token_logprobs_from_hidden(
+        hidden,
+        head,
+        targets,
+        temperature=options.temperature,
+        chunk_size=options.chunk_size,
+        compute_entropy=options.compute_entropy,
+        entropy_grad=options.entropy_grad,
+        truncation=options.truncation,
+    )
+
+
 def _logprobs_from_logits(
-    logits: Tensor,
-    targets: Tensor,
-    temperature: float,
-    chunk_size: int,
-    compute_entropy: bool,
-    entropy_grad: bool = False,
-    truncation: Truncation | None = None,
+    logits: Tensor, targets: Tensor, options: LogprobOptions
 ) -> tuple[Tensor, Tensor | None]:
     """Like `token_logprobs_from_hidden` for logits a model already produced: `(b, s, vocab)`."""
     flat_logits = logits.reshape(-1, logits.size(-1))
+    chunk_size = options.chunk_size
     log_probs, entropies = [], []
     for rows, ids in zip(flat_logits.split(chunk_size), targets.reshape(-1).split(chunk_size)):
-        scaled = truncated_scores(rows.float() / temperature, truncation, ids)
+        scaled = truncated_scores(rows.float() / options.temperature, options.truncation, ids)
         log_probs.append(_gather_log_prob(scaled, ids))
-        if compute_entropy:
-            entropies.append(_entropy(scaled, entropy_grad))
+        if options.compute_entropy:
+            entropies.append(_entropy(scaled, options.entropy_grad))
     log_probs = _concat(log_probs, flat_logits).view(targets.shape)
-    entropy = _concat(entropies, flat_logits).view(targets.shape) if compute_entropy else None
+    entropy = _concat(entropies, flat_logits).view(targets.shape) if options.compute_entropy else None
     return log_probs, entropy
 
 
@@ -333,11 +365,7 @@ def sequence_logprobs(
     input_ids: Tensor,
     attention_mask: Tensor | None,
     logits_to_keep: int,
-    temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    compute_entropy: bool = False,
-    entropy_grad: bool = False,
-    truncation: Truncation | None = None,
+    options: LogprobOptions = LogprobOptions(),
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities of the last `logits_to_keep` tokens of each sequence.
 
@@ -352,12 +380,11 @@ def sequence_logprobs(
         attention_mask: `(batch, seq)`, 1 on real tokens; None when no row has padding before
             a scored token (right padding only), which lets attention run on its causal fast path.
         logits_to_keep: number of completion tokens at the end of each row to score.
-        temperature, chunk_size, compute_entropy, entropy_grad, truncation: as in
-            `token_logprobs_from_hidden`.
+        options: how the tokens are scored (temperature, chunking, entropy, truncation).
 
     Returns:
         log_probs: `(batch, logits_to_keep)` float32.
-        entropy: `(batch, logits_to_keep)` float32, with gradient only under `entropy_grad`, or None.
+        entropy: `(batch, logits_to_keep)` float32, with gradient only under `options.entropy_grad`, or None.
     """
     targets = input_ids[:, -logits_to_keep:]
     parts = decoder_and_head(model)
@@ -371,30 +398,16 @@ def sequence_logprobs(
             use_cache=False,
         )
         logits = outputs.logits[:, -(logits_to_keep + 1) : -1]
-        return _logprobs_from_logits(
-            logits, targets, temperature, chunk_size, compute_entropy, entropy_grad, truncation
-        )
+        return _logprobs_from_logits(logits, targets, options)
     decoder, head = parts
-    return token_logprobs_from_hidden(
-        completion_hidden(decoder, input_ids, attention_mask, logits_to_keep),
-        head,
-        targets,
-        temperature,
-        chunk_size,
-        compute_entropy,
-        entropy_grad=entropy_grad,
-        truncation=truncation,
-    )
+    hidden = completion_hidden(decoder, input_ids, attention_mask, logits_to_keep)
+    return _logprobs_from_hidden(hidden, head, targets, options)
 
 
 def packed_sequence_logprobs(
     model: nn.Module,
     packed: PackedSequences,
-    temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    compute_entropy: bool = False,
-    entropy_grad: bool = False,
-    truncation: Truncation | None = None,
+    options: LogprobOptions = LogprobOptions(),
 ) -> tuple[Tensor, Tensor | None]:
     """`sequence_logprobs` of a packed batch (`packing.pack_sequences`): one forward pass over
     the real tokens only, attention kept within each sequence by its restarting `position_ids`.
@@ -410,15 +423,7 @@ def packed_sequence_logprobs(
             use_cache=False,
             **packed.attention_kwargs(),
         ).logits
-        log_probs, entropy = _logprobs_from_logits(
-            logits[0, packed.score_index],
-            packed.targets,
-            temperature,
-            chunk_size,
-            compute_entropy,
-            entropy_grad,
-            truncation,
-        )
+        log_probs, entropy = _logprobs_from_logits(logits[0, packed.score_index], packed.targets, options)
     else:
         decoder, head = parts
         outputs = decoder(
@@ -428,14 +433,5 @@ def packed_sequence_logprobs(
             **packed.attention_kwargs(),
         )
         hidden = outputs.last_hidden_state[0, packed.score_index]  # (scored, hidden)
-        log_probs, entropy = token_logprobs_from_hidden(
-            hidden,
-            head,
-            packed.targets,
-            temperature,
-            chunk_size,
-            compute_entropy,
-            entropy_grad=entropy_grad,
-            truncation=truncation,
-        )
+        log_probs, entropy = _logprobs_from_hidden(hidden, head, packed.targets, options)
     return unpack(log_probs, packed), (unpack(entropy, packed) if entropy is not None else None)

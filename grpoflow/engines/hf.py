@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from grpoflow.algo import sequence_logprobs
+from grpoflow.algo import LogprobOptions, sequence_logprobs
 from grpoflow.engines.base import Completion, EngineCapabilities, EngineOptions, EngineStats, SamplingParams
 
 
@@ -151,9 +151,11 @@ class HFEngine:
                 full_ids,
                 full_mask,
                 logits_to_keep=width,
-                temperature=params.temperature or 1.0,
-                chunk_size=self.logprob_chunk_size,
-                truncation=params.truncation if params.temperature > 0 else None,
+                options=LogprobOptions(
+                    temperature=params.temperature or 1.0,
+                    chunk_size=self.logprob_chunk_size,
+                    truncation=params.truncation if params.temperature > 0 else None,
+                ),
             )
         return [logps[row, : len(ids)].tolist() for row, (ids, _) in enumerate(rows)]
 

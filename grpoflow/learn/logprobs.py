@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from grpoflow.algo import pack_sequences, packed_sequence_logprobs, sequence_logprobs
+from grpoflow.algo import LogprobOptions, pack_sequences, packed_sequence_logprobs, sequence_logprobs
 from grpoflow.learn.update import UpdateSettings
 from grpoflow.policy.placement import Placement
 from grpoflow.rollout.batch import RolloutBatch
@@ -23,34 +23,22 @@ def batch_logprobs(
     """Per-token log-probs (batch, completion_len) of the completion tokens under the placed model
     (and their entropy if asked), from the padded rows or, under `padding_free`, packed ones."""
     model = placement.module
+    options = LogprobOptions(
+        temperature=settings.temperature,
+        chunk_size=settings.algorithm.logprob_chunk_size,
+        compute_entropy=entropy,
+        entropy_grad=entropy_grad,
+        truncation=settings.truncation,
+    )
     if settings.padding_free:
         packed = pack_sequences(
             batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
         )
-        return placement.sharded_forward(
-            lambda: packed_sequence_logprobs(
-                model,
-                packed,
-                temperature=settings.temperature,
-                chunk_size=settings.algorithm.logprob_chunk_size,
-                compute_entropy=entropy,
-                entropy_grad=entropy_grad,
-                truncation=settings.truncation,
-            ),
-        )
+        return placement.sharded_forward(lambda: packed_sequence_logprobs(model, packed, options))
     input_ids, attention_mask = batch.model_inputs()
+    logits_to_keep = batch.completion_ids.shape[1]
     return placement.sharded_forward(
-        lambda: sequence_logprobs(
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep=batch.completion_ids.shape[1],
-            temperature=settings.temperature,
-            chunk_size=settings.algorithm.logprob_chunk_size,
-            compute_entropy=entropy,
-            entropy_grad=entropy_grad,
-            truncation=settings.truncation,
-        ),
+        lambda: sequence_logprobs(model, input_ids, attention_mask, logits_to_keep, options)
     )
 
 

@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from grpoflow.algo import (
+    LogprobOptions,
     position_ids_from_mask,
     selective_log_softmax,
     sequence_logprobs,
@@ -143,9 +144,8 @@ def padded_batch(prompt_lengths, completion_lengths, prompt_width=6, completion_
 def test_sequence_logprobs_match_full_logits_with_left_padding(tiny_model):
     input_ids, attention_mask = padded_batch([6, 3, 1], [5, 2, 4])
     completion_mask = attention_mask[:, -5:].float()
-    log_probs, entropy = sequence_logprobs(
-        tiny_model, input_ids, attention_mask, 5, temperature=0.8, chunk_size=4, compute_entropy=True
-    )
+    options = LogprobOptions(temperature=0.8, chunk_size=4, compute_entropy=True)
+    log_probs, entropy = sequence_logprobs(tiny_model, input_ids, attention_mask, 5, options)
     (log_probs * completion_mask).sum().backward()
     grads = {name: param.grad.clone() for name, param in tiny_model.named_parameters()}
     tiny_model.zero_grad()
@@ -172,7 +172,8 @@ def test_models_with_logit_softcapping_use_the_full_forward():
     assert model.config.final_logit_softcapping is not None
     input_ids, attention_mask = padded_batch([4, 2], [3, 3], completion_width=3)
     with torch.no_grad():
-        log_probs, _ = sequence_logprobs(model, input_ids, attention_mask, 3, temperature=0.9, chunk_size=2)
+        options = LogprobOptions(temperature=0.9, chunk_size=2)
+        log_probs, _ = sequence_logprobs(model, input_ids, attention_mask, 3, options)
         expected = naive_sequence_logprobs(model, input_ids, attention_mask, 3, 0.9)
     torch.testing.assert_close(log_probs, expected)
 

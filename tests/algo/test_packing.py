@@ -16,6 +16,7 @@ from helpers.packed_batches import VOCAB, padded_batch
 from grpoflow.algo import (
     LOSS_TYPES,
     BatchTotals,
+    LogprobOptions,
     LossSettings,
     check_packed_attention,
     pack_sequences,
@@ -62,10 +63,10 @@ def test_packed_log_probs_and_entropy_equal_padded(model_type, attention):
     model = build_tiny_model(VOCAB, model_type=model_type, seed=0).eval()
     model.set_attn_implementation(attention)
     inputs = padded_batch()
-    options = dict(temperature=0.7, chunk_size=16, compute_entropy=True)
+    options = LogprobOptions(temperature=0.7, chunk_size=16, compute_entropy=True)
     with torch.no_grad():
-        padded, padded_entropy = padded_logprobs(model, *inputs, **options)
-        packed, packed_entropy = packed_sequence_logprobs(model, pack_sequences(*inputs), **options)
+        padded, padded_entropy = padded_logprobs(model, *inputs, options=options)
+        packed, packed_entropy = packed_sequence_logprobs(model, pack_sequences(*inputs), options)
     mask = inputs[3].bool()
     torch.testing.assert_close(packed[mask], padded[mask], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed_entropy[mask], padded_entropy[mask], rtol=1e-5, atol=1e-5)

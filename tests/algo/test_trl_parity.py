@@ -18,6 +18,7 @@ from grpoflow.algo import (
     LOSS_TYPES,
     AdaptiveEntropy,
     BatchTotals,
+    LogprobOptions,
     LossSettings,
     combine_rewards,
     entropy_bonus,
@@ -173,7 +174,7 @@ def loss_inputs(model, temperature, with_ref, with_is_weights, num_micro_batches
             torch.cat([prompt_ids, completion_ids], dim=1),
             torch.cat([torch.ones_like(prompt_ids), completion_mask], dim=1),
             width,
-            temperature,
+            LogprobOptions(temperature=temperature),
         )
     inputs = {
         "prompt_ids": prompt_ids,
@@ -234,10 +235,12 @@ def test_loss_and_gradients_match_trl(tmp_path, tiny_checkpoint, case, num_micro
         torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
         torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
         completion_mask.size(1),
-        trainer.temperature,
-        chunk_size=5,
-        compute_entropy=True,
-        entropy_grad=args.entropy_coef != 0,
+        LogprobOptions(
+            temperature=trainer.temperature,
+            chunk_size=5,
+            compute_entropy=True,
+            entropy_grad=args.entropy_coef != 0,
+        ),
     )
     token_mask = torch.ones_like(logps)
     if args.top_entropy_quantile < 1:
@@ -330,9 +333,7 @@ def test_adaptive_entropy_matches_trl(tmp_path, tiny_checkpoint):
             torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
             torch.cat([inputs["prompt_mask"], mask], dim=1),
             mask.size(1),
-            trainer.temperature,
-            compute_entropy=True,
-            entropy_grad=True,
+            LogprobOptions(temperature=trainer.temperature, compute_entropy=True, entropy_grad=True),
         )
         loss, _ = policy_loss(
             logps,

@@ -15,7 +15,7 @@ from helpers import support  # noqa: E402
 from helpers.native_fixtures import one_thread  # noqa: E402, F401 (a fixture)
 
 from grpoflow import cli  # noqa: E402
-from grpoflow.algo import sequence_logprobs  # noqa: E402
+from grpoflow.algo import LogprobOptions, sequence_logprobs  # noqa: E402
 from grpoflow.engines import (  # noqa: E402
     ENGINES,
     EngineCapabilities,
@@ -196,7 +196,7 @@ def test_reference_with_adapters_off_is_the_base_model(tied):
     reference = reference_model(model)
     assert isinstance(reference, WithoutAdapters)
     ids, mask = token_batch()
-    kwargs = dict(logits_to_keep=6, chunk_size=5)  # several chunks of the projection
+    kwargs = dict(logits_to_keep=6, options=LogprobOptions(chunk_size=5))  # several projection chunks
     with torch.no_grad():
         ref_logps, _ = sequence_logprobs(reference, ids, mask, **kwargs)
         base_logps, _ = sequence_logprobs(plain, ids, mask, **kwargs)

@@ -8,6 +8,7 @@ import torch
 from helpers.packed_batches import COMPLETION_LENGTHS, PROMPT_LENGTHS, VOCAB, padded_batch
 
 from grpoflow.algo import (
+    LogprobOptions,
     LossSettings,
     pack_sequences,
     packed_sequence_logprobs,
@@ -18,6 +19,7 @@ from grpoflow.policy import varlen_attention
 from grpoflow.policy.tiny import build_tiny_model
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+SAMPLING = LogprobOptions(temperature=0.7)
 
 
 def model_with(attention: str, model_type: str = "qwen2", device="cpu", dtype=torch.float32):
@@ -30,11 +32,11 @@ def model_with(attention: str, model_type: str = "qwen2", device="cpu", dtype=to
 def padded(model, inputs):
     prompt_ids, prompt_mask, completion_ids, completion_mask = inputs
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-    return sequence_logprobs(model, ids, mask, logits_to_keep=completion_ids.size(1), temperature=0.7)[0]
+    return sequence_logprobs(model, ids, mask, completion_ids.size(1), SAMPLING)[0]
 
 
 def packed(model, inputs):
-    return packed_sequence_logprobs(model, pack_sequences(*inputs), temperature=0.7)[0]
+    return packed_sequence_logprobs(model, pack_sequences(*inputs), SAMPLING)[0]
 
 
 def gradients(model, logps_fn, inputs) -> dict[str, torch.Tensor]:

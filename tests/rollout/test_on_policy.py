@@ -11,7 +11,7 @@ import torch
 from helpers.native_fixtures import tiny
 from helpers.support import recipe
 
-from grpoflow.algo import sequence_logprobs
+from grpoflow.algo import LogprobOptions, sequence_logprobs
 from grpoflow.algo.truncation import Truncation
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import SamplingParams
@@ -89,9 +89,8 @@ def test_completions_are_the_trainers_own_draws_whatever_the_engine_proposes(sam
         input_ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)
         mask = torch.cat([part.prompt_mask, part.completion_mask], dim=1) if part.left_padded else None
         with torch.no_grad():
-            logps, _ = sequence_logprobs(
-                policy, input_ids, mask, part.completion_ids.shape[1], truncation=truncation
-            )
+            options = LogprobOptions(truncation=truncation)
+            logps, _ = sequence_logprobs(policy, input_ids, mask, part.completion_ids.shape[1], options)
         assert torch.equal(logps * part.completion_mask, part.sampling_logps)
 
 
