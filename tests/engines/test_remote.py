@@ -56,12 +56,14 @@ def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: parameter.detach().clone() for name, parameter in module.named_parameters()}
 
 
-def local_greedy(policy: torch.nn.Module) -> list[tuple[list[int], list[float]]]:
+def local_greedy(
+    policy: torch.nn.Module, prompts: list[list[int]] = PROMPTS
+) -> list[tuple[list[int], list[float]]]:
     """What the server's engine generates with `policy`'s weights, computed here."""
     local = build_engine(
-        "native", policy, build_char_tokenizer(), EngineOptions(engine=EngineConfig(max_model_len=64))
+        "native", policy, build_char_tokenizer(), EngineOptions(engine=EngineConfig(max_model_len=128))
     )
-    return [(c.token_ids, c.logprobs) for group in local.generate(PROMPTS, GREEDY) for c in group]
+    return [(c.token_ids, c.logprobs) for group in local.generate(prompts, GREEDY) for c in group]
 
 
 def served_greedy(engine: RemoteEngine) -> list[tuple[list[int], list[float]]]:
@@ -133,6 +135,18 @@ def test_an_update_makes_the_server_generate_as_the_updated_model(engine, url):
     assert all(abs(g[0] - b[0]) > 1e-3 for (_, g), (_, b) in zip(got, before))  # the weights changed
     assert httpx.get(url + "/weight_info").json() == {"weight_version": "1"}
     assert engine.generate(PROMPTS[:1], GREEDY)[0][0].policy_version == 1
+
+
+def test_an_update_drops_the_prefix_cache_the_old_weights_filled(engine):
+    """A prompt whose full KV blocks the old weights cached is answered from the new weights: the
+    collective update writes the served parameters in place, and no cached block outlives them."""
+    long_prompt = [[3 + (7 * i) % 37 for i in range(72)]]  # two full blocks of 32 tokens, then 8
+    engine.update_weights(model(42).named_parameters(), version=20)
+    engine.generate(long_prompt, GREEDY)  # the server caches the prompt's blocks
+    updated = model(7)
+    engine.update_weights(updated.named_parameters(), version=21)
+    got = [(c.token_ids, c.logprobs) for group in engine.generate(long_prompt, GREEDY) for c in group]
+    assert_same(got, local_greedy(updated, long_prompt))
 
 
 def test_a_wrong_shape_or_name_is_refused_and_changes_nothing(engine):
