@@ -5,7 +5,8 @@ marker goes in last, and one `rename` publishes it: a crash mid-save leaves only
 directory, which the next save clears, never a half-written `checkpoint-N`.
 
 A checkpoint holds the model (a LoRA run's: the adapter only, PEFT's `save_pretrained`), the
-tokenizer and the trainer state (`trainer_state.pt`, which keeps the run's config and, for a run
+tokenizer and the trainer state (`trainer_state.json` and its tensors in `trainer_state.tensors`,
+no pickle: `state_files.py`; it keeps the run's config and, for a run
 over several processes, every rank's RNG state). Rank 0 writes it; the weights, optimizer and data
 position are the same on every rank (under FSDP, gathered from every rank's shards first).
 """
@@ -31,14 +32,23 @@ from grpoflow.distributed import DistributedContext
 from grpoflow.phases import phase
 from grpoflow.policy.lora import is_peft_model
 from grpoflow.policy.placement import Placement
+from grpoflow.run.state_files import (
+    LEGACY_STATE_FILE,
+    STATE_FILE,
+    TENSORS_FILE,
+    has_state,
+    load_state,
+    save_state,
+)
 
 logger = logging.getLogger("grpoflow.run.checkpoint")
 
 MARKER = "COMPLETE"
-STATE_FILE = "trainer_state.pt"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 BEST = "checkpoint-best"
 """The copy of the checkpoint with the best metric_for_best_model, beside the rotating ones."""
+RUN_FILES = frozenset({MARKER, STATE_FILE, TENSORS_FILE, LEGACY_STATE_FILE})
+"""A checkpoint's files that are the run's, not the model's (an export leaves them out)."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -139,7 +149,7 @@ def save_checkpoint(
         else:
             model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(staging)
-    torch.save(trainer_state, staging / STATE_FILE)
+    save_state(trainer_state, staging)
     (staging / MARKER).write_text(json.dumps({"step": step, "run_id": run_id}))
     _fsync_tree(staging)
     if final.exists():
@@ -208,7 +218,7 @@ def resolve_checkpoint(spec: str | None, output_dir: str | Path) -> Path | None:
 def is_checkpoint(path: str | Path) -> bool:
     """Whether `path` is a complete checkpoint directory."""
     path = Path(path)
-    return (path / MARKER).is_file() and (path / STATE_FILE).is_file()
+    return (path / MARKER).is_file() and has_state(path)
 
 
 def checkpoint_run_id(path: str | Path) -> str | None:
@@ -268,7 +278,8 @@ def warn_about_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
-    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    """The trainer state of checkpoint `path`, read without running code (`state_files`)."""
+    return load_state(Path(path))
 
 
 @contextlib.contextmanager

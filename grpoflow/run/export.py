@@ -38,7 +38,7 @@ def export_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *, bas
             logger.warning("--base %s is ignored: %s holds a full model, copied as it is", base, directory)
         output.mkdir(parents=True, exist_ok=True)
         for path in directory.iterdir():
-            if path.is_file() and path.name not in {checkpoint.MARKER, checkpoint.STATE_FILE}:
+            if path.is_file() and path.name not in checkpoint.RUN_FILES:
                 shutil.copy2(path, output / path.name)
         return output
     tokenizer = load_tokenizer(str(directory))

@@ -223,7 +223,7 @@ def test_adapter_checkpoint_resumes_exactly_as_an_uninterrupted_run(tmp_path):
     history = run(recipe(tmp_path / "a", save_steps=3, **settings))
     saved = tmp_path / "a" / "run" / "checkpoint-3"
     files = {path.name for path in saved.iterdir()}
-    assert {"adapter_model.safetensors", "adapter_config.json", "trainer_state.pt"} <= files
+    assert {"adapter_model.safetensors", "adapter_config.json", "trainer_state.json"} <= files
     assert not any(name.startswith("model") and name.endswith(".safetensors") for name in files)
     trainer = build_trainer(recipe(tmp_path / "b", resume_from_checkpoint=str(saved), **settings))
     assert trainer.step_count == 3
@@ -290,7 +290,7 @@ def test_export_of_a_full_checkpoint_copies_the_model(tmp_path):
         cli.main(["export", "--checkpoint", str(tmp_path / "run" / "checkpoint-1"), "--output", str(output)])
         == 0
     )
-    assert not (output / "trainer_state.pt").exists()
+    assert not any((output / name).exists() for name in ("trainer_state.json", "trainer_state.tensors"))
     ids, mask = token_batch()
     exported = AutoModelForCausalLM.from_pretrained(output).eval()
     torch.testing.assert_close(

@@ -86,7 +86,7 @@ def test_the_next_save_clears_stale_temporary_directories(tmp_path, model, token
 def test_directories_without_the_marker_are_not_checkpoints(tmp_path, model, tokenizer):
     good = save(tmp_path, 3, model, tokenizer)
     (tmp_path / "checkpoint-9").mkdir()  # e.g. copied by hand, half-way
-    (tmp_path / "checkpoint-9" / STATE_FILE).write_bytes(b"")
+    (tmp_path / "checkpoint-9" / STATE_FILE).write_text("{}")
     (tmp_path / "checkpoint-last").mkdir()
     (tmp_path / "checkpoint-last" / MARKER).write_text("x")
     assert list_checkpoints(tmp_path) == [good]
