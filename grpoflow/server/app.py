@@ -28,9 +28,11 @@ import contextlib
 import hmac
 import logging
 from importlib import metadata
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -233,7 +235,7 @@ async def world_size(request: Request) -> dict:
 async def completions(request: Request) -> dict:
     service = service_of(request)
     limits = service.limits
-    body = parse(CompletionRequest, await read_json(request), limits)
+    body = await parsed(request, CompletionRequest)
     _sampled_logprobs_only(body.logprobs)
     requests = service.pools.requests
     prompts = await run_in(requests, completion_prompts, body, service.tokenizer, limits)
@@ -248,7 +250,7 @@ async def completions(request: Request) -> dict:
 async def chat_completions(request: Request) -> dict:
     service = service_of(request)
     limits = service.limits
-    body = parse(ChatCompletionRequest, await read_json(request), limits)
+    body = await parsed(request, ChatCompletionRequest)
     if body.logprobs and body.top_logprobs:
         raise RequestError(
             f"top_logprobs={body.top_logprobs}: grpoflow serve reports the sampled token's log-prob "
@@ -282,7 +284,7 @@ async def chat_completions(request: Request) -> dict:
 async def generate(request: Request) -> dict:
     service = service_of(request)
     limits = service.limits
-    body = parse(GenerateRequest, await read_json(request), limits)
+    body = await parsed(request, GenerateRequest)
     _sampled_logprobs_only(body.logprobs)
     requests = service.pools.requests
     prompt = await run_in(requests, generate_prompt, body, service.tokenizer, limits)
@@ -290,6 +292,14 @@ async def generate(request: Request) -> dict:
     check_prompts([prompt], params.max_tokens, params.n, limits)
     (group,) = await service.generate(request, [prompt], params)
     return await run_in(requests, generate_response, body, prompt, group, service.tokenizer)
+
+
+async def parsed(request: Request, model: type[BaseModel]) -> Any:
+    """The request's body read as `model` and checked, off the event loop (a large body's
+    validation would hold every other request and /health)."""
+    service = service_of(request)
+    body = await read_json(request)
+    return await run_in(service.pools.requests, parse, model, body, service.limits)
 
 
 def _sampled_logprobs_only(logprobs: int | None) -> None:

@@ -49,6 +49,14 @@ UNSUPPORTED = (
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 """Most stop strings a request may send, and the longest one."""
+MAX_TEMPLATE_KWARGS = 64
+MAX_TEMPLATE_KWARGS_CHARS = 64 * 1024
+"""Most keys `chat_template_kwargs` may hold, and the most characters they take as JSON."""
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
+     "add_generation_prompt", "continue_final_message", "return_dict"}
+)  # fmt: skip
+"""Arguments of the template call that the request sets through its own fields."""
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily, as vLLM does (dividing logits by 1e-300 would overflow)."""
 
@@ -137,6 +145,7 @@ def parse(model: type[BaseModel], body: Any, limits: Limits):
             )
     if body.get("best_of") not in (None, 1):
         raise RequestError("best_of is not supported by grpoflow serve; use n", 400, "best_of")
+    check_template_kwargs(body.get("chat_template_kwargs"))
     try:
         request = model.model_validate(body)
     except ValidationError as error:
@@ -148,6 +157,35 @@ def parse(model: type[BaseModel], body: Any, limits: Limits):
             "model",
         )
     return request
+
+
+def check_template_kwargs(kwargs: Any) -> None:
+    """A 400 unless `chat_template_kwargs` is a small object of plain names that the request's
+    own fields do not set (its size is checked before anything walks it)."""
+    if kwargs is None:
+        return
+    field = "chat_template_kwargs"
+    if not isinstance(kwargs, dict):
+        raise RequestError(f"{field} must be an object of template variables", 400, field)
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise RequestError(
+            f"{field} holds {len(kwargs)} keys; at most {MAX_TEMPLATE_KWARGS} are taken", 400, field
+        )
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise RequestError(
+            f"{field} sets {', '.join(reserved)}, which the request's own fields set: send them as those",
+            400,
+            field,
+        )
+    try:
+        size = len(json.dumps(kwargs))
+    except (RecursionError, ValueError):
+        size = MAX_TEMPLATE_KWARGS_CHARS + 1
+    if size > MAX_TEMPLATE_KWARGS_CHARS:
+        raise RequestError(
+            f"{field} takes more than {MAX_TEMPLATE_KWARGS_CHARS} characters as JSON; send less", 400, field
+        )
 
 
 def _describe(error: ValidationError) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -143,6 +145,30 @@ def test_malformed_json_and_bad_chat_requests_leave_the_server_serving(client, c
     assert client.post("/collective_rpc", json={"method": "format_disk"}).status_code == 400
     good = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
     assert good.status_code == 200 and len(good.json()["choices"]) == 1
+
+
+def test_chat_template_kwargs_are_capped_and_cannot_set_the_requests_own_arguments(client, chat_template):
+    """A large `chat_template_kwargs` is refused before anything walks it (it once held every
+    request and /health while it was validated and rendered), and one naming an argument the
+    request sets through its own fields is a 400, not a server error."""
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"messages": messages, "chat_template": chat_template, "max_tokens": 2}
+    started = time.monotonic()
+    many = client.post(
+        "/v1/chat/completions", json={**body, "chat_template_kwargs": {f"k{i}": i for i in range(100_000)}}
+    )
+    assert many.status_code == 400 and "100000 keys; at most 64" in many.json()["error"]["message"]
+    assert time.monotonic() - started < 5.0
+    large = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"x": "y" * 100_000}})
+    assert large.status_code == 400 and "characters as JSON" in large.json()["error"]["message"]
+    for name in ("messages", "tools", "tokenize"):
+        clash = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {name: []}})
+        assert clash.status_code == 400 and f"sets {name}" in clash.json()["error"]["message"], name
+    small = client.post(
+        "/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert small.status_code == 200
+    assert client.get("/health").status_code == 200
 
 
 def test_the_hf_engine_serves_too(make_service):
