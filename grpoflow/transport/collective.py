@@ -428,7 +428,16 @@ def receive_buckets(
 
 
 def check_plan(plan: UpdatePlan, shapes: Mapping[str, Sequence[int]]) -> None:
-    """ValueError unless every name is in `shapes` (the receiver's parameters) with that shape."""
+    """ValueError unless every name is in `shapes` (the receiver's parameters) with that shape,
+    once: an update is then never larger than the model (in the widest dtype)."""
+    seen: set[str] = set()
+    repeated = sorted({name for name in plan.names if name in seen or seen.add(name)})
+    if repeated:
+        more = f" (and {len(repeated) - 5} more)" if len(repeated) > 5 else ""
+        raise ValueError(
+            f"the update names {', '.join(map(repr, repeated[:5]))}{more} more than once: send each "
+            "parameter once"
+        )
     unknown = [name for name in plan.names if name not in shapes]
     if unknown:
         more = f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""

@@ -68,6 +68,16 @@ def test_check_plan_names_the_unknown_parameter_and_the_wrong_shape():
         collective.check_plan(plan, {**targets, "c": torch.Size([31])})
 
 
+def test_check_plan_refuses_a_parameter_sent_twice():
+    """An update naming one parameter many times (20,000 copies of the embedding) would be
+    received whole, far larger than the model: it is refused before anything is received."""
+    repeated = [*weights(), *(("e", tensor) for name, tensor in weights() if name == "e")]
+    plan, _ = plan_update(repeated)
+    targets = {name: tensor.shape for name, tensor in weights()}
+    with pytest.raises(ValueError, match="the update names 'e' more than once"):
+        collective.check_plan(plan, targets)
+
+
 def pair(timeout: float = 20.0, secrets: tuple[str, str] = ("", "")) -> tuple[WeightGroup, WeightGroup]:
     """Rank 0 and rank 1 of one gloo group, built at once (the constructor is the rendezvous);
     each rank may hold a secret of its own. A rank that could not join is its error."""
