@@ -117,17 +117,18 @@ class ScoredGroup:
     """Id the API gave the environment that posted the group."""
 
 
-def groups_from_batch(batch: list[Any]) -> list[ScoredGroup]:
-    """The groups of a /batch answer's `batch`; malformed groups and rows are logged and skipped."""
+def groups_from_batch(batch: list[Any], vocab_size: int | None = None) -> list[ScoredGroup]:
+    """The groups of a /batch answer's `batch`; malformed groups and rows are logged and skipped
+    (`vocab_size`: token ids at or above it are malformed)."""
     groups = []
     for index, raw in enumerate(batch):
-        group = scored_group(raw, where=f"batch group {index}")
+        group = scored_group(raw, where=f"batch group {index}", vocab_size=vocab_size)
         if group is not None:
             groups.append(group)
     return groups
 
 
-def scored_group(raw: Any, where: str = "group") -> ScoredGroup | None:
+def scored_group(raw: Any, where: str = "group", vocab_size: int | None = None) -> ScoredGroup | None:
     """One Atropos group as a ScoredGroup, keeping its well-formed rows; None when none is left."""
     if not isinstance(raw, dict) or not all(
         isinstance(raw.get(key), list) for key in ("tokens", "masks", "scores")
@@ -149,7 +150,7 @@ def scored_group(raw: Any, where: str = "group") -> ScoredGroup | None:
     group.env_id = raw.get("env_id")
     for row in range(counts["tokens"]):
         values = {key: None if value is None else value[row] for key, value in columns.items()}
-        problem = _row_problem(values)
+        problem = _row_problem(values, vocab_size)
         if problem:
             logger.warning("skipped row %d of %s: %s", row, where, problem)
             continue
@@ -157,22 +158,49 @@ def scored_group(raw: Any, where: str = "group") -> ScoredGroup | None:
     return group if group.token_ids else None
 
 
-def _row_problem(values: dict[str, Any]) -> str:
+def _row_problem(values: dict[str, Any], vocab_size: int | None = None) -> str:
     """Why a row cannot be trained on, or '' when it can."""
     tokens, masks, score, logprobs = (
         values[key] for key in ("tokens", "masks", "scores", "inference_logprobs")
     )
-    if not isinstance(tokens, list) or not all(isinstance(token, int) for token in tokens):
+    if not isinstance(tokens, list) or not all(_is_int(token) for token in tokens):
         return "its tokens are not a list of token ids"
+    outside = next((t for t in tokens if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if outside is not None:
+        return f"its token id {outside} is outside the vocabulary (0..{vocab_size})"
     if not isinstance(masks, list) or len(masks) != len(tokens):
         return f"it has {len(tokens)} tokens but {_length(masks)} mask values"
     if logprobs is not None and (not isinstance(logprobs, list) or len(logprobs) != len(tokens)):
         return f"it has {len(tokens)} tokens but {_length(logprobs)} inference_logprobs"
+    if logprobs is not None:
+        problem = _logprob_problem(logprobs, masks)
+        if problem:
+            return problem
     if all(mask == IGNORED for mask in masks):
         return "every mask value is -100, so no token would be trained"
     if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
         return f"its score {score!r} is not a finite number"
     return ""
+
+
+def _logprob_problem(logprobs: list, masks: list) -> str:
+    """Why a row's inference_logprobs cannot be trained on: a value that is not a number, or a
+    trained token's that is not finite (Atropos puts 1.0 at untrained ones)."""
+    odd = next((value for value in logprobs if not _is_number(value)), None)
+    if odd is not None:
+        return f"its inference_logprobs hold {odd!r}, not a number"
+    bad = next((v for v, m in zip(logprobs, masks) if m != IGNORED and not math.isfinite(v)), None)
+    if bad is not None:
+        return f"a trained token's inference_logprob is {bad!r}, not a finite number"
+    return ""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _append(group: ScoredGroup, values: dict[str, Any]) -> None:
@@ -204,12 +232,13 @@ class AtroposClient:
     ...     groups = client.next_batch()
     """
 
-    def __init__(self, config: AtroposConfig) -> None:
+    def __init__(self, config: AtroposConfig, *, vocab_size: int | None = None) -> None:
+        """`vocab_size`: the policy's token ids (embedding rows); a row with others is skipped."""
         if config.atropos_url is None:
             raise ValueError("AtroposClient needs atropos_url, the address of the trajectory API (run-api)")
         import httpx  # the atropos extra: the core imports this module for AtroposConfig alone
 
-        self.config = config
+        self.config, self.vocab_size = config, vocab_size
         self.url = config.atropos_url.rstrip("/")
         self.http = httpx.Client(base_url=self.url, timeout=config.atropos_timeout)
         self.trainer_id: int | None = None
@@ -263,7 +292,7 @@ class AtroposClient:
         if batch is None:
             return None
         self._warn_uncarried(batch)
-        groups = groups_from_batch(batch)
+        groups = groups_from_batch(batch, self.vocab_size)
         if not groups:
             logger.warning("a batch from %s held no well-formed group; polling on", self.url)
             return None

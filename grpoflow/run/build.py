@@ -87,6 +87,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         items=items,
         tokenizer=tokenizer,
         distributed=distributed,
+        vocab_size=vocab_size,
     )
     total_steps = config.total_steps(len(items), distributed.world_size)
     trainer = GRPOTrainer(

@@ -102,13 +102,15 @@ def build_group_source(
     items: list,
     tokenizer,
     distributed: DistributedContext,
+    vocab_size: int | None = None,
 ) -> GroupSource:
-    """Atropos's scored groups when `atropos_url` is set; else the run's prompts played by
-    `rollout` and scored by `rewards`, made a step ahead under `async_generate`."""
+    """Atropos's scored groups when `atropos_url` is set (rows with token ids at or above
+    `vocab_size` skipped); else the run's prompts played by `rollout` and scored by `rewards`,
+    made a step ahead under `async_generate`."""
     if config.atropos.enabled:
         settings = config.atropos
         size = settings.atropos_batch_size or config.generation_batch_size
-        client = AtroposClient(dataclasses.replace(settings, atropos_batch_size=size))
+        client = AtroposClient(dataclasses.replace(settings, atropos_batch_size=size), vocab_size=vocab_size)
         return AtroposGroups(client, tokenizer)
     assert rewards is not None, "a run that samples its own groups has rewards"
     generation, algorithm = config.generation, config.algorithm

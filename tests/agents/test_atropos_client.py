@@ -140,6 +140,39 @@ def test_malformed_rows_and_groups_are_skipped_with_the_reason(caplog):
         assert words in reasons
 
 
+def test_rows_with_bad_log_probs_or_token_ids_are_skipped_not_trained_or_raised(caplog):
+    """A log-prob that is not a number once raised mid-run, a NaN one trained silently and a token
+    id past the vocabulary raised an IndexError in the update: each row is skipped with its reason."""
+    good = {
+        "tokens": [1, 2, 3],
+        "masks": [-100, 2, 3],
+        "scores": 1.0,
+        "inference_logprobs": [1.0, -1.0, -2.0],
+    }
+    rows = [
+        good,
+        {**good, "inference_logprobs": [1.0, "abc", -2.0]},
+        {**good, "inference_logprobs": [1.0, float("nan"), -2.0]},
+        {**good, "inference_logprobs": [1.0, True, -2.0]},
+        {**good, "tokens": [1, 2, 999]},
+        {**good, "tokens": [1, -2, 3]},
+        {**good, "inference_logprobs": [float("nan"), -1.0, -2.0]},  # NaN on an untrained token: kept
+    ]
+    group = {key: [row[key] for row in rows] for key in good}
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        (kept,) = groups_from_batch([group], vocab_size=100)
+    assert kept.token_ids == [[1, 2, 3], [1, 2, 3]]
+    reasons = "\n".join(caplog.messages)
+    for words in (
+        "row 1 of batch group 0 (env None): its inference_logprobs hold 'abc', not a number",
+        "row 2 of batch group 0 (env None): a trained token's inference_logprob is nan",
+        "row 3 of batch group 0 (env None): its inference_logprobs hold True, not a number",
+        "row 4 of batch group 0 (env None): its token id 999 is outside the vocabulary (0..100)",
+        "row 5 of batch group 0 (env None): its token id -2 is outside the vocabulary",
+    ):
+        assert words in reasons
+
+
 def test_rows_the_api_accepts_but_cannot_be_trained_are_skipped_in_a_batch(api, caplog):
     config = fresh(api, atropos_batch_size=4, atropos_max_wait_seconds=10)
     uneven = {
