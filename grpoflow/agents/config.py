@@ -40,6 +40,10 @@ class AgentConfig:
     environment_timeout: float = 60.0
     """Seconds a tool call, `reset`, `respond` or `get_reward` may take; past it the episode ends
     with its error recorded (a tool's error is shown to the model instead)."""
+    environment_workers: int = 128
+    """Threads that run synchronous tools and environment hooks at once; a call that hangs past
+    environment_timeout holds one until it returns, and later calls wait for a free one (so a
+    hanging environment never grows the run's thread count past this)."""
     agent_program: str | None = None
     """An agent written against the `openai` client, as an import path (`pkg.module:fn`,
     `file.py:fn`): `async def agent(client, model, row) -> float | None`, one call per episode,
@@ -72,6 +76,7 @@ class AgentConfig:
         require(
             self.environment_timeout > 0, "environment_timeout", "> 0 (seconds)", self.environment_timeout
         )
+        require(self.environment_workers > 0, "environment_workers", "> 0", self.environment_workers)
         require(self.agent_concurrency >= 1, "agent_concurrency", ">= 1", self.agent_concurrency)
         require(self.agent_timeout > 0, "agent_timeout", "> 0 (seconds)", self.agent_timeout)
         require(

@@ -22,7 +22,7 @@ from grpoflow.agents.tools import ToolBox, environment_tools, tool_schema
 from grpoflow.chat.tool_calls import parse_tool_calls
 from grpoflow.data.prompts import PromptItem, encode_prompt
 from grpoflow.engines import PrefillStats, RolloutEngine, SamplingParams, prefix_cache_metrics
-from grpoflow.threads import in_daemon_thread
+from grpoflow.threads import DaemonPool
 
 logger = logging.getLogger("grpoflow.agents")
 
@@ -74,6 +74,8 @@ class EpisodeRunner:
         self.last_metrics: dict[str, float] = {}
         # One loop for the runner's life; asyncio.run would wait at its end for threads that overran.
         self._loop = asyncio.new_event_loop()
+        self.workers = DaemonPool(config.environment_workers, "grpoflow-environment")
+        """Where synchronous tools and environment hooks run (a hung one holds its thread)."""
 
     def run(
         self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
@@ -220,7 +222,7 @@ class EpisodeRunner:
             episode.end("max_tool_calling_iterations")
             return []
         episode.tool_turns += 1
-        box = ToolBox(tools, self.config.environment_timeout)
+        box = ToolBox(tools, self.config.environment_timeout, self.workers)
         started = time.perf_counter()
         results = await asyncio.gather(*(box.call(call) for call in parsed.calls))
         episode.environment_seconds += time.perf_counter() - started
@@ -241,7 +243,7 @@ class EpisodeRunner:
         try:
             if asyncio.iscoroutinefunction(method):
                 return await asyncio.wait_for(method(*args, **kwargs), self.config.environment_timeout)
-            running = asyncio.wrap_future(in_daemon_thread(method, *args, **kwargs))
+            running = asyncio.wrap_future(self.workers.submit(method, *args, **kwargs))
             return await asyncio.wait_for(running, self.config.environment_timeout)
         except TimeoutError:
             raise TimeoutError(

@@ -12,12 +12,12 @@ import asyncio
 import inspect
 import json
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 from grpoflow import imports
 from grpoflow.chat.tool_calls import MalformedToolCall, ToolCall
-from grpoflow.threads import in_daemon_thread
 
 HOOKS = frozenset({"reset", "get_reward", "respond"})
 """Methods of an environment that are not tools."""
@@ -68,11 +68,12 @@ def resolve_tools(specs: Sequence[str]) -> list[Callable[..., Any]]:
 
 
 class ToolBox:
-    """The tools of one episode, called by name with a timeout."""
+    """The tools of one episode, called by name with a timeout; synchronous ones run in
+    `workers` (a call still waiting there when the timeout passes never runs)."""
 
-    def __init__(self, functions: Sequence[Callable[..., Any]], timeout: float) -> None:
+    def __init__(self, functions: Sequence[Callable[..., Any]], timeout: float, workers: Executor) -> None:
         self.functions = {function.__name__: function for function in functions}
-        self.timeout = timeout
+        self.timeout, self.workers = timeout, workers
 
     async def call(self, call: ToolCall | MalformedToolCall) -> ToolResult:
         """Run one call; its result or its error, as the model will read it."""
@@ -86,7 +87,7 @@ class ToolBox:
             if inspect.iscoroutinefunction(function):
                 result = await asyncio.wait_for(function(**call.arguments), self.timeout)
             else:
-                running = asyncio.wrap_future(in_daemon_thread(function, **call.arguments))
+                running = asyncio.wrap_future(self.workers.submit(function, **call.arguments))
                 result = await asyncio.wait_for(running, self.timeout)
         except TimeoutError:
             return _error(call.name, f"tool {call.name!r} did not answer within {self.timeout:g} s")

@@ -33,7 +33,8 @@ from typing import Any
 
 from grpoflow.engines.base import Completion, RolloutEngine, SamplingParams
 from grpoflow.server.errors import RequestError
-from grpoflow.server.pools import DaemonPool, run_in
+from grpoflow.server.pools import run_in
+from grpoflow.threads import DaemonPool
 
 logger = logging.getLogger("grpoflow.server")
 

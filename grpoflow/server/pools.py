@@ -17,50 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import queue
-import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from typing import Any, TypeVar
 
-from grpoflow.threads import run_into
+from grpoflow.threads import DaemonPool
 
 T = TypeVar("T")
-
-
-class DaemonPool(Executor):
-    """A fixed number of daemon worker threads taking calls from one queue."""
-
-    def __init__(self, threads: int, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
-        for index in range(threads):
-            threading.Thread(target=self._work, name=f"{name}-{index}", daemon=True).start()
-        self._threads = threads
-
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future:
-        if self._closed:
-            raise RuntimeError("the pool is shut down")
-        future: Future = Future()
-        self._queue.put((future, fn, args, kwargs))
-        return future
-
-    def shutdown(self, wait: bool = False, *, cancel_futures: bool = True) -> None:
-        """Stop the workers once they finish what they run; queued calls are cancelled."""
-        self._closed = True
-        while cancel_futures:
-            try:
-                future, *_ = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            future.cancel()
-        for _ in range(self._threads):
-            self._queue.put(None)
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args, kwargs = item
-            run_into(future, fn, *args, **kwargs)
 
 
 class Pools:

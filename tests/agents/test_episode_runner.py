@@ -3,6 +3,7 @@ hang, and the token ids the engine saw, exactly."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -187,6 +188,43 @@ def test_a_failing_or_hanging_environment_ends_only_its_own_episode(tokenizer):
     )
     assert ok.turns == 3 and ok.environment.get_reward() == pytest.approx(1 / 3)
     assert [c.finish_reason for c in episode_groups(plain, groups)[0].completions] == ["error"]
+
+
+RELEASE = threading.Event()
+
+
+class Hangs(RelayEnvironment):
+    """Answers no turn until released: every `respond` hangs past the timeout."""
+
+    def respond(self, text):
+        RELEASE.wait(60)
+        return super().respond(text)
+
+
+def test_a_hanging_environment_keeps_the_thread_count_flat_over_50_steps():
+    """Each step's hung calls once left a thread each behind (1,285 threads after 40 steps); the
+    calls run in `environment_workers` threads, and those that wait past the timeout never run."""
+    plain = build_char_tokenizer()
+    items = [PromptItem("echo a:", plain.encode("echo a:"), {"letters": "abc"}) for _ in range(4)]
+    run = EpisodeRunner(
+        AgentConfig(
+            environment_factory="unused", environment_timeout=0.02, max_turn_tokens=4, environment_workers=6
+        ),
+        plain,
+        environment_factory=Hangs,
+        max_completion_length=64,
+    )
+    engine = ScriptedEngine(plain, lambda prompt: "aaaa")
+    RELEASE.clear()
+    before = threading.active_count()
+    try:
+        for _ in range(50):
+            groups = run.run(engine, items, SamplingParams(n=1))
+            assert all(group[0].finish == "error" for group in groups)
+        assert threading.active_count() <= before + 6
+        assert run.workers.num_threads == 6
+    finally:
+        RELEASE.set()
 
 
 def test_with_the_real_engine_every_turn_prompt_is_the_trajectory_so_far_and_env_tokens_get_no_gradient():

@@ -6,6 +6,7 @@ import pytest
 
 from grpoflow.agents.tools import ToolBox, environment_tools, resolve_tools, tool_schema
 from grpoflow.chat.tool_calls import MalformedToolCall, ToolCall
+from grpoflow.threads import DaemonPool
 
 
 def add(a: int, b: int) -> int:
@@ -52,7 +53,7 @@ def call(box, name, **arguments):
 
 @pytest.fixture
 def box():
-    return ToolBox([add, shout, slow, broken], timeout=0.5)
+    return ToolBox([add, shout, slow, broken], timeout=0.5, workers=DaemonPool(4, "test-tools"))
 
 
 def test_sync_and_async_tools_answer(box):
