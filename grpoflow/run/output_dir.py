@@ -54,10 +54,7 @@ class RunClaim:
         """Delete what is discarded, record the run (with its `settings`, the flat config, for
         tools that read the directory such as its report), cut its logs back to `resume_step`."""
         for path in self.discard:
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            _delete(path)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         record = {"run_id": self.run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if self.resume is not None:
@@ -67,6 +64,21 @@ class RunClaim:
         _write_atomically(self.output_dir / RUN_FILE, json.dumps(record, default=str) + "\n")
         for name in LOG_FILES:
             cut_log(self.output_dir / name, self.resume_step)
+
+
+def _delete(path: Path) -> None:
+    """Delete one of a run's files or directories; a symbolic link is removed, never followed, so
+    nothing outside the output directory is touched. ValueError naming the path when it cannot be."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path)
+    except OSError as error:
+        raise ValueError(
+            f"overwrite_output_dir could not delete {path} ({error.strerror or error}): remove it by "
+            "hand, or choose another output_dir"
+        ) from None
 
 
 def claim_output_dir(output_dir: str | Path, resume_from_checkpoint: str | None, overwrite: bool) -> RunClaim:

@@ -50,6 +50,21 @@ def test_overwrite_output_dir_replaces_the_old_run_and_keeps_other_files(tmp_pat
     assert checkpoint_run_id(directory / "checkpoint-2") == run_id_of(directory)
 
 
+def test_overwrite_removes_symlinked_run_files_without_following_them(tmp_path):
+    """A symlinked `runs/` or checkpoint once stopped the overwrite with a raw OSError: the link
+    goes, what it points to stays."""
+    directory, outside = tmp_path / "run", tmp_path / "elsewhere"
+    directory.mkdir()
+    (outside / "tb").mkdir(parents=True)
+    (outside / "tb" / "events").write_text("keep")
+    (directory / RUN_FILE).write_text(json.dumps({"run_id": "old"}))
+    (directory / "runs").symlink_to(outside / "tb", target_is_directory=True)
+    (directory / "checkpoint-3").symlink_to(outside, target_is_directory=True)
+    claim_output_dir(directory, None, overwrite=True).apply()
+    assert not (directory / "runs").exists() and not (directory / "runs").is_symlink()
+    assert (outside / "tb" / "events").read_text() == "keep"
+
+
 def test_resume_cuts_the_logs_back_so_no_step_is_logged_twice(tmp_path):
     run(recipe(tmp_path, max_steps=4, save_steps=2, log_completions=True))
     directory = tmp_path / "run"
