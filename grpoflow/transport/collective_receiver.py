@@ -281,9 +281,11 @@ class CollectiveReceiver:
         try:
             plan = UpdatePlan.from_json(info)
             collective.check_plan(plan, shapes)
-            timeout = min(float(info.get("timeout") or DEFAULT_UPDATE_TIMEOUT_S), MAX_UPDATE_TIMEOUT_S)
-            if not timeout > 0:
-                raise ValueError(f"timeout {timeout} must be a positive number")
+            given = info.get("timeout")
+            timeout = DEFAULT_UPDATE_TIMEOUT_S if given is None else float(given)
+            if not timeout > 0:  # 0 is no "use the default": a trainer that sends it is refused
+                raise ValueError(f"timeout {given!r} must be a positive number of seconds")
+            timeout = min(timeout, MAX_UPDATE_TIMEOUT_S)
         except (TypeError, ValueError, OverflowError) as error:
             if update_id is not None:
                 collective.answer(group, int(update_id), accepted=False)

@@ -243,6 +243,24 @@ def test_a_stalled_broadcast_times_out_and_generation_goes_on(url):
     group.close()
 
 
+def test_an_update_timeout_of_zero_or_less_is_refused_not_replaced(url):
+    """`timeout: 0` once became the 600 s default silently."""
+    group = join(url, group_id="zero")
+    embedding = served_model().get_input_embeddings().weight
+    update_info = {
+        "names": ["model.embed_tokens.weight"],
+        "dtype_names": ["float32"],
+        "shapes": [list(embedding.shape)],
+        "group_id": "zero",
+    }
+    for timeout in (0, -1, "nan"):
+        answer = httpx.post(
+            url + "/update_weights", json={"update_info": {**update_info, "timeout": timeout}}, timeout=10
+        )
+        assert answer.status_code == 400 and "must be a positive number of seconds" in error(answer), timeout
+    group.close()
+
+
 def test_a_replaced_or_closed_group_refuses_updates(url):
     old, new = join(url, group_id="old"), join(url, group_id="new")
     update_info = {
