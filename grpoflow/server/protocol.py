@@ -57,6 +57,9 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
      "add_generation_prompt", "continue_final_message", "return_dict"}
 )  # fmt: skip
 """Arguments of the template call that the request sets through its own fields."""
+MIN_REPETITION_PENALTY = 1e-3
+"""repetition_penalty lies in [1e-3, 1e3]: further out, dividing or multiplying a logit by it
+overflows to infinity."""
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily, as vLLM does (dividing logits by 1e-300 would overflow)."""
 
@@ -80,7 +83,9 @@ class Limits:
 class SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
+    """Strict: `"n": "3"` or `true` is not the integer 3 or 1, nor a boolean a token id (an integer
+    stands for a float, as JSON writes them)."""
 
     model: str | None = None
     n: int = 1
@@ -251,7 +256,7 @@ def generate_prompt(request: GenerateRequest, tokenizer, limits: Limits) -> list
     if isinstance(prompt, str):
         return tokenize(tokenizer, prompt, True, limits)
     ids = prompt.get("prompt_token_ids")
-    if not isinstance(ids, list) or not all(isinstance(token, int) for token in ids):
+    if not isinstance(ids, list) or not all(type(token) is int for token in ids):
         raise RequestError(
             'prompt must be text or {"prompt_token_ids": [int, ...]}, got ' + repr(prompt)[:200],
             400,
@@ -418,6 +423,14 @@ def sampling_params(request: SamplingRequest, max_tokens: int, limits: Limits) -
         value = getattr(request, name)
         if value is not None and not math.isfinite(value):
             raise RequestError(f"{name} must be a finite number, got {value}", 400, name)
+    penalty = request.repetition_penalty
+    if penalty is not None and not MIN_REPETITION_PENALTY <= penalty <= 1 / MIN_REPETITION_PENALTY:
+        raise RequestError(
+            f"repetition_penalty must lie in [{MIN_REPETITION_PENALTY:g}, {1 / MIN_REPETITION_PENALTY:g}] "
+            f"(1 is none), got {penalty:g}",
+            400,
+            "repetition_penalty",
+        )
     top_k = -1 if request.top_k in (None, 0) else request.top_k
     if top_k < -1:
         raise RequestError(f"top_k must be -1 or 0 (all tokens) or positive, got {top_k}", 400, "top_k")

@@ -171,6 +171,23 @@ def test_chat_template_kwargs_are_capped_and_cannot_set_the_requests_own_argumen
     assert client.get("/health").status_code == 200
 
 
+def test_loose_values_and_an_overflowing_penalty_are_refused_not_coerced(client):
+    """`"n": "3"` and `"n": true` were read as 3 and 1, booleans as token ids, and a
+    repetition_penalty of 1e-300 overflowed the logits into a server error."""
+    for body, field in (
+        ({"prompt": [1, 2], "max_tokens": 2, "n": "3"}, "n"),
+        ({"prompt": [1, 2], "max_tokens": 2, "n": True}, "n"),
+        ({"prompt": [True, False], "max_tokens": 2}, "prompt"),
+        ({"prompt": [1, 2], "max_tokens": 2, "repetition_penalty": 1e-300}, "repetition_penalty"),
+    ):
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 400 and field in answer.json()["error"]["message"], body
+    generate = client.post("/generate", json={"prompt": {"prompt_token_ids": [True, False]}, "max_tokens": 2})
+    assert generate.status_code == 400
+    fine = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "temperature": 1})
+    assert fine.status_code == 200
+
+
 def test_the_hf_engine_serves_too(make_service):
     with TestClient(build_app(make_service(engine="hf"))) as client:
         body = {"prompt": [[1, 2], [3]], "n": 2, "max_tokens": 3, "logprobs": 0, "return_token_ids": True}
