@@ -106,13 +106,17 @@ def test_an_atropos_group_becomes_a_scored_group():
     assert second.logprobs is None and second.overrides is None and second.env_id is None
 
 
+GOOD_ROW = {
+    "tokens": [1, 2, 3],
+    "masks": [-100, 2, 3],
+    "scores": 1.0,
+    "inference_logprobs": [1.0, -1.0, -2.0],
+}
+"""A row the trainer takes: a prompt token, two trained ones, their log-probs."""
+
+
 def test_malformed_rows_and_groups_are_skipped_with_the_reason(caplog):
-    good = {
-        "tokens": [1, 2, 3],
-        "masks": [-100, 2, 3],
-        "scores": 1.0,
-        "inference_logprobs": [1.0, -1.0, -2.0],
-    }
+    good = dict(GOOD_ROW)
     rows = [
         good,
         {**good, "masks": [-100, 2]},
@@ -143,12 +147,7 @@ def test_malformed_rows_and_groups_are_skipped_with_the_reason(caplog):
 def test_rows_with_bad_log_probs_or_token_ids_are_skipped_not_trained_or_raised(caplog):
     """A log-prob that is not a number once raised mid-run, a NaN one trained silently and a token
     id past the vocabulary raised an IndexError in the update: each row is skipped with its reason."""
-    good = {
-        "tokens": [1, 2, 3],
-        "masks": [-100, 2, 3],
-        "scores": 1.0,
-        "inference_logprobs": [1.0, -1.0, -2.0],
-    }
+    good = dict(GOOD_ROW)
     rows = [
         good,
         {**good, "inference_logprobs": [1.0, "abc", -2.0]},
