@@ -17,6 +17,7 @@ from grpoflow.run.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from grpoflow.run.state_files import load_state, save_state
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +169,8 @@ def test_rng_state_round_trip(tmp_path):
     draws()
     state = rng_state()
     expected = draws()
-    torch.save(state, tmp_path / "rng.pt")  # as it travels inside trainer_state
+    save_state({"rng": state}, tmp_path)  # as it travels inside trainer_state
     draws()  # move every generator on
     assert draws() != expected
-    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=False))
+    set_rng_state(load_state(tmp_path)["rng"])
     assert draws() == expected

@@ -6,7 +6,6 @@ import json
 from collections.abc import Sequence
 
 import pytest
-import torch
 from helpers.support import recipe
 
 from grpoflow.data.prompts import PromptItem
@@ -15,7 +14,7 @@ from grpoflow.rewards import RewardRunner
 from grpoflow.rewards.params import RewardConfig
 from grpoflow.rollout.groups import Group
 from grpoflow.run.build import run
-from grpoflow.run.checkpoint import BEST, STATE_FILE
+from grpoflow.run.checkpoint import BEST, load_trainer_state
 from grpoflow.run.evaluation import EvalConfig, Evaluator
 
 EVAL = {
@@ -65,7 +64,7 @@ def test_checkpoint_best_follows_the_metric(tmp_path):
     history = run(config)
     rewards = [step["eval/reward"] for step in history]
     best_step = rewards.index(max(rewards)) + 1
-    state = torch.load(tmp_path / "run" / BEST / STATE_FILE, weights_only=False)
+    state = load_trainer_state(tmp_path / "run" / BEST)
     assert state["step"] == best_step
     assert state["best_metric"] == max(rewards)
     # Rotation keeps its limit of one numbered checkpoint beside the best.
