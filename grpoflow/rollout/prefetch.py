@@ -112,6 +112,8 @@ class PrefetchedGroups(GroupSource):
     """Sampled groups made one step ahead, in the background, while the trainer updates
     (`async_generate`); a batch older than `max_staleness` policy versions is made again."""
 
+    makes_ahead = True
+
     def __init__(self, source: SampledGroups, max_staleness: int) -> None:
         self.source, self.max_staleness = source, max_staleness
         self.reward_names, self.reward_weights = source.reward_names, source.reward_weights

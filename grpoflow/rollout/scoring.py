@@ -49,7 +49,14 @@ class SampledGroups(GroupSource):
         return scored
 
     def make(self) -> ScoredGroups:
-        """This rank's scored groups, with the engine as it is (awake, or generating for itself).
+        """This rank's scored groups, with the engine as it is (awake, or generating for itself),
+        and the metrics of the rollout that made them."""
+        scored = self._sample()
+        scored.rollout_metrics = dict(self.rollout.last_metrics)
+        return scored
+
+    def _sample(self) -> ScoredGroups:
+        """Sample and score rounds of prompts until this rank's share is kept.
 
         Over several ranks, each resampling round every rank takes the largest number of prompts
         any rank still lacks (so all ranks run the same rounds and walk the prompt order
@@ -80,16 +87,13 @@ class SampledGroups(GroupSource):
                 scored = self._score(groups, round_index + 1, failed)
             failed = scored.failed_everywhere
             if not self.dynamic_sample:
-                scored.rollout_metrics = dict(self.rollout.last_metrics)
                 return scored
             with phase("reward"):
                 errors.extend(scored.errors)
                 flat_mask = zero_std_groups(combine_rewards(scored.rewards, self.reward_weights), g)
                 kept.append(subset_groups(scored, ~flat_mask, g))
                 spare.append(subset_groups(scored, flat_mask, g))
-        merged = merge_groups(kept + spare, self.num_prompts, errors, rounds_run, failed or frozenset())
-        merged.rollout_metrics = dict(self.rollout.last_metrics)
-        return merged
+        return merge_groups(kept + spare, self.num_prompts, errors, rounds_run, failed or frozenset())
 
     def _score(self, groups, rounds: int, failed: frozenset[str] | None) -> ScoredGroups:
         """Score `groups`; a completion the engine failed scores NaN. `failed`: the rewards that

@@ -33,6 +33,8 @@ class GroupSource:
     """The reward columns of the groups' `rewards`."""
     reward_weights: torch.Tensor
     """(num_rewards,) how the reward columns add up to one reward."""
+    makes_ahead: bool = False
+    """Its groups may be made during the previous step's update (their staleness is logged)."""
 
     def start(self, total_steps: int, step: int) -> None:
         """Called once before the first step the run takes (`step` steps are done of

@@ -26,7 +26,7 @@ from grpoflow.policy import adapter_checkpoints
 from grpoflow.policy.loading import resolve_device
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
-from grpoflow.run.build import build_rollout_engine, seed_everything
+from grpoflow.run.build import build_rollout_engine, run_cleanups, seed_everything
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.export import adapter_base
@@ -77,9 +77,8 @@ def evaluate_model(config: GRPOConfig) -> dict[str, float]:
         engine.wake_up()
         result = evaluator(engine)
         engine.sleep()  # frees the KV cache now rather than when the engine is collected
-    for close in (getattr(rollout, "close", None), engine.close):  # an agent program's server, the engine
-        if close is not None:
-            close()
+    for close in (*run_cleanups(rollout, None), engine.close):  # an agent program's server, the engine
+        close()
     write_results(config, result.metrics, evaluator, time.perf_counter() - started)
     rows = completion_rows(result.groups, result.rewards, torch.zeros(len(result.rewards)), rewards.names)
     output = Path(config.training.output_dir)

@@ -32,7 +32,7 @@ LEGACY_STATE_FILE = "trainer_state.pt"
 """The state as earlier checkpoints kept it (a `torch.save` pickle, read without running code)."""
 
 _TENSOR, _ARRAY, _TUPLE, _DICT = "__tensor__", "__ndarray__", "__tuple__", "__dict__"
-_LEGACY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+_LEGACY_GLOBALS = [np.ndarray((0,)).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 """What an earlier checkpoint's pickle may name besides torch's own: the numpy RNG state's array."""
 
 

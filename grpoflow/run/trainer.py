@@ -32,7 +32,6 @@ from grpoflow.phases import PhaseTimer, phase
 from grpoflow.policy.placement import Placement
 from grpoflow.rollout.batch import RolloutBatch, collate
 from grpoflow.rollout.groups import ScoredGroups
-from grpoflow.rollout.prefetch import PrefetchedGroups
 from grpoflow.rollout.source import GroupSource, engine_awake
 from grpoflow.run import checkpoint
 from grpoflow.run.evaluation import BestCheckpoint, EvalConfig, Evaluator
@@ -113,10 +112,13 @@ class GRPOTrainer:
         self.best = BestCheckpoint(settings.eval, checkpoints.output_dir)
         """The best metric_for_best_model so far (its checkpoint is checkpoint-best)."""
         self.reward_names = list(source.reward_names)
-        self.total_steps = settings.total_steps
         self.step_count = 0
         self.num_tokens = 0
         self.last_reward_errors: list = []
+
+    @property
+    def total_steps(self) -> int:
+        return self.settings.total_steps
 
     @property
     def model(self) -> torch.nn.Module:
@@ -248,7 +250,7 @@ class GRPOTrainer:
         metrics["num_tokens"] = float(self.num_tokens)
         metrics["learning_rate"] = self.learner.scheduler.get_last_lr()[0]
         metrics["dynamic_sample/rounds"] = float(scored.rounds)
-        if isinstance(self.source, PrefetchedGroups):
+        if self.source.makes_ahead:
             metrics["async/staleness"] = float(scored.staleness)
         return metrics
 

@@ -157,12 +157,10 @@ class Service:
 
     def weight_writer(self, names: Sequence[str] = ()) -> Write:
         """Where a collective update of `names` lands once received and checked: copied into the
-        parameters when the engine generates from the module (and no LoRA adapter is among them),
-        its prefix cache dropped, else handed to the engine's `update_weights` in one call."""
+        parameters when the engine generates from the module (and no LoRA adapter is among them:
+        the in-place writes move the parameters' versions, so its prefix cache is dropped), else handed to the engine's `update_weights` in one call."""
         if self.engine.shares_policy_weights and not any(map(is_adapter_name, names)):
-            # No cached prefix may be answered with keys and values the old weights computed.
-            parameters = dict(self.model.named_parameters(remove_duplicate=False))
-            return into_parameters(parameters, after=self.engine.reset_prefix_cache)
+            return into_parameters(dict(self.model.named_parameters(remove_duplicate=False)))
         engine = self.engine
         return into_load(
             lambda pairs: engine.update_weights(pairs, engine.policy_version), self.parameter_dtypes()

@@ -62,11 +62,10 @@ def offered_backends(device: torch.device) -> list[str]:
     return ["gloo", "nccl"] if cuda else ["gloo"]
 
 
-def into_parameters(parameters: Mapping[str, torch.Tensor], after: Callable[[], None] | None = None) -> Write:
+def into_parameters(parameters: Mapping[str, torch.Tensor]) -> Write:
     """Receive and check every bucket (`staged`), then copy each tensor into `parameters` (by
-    Hugging Face name), then call `after` (still holding generation: e.g. to drop KV that the old
-    weights computed). The copies are in-place writes that bump each parameter's version counter,
-    so a reader that watches them sees the change too."""
+    Hugging Face name). The copies are in-place writes that bump each parameter's version counter,
+    so an engine that watches them (the native engine drops its prefix cache) sees the change."""
 
     def write(group: WeightGroup, plan: UpdatePlan, deadline: float) -> None:
         dtypes = {name: parameter.dtype for name, parameter in parameters.items()}
@@ -75,8 +74,6 @@ def into_parameters(parameters: Mapping[str, torch.Tensor], after: Callable[[], 
                 parameters[name].copy_(tensor, non_blocking=True)
         if group.device.type == "cuda":
             torch.cuda.current_stream(group.device).synchronize()
-        if after is not None:
-            after()
 
     return write
 
