@@ -410,16 +410,27 @@ class AgentPrograms:
 
 
 async def take_episode(
-    fetcher: httpx.AsyncClient, endpoint: Endpoint, episode_id: str
+    fetcher: httpx.AsyncClient, endpoint: Endpoint, episode_id: str, page_turns: int | None = None
 ) -> list[dict[str, Any]]:
-    """An episode's recorded turns, deleted from the server; [] when it recorded none."""
+    """An episode's recorded turns, read a page at a time (of the server's size, or `page_turns`)
+    and then deleted from the server; [] when it recorded none."""
     headers = {"Authorization": f"Bearer {endpoint.api_key}"}
-    answer = await fetcher.get(f"{endpoint.url}/v1/episodes/{episode_id}", headers=headers)
-    if answer.status_code == 404:
-        return []
-    answer.raise_for_status()
-    turns = answer.json()["turns"]
-    (await fetcher.delete(f"{endpoint.url}/v1/episodes/{episode_id}", headers=headers)).raise_for_status()
+    url = f"{endpoint.url}/v1/episodes/{episode_id}"
+    turns: list[dict[str, Any]] = []
+    offset: int | None = 0
+    while offset is not None:
+        params = {"offset": offset} if page_turns is None else {"offset": offset, "limit": page_turns}
+        answer = await fetcher.get(url, headers=headers, params=params)
+        if answer.status_code == 404 and not turns:
+            return []
+        answer.raise_for_status()
+        page = answer.json()
+        turns += page["turns"]
+        following = page.get("next_offset")
+        if following is not None and following <= offset:
+            raise ValueError(f"{url} answered offset {offset} with next_offset {following}: it must advance")
+        offset = following
+    (await fetcher.delete(url, headers=headers)).raise_for_status()
     return turns
 
 
