@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import logging
 import math
 import numbers
@@ -162,8 +161,6 @@ class AgentPrograms:
         self.hosted = None
         self._hosted_engine: RolloutEngine | None = None
         self._checked_urls: set[str] = set()
-        self._tag = secrets.token_hex(4)
-        self._ids = itertools.count()
         self._warned_dropped = False
         # One loop for the rollout's life; asyncio.run would wait at its end for threads that overran.
         self._loop = asyncio.new_event_loop()
@@ -274,7 +271,7 @@ class AgentPrograms:
             max_turn_tokens=self.config.max_turn_tokens,
         )
         async with gate:
-            episode_id = f"agent-{self._tag}-{next(self._ids)}"
+            episode_id = new_episode_id()
             budget = EpisodeBudget(sampling, seed=seed)
             outcome = ProgramOutcome(row={**item.columns, "prompt": item.prompt})
             try:
@@ -407,6 +404,11 @@ class AgentPrograms:
                 "is trained (episodes/dropped_turns_mean); warned once",
                 dropped,
             )
+
+
+def new_episode_id() -> str:
+    """An episode id no other client can guess (128 random bits)."""
+    return f"agent-{secrets.token_urlsafe(16)}"
 
 
 async def take_episode(
