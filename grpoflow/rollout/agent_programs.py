@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import logging
 import math
 import numbers
@@ -162,8 +161,6 @@ class AgentPrograms:
         self.hosted = None
         self._hosted_engine: RolloutEngine | None = None
         self._checked_urls: set[str] = set()
-        self._tag = secrets.token_hex(4)
-        self._ids = itertools.count()
         self._warned_dropped = False
         # One loop for the rollout's life; asyncio.run would wait at its end for threads that overran.
         self._loop = asyncio.new_event_loop()
@@ -274,7 +271,7 @@ class AgentPrograms:
             max_turn_tokens=self.config.max_turn_tokens,
         )
         async with gate:
-            episode_id = f"agent-{self._tag}-{next(self._ids)}"
+            episode_id = new_episode_id()
             budget = EpisodeBudget(sampling, seed=seed)
             outcome = ProgramOutcome(row={**item.columns, "prompt": item.prompt})
             try:
@@ -409,17 +406,33 @@ class AgentPrograms:
             )
 
 
+def new_episode_id() -> str:
+    """An episode id no other client can guess (128 random bits)."""
+    return f"agent-{secrets.token_urlsafe(16)}"
+
+
 async def take_episode(
-    fetcher: httpx.AsyncClient, endpoint: Endpoint, episode_id: str
+    fetcher: httpx.AsyncClient, endpoint: Endpoint, episode_id: str, page_turns: int | None = None
 ) -> list[dict[str, Any]]:
-    """An episode's recorded turns, deleted from the server; [] when it recorded none."""
+    """An episode's recorded turns, read a page at a time (of the server's size, or `page_turns`)
+    and then deleted from the server; [] when it recorded none."""
     headers = {"Authorization": f"Bearer {endpoint.api_key}"}
-    answer = await fetcher.get(f"{endpoint.url}/v1/episodes/{episode_id}", headers=headers)
-    if answer.status_code == 404:
-        return []
-    answer.raise_for_status()
-    turns = answer.json()["turns"]
-    (await fetcher.delete(f"{endpoint.url}/v1/episodes/{episode_id}", headers=headers)).raise_for_status()
+    url = f"{endpoint.url}/v1/episodes/{episode_id}"
+    turns: list[dict[str, Any]] = []
+    offset: int | None = 0
+    while offset is not None:
+        params = {"offset": offset} if page_turns is None else {"offset": offset, "limit": page_turns}
+        answer = await fetcher.get(url, headers=headers, params=params)
+        if answer.status_code == 404 and not turns:
+            return []
+        answer.raise_for_status()
+        page = answer.json()
+        turns += page["turns"]
+        following = page.get("next_offset")
+        if following is not None and following <= offset:
+            raise ValueError(f"{url} answered offset {offset} with next_offset {following}: it must advance")
+        offset = following
+    (await fetcher.delete(url, headers=headers)).raise_for_status()
     return turns
 
 

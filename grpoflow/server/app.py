@@ -7,8 +7,9 @@ RemoteEngine drive it unchanged):
 - /v1/completions (token-id or text prompts) and /v1/chat/completions (rendered by the chat
   template, with `tools`; tool calls answered in OpenAI's shape): batched across concurrent
   requests (see batcher.py).
-- /v1/episodes, /v1/episodes/{id} (GET, DELETE): the chat turns of agent episodes, recorded for
-  requests that name an episode (`X-Episode-Id` header or `episode_id` field): episode_recorder.py.
+- /v1/episodes, /v1/episodes/{id} (GET, DELETE, paged): the chat turns of agent episodes, recorded
+  for requests that name an episode (`X-Episode-Id` header or `episode_id` field):
+  episode_recorder.py, episode_routes.py.
 - /generate: vLLM's demo API server endpoint as Atropos's VLLMServer calls it (token ids and the
   sampled tokens' log-probs of one prompt's n completions).
 - /pause, /resume, /is_paused, /reset_prefix_cache, /sleep, /wake_up, /is_sleeping: control.py.
@@ -17,15 +18,14 @@ RemoteEngine drive it unchanged):
   updates over HTTP or broadcast over a gloo/NCCL group (weights.py, on grpoflow.transport's
   receivers).
 
-With an API key every endpoint but /health, /ping and /version needs `Authorization: Bearer KEY`
-(vLLM guards only /v1/...; here the weight and control endpoints are guarded too, since they
-change what the server generates). Errors are `{"error": {"message", "type", "param", "code"}}`.
+With an API key (auth.py) every endpoint but /health, /ping and /version needs `Authorization:
+Bearer KEY` (vLLM guards only /v1/...; here the weight and control endpoints are guarded too,
+since they change what the server generates). Errors are `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 from importlib import metadata
 from typing import Any
@@ -33,12 +33,11 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
-from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from grpoflow.server import control, episode_recorder, weights
+from grpoflow.server import control, episode_recorder, episode_routes, weights
+from grpoflow.server.auth import BearerAuth, api_keys
 from grpoflow.server.errors import RequestError
 from grpoflow.server.pools import run_in
 from grpoflow.server.protocol import (
@@ -60,8 +59,6 @@ from grpoflow.transport import ReceiveError
 
 logger = logging.getLogger("grpoflow.server")
 
-OPEN_PATHS = ("/health", "/ping", "/version")
-"""Paths answered without an API key (load balancers and clients probe them)."""
 CLIENT_CLOSED = 499
 """Status logged for a request whose client left (nobody reads the answer)."""
 
@@ -79,8 +76,9 @@ def build_app(service: Service) -> FastAPI:
 
     app = FastAPI(title="grpoflow serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
-    if service.config.api_key:
-        app.add_middleware(BearerAuth, api_key=service.config.api_key)
+    keys = api_keys(service.config)
+    if keys:
+        app.add_middleware(BearerAuth, api_keys=keys)
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(ReceiveError, _receive_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -96,27 +94,8 @@ def build_app(service: Service) -> FastAPI:
     app.add_api_route("/generate", generate, methods=["POST"])
     app.include_router(control.router)
     app.include_router(weights.router)
-    app.include_router(episode_recorder.router)
+    app.include_router(episode_routes.router)
     return app
-
-
-class BearerAuth:
-    """Refuses (401) requests without `Authorization: Bearer KEY`, except on OPEN_PATHS."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and scope["path"] not in OPEN_PATHS:
-            # Header values arrive as bytes (Starlette decodes them as latin-1): compare the raw
-            # bytes with the key's UTF-8 bytes, so a non-ASCII key matches what clients send.
-            given = Headers(scope=scope).get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(given, self.expected):
-                error = RequestError("missing or wrong API key: send 'Authorization: Bearer KEY'", 401)
-                response = JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 async def _request_error(request: Request, error: RequestError) -> JSONResponse:
@@ -218,6 +197,10 @@ async def server_info(request: Request) -> dict:
             "episodes": {
                 "num_recorded": len(service.episodes),
                 "max_recorded": config.max_recorded_episodes,
+                "num_bytes": service.episodes.nbytes,
+                "max_recorded_bytes": config.max_recorded_bytes,
+                "max_episode_turns": config.max_episode_turns,
+                "max_episode_bytes": config.max_episode_bytes,
                 "num_dropped": service.episodes.num_dropped,
             },
             "tool_call_parser": config.tool_call_parser,
@@ -263,6 +246,7 @@ async def chat_completions(request: Request) -> dict:
     prompt = await run_in(requests, chat_prompt, body, service.tokenizer, limits, service.templates)
     params = sampling_params(body, chat_max_tokens(body, prompt, limits), limits)
     check_prompts([prompt], params.max_tokens, params.n, limits)
+    turn = None if episode_id is None else await episode_routes.open_turn(request, episode_id, body)
     (group,) = await service.generate(request, [prompt], params)
     response = await run_in(
         requests,
@@ -274,10 +258,8 @@ async def chat_completions(request: Request) -> dict:
         service.tokenizer,
         service.config.tool_call_parser,
     )
-    if episode_id is not None:
-        service.episodes.record(
-            episode_id, episode_recorder.RecordedTurn.of(body, prompt, group[0], response)
-        )
+    if turn is not None:
+        await episode_routes.record_turn(request, turn, prompt, group[0], response)
     return response
 
 

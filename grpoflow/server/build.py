@@ -100,7 +100,7 @@ def model_context(model: torch.nn.Module) -> int:
 
 def exposure_warning(config: ServeConfig) -> str | None:
     """What to tell the operator of a server that listens beyond loopback without a key."""
-    if not config.exposed or config.api_key:
+    if not config.exposed or config.api_key or config.api_key_file:
         return None
     return (
         f"listening on {config.host} without --api-key: anyone who reaches port {config.port} can "

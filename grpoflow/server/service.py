@@ -70,7 +70,7 @@ class Service:
     pools: Pools = field(init=False)
     """The engine's and the requests' worker threads (pools.py)."""
     episodes: EpisodeRecorder = field(init=False)
-    """The agent episodes recorded from chat requests that name one (episodes.py)."""
+    """The agent episodes recorded from chat requests that name one (episode_recorder.py)."""
     templates: TemplateSandbox | None = field(init=False)
     """Where chat templates sent in requests render, when the server trusts them (templates.py)."""
 
@@ -84,7 +84,12 @@ class Service:
                 workers=self.config.request_threads,
             )
         self.receiver = CollectiveReceiver(self.device)
-        self.episodes = EpisodeRecorder(self.config.max_recorded_episodes)
+        self.episodes = EpisodeRecorder(
+            max_episodes=self.config.max_recorded_episodes,
+            max_turns=self.config.max_episode_turns,
+            max_bytes=self.config.max_episode_bytes,
+            max_total_bytes=self.config.max_recorded_bytes,
+        )
 
     def start(self) -> None:
         """Create the batcher and the holds inside the running event loop."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from grpoflow.chat.tool_calls import TOOL_CALL_FORMATS
@@ -33,6 +34,9 @@ class ServeConfig(EngineConfig):
     """Port to listen on."""
     api_key: str | None = None
     """When set, every endpoint but /health, /ping and /version needs `Authorization: Bearer KEY`."""
+    api_key_file: str | None = None
+    """A text file of API keys, one per line, taken beside --api-key. With more than one key, each
+    client sees only the agent episodes recorded with its own key."""
     served_model_name: str | None = None
     """Model name reported by /v1/models and accepted in requests; default: `model`."""
     enforce_eager: bool = False
@@ -91,6 +95,14 @@ class ServeConfig(EngineConfig):
     max_recorded_episodes: int = 1024
     """Most episodes (chat requests sent with an episode id) kept in memory for GET
     /v1/episodes/ID; past it the least recently recorded one is dropped."""
+    max_recorded_bytes: int = 2**30
+    """Most bytes all recorded episodes may hold together; past it the least recently recorded
+    ones are dropped."""
+    max_episode_turns: int = 1024
+    """Most turns one episode may record; a chat request for one more is refused with 429."""
+    max_episode_bytes: int = 64 * 2**20
+    """Most bytes one episode may hold (its turns' messages, tools, token ids and log-probs); a
+    turn past it is refused with 413."""
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
@@ -114,6 +126,21 @@ class ServeConfig(EngineConfig):
         )
         require(
             self.max_recorded_episodes >= 1, "--max-recorded-episodes", ">= 1", self.max_recorded_episodes
+        )
+        require(
+            self.api_key_file is None or os.path.isfile(self.api_key_file),
+            "--api-key-file",
+            "a file (one key per line)",
+            self.api_key_file,
+        )
+        require(self.max_episode_turns >= 1, "--max-episode-turns", ">= 1", self.max_episode_turns)
+        require(self.max_episode_bytes >= 1, "--max-episode-bytes", ">= 1", self.max_episode_bytes)
+        require(
+            self.max_episode_bytes <= self.max_recorded_bytes,
+            "--max-episode-bytes",
+            f"<= --max-recorded-bytes ({self.max_recorded_bytes})",
+            self.max_episode_bytes,
+            "one episode must fit in what all of them may hold",
         )
         require(self.batch_window_ms >= 0, "--batch-window-ms", ">= 0", self.batch_window_ms)
         require(self.hold_lease_s > 0, "--hold-lease-s", "> 0 (seconds)", self.hold_lease_s)

@@ -24,12 +24,19 @@ from grpoflow.cli import RECIPES  # noqa: E402
 from grpoflow.data.prompts import PromptItem  # noqa: E402
 from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
-from grpoflow.rollout.agent_programs import PROGRAM_REWARD, AgentPrograms, load_agent_program, program_rewards  # noqa: E402
+from grpoflow.rollout.agent_programs import (  # noqa: E402
+    PROGRAM_REWARD,
+    AgentPrograms,
+    load_agent_program,
+    new_episode_id,
+    program_rewards,
+)
 from grpoflow.rollout.batch import collate  # noqa: E402
 from grpoflow.rollout.groups import reward_inputs  # noqa: E402
 from grpoflow.run.build import run  # noqa: E402
 from grpoflow.run.config import load_config  # noqa: E402
 from grpoflow.run.evaluate_model import RESULTS_FILE  # noqa: E402
+from grpoflow.server.episode_recorder import EPISODE_ID  # noqa: E402
 
 TURN_TOKENS = 6
 
@@ -251,3 +258,12 @@ def test_with_rollout_servers_the_programs_sample_from_them_and_their_episodes_a
         )
         assert [outcome.reward for outcome in group.environments] == [0.25, 0.25]
         assert httpx.get(f"{servers.urls[0]}/v1/episodes", timeout=10).json()["data"] == []  # taken
+
+
+def test_episode_ids_are_random_not_sequential():
+    ids = [new_episode_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000
+    assert all(
+        EPISODE_ID.fullmatch(episode_id) and len(episode_id) == len("agent-") + 22 for episode_id in ids
+    )
+    assert len({episode_id[:10] for episode_id in ids}) > 900  # no shared run prefix or counter
