@@ -41,6 +41,10 @@ DEFAULT_BUCKET_BYTES = 512 * 2**20
 """Most bytes of weights in one broadcast."""
 POLL_S = 1e-4
 """How often a wait checks its work, its deadline and the caller's `poll` hook."""
+STORE_RETRY_S = 0.05
+"""How often a receiver tries again to reach a store that refuses connections."""
+BROADCAST_GRACE_S = 1.0
+"""How long past its deadline the backend lets a broadcast run (the deadline's own check is first)."""
 READY, REFUSED, SEND, CANCEL = b"ready", b"refused", b"send", b"cancel"
 _ABANDONED: list = []
 """Closed groups with a broadcast still in flight. Destroying such a gloo group blocks until the
@@ -209,6 +213,13 @@ def new_secret() -> str:
     return secrets.token_hex(16)
 
 
+def store_prefix(secret: str) -> str:
+    """Where a group's keys live in the store: a name derived from its secret (an HMAC of a fixed
+    label under it), never the secret itself, since any client of a TCPStore can list its keys.
+    Knowing the prefix neither gives the secret nor answers the group's challenge."""
+    return hmac.new(secret.encode(), b"grpoflow-store-prefix", hashlib.sha256).hexdigest()[:32]
+
+
 def proof(secret: str, nonce: bytes) -> str:
     """What a rank that holds `secret` answers to the trainer's challenge `nonce`."""
     return hmac.new(secret.encode(), nonce, hashlib.sha256).hexdigest()
@@ -233,15 +244,27 @@ def answer_challenge(group: WeightGroup, secret: str, *, deadline: float) -> str
 
 
 def connect_store(address: str, port: int, timeout: float) -> dist.TCPStore:
-    """A receiver's connection to the trainer's store."""
-    return dist.TCPStore(address, port, None, False, datetime.timedelta(seconds=timeout))
+    """A receiver's connection to the trainer's store, made within `timeout` seconds (the store's
+    own client retries past its timeout, so plain connections reach the store first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=max(deadline - time.monotonic(), 0.01)).close()
+            break
+        except OSError:
+            if time.monotonic() + STORE_RETRY_S > deadline:
+                raise TransferTimeout(f"the store at {address}:{port} did not answer in time") from None
+            time.sleep(STORE_RETRY_S)
+    left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.01))
+    return dist.TCPStore(address, port, None, False, left)
 
 
 class WeightGroup:
     """This process's rank in a weight-transfer group (rank 0 sends), built on `store`.
 
     Constructing it is the rendezvous: it blocks until every rank of `world_size` has joined, or
-    raises after `timeout` seconds.
+    raises by `deadline` (time.monotonic; `timeout` seconds from now when not given), the store's
+    waits included.
     """
 
     def __init__(
@@ -255,28 +278,28 @@ class WeightGroup:
         timeout: float,
         group_id: str = "",
         secret: str = "",
+        deadline: float | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"weight-transfer backend {backend!r}; known: {', '.join(BACKENDS)}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
-        # The group's keys (the rendezvous, the handshakes) live under its secret, so a process
-        # that does not hold it cannot fill a rank's slot or answer for one by guessing key names.
-        store = dist.PrefixStore(f"grpoflow/{secret}/", store) if secret else store
-        self.store, self.backend, self.rank, self.world_size = store, backend, rank, world_size
+        # The group's keys live under a name derived from its secret (not the secret: see
+        # `store_prefix`), so no process without it fills a rank's slot by guessing key names.
+        keyed = dist.PrefixStore(f"grpoflow/{store_prefix(secret)}/", store) if secret else store
+        self.store, self.backend, self.rank, self.world_size = keyed, backend, rank, world_size
         self.device = transfer_device(backend, device)
-        prefix = dist.PrefixStore("grpoflow-weights/", store)
-        limit = datetime.timedelta(seconds=timeout)
-        if backend == "nccl":
-            if self.device.type != "cuda":
-                raise ValueError(f"the nccl backend needs a CUDA device, got {device}; use gloo")
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = limit
-            with _nccl_errors_raise():
-                self.process_group = dist.ProcessGroupNCCL(prefix, rank, world_size, options)
-            self.process_group.eager_connect_single_device(self.device)
-        else:
-            self.process_group = dist.ProcessGroupGloo(prefix, rank, world_size, limit)
+        if backend == "nccl" and self.device.type != "cuda":
+            raise ValueError(f"the nccl backend needs a CUDA device, got {device}; use gloo")
+        left = (time.monotonic() + timeout if deadline is None else deadline) - time.monotonic()
+        if left <= 0:
+            raise TransferTimeout("no time was left to join the weight-transfer group")
+        before = store.timeout
+        store.set_timeout(datetime.timedelta(seconds=left))  # the rendezvous waits on the store
+        try:
+            self.process_group = _process_group(keyed, backend, rank, world_size, self.device, left)
+        finally:
+            store.set_timeout(before)
         self.broken = False
         self._in_flight: dist.Work | None = None
         self.group_id = group_id
@@ -291,6 +314,8 @@ class WeightGroup:
         marking the group broken (it cannot be used again)."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
+        left = max(deadline - time.monotonic(), 0.0) + BROADCAST_GRACE_S
+        options.timeout = datetime.timedelta(seconds=left)  # not the group's default
         work = self._in_flight = self.process_group.broadcast([tensor], options)
         try:
             while not work.is_completed():
@@ -310,6 +335,22 @@ class WeightGroup:
             self.process_group.abort()
         if self._in_flight is not None and not self._in_flight.is_completed():
             _ABANDONED.append(self.process_group)
+
+
+def _process_group(
+    store: dist.Store, backend: str, rank: int, world_size: int, device: torch.device, timeout: float
+) -> dist.ProcessGroup:
+    """The backend's process group over `store`, built within `timeout` seconds."""
+    prefix = dist.PrefixStore("grpoflow-weights/", store)
+    limit = datetime.timedelta(seconds=timeout)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefix, rank, world_size, limit)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = limit
+    with _nccl_errors_raise():
+        group = dist.ProcessGroupNCCL(prefix, rank, world_size, options)
+    group.eager_connect_single_device(device)
+    return group
 
 
 @contextlib.contextmanager

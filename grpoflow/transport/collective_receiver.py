@@ -6,19 +6,23 @@ rank `rank_offset` (TRL's and vLLM's field names; a missing backend means NCCL o
 a CPU one). The join runs in a daemon thread of its own (one join at a time; another meanwhile
 is refused with 409) and gives up after `timeout` seconds (default 120, at most 300 whatever the
 client sends), so the caller's event loop and generation keep serving. A new join replaces the old
-group; `close` leaves it. A failed join's answer does not repeat what the remote end sent. With a
-`secret` (grpoflow's trainer always sends one) the group's keys live under it and the join answers
-the trainer's challenge with its proof (`collective.challenge`), so the trainer knows the rank is
-this server.
+group; `close` leaves it. A failed join's answer does not repeat what the remote end sent. Connecting to the
+store, the rendezvous and the challenge share one deadline, so a join holds its slot for at most
+`timeout` seconds. With a `secret` (grpoflow's trainer always sends one) the group's keys live
+under a name derived from it (`collective.store_prefix`: the secret itself is never in the store)
+and the join answers the trainer's challenge with its proof (`collective.challenge`), so the
+trainer knows the rank is this server.
 
 `CollectiveReceiver.receive(update_info, ...)` takes `{"names", "dtype_names", "shapes", "packed":
 true, "buckets", "update_id", "group_id", "weight_version", "timeout"}`, checks every name and shape
 against the model before anything is received (a bad update is refused and changes nothing), then,
-inside the caller's `exclusive` (between generation batches), answers the trainer's handshake and
-receives the buckets through `write`: into buffers of their own, checked (finite, within the
-parameters' dtypes: a bad update is refused whole, the old weights stay), then copied into the
-parameters (`into_parameters`) or handed to a `load` in one call (`into_load`). A stalled broadcast fails after `timeout`
-seconds (default 600): the group is closed (join again), the model may hold part of the update.
+in a daemon thread of its own while generation goes on, answers the trainer's handshake and
+receives the buckets into buffers of their own, checked (finite, within the parameters' dtypes: a
+bad update is refused whole, the old weights stay). Only then, inside the caller's `exclusive`
+(between generation batches), `write` puts them in place: copied into the parameters
+(`into_parameters`) or handed to a `load` in one call (`into_load`). Generation is thus held for
+the copy alone. A stalled broadcast fails after `timeout` seconds (default 600): the group is
+closed (join again), and nothing of the update was applied.
 
 Failures raise ReceiveError with the HTTP status a server answers with.
 """
@@ -26,6 +30,7 @@ Failures raise ReceiveError with the HTTP status a server answers with.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -50,10 +55,18 @@ MAX_UPDATE_TIMEOUT_S = 3600.0
 MAX_WORLD_SIZE = 4096
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
 
-Write = Callable[[WeightGroup, UpdatePlan, float], None]
-"""`write(group, plan, deadline)`: receive a checked update's buckets and put them in place."""
 Exclusive = Callable[[Callable[[], None]], Awaitable[None]]
 """Runs a function (in a worker thread) while generation is held, so an update lands between batches."""
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """Where a received update goes: `apply(pairs)` puts every checked `(name, tensor)` in place
+    (it runs while generation is held); `dtypes` are the parameters' dtypes, whose ranges the
+    received values must fit."""
+
+    apply: Callable[[list[tuple[str, torch.Tensor]]], None]
+    dtypes: Mapping[str, torch.dtype]
 
 
 def offered_backends(device: torch.device) -> list[str]:
@@ -63,31 +76,26 @@ def offered_backends(device: torch.device) -> list[str]:
 
 
 def into_parameters(parameters: Mapping[str, torch.Tensor]) -> Write:
-    """Receive and check every bucket (`staged`), then copy each tensor into `parameters` (by
-    Hugging Face name). The copies are in-place writes that bump each parameter's version counter,
-    so an engine that watches them (the native engine drops its prefix cache) sees the change."""
+    """Copy each received tensor into `parameters` (by Hugging Face name). The copies are in-place
+    writes that bump each parameter's version counter, so an engine that watches them (the native
+    engine drops its prefix cache) sees the change."""
 
-    def write(group: WeightGroup, plan: UpdatePlan, deadline: float) -> None:
-        dtypes = {name: parameter.dtype for name, parameter in parameters.items()}
+    def apply(pairs: list[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
-            for name, tensor in staged(group, plan, deadline, dtypes):
+            for name, tensor in pairs:
                 parameters[name].copy_(tensor, non_blocking=True)
-        if group.device.type == "cuda":
-            torch.cuda.current_stream(group.device).synchronize()
+        for device in {tensor.device for _, tensor in pairs if tensor.device.type == "cuda"}:
+            torch.cuda.current_stream(device).synchronize()
 
-    return write
+    return Write(apply, {name: parameter.dtype for name, parameter in parameters.items()})
 
 
 def into_load(
     load: Callable[[list[tuple[str, torch.Tensor]]], None], dtypes: Mapping[str, torch.dtype] | None = None
 ) -> Write:
-    """Receive and check every bucket (`staged`), then hand all `(name, tensor)` pairs to `load`
-    in one call (vLLM reloads a layer once all its tensors arrived, so the update is not split)."""
-
-    def write(group: WeightGroup, plan: UpdatePlan, deadline: float) -> None:
-        load(staged(group, plan, deadline, dtypes or {}))
-
-    return write
+    """Hand all received `(name, tensor)` pairs to `load` in one call (vLLM reloads a layer once
+    all its tensors arrived, so the update is not split)."""
+    return Write(load, dtypes or {})
 
 
 def staged(
@@ -159,7 +167,8 @@ class JoinRequest:
 
     def join(self, device: torch.device) -> tuple[WeightGroup, str | None]:
         """Join the group as this request's rank (blocking); the group and, with a secret, the
-        proof answering the trainer's challenge."""
+        proof answering the trainer's challenge. Connecting to the store, the rendezvous and the
+        challenge share one deadline, `timeout` seconds from the start."""
         deadline = time.monotonic() + self.timeout
         store = collective.connect_store(self.address, self.port, self.timeout)
         group = WeightGroup(
@@ -171,6 +180,7 @@ class JoinRequest:
             timeout=self.timeout,
             group_id=self.group_id,
             secret=self.secret,
+            deadline=deadline,
         )
         if not self.secret:
             return group, None
@@ -200,6 +210,8 @@ class CollectiveReceiver:
         self.device = device
         self.group: WeightGroup | None = None
         self.joining = False
+        self.receiving = False
+        """An update's broadcast is being received (in a daemon thread of its own)."""
 
     def offered_backends(self) -> list[str]:
         return offered_backends(self.device)
@@ -257,10 +269,55 @@ class CollectiveReceiver:
         write: Write,
         exclusive: Exclusive,
     ) -> dict:
-        """Check the update against `shapes` (every parameter's Hugging Face name and shape), then
-        receive it through `write` inside `exclusive`. Returns the answer's message and counts."""
-        group = self.group
+        """Check the update against `shapes` (every parameter's Hugging Face name and shape), receive
+        it into buffers of its own in a daemon thread while generation goes on, then put it in
+        place with `write.apply` inside `exclusive`: generation is held for the copy alone, never
+        for a broadcast the trainer stalls. One update at a time (another meanwhile gets 409).
+        Returns the answer's message and counts."""
+        group = self._group_for(info)
         update_id = info.get("update_id")
+        try:
+            if self.receiving:
+                raise ReceiveError(
+                    "another collective /update_weights is still being received; send one update at a time",
+                    409,
+                    "update_info",
+                )
+            plan, timeout = _checked_plan(info, shapes)
+        except ReceiveError:
+            if update_id is not None:
+                collective.answer(group, int(update_id), accepted=False)
+            raise
+        self.receiving = True
+        try:
+            pairs = await asyncio.wrap_future(
+                in_daemon_thread(_take, group, plan, update_id, time.monotonic() + timeout, write.dtypes)
+            )
+        except TransferCancelled as error:
+            raise ReceiveError(f"{error}; nothing received", 409, "update_info") from None
+        except (TransferTimeout, RuntimeError) as error:
+            group.close()
+            if self.group is group:
+                self.group = None
+            status = 504 if isinstance(error, TransferTimeout) else 502
+            raise ReceiveError(
+                f"receiving the weights failed: {error}. Nothing was applied; the weight-transfer "
+                f"group is closed: init it again and resend the whole update",
+                status,
+                "update_info",
+            ) from None
+        finally:
+            self.receiving = False
+        await exclusive(functools.partial(write.apply, pairs))
+        return {
+            "message": "Weights updated",
+            "num_tensors": len(plan.names),
+            "num_buckets": len(plan.buckets),
+        }
+
+    def _group_for(self, info: dict) -> WeightGroup:
+        """The group an update names; ReceiveError 409 when there is none or another replaced it."""
+        group = self.group
         if group is None or group.broken:
             raise ReceiveError(
                 "no weight-transfer group: POST /init_weight_transfer_engine with the trainer's "
@@ -275,43 +332,35 @@ class CollectiveReceiver:
                 409,
                 "update_info",
             )
-        try:
-            plan = UpdatePlan.from_json(info)
-            collective.check_plan(plan, shapes)
-            given = info.get("timeout")
-            timeout = DEFAULT_UPDATE_TIMEOUT_S if given is None else float(given)
-            if not timeout > 0:  # 0 is no "use the default": a trainer that sends it is refused
-                raise ValueError(f"timeout {given!r} must be a positive number of seconds")
-            timeout = min(timeout, MAX_UPDATE_TIMEOUT_S)
-        except (TypeError, ValueError, OverflowError) as error:
-            if update_id is not None:
-                collective.answer(group, int(update_id), accepted=False)
-            raise ReceiveError(f"update refused, nothing received: {error}", 400, "update_info") from None
+        return group
 
-        def run() -> None:
-            deadline = time.monotonic() + timeout
-            if update_id is not None:
-                collective.answer(group, int(update_id), accepted=True)
-                collective.await_go(group, int(update_id), deadline=deadline)
-            with torch.no_grad():
-                write(group, plan, deadline)
 
-        try:
-            await exclusive(run)
-        except TransferCancelled as error:
-            raise ReceiveError(f"{error}; nothing received", 409, "update_info") from None
-        except (TransferTimeout, RuntimeError) as error:
-            group.close()
-            self.group = None
-            status = 504 if isinstance(error, TransferTimeout) else 502
-            raise ReceiveError(
-                f"receiving the weights failed: {error}. The model may hold part of this update; the "
-                f"weight-transfer group is closed: init it again and resend the whole update",
-                status,
-                "update_info",
-            ) from None
-        return {
-            "message": "Weights updated",
-            "num_tensors": len(plan.names),
-            "num_buckets": len(plan.buckets),
-        }
+def _checked_plan(info: dict, shapes: Mapping[str, Sequence[int]]) -> tuple[UpdatePlan, float]:
+    """The update's plan, checked against `shapes`, and its timeout in seconds; ReceiveError 400
+    naming what is wrong."""
+    try:
+        plan = UpdatePlan.from_json(info)
+        collective.check_plan(plan, shapes)
+        given = info.get("timeout")
+        timeout = DEFAULT_UPDATE_TIMEOUT_S if given is None else float(given)
+        if not timeout > 0:  # 0 is no "use the default": a trainer that sends it is refused
+            raise ValueError(f"timeout {given!r} must be a positive number of seconds")
+    except (TypeError, ValueError, OverflowError) as error:
+        raise ReceiveError(f"update refused, nothing received: {error}", 400, "update_info") from None
+    return plan, min(timeout, MAX_UPDATE_TIMEOUT_S)
+
+
+def _take(
+    group: WeightGroup,
+    plan: UpdatePlan,
+    update_id: object,
+    deadline: float,
+    dtypes: Mapping[str, torch.dtype],
+) -> list[tuple[str, torch.Tensor]]:
+    """Answer the trainer's handshake (when the update has an id), then receive and check every
+    bucket (`staged`) by `deadline`."""
+    if update_id is not None:
+        collective.answer(group, int(update_id), accepted=True)
+        collective.await_go(group, int(update_id), deadline=deadline)
+    with torch.no_grad():
+        return staged(group, plan, deadline, dtypes)

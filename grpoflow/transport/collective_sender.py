@@ -113,6 +113,7 @@ class CollectiveSender:
             "timeout": self.init_timeout,
         }
         bodies = [{"init_info": {**base, "rank_offset": rank}} for rank in range(1, world_size)]
+        deadline = time.monotonic() + self.init_timeout  # the rendezvous and the challenge share it
         answers = self._post_all("/init_weight_transfer_engine", bodies, self.init_timeout + 30)
         # A daemon thread: when a server refuses at once, the rendezvous is abandoned, not awaited.
         joining = in_daemon_thread(
@@ -125,28 +126,28 @@ class CollectiveSender:
             timeout=self.init_timeout,
             group_id=group_id,
             secret=secret,
+            deadline=deadline,
         )
         poll = _failure_poll(self.urls, answers)
-        deadline = time.monotonic() + self.init_timeout + 5
         where = f"weight update to version {version}: setting up the {backend} weight-transfer group"
         while not joining.done():
             try:
                 poll()
             except ServerFailed as error:
                 self._fail(f"{where} failed", answers, error)
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline + 5:
                 self._fail(f"{where} timed out after {self.init_timeout:.0f}s", answers)
             time.sleep(collective.POLL_S * 10)
         if joining.exception() is not None:
             self._fail(f"{where} failed: {joining.exception()}", answers)
         self.group = joining.result()
-        self._check_members(secret, answers, where)
+        self._check_members(secret, answers, where, deadline)
 
-    def _check_members(self, secret: str, answers: list[Future], where: str) -> None:
-        """Challenge the new group; every server must answer its init with the proof for it, or
-        the group is closed before any weights travel."""
+    def _check_members(self, secret: str, answers: list[Future], where: str, deadline: float) -> None:
+        """Challenge the new group by `deadline`; every server must answer its init with the proof
+        for it, or the group is closed before any weights travel."""
         try:
-            nonce = collective.challenge(self.group, deadline=time.monotonic() + self.init_timeout)
+            nonce = collective.challenge(self.group, deadline=deadline)
         except TransferTimeout as error:
             self._fail(f"{where}: the servers did not take the group's challenge", answers, error)
         if _errors(answers, time.monotonic() + 30):

@@ -143,6 +143,31 @@ def test_a_rank_without_the_groups_secret_cannot_join_or_answer_for_one():
     sender.close(), impostor.close()
 
 
+def test_the_store_never_holds_the_groups_secret():
+    """Any client of the store can list its keys: the group's secret was once their prefix, and
+    whoever read it could answer the challenge. Neither a key nor a value holds it now."""
+    secret = collective.new_secret()
+    sender, receiver = pair(secrets=(secret, secret))
+    answered = []
+    thread = threading.Thread(
+        target=lambda: answered.append(
+            collective.answer_challenge(receiver, secret, deadline=time.monotonic() + 20)
+        )
+    )
+    thread.start()
+    nonce = collective.challenge(sender, deadline=time.monotonic() + 20)
+    thread.join()
+    assert answered == [collective.proof(secret, nonce)]
+    collective.answer(receiver, 1, accepted=True)
+    collective.decide(sender, 1, go=True)
+    snoop = collective.connect_store("127.0.0.1", sender.store.underlying_store.port, 5)
+    keys = snoop.list_keys()
+    assert len(keys) > 3  # the rendezvous and the handshake are there ...
+    for key in keys:  # ... but not the secret
+        assert secret not in key and secret.encode() not in snoop.get(key), key
+    sender.close(), receiver.close()
+
+
 def test_send_and_receive_unpack_every_tensor_into_its_target():
     sender, receiver = pair()
     plan, tensors = plan_update(weights(), bucket_bytes=256)

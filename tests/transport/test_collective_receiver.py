@@ -8,6 +8,7 @@ two ranks in two processes.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +18,7 @@ import torch
 from helpers import support
 
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
+from grpoflow.run.infer_workers import free_port
 from grpoflow.transport import ReceiveError, collective
 from grpoflow.transport.collective import WeightGroup
 from grpoflow.transport.collective_receiver import CollectiveReceiver, into_load, into_parameters
@@ -113,6 +115,24 @@ def test_a_receiver_joins_and_takes_updates_into_a_load_or_the_parameters():
     receiver.close()
     assert receiver.group is None
     sender.close()
+
+
+def test_one_deadline_bounds_the_whole_join():
+    """A store that comes up late, then a rank 0 that never joins: connecting and the rendezvous
+    once each took the whole timeout (300 s stated, 634 s measured). The join slot is free again
+    within the timeout."""
+    port, stores = free_port(), []
+    late = threading.Timer(1.5, lambda: stores.append(collective.host_store(30, port=port)))
+    late.start()
+    receiver = CollectiveReceiver(torch.device("cpu"))
+    init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+    start = time.monotonic()
+    with pytest.raises(ReceiveError, match="within 2s") as failed:
+        asyncio.run(receiver.join({**init_info, "timeout": 2, "secret": "s"}))
+    took = time.monotonic() - start
+    late.join()
+    assert failed.value.status == 504 and not receiver.joining
+    assert stores and took < 2.8, took
 
 
 def joined_receiver(store) -> tuple[CollectiveReceiver, WeightGroup]:
@@ -240,6 +260,30 @@ def test_a_stalled_broadcast_times_out_and_generation_goes_on(url):
     assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=60).status_code == 200
     again = httpx.post(url + "/update_weights", json={"update_info": update_info}, timeout=60)
     assert again.status_code == 409 and "init_weight_transfer_engine" in error(again)
+    group.close()
+
+
+def test_a_stalled_broadcast_does_not_hold_generation(url):
+    """The update is received into buffers of its own while generation goes on; generation is
+    held only for the copy into the parameters. A completion once waited out the update's whole
+    timeout behind a trainer that started an update and stalled."""
+    group = join(url, group_id="stall")
+    embedding = served_model().get_input_embeddings().weight.detach()  # the served values: no change
+    plan, tensors = collective.plan_update([("model.embed_tokens.weight", embedding)])
+    update_info = {**plan.to_json(), "update_id": 1, "group_id": "stall", "timeout": 8}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(
+            httpx.post, url + "/update_weights", json={"update_info": update_info}, timeout=60
+        )
+        deadline = time.monotonic() + 30
+        assert collective.await_ready(group, 1, deadline=deadline, poll=lambda: None) == []
+        collective.decide(group, 1, go=True)  # ... and stall before the broadcast
+        start = time.monotonic()
+        completion = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=60)
+        assert completion.status_code == 200 and time.monotonic() - start < 4
+        assert not answer.done()
+        collective.send(group, plan, tensors, deadline=deadline)
+        assert answer.result().json()["message"] == "Weights updated"
     group.close()
 
 
