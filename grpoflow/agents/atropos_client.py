@@ -12,11 +12,16 @@ untrained positions) and per-sequence `overrides`.
 Departures from Atropos's example trainer: a row whose lists disagree in length, that trains no
 token or whose score is not a finite number is skipped and logged rather than crashing the run;
 fields this client does not carry (`advantages`, `ref_logprobs`, `distill_*`, `images`) are
-warned about once rather than silently dropped.
+warned about once rather than silently dropped. Each request has a total deadline
+(`atropos_timeout`, not per read: an API that answers a byte at a time is cut off there), and an
+answer is read as it arrives up to `atropos_max_batch_bytes`: a larger batch is dropped there,
+unparsed, and skipped with the reason.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import math
 import time
@@ -59,7 +64,10 @@ class AtroposConfig:
     atropos_poll_seconds: float = 1.0
     """Seconds between two polls of /batch while no batch is ready."""
     atropos_timeout: float = 30.0
-    """Seconds one HTTP request to the API may take."""
+    """Seconds one HTTP request to the API may take in all (a total deadline, not per read)."""
+    atropos_max_batch_bytes: int = 64 * 2**20
+    """Most bytes of one answer from the API; a batch larger than this is dropped as it arrives,
+    unparsed, and skipped with a warning (its groups are lost)."""
     atropos_max_wait_seconds: float | None = None
     """Seconds the run waits for one batch before it stops (with a checkpoint); unset: forever."""
 
@@ -69,6 +77,8 @@ class AtroposConfig:
         size = self.atropos_batch_size
         require(size is None or size >= 1, "atropos_batch_size", ">= 1 (or unset)", size)
         require(self.atropos_max_token_len >= 1, "atropos_max_token_len", ">= 1", self.atropos_max_token_len)
+        size_limit = self.atropos_max_batch_bytes
+        require(size_limit >= 1, "atropos_max_batch_bytes", ">= 1", size_limit)
         interval = self.atropos_save_checkpoint_interval
         require(interval >= 0, "atropos_save_checkpoint_interval", ">= 0", interval)
         for name in ("atropos_poll_seconds", "atropos_timeout"):
@@ -240,7 +250,9 @@ class AtroposClient:
 
         self.config, self.vocab_size = config, vocab_size
         self.url = config.atropos_url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, timeout=config.atropos_timeout)
+        self.http = httpx.AsyncClient(base_url=self.url, timeout=config.atropos_timeout)
+        # Requests run on a loop of the client's own, so that each is cancelled at its deadline.
+        self._loop = asyncio.new_event_loop()
         self.trainer_id: int | None = None
         """The id /register answered (Atropos's `uuid`), once registered."""
         self.ignored_fields: set[str] = set()
@@ -253,7 +265,9 @@ class AtroposClient:
         self.close()
 
     def close(self) -> None:
-        self.http.close()
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self.http.aclose())
+            self._loop.close()
 
     def register(self, num_steps: int, starting_step: int = 0) -> int:
         """Register as the trainer of a run of `num_steps` steps resuming at `starting_step`, and
@@ -281,8 +295,13 @@ class AtroposClient:
         return self._request("GET", "/status")
 
     def poll_batch(self) -> list[ScoredGroup] | None:
-        """One poll of /batch: its groups, or None while fewer than batch-size sequences wait."""
-        answer = self._request("GET", "/batch")
+        """One poll of /batch: its groups, or None while fewer than batch-size sequences wait (or
+        when the batch was larger than atropos_max_batch_bytes: skipped with a warning)."""
+        try:
+            answer = self._request("GET", "/batch")
+        except AnswerTooLarge as error:
+            logger.warning("skipped a batch: %s; polling on", error)
+            return None
         if answer.get("status") == "error":
             raise ValueError(
                 f"the Atropos API at {self.url} refused the batch request ({answer.get('message')}): "
@@ -334,29 +353,59 @@ class AtroposClient:
                     logger.warning("Atropos groups carry %r, which grpoflow ignores", name)
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """The JSON answer of one request; errors name the URL and what to do."""
+        """The JSON answer of one request, within atropos_timeout in all; errors name the URL and
+        what to do (AnswerTooLarge past atropos_max_batch_bytes)."""
         import httpx
 
+        timeout = self.config.atropos_timeout
+        call = f"{method} {self.url}{path}"
         try:
-            response = self.http.request(method, path, **kwargs)
+            status, body = self._loop.run_until_complete(
+                asyncio.wait_for(self._fetch(method, path, kwargs), timeout)
+            )
         except httpx.ConnectError:
             raise ValueError(
                 f"no Atropos trajectory API answers at {self.url}: start it with `run-api --port PORT` "
                 "(atroposlib) and set atropos_url to its address"
             ) from None
-        except httpx.TimeoutException:
+        except (httpx.TimeoutException, TimeoutError):
             raise TimeoutError(
-                f"{method} {self.url}{path} got no answer within atropos_timeout={self.config.atropos_timeout} s: "
+                f"{call} got no whole answer within atropos_timeout={timeout:g} s: "
                 "check that the API is not stalled, or raise atropos_timeout"
             ) from None
-        if response.status_code >= 400:
-            raise RuntimeError(
-                f"{method} {self.url}{path} answered {response.status_code}: {response.text[:500]}"
-            )
+        except AnswerTooLarge as error:
+            raise AnswerTooLarge(f"{call} answered {error}") from None
+        if status >= 400:
+            raise RuntimeError(f"{call} answered {status}: {body[:500].decode('utf-8', 'replace')}")
         try:
-            return response.json()
+            return json.loads(body)
         except ValueError:
             raise RuntimeError(
-                f"{method} {self.url}{path} answered no JSON ({response.text[:200]!r}): "
+                f"{call} answered no JSON ({body[:200].decode('utf-8', 'replace')!r}): "
                 "is atropos_url the trajectory API (run-api) and not another server?"
             ) from None
+
+    async def _fetch(self, method: str, path: str, kwargs: dict[str, Any]) -> tuple[int, bytearray]:
+        """The status and body of one request, read as it arrives up to atropos_max_batch_bytes."""
+        limit = self.config.atropos_max_batch_bytes
+        async with self.http.stream(method, path, **kwargs) as response:
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise AnswerTooLarge(too_large(f"{int(declared):,} bytes (its Content-Length)", limit))
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > limit:
+                    raise AnswerTooLarge(too_large(f"more than {limit:,} bytes", limit))
+            return response.status_code, body
+
+
+class AnswerTooLarge(ValueError):
+    """An answer from the API longer than atropos_max_batch_bytes."""
+
+
+def too_large(size: str, limit: int) -> str:
+    return (
+        f"{size}, past atropos_max_batch_bytes={limit}: raise atropos_max_batch_bytes, or have the "
+        "environments post smaller groups (a lower atropos_batch_size or atropos_max_token_len)"
+    )

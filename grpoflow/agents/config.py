@@ -50,7 +50,9 @@ class AgentConfig:
     sampling from the policy through chat completions; its return value is the episode's reward
     (grpoflow.rollout.agent_programs)."""
     agent_concurrency: int = 64
-    """Episodes of agent_program in flight at once."""
+    """Episodes of agent_program in flight at once, and the threads a plain (synchronous) program
+    runs on: one that hangs past agent_timeout holds its thread until it returns, and later episodes
+    wait for a free one within their own agent_timeout."""
     agent_timeout: float = 600.0
     """Seconds one agent_program episode may take; past it the episode ends with no reward."""
 

@@ -13,7 +13,9 @@ One call per episode (`num_generations` per prompt), `agent_concurrency` of them
 event loop, each bounded by `agent_timeout`. `row` is the dataset row (its `prompt` included).
 `client` already points at the policy and names the episode in every request, so the program calls
 `client.chat.completions.create` as against any OpenAI server; a plain `def agent(client, model,
-row)` gets an `openai.OpenAI` and runs in a thread of its own. What the program returns is the
+row)` gets an `openai.OpenAI` and runs on one of `agent_concurrency` daemon threads: one that hangs
+past `agent_timeout` keeps its thread until it returns, and the episodes after it wait for a free
+one within their own timeout, so a hanging program never grows the run's thread count. What the program returns is the
 episode's reward, `agent_program` (None: no reward from it), beside any `reward_funcs`, which get
 the final answer (the last turn's message, or the conversation after the prompt for chat prompts).
 The client's transport imposes the run's sampling (`grpoflow.agents.program_client`).
@@ -51,7 +53,7 @@ from grpoflow.chat.trajectory import Trajectory, chain_turns
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, RolloutEngine, SamplingParams
 from grpoflow.rollout.groups import Group
-from grpoflow.threads import in_daemon_thread
+from grpoflow.threads import DaemonPool
 
 if TYPE_CHECKING:
     import httpx
@@ -164,6 +166,8 @@ class AgentPrograms:
         self._warned_dropped = False
         # One loop for the rollout's life; asyncio.run would wait at its end for threads that overran.
         self._loop = asyncio.new_event_loop()
+        self.workers = DaemonPool(config.agent_concurrency, "grpoflow-agent")
+        """Where a plain (synchronous) program runs (one that hangs holds its thread)."""
 
     def __call__(
         self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
@@ -188,6 +192,7 @@ class AgentPrograms:
         if self.hosted is not None:
             self.hosted.stop()
             self.hosted = None
+        self.workers.shutdown()
         self._loop.close()
 
     # -- where the policy is served -------------------------------------------------------------
@@ -315,7 +320,7 @@ class AgentPrograms:
         try:
             if self.asynchronous:
                 return await asyncio.wait_for(self.program(client, endpoint.model, row), timeout)
-            running = asyncio.wrap_future(in_daemon_thread(self.program, client, endpoint.model, row))
+            running = asyncio.wrap_future(self.workers.submit(self.program, client, endpoint.model, row))
             return await asyncio.wait_for(running, timeout)
         finally:
             if self.asynchronous:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import openai
 
@@ -44,6 +45,8 @@ TEMPLATE = (
 
 SEEN: dict[str, list[dict]] = {}
 """Per row id: each turn's prompt_token_ids, token_ids and log-probs as the server answered."""
+RELEASE = threading.Event()
+"""What `hanging_sync_agent` waits for: set, the programs still hanging return."""
 
 
 async def ask(client: openai.AsyncOpenAI, model: str, row: dict, messages: list[dict], **options):
@@ -117,3 +120,9 @@ def endless_sync_agent(client: openai.OpenAI, model: str, row: dict) -> float:
         )
         messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
         messages += [{"role": "user", "content": "go on"}]
+
+
+def hanging_sync_agent(client: openai.OpenAI, model: str, row: dict) -> float:
+    """A plain function that hangs, past any timeout, until RELEASE is set."""
+    RELEASE.wait()
+    return 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 
 import httpx
 import pytest
@@ -184,6 +185,24 @@ def test_a_plain_function_runs_in_a_thread_and_a_spent_budget_ends_the_episode_t
     assert (
         agent.last_metrics["episodes/ended_by/budget"] + agent.last_metrics["episodes/ended_by/length"] == 1
     )
+
+
+def test_hanging_plain_functions_hold_no_more_threads_than_agent_concurrency(engine, tokenizer):
+    """A plain function that hangs past agent_timeout keeps its thread; later episodes wait for one of
+    agent_concurrency threads (and time out there) instead of starting threads of their own."""
+    agent_programs.RELEASE.clear()
+    agent = rollout(tokenizer, "hanging_sync_agent", agent_concurrency=2, agent_timeout=0.2)
+    rows = [{"id": f"hang-{index}", "question": "hi"} for index in range(4)]
+    before, counts = threading.active_count(), []
+    try:
+        for _ in range(3):
+            groups = agent(engine, items(*rows), params(len(rows)))
+            assert all(group.environments[0].ending == "timeout" for group in groups)
+            counts.append(threading.active_count() - before)
+    finally:
+        agent_programs.RELEASE.set()
+        agent.close()
+    assert counts[0] == counts[-1] <= 2 + 1, counts  # two workers and the hosted server's thread
 
 
 def test_the_hosted_server_serves_only_while_the_programs_run(engine, tokenizer):
