@@ -240,7 +240,7 @@ async def completions(request: Request) -> dict:
     requests = service.pools.requests
     prompts = await run_in(requests, completion_prompts, body, service.tokenizer, limits)
     params = sampling_params(body, completion_max_tokens(body), limits)
-    check_prompts(prompts, params.max_tokens, params.n, limits)
+    await run_in(requests, check_prompts, prompts, params.max_tokens, params.n, limits)
     groups = await service.generate(request, prompts, params)
     return await run_in(
         requests, completion_response, body, limits.model_name, prompts, groups, service.tokenizer
@@ -262,7 +262,7 @@ async def chat_completions(request: Request) -> dict:
     requests = service.pools.requests
     prompt = await run_in(requests, chat_prompt, body, service.tokenizer, limits, service.templates)
     params = sampling_params(body, chat_max_tokens(body, prompt, limits), limits)
-    check_prompts([prompt], params.max_tokens, params.n, limits)
+    await run_in(requests, check_prompts, [prompt], params.max_tokens, params.n, limits)
     (group,) = await service.generate(request, [prompt], params)
     response = await run_in(
         requests,
@@ -289,7 +289,7 @@ async def generate(request: Request) -> dict:
     requests = service.pools.requests
     prompt = await run_in(requests, generate_prompt, body, service.tokenizer, limits)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, limits)
-    check_prompts([prompt], params.max_tokens, params.n, limits)
+    await run_in(requests, check_prompts, [prompt], params.max_tokens, params.n, limits)
     (group,) = await service.generate(request, [prompt], params)
     return await run_in(requests, generate_response, body, prompt, group, service.tokenizer)
 

@@ -256,6 +256,13 @@ def generate_prompt(request: GenerateRequest, tokenizer, limits: Limits) -> list
     if isinstance(prompt, str):
         return tokenize(tokenizer, prompt, True, limits)
     ids = prompt.get("prompt_token_ids")
+    if isinstance(ids, list) and len(ids) >= limits.max_model_len:  # before walking them
+        raise RequestError(
+            f"the prompt has {len(ids)} tokens, and this model's context is {limits.max_model_len} "
+            f"(max_model_len) with room for one generated token: shorten it",
+            400,
+            "prompt",
+        )
     if not isinstance(ids, list) or not all(type(token) is int for token in ids):
         raise RequestError(
             'prompt must be text or {"prompt_token_ids": [int, ...]}, got ' + repr(prompt)[:200],
@@ -381,17 +388,17 @@ def check_prompts(prompts: list[list[int]], max_tokens: int, n: int, limits: Lim
     for index, prompt in enumerate(prompts):
         if not prompt:
             raise RequestError(f"prompt {index} is empty: give at least one token", 400, "prompt")
-        if min(prompt) < 0 or max(prompt) >= limits.vocab_size:
-            raise RequestError(
-                f"prompt {index} has token ids outside [0, {limits.vocab_size})", 400, "prompt"
-            )
-        if len(prompt) + max_tokens > limits.max_model_len:
+        if len(prompt) + max_tokens > limits.max_model_len:  # first: it bounds the range check
             raise RequestError(
                 f"prompt {index} has {len(prompt)} tokens and max_tokens is {max_tokens}: "
                 f"{len(prompt) + max_tokens} tokens exceed this model's context of "
                 f"{limits.max_model_len} (max_model_len); shorten the prompt or lower max_tokens",
                 400,
                 "max_tokens",
+            )
+        if min(prompt) < 0 or max(prompt) >= limits.vocab_size:
+            raise RequestError(
+                f"prompt {index} has token ids outside [0, {limits.vocab_size})", 400, "prompt"
             )
 
 
