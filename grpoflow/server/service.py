@@ -94,7 +94,10 @@ class Service:
     def start(self) -> None:
         """Create the batcher and the holds inside the running event loop."""
         self.batcher = Batcher(
-            self.engine, window_s=self.config.batch_window_ms / 1000, executor=self.pools.engine
+            self.engine,
+            window_s=self.config.batch_window_ms / 1000,
+            executor=self.pools.engine,
+            turn_sequences=self.config.max_num_seqs,
         )
         self.holds = Holds(self.batcher, self.config.hold_lease_s, lambda: self.pending_weights.clear())
         self.batcher.start()
