@@ -46,6 +46,7 @@ from grpoflow.server.protocol import (
     CompletionRequest,
     GenerateRequest,
     chat_max_tokens,
+    chat_messages,
     chat_prompt,
     check_prompts,
     completion_max_tokens,
@@ -53,6 +54,8 @@ from grpoflow.server.protocol import (
     generate_prompt,
     parse,
     sampling_params,
+    sandbox_arguments,
+    tokenize,
 )
 from grpoflow.server.responses import chat_response, completion_response, generate_response
 from grpoflow.server.service import ClientGone, Service, read_json, service_of
@@ -260,7 +263,7 @@ async def chat_completions(request: Request) -> dict:
         )
     episode_id = episode_recorder.episode_id_of(request, body)
     requests = service.pools.requests
-    prompt = await run_in(requests, chat_prompt, body, service.tokenizer, limits, service.templates)
+    prompt = await _chat_prompt(service, body)
     params = sampling_params(body, chat_max_tokens(body, prompt, limits), limits)
     await run_in(requests, check_prompts, [prompt], params.max_tokens, params.n, limits)
     (group,) = await service.generate(request, [prompt], params)
@@ -279,6 +282,21 @@ async def chat_completions(request: Request) -> dict:
             episode_id, episode_recorder.RecordedTurn.of(body, prompt, group[0], response)
         )
     return response
+
+
+async def _chat_prompt(service: Service, body: ChatCompletionRequest) -> list[int]:
+    """The chat request's prompt: rendered in a request thread, but for a template of the request's
+    own, which renders in the template sandbox's workers (templates.py)."""
+    requests, tokenizer, limits = service.pools.requests, service.tokenizer, service.limits
+    if body.chat_template is None or service.templates is None:
+        return await run_in(requests, chat_prompt, body, tokenizer, limits)
+    messages = await run_in(requests, chat_messages, body, tokenizer, limits)
+    text = await service.templates.render_soon(
+        body.chat_template, messages, **sandbox_arguments(body, tokenizer)
+    )
+    return await run_in(
+        requests, tokenize, tokenizer, text, bool(body.add_special_tokens), limits, "messages"
+    )
 
 
 async def generate(request: Request) -> dict:

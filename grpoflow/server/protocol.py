@@ -20,7 +20,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.server.errors import RequestError
-from grpoflow.server.templates import TemplateSandbox
 
 INT64 = 2**63
 NEUTRAL = (None, False, 0, "", [], {})
@@ -272,11 +271,8 @@ def generate_prompt(request: GenerateRequest, tokenizer, limits: Limits) -> list
     return list(ids)
 
 
-def chat_prompt(
-    request: ChatCompletionRequest, tokenizer, limits: Limits, sandbox: TemplateSandbox | None = None
-) -> list[int]:
-    """The conversation and its tools rendered by the chat template (the tokenizer's; the
-    request's only where the server trusts request templates, in `sandbox` when given)."""
+def chat_messages(request: ChatCompletionRequest, tokenizer, limits: Limits) -> list[dict[str, Any]]:
+    """The conversation, checked, as the chat template reads it (text content)."""
     if request.chat_template is not None and not limits.trust_request_chat_template:
         raise RequestError(
             "chat_template in a request is refused: a template is code the server would run; leave it "
@@ -305,17 +301,25 @@ def chat_prompt(
             400,
             "chat_template",
         )
-    messages = [_plain_message(index, message) for index, message in enumerate(request.messages)]
-    if request.chat_template is not None and sandbox is not None:
-        text = sandbox.render(
-            request.chat_template,
-            messages,
-            tools=request.tools,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            **{**_special_tokens(tokenizer), **(request.chat_template_kwargs or {})},
-        )
-        return tokenize(tokenizer, text, bool(request.add_special_tokens), limits, "messages")
+    return [_plain_message(index, message) for index, message in enumerate(request.messages)]
+
+
+def sandbox_arguments(request: ChatCompletionRequest, tokenizer) -> dict[str, Any]:
+    """What a request's own chat template renders with in the sandbox (templates.py), besides
+    the template and the messages: what transformers passes a template."""
+    return {
+        "tools": request.tools,
+        "add_generation_prompt": request.add_generation_prompt,
+        "continue_final_message": request.continue_final_message,
+        **_special_tokens(tokenizer),
+        **(request.chat_template_kwargs or {}),
+    }
+
+
+def chat_prompt(request: ChatCompletionRequest, tokenizer, limits: Limits) -> list[int]:
+    """The conversation and its tools rendered by the chat template (the tokenizer's; the
+    request's only where the server trusts request templates) in this process."""
+    messages = chat_messages(request, tokenizer, limits)
     try:
         text = tokenizer.apply_chat_template(
             messages,

@@ -86,7 +86,8 @@ class Service:
             self.templates = TemplateSandbox(
                 timeout_s=self.config.template_timeout_s,
                 max_chars=self.limits.max_prompt_chars,
-                workers=self.config.request_threads,
+                workers=self.config.template_workers,
+                wait_s=self.config.template_wait_s,
             )
         self.receiver = CollectiveReceiver(self.device)
         self.episodes = EpisodeRecorder(self.config.max_recorded_episodes)
