@@ -45,6 +45,7 @@ from grpoflow.server.protocol import (
     CompletionRequest,
     GenerateRequest,
     chat_max_tokens,
+    chat_messages,
     chat_prompt,
     check_prompts,
     completion_max_tokens,
@@ -52,6 +53,8 @@ from grpoflow.server.protocol import (
     generate_prompt,
     parse,
     sampling_params,
+    sandbox_arguments,
+    tokenize,
 )
 from grpoflow.server.responses import chat_response, completion_response, generate_response
 from grpoflow.server.service import ClientGone, Service, read_json, service_of
@@ -223,7 +226,7 @@ async def completions(request: Request) -> dict:
     requests = service.pools.requests
     prompts = await run_in(requests, completion_prompts, body, service.tokenizer, limits)
     params = sampling_params(body, completion_max_tokens(body), limits)
-    check_prompts(prompts, params.max_tokens, params.n, limits)
+    await run_in(requests, check_prompts, prompts, params.max_tokens, params.n, limits)
     groups = await service.generate(request, prompts, params)
     return await run_in(
         requests, completion_response, body, limits.model_name, prompts, groups, service.tokenizer
@@ -243,9 +246,9 @@ async def chat_completions(request: Request) -> dict:
         )
     episode_id = episode_recorder.episode_id_of(request, body)
     requests = service.pools.requests
-    prompt = await run_in(requests, chat_prompt, body, service.tokenizer, limits, service.templates)
+    prompt = await _chat_prompt(service, body)
     params = sampling_params(body, chat_max_tokens(body, prompt, limits), limits)
-    check_prompts([prompt], params.max_tokens, params.n, limits)
+    await run_in(requests, check_prompts, [prompt], params.max_tokens, params.n, limits)
     turn = None if episode_id is None else await episode_routes.open_turn(request, episode_id, body)
     (group,) = await service.generate(request, [prompt], params)
     response = await run_in(
@@ -263,6 +266,21 @@ async def chat_completions(request: Request) -> dict:
     return response
 
 
+async def _chat_prompt(service: Service, body: ChatCompletionRequest) -> list[int]:
+    """The chat request's prompt: rendered in a request thread, but for a template of the request's
+    own, which renders in the template sandbox's workers (templates.py)."""
+    requests, tokenizer, limits = service.pools.requests, service.tokenizer, service.limits
+    if body.chat_template is None or service.templates is None:
+        return await run_in(requests, chat_prompt, body, tokenizer, limits)
+    messages = await run_in(requests, chat_messages, body, tokenizer, limits)
+    text = await service.templates.render_soon(
+        body.chat_template, messages, **sandbox_arguments(body, tokenizer)
+    )
+    return await run_in(
+        requests, tokenize, tokenizer, text, bool(body.add_special_tokens), limits, "messages"
+    )
+
+
 async def generate(request: Request) -> dict:
     service = service_of(request)
     limits = service.limits
@@ -271,7 +289,7 @@ async def generate(request: Request) -> dict:
     requests = service.pools.requests
     prompt = await run_in(requests, generate_prompt, body, service.tokenizer, limits)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, limits)
-    check_prompts([prompt], params.max_tokens, params.n, limits)
+    await run_in(requests, check_prompts, [prompt], params.max_tokens, params.n, limits)
     (group,) = await service.generate(request, [prompt], params)
     return await run_in(requests, generate_response, body, prompt, group, service.tokenizer)
 

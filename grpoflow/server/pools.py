@@ -6,6 +6,8 @@
   JSON bodies, rendering chat templates, tokenising prompts, decoding completions, reading
   safetensors bodies and files, checking weights), so the event loop keeps answering /health and
   every other request meanwhile.
+- `bodies` (one thread): parsing JSON bodies over a megabyte, one at a time, so that a few large
+  bodies neither hold the request threads nor, contending for the GIL together, the event loop.
 
 Joining a trainer's weight-transfer group waits on the network in a daemon thread of its own
 (`CollectiveReceiver`). None of these is the event loop's default executor, so `asyncio.to_thread`
@@ -27,16 +29,18 @@ T = TypeVar("T")
 
 
 class Pools:
-    """The engine's and the requests' worker threads of one server."""
+    """The engine's, the requests' and the large bodies' worker threads of one server."""
 
     def __init__(self, request_threads: int = 4) -> None:
         self.engine = DaemonPool(1, "grpoflow-engine")
         self.requests = DaemonPool(request_threads, "grpoflow-request")
+        self.bodies = DaemonPool(1, "grpoflow-body")
 
     def shutdown(self) -> None:
         """Stop taking work; running calls finish on their own."""
         self.engine.shutdown()
         self.requests.shutdown()
+        self.bodies.shutdown()
 
 
 async def run_in(pool: Executor, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:

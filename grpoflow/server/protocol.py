@@ -20,7 +20,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.server.errors import RequestError
-from grpoflow.server.templates import TemplateSandbox
 
 INT64 = 2**63
 NEUTRAL = (None, False, 0, "", [], {})
@@ -256,6 +255,13 @@ def generate_prompt(request: GenerateRequest, tokenizer, limits: Limits) -> list
     if isinstance(prompt, str):
         return tokenize(tokenizer, prompt, True, limits)
     ids = prompt.get("prompt_token_ids")
+    if isinstance(ids, list) and len(ids) >= limits.max_model_len:  # before walking them
+        raise RequestError(
+            f"the prompt has {len(ids)} tokens, and this model's context is {limits.max_model_len} "
+            f"(max_model_len) with room for one generated token: shorten it",
+            400,
+            "prompt",
+        )
     if not isinstance(ids, list) or not all(type(token) is int for token in ids):
         raise RequestError(
             'prompt must be text or {"prompt_token_ids": [int, ...]}, got ' + repr(prompt)[:200],
@@ -265,11 +271,8 @@ def generate_prompt(request: GenerateRequest, tokenizer, limits: Limits) -> list
     return list(ids)
 
 
-def chat_prompt(
-    request: ChatCompletionRequest, tokenizer, limits: Limits, sandbox: TemplateSandbox | None = None
-) -> list[int]:
-    """The conversation and its tools rendered by the chat template (the tokenizer's; the
-    request's only where the server trusts request templates, in `sandbox` when given)."""
+def chat_messages(request: ChatCompletionRequest, tokenizer, limits: Limits) -> list[dict[str, Any]]:
+    """The conversation, checked, as the chat template reads it (text content)."""
     if request.chat_template is not None and not limits.trust_request_chat_template:
         raise RequestError(
             "chat_template in a request is refused: a template is code the server would run; leave it "
@@ -298,17 +301,25 @@ def chat_prompt(
             400,
             "chat_template",
         )
-    messages = [_plain_message(index, message) for index, message in enumerate(request.messages)]
-    if request.chat_template is not None and sandbox is not None:
-        text = sandbox.render(
-            request.chat_template,
-            messages,
-            tools=request.tools,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            **{**_special_tokens(tokenizer), **(request.chat_template_kwargs or {})},
-        )
-        return tokenize(tokenizer, text, bool(request.add_special_tokens), limits, "messages")
+    return [_plain_message(index, message) for index, message in enumerate(request.messages)]
+
+
+def sandbox_arguments(request: ChatCompletionRequest, tokenizer) -> dict[str, Any]:
+    """What a request's own chat template renders with in the sandbox (templates.py), besides
+    the template and the messages: what transformers passes a template."""
+    return {
+        "tools": request.tools,
+        "add_generation_prompt": request.add_generation_prompt,
+        "continue_final_message": request.continue_final_message,
+        **_special_tokens(tokenizer),
+        **(request.chat_template_kwargs or {}),
+    }
+
+
+def chat_prompt(request: ChatCompletionRequest, tokenizer, limits: Limits) -> list[int]:
+    """The conversation and its tools rendered by the chat template (the tokenizer's; the
+    request's only where the server trusts request templates) in this process."""
+    messages = chat_messages(request, tokenizer, limits)
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -381,17 +392,17 @@ def check_prompts(prompts: list[list[int]], max_tokens: int, n: int, limits: Lim
     for index, prompt in enumerate(prompts):
         if not prompt:
             raise RequestError(f"prompt {index} is empty: give at least one token", 400, "prompt")
-        if min(prompt) < 0 or max(prompt) >= limits.vocab_size:
-            raise RequestError(
-                f"prompt {index} has token ids outside [0, {limits.vocab_size})", 400, "prompt"
-            )
-        if len(prompt) + max_tokens > limits.max_model_len:
+        if len(prompt) + max_tokens > limits.max_model_len:  # first: it bounds the range check
             raise RequestError(
                 f"prompt {index} has {len(prompt)} tokens and max_tokens is {max_tokens}: "
                 f"{len(prompt) + max_tokens} tokens exceed this model's context of "
                 f"{limits.max_model_len} (max_model_len); shorten the prompt or lower max_tokens",
                 400,
                 "max_tokens",
+            )
+        if min(prompt) < 0 or max(prompt) >= limits.vocab_size:
+            raise RequestError(
+                f"prompt {index} has token ids outside [0, {limits.vocab_size})", 400, "prompt"
             )
 
 

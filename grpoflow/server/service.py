@@ -32,6 +32,11 @@ MAX_VERSION_CHARS = 64
 """Longest weight version a server records."""
 LOOP_JSON_BYTES = 64 * 2**10
 """JSON bodies up to this size are parsed on the event loop; larger ones in a request thread."""
+YIELDING_JSON_BYTES = 2**20
+"""JSON bodies over this size are parsed one at a time (pools.py's `bodies`), with a Python hook per
+integer: json's C parser holds the GIL for a whole body (a second per 20 MB of token ids, during
+which the event loop cannot answer even /health), while the hook lets the interpreter switch
+threads every few milliseconds, at three times the parse's cost."""
 DISCONNECT_POLL_S = 0.25
 """How often a waiting request checks that its client is still there."""
 
@@ -81,7 +86,8 @@ class Service:
             self.templates = TemplateSandbox(
                 timeout_s=self.config.template_timeout_s,
                 max_chars=self.limits.max_prompt_chars,
-                workers=self.config.request_threads,
+                workers=self.config.template_workers,
+                wait_s=self.config.template_wait_s,
             )
         self.receiver = CollectiveReceiver(self.device)
         self.episodes = EpisodeRecorder(
@@ -94,7 +100,10 @@ class Service:
     def start(self) -> None:
         """Create the batcher and the holds inside the running event loop."""
         self.batcher = Batcher(
-            self.engine, window_s=self.config.batch_window_ms / 1000, executor=self.pools.engine
+            self.engine,
+            window_s=self.config.batch_window_ms / 1000,
+            executor=self.pools.engine,
+            turn_sequences=self.config.max_num_seqs,
         )
         self.holds = Holds(self.batcher, self.config.hold_lease_s, lambda: self.pending_weights.clear())
         self.batcher.start()
@@ -261,13 +270,21 @@ async def read_json(request: Request, *, required: bool = True) -> Any:
         return {}
     if len(body) <= LOOP_JSON_BYTES:
         return parse_json(body)
-    return await run_in(service_of(request).pools.requests, parse_json, body)
+    pools = service_of(request).pools
+    return await run_in(pools.bodies if len(body) > YIELDING_JSON_BYTES else pools.requests, parse_json, body)
+
+
+def _integer(text: str) -> int:
+    return int(text)
 
 
 def parse_json(body: bytes) -> Any:
     """The body as JSON; a 400 for anything json.loads refuses, nesting too deep to parse, or
-    integers too long to convert."""
+    integers too long to convert. A body over YIELDING_JSON_BYTES is parsed so that other threads
+    (the event loop's) run meanwhile."""
     try:
+        if len(body) > YIELDING_JSON_BYTES:
+            return json.loads(body, parse_int=_integer)
         return json.loads(body)
     except RecursionError:
         raise RequestError("the body is nested too deeply to parse") from None

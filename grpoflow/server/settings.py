@@ -73,6 +73,12 @@ class ServeConfig(EngineConfig):
     template_timeout_s: float = 5.0
     """Seconds a request's own chat template may take to render (with
     --trust-request-chat-template; it runs in a worker process that is killed past this)."""
+    template_workers: int = 2
+    """Processes that render chat templates sent in requests (with --trust-request-chat-template),
+    apart from the request threads: slow templates wait on these only."""
+    template_wait_s: float = 1.0
+    """Seconds a request with its own chat template waits for a free template worker before it is
+    refused with a 503."""
     weight_transfer_hosts: list[str] = field(default_factory=list)
     """Addresses /init_weight_transfer_engine may connect to besides the requesting client's own
     (a trainer whose master_address is another interface of its machine); `*` allows any."""
@@ -85,8 +91,9 @@ class ServeConfig(EngineConfig):
     previous answer was sent; past it the connection is closed, so a client that sends half a
     request and stops holds no connection for long."""
     request_threads: int = 4
-    """Threads that render templates, tokenise prompts and parse large bodies, apart from the
-    engine's thread, so no request stalls generation or the event loop."""
+    """Threads that render the tokenizer's chat template, tokenise prompts and parse bodies, apart
+    from the engine's thread (and the template workers'), so no request stalls generation or the
+    event loop."""
     max_prompt_chars: int | None = None
     """Longest text prompt (characters) a request may send; default 32 x max_model_len."""
     max_weights_bytes: int | None = None
@@ -145,6 +152,8 @@ class ServeConfig(EngineConfig):
         require(self.batch_window_ms >= 0, "--batch-window-ms", ">= 0", self.batch_window_ms)
         require(self.hold_lease_s > 0, "--hold-lease-s", "> 0 (seconds)", self.hold_lease_s)
         require(self.template_timeout_s > 0, "--template-timeout-s", "> 0 (seconds)", self.template_timeout_s)
+        require(self.template_workers >= 1, "--template-workers", ">= 1", self.template_workers)
+        require(self.template_wait_s > 0, "--template-wait-s", "> 0 (seconds)", self.template_wait_s)
         require(self.header_timeout_s > 0, "--header-timeout-s", "> 0 (seconds)", self.header_timeout_s)
         require(self.request_threads >= 1, "--request-threads", ">= 1", self.request_threads)
         for name in ("max_prompt_chars", "max_weights_bytes"):

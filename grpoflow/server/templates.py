@@ -4,14 +4,20 @@ A template is code: Jinja's sandbox keeps it from Python's internals but not fro
 hours (`{% for i in range(99999) %}{% for j in range(99999) %}...`) or building a string of
 gigabytes (`{{ 'x' * 10**10 }}`, or doubling one in a loop), and a thread cannot be stopped. So a
 server started with --trust-request-chat-template renders a request's own template in a process of
-its own (`template_worker.py`), one per request thread at most, each started on first use and kept:
+its own (`template_worker.py`), `workers` of them at most, each started on first use and kept:
 past `timeout_s` the process is killed (and replaced on the next render), its address space is
-capped, and text longer than `max_chars` is refused. Each breach is a 400 naming the limit. The
+capped, text longer than `max_chars` is refused (each breach a 400 naming the limit), and a worker
+whose resident memory grew by more than RECYCLE_BYTES during a render is replaced after it.
+
+The renders wait on their workers in threads of the sandbox's own, never in the server's request
+threads, and a request that finds every worker busy for `wait_s` is refused (503), so slow
+templates hold neither the requests without a template of their own nor an unbounded queue. The
 tokenizer's own template is the operator's and renders in the server's process as before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
@@ -23,10 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.server.errors import RequestError
+from grpoflow.server.pools import run_in
+from grpoflow.threads import DaemonPool
 
 WORKER = Path(__file__).with_name("template_worker.py")
-MEMORY_BYTES = 1 << 30
+MEMORY_BYTES = 256 << 20
 """Address space a worker may take beyond what its imports took."""
+RECYCLE_BYTES = 32 << 20
+"""Resident memory a worker may keep beyond what it held when it started; past it, it is replaced
+after its render (Python keeps what a large render allocated)."""
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 START_TIMEOUT_S = 60.0
 """Longest a worker may take to start (import transformers' renderer); not counted in a render's
 time limit."""
@@ -34,13 +46,37 @@ time limit."""
 
 class TemplateSandbox:
     """Renders request templates in up to `workers` processes, each render within `timeout_s`
-    seconds and `max_chars` characters of output."""
+    seconds and `max_chars` characters of output; `render_soon` waits at most `wait_s` for a
+    free worker."""
 
-    def __init__(self, *, timeout_s: float, max_chars: int, workers: int) -> None:
-        self.timeout_s, self.max_chars = timeout_s, max_chars
+    def __init__(self, *, timeout_s: float, max_chars: int, workers: int, wait_s: float = 1.0) -> None:
+        self.timeout_s, self.max_chars, self.workers, self.wait_s = timeout_s, max_chars, workers, wait_s
+        self.num_started = 0
+        """Worker processes started so far (replacements included)."""
         self._idle: queue.SimpleQueue[subprocess.Popen | None] = queue.SimpleQueue()
         for _ in range(workers):
             self._idle.put(None)  # a slot; its process starts on first use
+        self._threads = DaemonPool(workers, "grpoflow-template")
+        self._slots: asyncio.Semaphore | None = None  # made in the event loop, on first use
+
+    async def render_soon(self, template: str, messages: list[dict], **kwargs: Any) -> str:
+        """`render` in one of the sandbox's threads, awaited from the event loop; a 503 naming
+        the limit when no worker comes free within `wait_s`."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.workers)
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.wait_s)
+        except TimeoutError:
+            raise RequestError(
+                f"all {self.workers} chat template workers stayed busy for {self.wait_s:g}s "
+                f"(--template-workers, --template-wait-s): retry later",
+                503,
+                "chat_template",
+            ) from None
+        try:
+            return await run_in(self._threads, self.render, template, messages, **kwargs)
+        finally:
+            self._slots.release()
 
     def render(self, template: str, messages: list[dict], **kwargs: Any) -> str:
         """`template` rendered with `messages` and `kwargs` (tools, add_generation_prompt, special
@@ -59,6 +95,10 @@ class TemplateSandbox:
                 worker.wait()
             self._idle.put(None)
             raise
+        if _resident_bytes(worker.pid) > worker.start_bytes + RECYCLE_BYTES:
+            worker.kill()
+            worker.wait()
+            worker = None
         self._idle.put(worker)
         if "error" in answer:
             limit = {"output": " (the server's limit on rendered text, --max-prompt-chars)"}
@@ -79,6 +119,8 @@ class TemplateSandbox:
             worker.kill()
             worker.wait()
             raise RequestError("the chat template's worker did not start; retry", 503) from None
+        self.num_started += 1
+        worker.start_bytes = _resident_bytes(worker.pid)
         return worker
 
     def _ask(self, worker: subprocess.Popen, request: str) -> dict:
@@ -113,6 +155,7 @@ class TemplateSandbox:
 
     def close(self) -> None:
         """Stop the idle workers (a busy one is killed when its render ends or times out)."""
+        self._threads.shutdown()
         while True:
             try:
                 worker = self._idle.get_nowait()
@@ -121,3 +164,12 @@ class TemplateSandbox:
             if worker is not None:
                 worker.kill()
                 worker.wait()
+
+
+def _resident_bytes(pid: int) -> int:
+    """The process's resident memory; 0 where /proc cannot tell (the address cap still holds)."""
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * PAGE_BYTES
+    except (OSError, IndexError, ValueError):
+        return 0

@@ -1,12 +1,15 @@
-"""The batcher on hand-written fake engines: grouping, error isolation, the gate."""
+"""The batcher on hand-written fake engines (grouping, error isolation, the gate) and on the native
+engine (turns)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from helpers.native_fixtures import tiny
 
 from grpoflow.engines.base import Completion, EngineCapabilities, SamplingParams
+from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.server.batcher import Batcher
 from grpoflow.server.errors import RequestError
 
@@ -98,3 +101,33 @@ def test_a_hold_waits_for_the_running_batch_and_blocks_the_next():
         return result
 
     assert asyncio.run(scenario())[0][0].token_ids == [5]
+
+
+def test_a_long_request_is_served_in_turns_that_let_a_short_one_through():
+    """On the native engine (tiny model, 4 rows), a request of 32 sequences runs in turns of 4:
+    a one-token request sent while its first turn runs is answered after at most two batches,
+    long before the long one; the long one's seeded samples are those of one whole call."""
+    engine = NativeEngine(tiny("qwen2"), config=NativeEngineConfig(max_num_seqs=4, num_kv_blocks=256))
+    engine.wake_up()
+    long = SamplingParams(n=16, max_tokens=24, ignore_eos=True, seed=7)
+
+    async def scenario():
+        batcher = Batcher(engine, window_s=0, turn_sequences=4)
+        batcher.start()
+        try:
+            big = batcher.submit([[5, 6, 7], [8, 9]], long)
+            while batcher.num_batches == 0:
+                await asyncio.sleep(0.001)
+            small = await batcher.submit([[3, 4]], SamplingParams(n=1, max_tokens=1))
+            answered_after = batcher.num_batches
+            assert not big.done()
+            return small, answered_after, await big, batcher.num_batches
+        finally:
+            await batcher.stop()
+
+    small, answered_after, big, num_batches = asyncio.run(scenario())
+    assert len(small[0]) == 1 and answered_after <= 2 and num_batches == 8
+    whole = engine.generate([[5, 6, 7], [8, 9]], [long, long])
+    assert [[c.token_ids for c in group] for group in big] == [
+        [c.token_ids for c in group] for group in whole
+    ]

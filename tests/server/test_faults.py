@@ -290,6 +290,37 @@ def test_a_vanishing_temperature_samples_greedily(server):
     assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
 
 
+# -- 10. large bodies ------------------------------------------------------------------------
+
+
+def post_raw(url: str, path: str, payload: bytes, statuses: list[int]) -> None:
+    """POST `payload` over a raw socket (no client-side work to share the GIL with the server's
+    threads) and record the answer's status."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+        answer = b"".join(iter(lambda: sock.recv(1 << 16), b""))
+    statuses.append(int(answer.split()[1]))
+
+
+def test_large_token_id_bodies_leave_health_answering(server):
+    """Bodies of millions of token ids are read, parsed and refused off the event loop, one parse
+    at a time that lets the loop run: /health keeps answering at once meanwhile."""
+    payload = json.dumps({"prompt": {"prompt_token_ids": [5] * 3_000_000}, "max_tokens": 1}).encode()
+    statuses: list[int] = []
+    senders = [in_background(post_raw, server.url, "/generate", payload, statuses) for _ in range(4)]
+    worst = 0.0
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        while any(sender.is_alive() for sender in senders):
+            start = time.monotonic()
+            assert client.get("/health").status_code == 200
+            worst = max(worst, time.monotonic() - start)
+            time.sleep(0.01)
+    assert statuses == [400] * 4
+    assert worst < 0.25, f"/health took {worst:.2f}s"
+
+
 # -- 8. clients that go away or never finish sending -------------------------------------------
 
 
