@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from grpoflow.threads import in_daemon_thread
 from grpoflow.transport import ReceiveError, collective
-from grpoflow.transport.checkpoint_receiver import check_values
 from grpoflow.transport.collective import TransferCancelled, TransferTimeout, UpdatePlan, WeightGroup
+from grpoflow.transport.weight_values import check_update_values
 
 logger = logging.getLogger("grpoflow.transport")
 
@@ -68,9 +68,8 @@ def into_parameters(parameters: Mapping[str, torch.Tensor]) -> Write:
     so an engine that watches them (the native engine drops its prefix cache) sees the change."""
 
     def write(group: WeightGroup, plan: UpdatePlan, deadline: float) -> None:
-        dtypes = {name: parameter.dtype for name, parameter in parameters.items()}
         with torch.no_grad():
-            for name, tensor in staged(group, plan, deadline, dtypes):
+            for name, tensor in staged(group, plan, deadline, parameters):
                 parameters[name].copy_(tensor, non_blocking=True)
         if group.device.type == "cuda":
             torch.cuda.current_stream(group.device).synchronize()
@@ -79,27 +78,29 @@ def into_parameters(parameters: Mapping[str, torch.Tensor]) -> Write:
 
 
 def into_load(
-    load: Callable[[list[tuple[str, torch.Tensor]]], None], dtypes: Mapping[str, torch.dtype] | None = None
+    load: Callable[[list[tuple[str, torch.Tensor]]], None],
+    parameters: Mapping[str, torch.Tensor] | None = None,
 ) -> Write:
-    """Receive and check every bucket (`staged`), then hand all `(name, tensor)` pairs to `load`
-    in one call (vLLM reloads a layer once all its tensors arrived, so the update is not split)."""
+    """Receive and check every bucket (`staged`, against the served `parameters`), then hand all
+    `(name, tensor)` pairs to `load` in one call (vLLM reloads a layer once all its tensors
+    arrived, so the update is not split)."""
 
     def write(group: WeightGroup, plan: UpdatePlan, deadline: float) -> None:
-        load(staged(group, plan, deadline, dtypes or {}))
+        load(staged(group, plan, deadline, parameters or {}))
 
     return write
 
 
 def staged(
-    group: WeightGroup, plan: UpdatePlan, deadline: float, dtypes: Mapping[str, torch.dtype]
+    group: WeightGroup, plan: UpdatePlan, deadline: float, parameters: Mapping[str, torch.Tensor]
 ) -> list[tuple[str, torch.Tensor]]:
     """Every bucket received into buffers of its own (one update's worth, on the group's device),
-    then every tensor checked: finite, and within the range of its parameter's dtype in `dtypes`.
-    ReceiveError 400 names the first that is not; nothing has been applied then, and the group
-    stays usable, since every bucket was received whatever their values."""
+    then every tensor checked: finite, within the range of its parameter's dtype and magnitude
+    (`weight_values`, against the served `parameters`). ReceiveError 400 names the first that is
+    not; nothing has been applied then, and the group stays usable, since every bucket was received
+    whatever their values."""
     pairs = [pair for bucket in collective.receive_buckets(group, plan, deadline=deadline) for pair in bucket]
-    for name, tensor in pairs:
-        check_values(name, tensor, dtypes.get(name))
+    check_update_values(pairs, parameters)
     return pairs
 
 
