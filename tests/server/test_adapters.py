@@ -238,3 +238,20 @@ def test_adapters_of_absurd_magnitude_are_refused():
         assert post_weights(server.url, low_rank(4, scale=1.0)).status_code == 200
     finally:
         server.stop()
+
+
+def test_merged_weights_after_adapters_leave_the_native_server_without_them():
+    policy = lora_policy()
+    server = start_server(tiny_service())
+    engine = RemoteEngine(
+        [server.url], startup_timeout=30, weight_transfer="collective", weight_sync_timeout=60
+    )
+    try:
+        sync(engine, policy, 1)
+        assert server.service.engine.family.loaded  # the base, with the adapters beside it
+        engine.update_weights(list(merged_weights(policy)), 2)  # the policy merged: a base reload
+        assert server.service.engine.family.loaded == {}
+        assert_same(rollouts(engine, GREEDY), local(policy, GREEDY))
+    finally:
+        engine.close()
+        server.stop()
