@@ -8,6 +8,7 @@ import logging
 import torch
 
 from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
+from grpoflow.engines.native.sizing import NativeEngineConfig
 from grpoflow.policy.loading import PolicyConfig, load_model, load_tokenizer, resolve_device
 from grpoflow.server.protocol import Limits
 from grpoflow.server.service import Service
@@ -68,7 +69,12 @@ def _in_process_parts(
     )
     model.eval().requires_grad_(False)
     max_model_len = config.max_model_len or model_context(model)
-    options = EngineOptions(engine=dataclasses.replace(config, max_model_len=max_model_len))
+    engine_config = dataclasses.replace(config, max_model_len=max_model_len)
+    if config.engine == "native":  # the sizes, and the largest adapter rank it takes
+        engine_config = dataclasses.replace(
+            NativeEngineConfig.sized_as(engine_config), max_lora_rank=config.max_lora_rank
+        )
+    options = EngineOptions(engine=engine_config)
     return model, build_engine(config.engine, model, tokenizer, options), device, max_model_len
 
 

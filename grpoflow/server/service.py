@@ -23,7 +23,7 @@ from grpoflow.server.protocol import Limits
 from grpoflow.server.settings import ServeConfig
 from grpoflow.server.templates import TemplateSandbox
 from grpoflow.transport import ReceiveError
-from grpoflow.transport.adapters import adapter_shapes, is_adapter_name, ranks_of
+from grpoflow.transport.adapters import adapter_shapes, check_pairs, is_adapter_name, ranks_of
 from grpoflow.transport.collective_receiver import CollectiveReceiver, Write, into_load, into_parameters
 
 MAX_JSON_BYTES = 64 * 2**20
@@ -141,9 +141,10 @@ class Service:
         """Every parameter's Hugging Face name (tied names too) and shape: what updates may hold."""
         return {name: p.shape for name, p in self.model.named_parameters(remove_duplicate=False)}
 
-    def parameter_dtypes(self) -> dict[str, torch.dtype]:
-        """Every parameter's dtype, by Hugging Face name: values an update may hold must fit it."""
-        return {name: p.dtype for name, p in self.model.named_parameters(remove_duplicate=False)}
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter by Hugging Face name (tied names too): values an update may hold must fit
+        its dtype and magnitude (`grpoflow.transport.weight_values`)."""
+        return dict(self.model.named_parameters(remove_duplicate=False))
 
     def update_shapes(self, given: Mapping[str, Sequence[int]]) -> dict[str, Sequence[int]]:
         """`parameter_shapes`, plus the shapes of the LoRA adapter tensors among the `given`
@@ -154,6 +155,7 @@ class Service:
         if adapters:
             if not self.engine.capabilities.accepts_adapters:
                 raise ReceiveError(NO_ADAPTERS.format(name=adapters[0]))
+            check_pairs(given)
             ranks = ranks_of(given)
             linear = {
                 name: m.weight.shape for name, m in self.model.named_modules() if isinstance(m, nn.Linear)
@@ -169,16 +171,16 @@ class Service:
             return self.config.max_weights_bytes
         return 4 * sum(p.numel() for p in self.model.parameters()) + 16 * 2**20
 
-    def weight_writer(self, names: Sequence[str] = ()) -> Write:
-        """Where a collective update of `names` lands once received and checked: copied into the
-        parameters when the engine generates from the module (and no LoRA adapter is among them:
-        the in-place writes move the parameters' versions, so its prefix cache is dropped), else handed to the engine's `update_weights` in one call."""
-        if self.engine.shares_policy_weights and not any(map(is_adapter_name, names)):
-            return into_parameters(dict(self.model.named_parameters(remove_duplicate=False)))
+    def weight_writer(self) -> Write:
+        """Where a collective update lands once received and checked: copied into the
+        parameters when the engine generates from the module and takes no adapters (the in-place
+        writes move the parameters' versions, so its prefix cache is dropped), else handed to the
+        engine's `update_weights` in one call: an engine that takes adapters learns from every
+        update which layers' base weights arrived without one."""
         engine = self.engine
-        return into_load(
-            lambda pairs: engine.update_weights(pairs, engine.policy_version), self.parameter_dtypes()
-        )
+        if engine.shares_policy_weights and not engine.capabilities.accepts_adapters:
+            return into_parameters(self.parameters())
+        return into_load(lambda pairs: engine.update_weights(pairs, engine.policy_version), self.parameters())
 
     def set_version(self, version: str) -> None:
         """Record the weight version (checked first with `check_version`); engines number

@@ -46,9 +46,10 @@ class ServeConfig(EngineConfig):
     (vLLM's --enable-lora, one adapter); /server_info then offers `adapter_updates`, so a LoRA
     trainer sends the adapters alone at every sync after the first. Off, trainers send the merged
     weights whole (the native engine always takes adapters)."""
-    max_lora_rank: int = 16
-    """vllm engine with --enable-lora: the largest adapter rank taken (vLLM's --max-lora-rank;
-    vLLM reserves the smallest rank it offers that holds it). A trainer whose lora_rank is larger
+    max_lora_rank: int = 64
+    """The largest rank of the LoRA adapters an update may carry (vLLM's --max-lora-rank): the
+    native engine's, and the vllm engine's with --enable-lora (vLLM reserves the smallest rank it
+    offers that holds it); a larger one is refused with a 400. A trainer whose lora_rank is larger
     sends the merged weights whole."""
     dtype: str = "auto"
     """Parameter dtype; auto is the checkpoint's own (float32 for a local preset)."""

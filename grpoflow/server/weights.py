@@ -60,13 +60,13 @@ SAFETENSORS_TYPES = ("application/octet-stream", "application/x-safetensors", "a
 
 
 async def apply(service: Service, tensors: dict[str, torch.Tensor]) -> int:
-    """Check (in a request thread: names, shapes, finite values that fit the parameters' dtypes),
-    then hand the tensors to the engine between batches (native and hf copy them into the model
+    """Check (in a request thread: names, shapes, finite values that fit the parameters' dtypes and
+    magnitudes), then hand the tensors to the engine between batches (native and hf copy them into the model
     they generate from, vllm loads them into its own); returns how many. Within an open update
     (/start_weight_update) an engine with its own weights gets them all at once, at
     /finish_weight_update: vLLM rebuilds each layer from the tensors of one load."""
     shapes = service.update_shapes({name: tensor.shape for name, tensor in tensors.items()})
-    await run_in(service.pools.requests, check_weights, tensors, shapes, service.parameter_dtypes())
+    await run_in(service.pools.requests, check_weights, tensors, shapes, service.parameters())
     if service.update_open and not service.engine.shares_policy_weights:
         service.pending_weights.update(tensors)
         return len(tensors)
@@ -83,13 +83,13 @@ async def receive_collective(service: Service, info: dict) -> dict:
     """Receive a collective update between generation batches, then record its version."""
     names, given = info.get("names"), info.get("shapes")
     if isinstance(names, list) and isinstance(given, list) and len(names) == len(given):
-        shapes, write = service.update_shapes(dict(zip(map(str, names), given))), service.weight_writer(names)
+        shapes = service.update_shapes(dict(zip(map(str, names), given)))
     else:  # malformed: the receiver refuses it with the reason
-        shapes, write = service.parameter_shapes(), service.weight_writer()
+        shapes = service.parameter_shapes()
     answer = await service.receiver.receive(
         info,
         shapes=shapes,
-        write=write,
+        write=service.weight_writer(),
         exclusive=service.batcher.exclusive,
     )
     version = info.get("weight_version")

@@ -76,9 +76,44 @@ def ranks_of(shapes: Mapping[str, Sequence[int]]) -> dict[str, int]:
     whatever order the names come in."""
     ranks, from_up = {}, {}
     for name, shape in shapes.items():
-        if is_adapter_name(name) and len(shape) == 2:
+        matrix = _matrix(shape)
+        if is_adapter_name(name) and matrix is not None:
             if name.endswith(DOWN):
-                ranks[adapted_module(name)] = int(shape[0])
+                ranks[adapted_module(name)] = matrix[0]
             else:
-                from_up[adapted_module(name)] = int(shape[1])
+                from_up[adapted_module(name)] = matrix[1]
     return {**from_up, **ranks}
+
+
+def _matrix(shape: object) -> tuple[int, int] | None:
+    """(rows, columns) of a two-dimensional `shape`; None for any other (a vector, a malformed
+    shape sent as JSON), which the shape check then refuses."""
+    if not isinstance(shape, Sequence) or len(shape) != 2:
+        return None
+    if not all(isinstance(size, int) and not isinstance(size, bool) for size in shape):
+        return None
+    return int(shape[0]), int(shape[1])
+
+
+def check_pairs(shapes: Mapping[str, Sequence[int]]) -> None:
+    """ReceiveError 400 unless every adapter among the given `shapes` (by name) comes with its
+    other half, and A's rows (the rank) match B's columns; the rest of each shape is checked
+    against its layer (`adapter_shapes`)."""
+    halves: dict[str, dict[bool, Sequence[int]]] = {}
+    for name, shape in shapes.items():
+        if is_adapter_name(name):
+            halves.setdefault(adapted_module(name), {})[name.endswith(DOWN)] = shape
+    for module, pair in halves.items():
+        down, up = f"{module}{DOWN}", f"{module}{UP}"
+        if len(pair) != 2:
+            given, missing = (down, up) if True in pair else (up, down)
+            raise ReceiveError(
+                f"the update holds {given} but not {missing}: an adapter travels as both its A and "
+                f"its B (scaled), in one update"
+            )
+        rows, columns = _matrix(pair[True]), _matrix(pair[False])
+        if rows is not None and columns is not None and rows[0] != columns[1]:
+            raise ReceiveError(
+                f"{up} has {columns[1]} columns, {down} {rows[0]} rows: B's columns and A's rows are "
+                f"the adapter's rank and must agree"
+            )

@@ -3,8 +3,8 @@
 The tensors come from a safetensors file or every *.safetensors file of a directory on the
 receiver's disk (`read_path`, what `checkpoint_sender` writes), or from a safetensors file sent as
 a request body (`read_bytes`). `check_weights` refuses an update unless every tensor names a
-parameter of the model and has its shape, so a bad update changes nothing. Failures raise
-ReceiveError (HTTP 400).
+parameter of the model, has its shape and holds values that fit it (`weight_values`), so a bad
+update changes nothing. Failures raise ReceiveError (HTTP 400).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from grpoflow.transport import ReceiveError
 from grpoflow.transport.checkpoint_sender import READY_METHOD, RELOAD_METHOD, VLLM_RELOAD_METHOD
+from grpoflow.transport.weight_values import check_update_values
 
 RELOAD_METHODS = (VLLM_RELOAD_METHOD, RELOAD_METHOD)
 """The /collective_rpc methods that reload a checkpoint: vLLM's own and grpoflow's worker extension's."""
@@ -65,11 +66,11 @@ def read_bytes(data: bytes) -> dict[str, torch.Tensor]:
 def check_weights(
     tensors: Mapping[str, torch.Tensor],
     shapes: Mapping[str, Sequence[int]],
-    dtypes: Mapping[str, torch.dtype] | None = None,
+    parameters: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Refuse the update unless every tensor names a parameter of the model (`shapes`, by Hugging
-    Face name), has its shape, is floating point and finite, and (given the parameters' `dtypes`)
-    fits the parameter's dtype without overflowing to infinity."""
+    Face name), has its shape, is floating point and finite, and (given the served `parameters`)
+    fits the parameter's dtype and magnitude (`weight_values`)."""
     if not tensors:
         raise ReceiveError("the update holds no tensors")
     unknown = [name for name in tensors if name not in shapes]
@@ -87,21 +88,4 @@ def check_weights(
             )
         if not tensor.is_floating_point():
             raise ReceiveError(f"{name} has dtype {tensor.dtype}: weights must be floating point")
-        check_values(name, tensor, dtypes.get(name) if dtypes else None)
-
-
-def check_values(name: str, tensor: torch.Tensor, target: torch.dtype | None = None) -> None:
-    """Refuse `tensor` (parameter `name`) unless it is finite and, given the parameter's dtype
-    `target`, fits it without overflowing to infinity."""
-    if not bool(torch.isfinite(tensor).all()):
-        raise ReceiveError(
-            f"{name} holds NaN or infinite values: the update is refused and nothing was applied; "
-            f"check the trainer's weights (a diverged step) before sending them"
-        )
-    if target is not None and target.is_floating_point and tensor.numel():
-        largest = float(tensor.abs().max())
-        if largest > torch.finfo(target).max:
-            raise ReceiveError(
-                f"{name} holds {largest:.3g}, beyond the largest {target} value "
-                f"({torch.finfo(target).max:.3g}): it would become infinite; the update is refused"
-            )
+    check_update_values(tensors.items(), parameters or {})

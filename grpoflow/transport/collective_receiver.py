@@ -17,7 +17,7 @@ trainer knows the rank is this server.
 true, "buckets", "update_id", "group_id", "weight_version", "timeout"}`, checks every name and shape
 against the model before anything is received (a bad update is refused and changes nothing), then,
 in a daemon thread of its own while generation goes on, answers the trainer's handshake and
-receives the buckets into buffers of their own, checked (finite, within the parameters' dtypes: a
+receives the buckets into buffers of their own, checked (finite, within the parameters' dtypes and magnitudes: a
 bad update is refused whole, the old weights stay). Only then, inside the caller's `exclusive`
 (between generation batches), `write` puts them in place: copied into the parameters
 (`into_parameters`) or handed to a `load` in one call (`into_load`). Generation is thus held for
@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 from grpoflow.threads import in_daemon_thread
 from grpoflow.transport import ReceiveError, collective
-from grpoflow.transport.checkpoint_receiver import check_values
 from grpoflow.transport.collective import TransferCancelled, TransferTimeout, UpdatePlan, WeightGroup
+from grpoflow.transport.weight_values import check_update_values
 
 logger = logging.getLogger("grpoflow.transport")
 
@@ -62,11 +62,11 @@ Exclusive = Callable[[Callable[[], None]], Awaitable[None]]
 @dataclass(frozen=True, slots=True)
 class Write:
     """Where a received update goes: `apply(pairs)` puts every checked `(name, tensor)` in place
-    (it runs while generation is held); `dtypes` are the parameters' dtypes, whose ranges the
-    received values must fit."""
+    (it runs while generation is held); `parameters` are the served ones (by Hugging Face name),
+    whose dtypes and magnitudes the received values must fit (`weight_values`)."""
 
     apply: Callable[[list[tuple[str, torch.Tensor]]], None]
-    dtypes: Mapping[str, torch.dtype]
+    parameters: Mapping[str, torch.Tensor]
 
 
 def offered_backends(device: torch.device) -> list[str]:
@@ -87,27 +87,28 @@ def into_parameters(parameters: Mapping[str, torch.Tensor]) -> Write:
         for device in {tensor.device for _, tensor in pairs if tensor.device.type == "cuda"}:
             torch.cuda.current_stream(device).synchronize()
 
-    return Write(apply, {name: parameter.dtype for name, parameter in parameters.items()})
+    return Write(apply, parameters)
 
 
 def into_load(
-    load: Callable[[list[tuple[str, torch.Tensor]]], None], dtypes: Mapping[str, torch.dtype] | None = None
+    load: Callable[[list[tuple[str, torch.Tensor]]], None],
+    parameters: Mapping[str, torch.Tensor] | None = None,
 ) -> Write:
     """Hand all received `(name, tensor)` pairs to `load` in one call (vLLM reloads a layer once
     all its tensors arrived, so the update is not split)."""
-    return Write(load, dtypes or {})
+    return Write(load, parameters or {})
 
 
 def staged(
-    group: WeightGroup, plan: UpdatePlan, deadline: float, dtypes: Mapping[str, torch.dtype]
+    group: WeightGroup, plan: UpdatePlan, deadline: float, parameters: Mapping[str, torch.Tensor]
 ) -> list[tuple[str, torch.Tensor]]:
     """Every bucket received into buffers of its own (one update's worth, on the group's device),
-    then every tensor checked: finite, and within the range of its parameter's dtype in `dtypes`.
-    ReceiveError 400 names the first that is not; nothing has been applied then, and the group
-    stays usable, since every bucket was received whatever their values."""
+    then every tensor checked: finite, within the range of its parameter's dtype and magnitude
+    (`weight_values`, against the served `parameters`). ReceiveError 400 names the first that is
+    not; nothing has been applied then, and the group stays usable, since every bucket was received
+    whatever their values."""
     pairs = [pair for bucket in collective.receive_buckets(group, plan, deadline=deadline) for pair in bucket]
-    for name, tensor in pairs:
-        check_values(name, tensor, dtypes.get(name))
+    check_update_values(pairs, parameters)
     return pairs
 
 
@@ -291,7 +292,7 @@ class CollectiveReceiver:
         self.receiving = True
         try:
             pairs = await asyncio.wrap_future(
-                in_daemon_thread(_take, group, plan, update_id, time.monotonic() + timeout, write.dtypes)
+                in_daemon_thread(_take, group, plan, update_id, time.monotonic() + timeout, write.parameters)
             )
         except TransferCancelled as error:
             raise ReceiveError(f"{error}; nothing received", 409, "update_info") from None
@@ -355,7 +356,7 @@ def _take(
     plan: UpdatePlan,
     update_id: object,
     deadline: float,
-    dtypes: Mapping[str, torch.dtype],
+    parameters: Mapping[str, torch.Tensor],
 ) -> list[tuple[str, torch.Tensor]]:
     """Answer the trainer's handshake (when the update has an id), then receive and check every
     bucket (`staged`) by `deadline`."""
@@ -363,4 +364,4 @@ def _take(
         collective.answer(group, int(update_id), accepted=True)
         collective.await_go(group, int(update_id), deadline=deadline)
     with torch.no_grad():
-        return staged(group, plan, deadline, dtypes)
+        return staged(group, plan, deadline, parameters)

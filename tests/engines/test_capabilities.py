@@ -86,8 +86,10 @@ def service():
 
 
 def adapter_update(service) -> dict[str, tuple[int, int]]:
-    hidden = service.model.get_input_embeddings().weight.shape[1]
-    return {ADAPTER: (4, hidden)}
+    out_features, in_features = service.model.get_submodule(
+        ADAPTER.removesuffix(".lora_A.weight")
+    ).weight.shape
+    return {ADAPTER: (4, in_features), ADAPTER.replace("lora_A", "lora_B"): (out_features, 4)}
 
 
 def test_a_server_refuses_adapters_to_an_engine_that_declares_none(service):

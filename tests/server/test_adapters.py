@@ -121,7 +121,7 @@ def test_adapters_for_a_layer_the_model_lacks_are_refused_whole():
             "model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64),
             "model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 3),
         }
-        with pytest.raises(Exception, match="shape"):
+        with pytest.raises(Exception, match="rank and must agree"):
             engine.update_weights(list(wrong_rank.items()), 1)
         engine.close()
     finally:
@@ -175,3 +175,83 @@ def test_adapters_go_alone_only_to_servers_that_take_the_policys(caplog):
         assert not adapters_alone([native, offer("plain", adapters=False)], policy)
         assert "server(s) plain take no LoRA adapters" in caplog.text
     assert adapters_alone([native, vllm]) and not adapters_alone([offer("plain", adapters=False)])
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj"
+
+
+def post_weights(url: str, tensors: dict[str, torch.Tensor]) -> httpx.Response:
+    headers = {"Content-Type": "application/octet-stream"}
+    return httpx.post(url + "/update_weights", content=save(tensors), headers=headers, timeout=60)
+
+
+def low_rank(rank: int, up_rank: int | None = None, scale: float = 0.1) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(rank)
+    return {
+        f"{Q_PROJ}.lora_A.weight": scale * torch.randn(rank, 64, generator=generator),
+        f"{Q_PROJ}.lora_B.weight": scale * torch.randn(64, up_rank or rank, generator=generator),
+    }
+
+
+def test_the_native_server_takes_adapters_up_to_max_lora_rank():
+    assert ServeConfig(model="tiny").max_lora_rank == 64
+    server = start_server(tiny_service(max_lora_rank=8))
+    try:
+        info = httpx.get(server.url + "/server_info").json()["grpoflow"]
+        assert info["adapter_updates"] is True and info["max_lora_rank"] == 8
+        refused = post_weights(server.url, low_rank(16))
+        message = refused.json()["error"]["message"]
+        assert refused.status_code == 400 and "rank 16, above this server's --max-lora-rank 8" in message
+        assert server.service.engine.family.loaded == {}
+        assert post_weights(server.url, low_rank(8)).status_code == 200
+        assert list(server.service.engine.family.loaded) == [Q_PROJ]
+    finally:
+        server.stop()
+
+
+def test_an_unpaired_or_mismatched_adapter_is_a_400_naming_the_tensor():
+    server = start_server(tiny_service())
+    try:
+        down, up = low_rank(4)
+        for given, missing in ((down, up), (up, down)):
+            answer = post_weights(server.url, {given: low_rank(4)[given]})
+            message = answer.json()["error"]["message"]
+            assert answer.status_code == 400 and f"but not {missing}" in message, message
+        answer = post_weights(server.url, low_rank(4, up_rank=3))
+        message = answer.json()["error"]["message"]
+        assert answer.status_code == 400 and f"{up} has 3 columns, {down} 4 rows" in message, message
+        assert server.service.engine.family.loaded == {}
+    finally:
+        server.stop()
+
+
+def test_adapters_of_absurd_magnitude_are_refused():
+    server = start_server(tiny_service())
+    try:
+        # Each half beyond its layer's bound; or each within it, but the change they make beyond.
+        for scale, refused in ((1e5, "lora_A.weight holds"), (1e3, "can change a weight by up to")):
+            answer = post_weights(server.url, low_rank(4, scale=scale))
+            message = answer.json()["error"]["message"]
+            assert answer.status_code == 400 and Q_PROJ in message and "beyond" in message, message
+            assert refused in message and "nothing was applied" in message
+        assert server.service.engine.family.loaded == {}
+        assert post_weights(server.url, low_rank(4, scale=1.0)).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_merged_weights_after_adapters_leave_the_native_server_without_them():
+    policy = lora_policy()
+    server = start_server(tiny_service())
+    engine = RemoteEngine(
+        [server.url], startup_timeout=30, weight_transfer="collective", weight_sync_timeout=60
+    )
+    try:
+        sync(engine, policy, 1)
+        assert server.service.engine.family.loaded  # the base, with the adapters beside it
+        engine.update_weights(list(merged_weights(policy)), 2)  # the policy merged: a base reload
+        assert server.service.engine.family.loaded == {}
+        assert_same(rollouts(engine, GREEDY), local(policy, GREEDY))
+    finally:
+        engine.close()
+        server.stop()

@@ -100,3 +100,21 @@ def test_the_weight_transfer_sequence_over_http_holds_generation(fresh, tmp_path
         missing = {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "absent")}}
         assert client.post("/collective_rpc", json=missing).status_code == 400
         assert client.post("/update_weight_version", json={"new_version": "8"}).json()["new_version"] == "8"
+
+
+def test_a_finite_but_huge_weight_is_refused_naming_the_parameter_and_its_bound(fresh, tmp_path):
+    service, url = fresh.service, fresh.url
+    original = served_weights(service)
+    name = "model.layers.0.self_attn.v_proj.weight"
+    huge = {name: torch.full_like(original[name], 1e38)}  # finite in float32
+    save_file(huge, str(tmp_path / "huge.safetensors"))
+    with httpx.Client(base_url=url, timeout=60) as client:
+        by_body = client.post("/update_weights", content=save(huge), headers=SAFETENSORS)
+        by_path = {"update_info": {"weights_path": str(tmp_path / "huge.safetensors")}}
+        for answer in (by_body, client.post("/update_weights", json=by_path)):
+            message = answer.json()["error"]["message"]
+            assert answer.status_code == 400 and f"{name} holds 1e+38, beyond its bound 1e+04" in message
+        assert_served(service, original)
+        grown = {name: 100 * original[name]}  # far beyond a training step, still within the bound
+        assert client.post("/update_weights", content=save(grown), headers=SAFETENSORS).status_code == 200
+        assert_served(service, grown)

@@ -52,10 +52,10 @@ def test_nonfinite_and_overflowing_weights_are_refused():
         with pytest.raises(ReceiveError, match=f"{name} holds NaN or infinite values"):
             check_weights(broken, SHAPES)
     huge = {**WEIGHTS, name: torch.full_like(WEIGHTS[name], 1e39, dtype=torch.float64)}
-    dtypes = dict.fromkeys(SHAPES, torch.bfloat16)
+    served = {name: torch.ones(shape, dtype=torch.bfloat16) for name, shape in SHAPES.items()}
     with pytest.raises(ReceiveError, match="beyond the largest torch.bfloat16 value"):
-        check_weights(huge, SHAPES, dtypes)
-    check_weights(WEIGHTS, SHAPES, dtypes)
+        check_weights(huge, SHAPES, served)
+    check_weights(WEIGHTS, SHAPES, served)
 
 
 def test_every_name_shape_and_dtype_is_checked():

@@ -61,6 +61,7 @@ class NativeEngine:
         self.capabilities = EngineCapabilities(  # the family path adds adapters and caches prefixes
             name="native",
             accepts_adapters=self.family is not None,
+            max_adapter_rank=config.max_lora_rank if self.family is not None else None,
             applies_adapters=True,
             per_prompt_params=True,
             aborts=True,
@@ -267,7 +268,9 @@ class NativeEngine:
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Record the policy version; tensors that are not already the module's own storage are
         copied into the module's parameters (standalone use), LoRA adapters named as
-        `grpoflow.transport.adapters` names them are added to their layers (family path)."""
+        `grpoflow.transport.adapters` names them are added to their layers (family path; up to
+        `max_lora_rank`). A layer whose base weight arrives without an adapter loses the one it
+        had: those weights came merged. Every name is checked before anything is written."""
         parameters = dict(self.model.named_parameters(remove_duplicate=False))
         weights, adapters = split_adapters(weights)
         if adapters and self.family is None:
@@ -275,12 +278,17 @@ class NativeEngine:
                 f"adapter-only updates need the family path ({', '.join(SUPPORTED_MODEL_TYPES)}); "
                 "send merged weights to this engine"
             )
+        unknown = [name for name, _ in weights if name not in parameters]
+        if unknown:
+            raise ValueError(f"update_weights: the model has no parameter named {unknown[0]!r}")
         with torch.no_grad():
-            if adapters:
-                self.family.load_adapters(adapters)
+            if self.family is not None:
+                self.family.load_adapters(
+                    adapters,
+                    max_rank=self.config.max_lora_rank,
+                    written=[parameters[name] for name, _ in weights],
+                )
             for name, tensor in weights:
-                if name not in parameters:
-                    raise ValueError(f"update_weights: the model has no parameter named {name!r}")
                 target = parameters[name]
                 if target.data_ptr() != tensor.data_ptr():
                     target.copy_(tensor)

@@ -10,7 +10,7 @@ and goes to the generic path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -169,24 +169,60 @@ class FamilyModel:
         loaded = tuple((name, term.down.weight.data_ptr()) for name, term in self.loaded.items())
         return tuple(adapter_state(module) for module in self.lora_layers) + loaded
 
-    def load_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def load_adapters(
+        self,
+        adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        *,
+        max_rank: int,
+        written: Collection[torch.Tensor] = (),
+    ) -> None:
         """Add adapters given as tensors (module name -> (A, B scaled); see
         `grpoflow.transport.adapters`) to plain linear layers; each replaces that layer's previous
-        adapter, the others stay."""
+        adapter. A layer whose base weight is among `written` (the parameters the same update
+        wrote) and that gets no adapter in it loses its loaded one: its weights arrived merged, and
+        it runs as a plain layer again. The others keep theirs. Every adapter is checked (a
+        projection's name, shapes that fit it, rank at most `max_rank`) before any is loaded."""
         for name, (down, up) in adapters.items():
-            module = self.projection_names.get(name)
-            if module is None or is_lora_layer(module):
-                raise ValueError(
-                    f"no adapter can be loaded for {name!r}: name a projection of a decoder layer or the "
-                    f"output head, e.g. {next(iter(self.projection_names))!r}"
-                )
-            if down.shape[1] != module.in_features or up.shape[0] != module.out_features:
-                raise ValueError(
-                    f"the adapter of {name} does not fit its ({module.out_features}, "
-                    f"{module.in_features}) weight: A {tuple(down.shape)}, B {tuple(up.shape)}"
-                )
+            self._check_adapter(name, down, up, max_rank)
+        rewritten = {id(tensor) for tensor in written}
+        dropped = [
+            name
+            for name in self.loaded
+            if name not in adapters and id(self.projection_names[name].weight) in rewritten
+        ]
+        if not adapters and not dropped:
+            return
+        for name in dropped:
+            del self.loaded[name]
+        for name, (down, up) in adapters.items():
+            module = self.projection_names[name]
             self.loaded[name] = loaded_term(down, up, module.weight, self.loaded.get(name))
         self.refresh_fused()
+
+    def _check_adapter(self, name: str, down: torch.Tensor, up: torch.Tensor, max_rank: int) -> None:
+        module = self.projection_names.get(name)
+        if module is None or is_lora_layer(module):
+            raise ValueError(
+                f"no adapter can be loaded for {name!r}: name a projection of a decoder layer or the "
+                f"output head, e.g. {next(iter(self.projection_names))!r}"
+            )
+        if (
+            down.dim() != 2
+            or up.dim() != 2
+            or down.shape[1] != module.in_features
+            or up.shape[0] != module.out_features
+            or down.shape[0] != up.shape[1]
+        ):
+            raise ValueError(
+                f"the adapter of {name} does not fit its ({module.out_features}, "
+                f"{module.in_features}) weight: A {tuple(down.shape)}, B {tuple(up.shape)}; A must be "
+                f"(rank, {module.in_features}) and B ({module.out_features}, rank)"
+            )
+        if down.shape[0] > max_rank:
+            raise ValueError(
+                f"the adapter of {name} has rank {down.shape[0]}, above max_lora_rank {max_rank}: raise "
+                f"max_lora_rank (grpoflow serve's --max-lora-rank) or train a smaller lora_rank"
+            )
 
     def refresh_adapters(self) -> None:
         """Find every projection's adapters again."""

@@ -35,6 +35,9 @@ class NativeEngineConfig(EngineConfig):
     tokens, so a prompt that starts with a cached prefix (a GRPO group's shared prompt, a
     multi-turn episode's earlier turns) prefills only the rest; dropped when the weights change,
     on sleep and by `reset_prefix_cache` (family path only)."""
+    max_lora_rank: int = 64
+    """The largest rank of an adapter sent as tensors (`grpoflow.transport.adapters`) the engine
+    takes (vLLM's --max-lora-rank); a LoRA policy's own layers are not bounded by it."""
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
@@ -50,6 +53,7 @@ class NativeEngineConfig(EngineConfig):
             ">= 1 (or unset)",
             self.num_kv_blocks,
         )
+        require(self.max_lora_rank >= 1, "max_lora_rank", ">= 1", self.max_lora_rank)
         require(self.max_prefill_tokens >= 1, "max_prefill_tokens", ">= 1", self.max_prefill_tokens)
 
     @classmethod
