@@ -35,9 +35,10 @@ def check_update_values(
     """Refuse the update unless every tensor (by Hugging Face name) passes `check_values` against
     its parameter in `parameters` (an adapter's A or B against the weight of the layer it adapts),
     and each adapter sent with both halves passes `check_adapter_values`. A name `parameters` lacks
-    is checked for finite values alone."""
+    is checked for finite values alone. Names are checked in sorted order, so the refusal names the
+    same tensor whatever order they arrived in (a safetensors file's order is not kept)."""
     halves: dict[str, dict[bool, torch.Tensor]] = {}
-    for name, tensor in tensors:
+    for name, tensor in sorted(tensors, key=lambda pair: pair[0]):
         if is_adapter_name(name):
             module = adapted_module(name)
             check_values(name, tensor, parameters.get(f"{module}.weight"))
