@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from safetensors.torch import save_file
@@ -91,8 +92,8 @@ FAULTS = (
 )
 
 
-def hostile_requests(client: httpx.AsyncClient, args: argparse.Namespace) -> list:
-    """The faults `args.faults` names, sent alongside the load: coroutines giving (status, s)."""
+def hostile_requests(client: httpx.AsyncClient, args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """The faults `args.faults` names, sent alongside the load: (name, coroutine giving (status, s))."""
     init = {
         "init_info": {
             "backend": "gloo",
@@ -128,7 +129,7 @@ def hostile_requests(client: httpx.AsyncClient, args: argparse.Namespace) -> lis
         ],
         "episode_bomb": lambda: [episode_bomb(client, args.episode_turns)],
     }
-    return [request for name in args.faults if name in makers for request in makers[name]()]
+    return [(name, request) for name in args.faults if name in makers for request in makers[name]()]
 
 
 async def disconnecting(client: httpx.AsyncClient) -> tuple[int, float]:
@@ -206,17 +207,19 @@ async def load(url: str, args: argparse.Namespace, files: dict[str, Path], pid: 
         prober.start()
         start = time.perf_counter()
         hostile = hostile_requests(client, args) if faults else []
-        hostile_tasks = [asyncio.ensure_future(task) for task in hostile]
+        hostile_tasks = [(name, asyncio.ensure_future(task)) for name, task in hostile]
         update_task = asyncio.ensure_future(updates())
         results = await asyncio.gather(*(completion(index) for index in range(args.requests)))
         load_seconds = time.perf_counter() - start
         update_statuses = await update_task
         if hostile_tasks:  # /health is still probed while the faults finish
-            await asyncio.wait(hostile_tasks, timeout=args.fault_wait_s)
+            await asyncio.wait([task for _, task in hostile_tasks], timeout=args.fault_wait_s)
         done.set()
         prober.join()
-        hostile_results = [task.result() for task in hostile_tasks if task.done()]
-        for task in hostile_tasks:
+        hostile_results: dict[str, list[int | str]] = {}
+        for name, task in hostile_tasks:
+            hostile_results.setdefault(name, []).append(task.result()[0] if task.done() else "unfinished")
+        for _, task in hostile_tasks:
             task.cancel()
     latencies = sorted(seconds for status, seconds in results if status == 200)
     return {
@@ -227,8 +230,7 @@ async def load(url: str, args: argparse.Namespace, files: dict[str, Path], pid: 
         "load_seconds": load_seconds,
         "health_probes": len(health),
         "health_max_s": max(health) if health else None,
-        "hostile_statuses": sorted(status for status, _ in hostile_results),
-        "hostile_unfinished": len(hostile_tasks) - len(hostile_results),
+        "hostile_statuses": hostile_results,
         "update_statuses": update_statuses,
         "rss_peak_mib": max(peak),
     }
@@ -252,13 +254,14 @@ def main() -> None:
         help="which faults (default: all)",
     )
     parser.add_argument("--fault-wait-s", type=float, default=180.0, help="wait for the faults' answers")
+    parser.add_argument("--server-log", default=None, help="keep the server's log here")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/...)")
     args = parser.parse_args()
 
     port = free_port()
     with tempfile.TemporaryDirectory() as scratch:
         files = {"weights": Path(scratch) / "model.safetensors", "faulty": Path(scratch) / "huge.safetensors"}
-        server = start_server(port, Path(scratch) / "serve.log")
+        server = start_server(port, Path(args.server_log or Path(scratch) / "serve.log"))
         try:
             url = f"http://127.0.0.1:{port}"
             write_weights(url, files)
@@ -329,8 +332,11 @@ def print_table(figures: dict) -> None:
         ("/health max ms (probes)", both(lambda f: f"{f['health_max_s'] * 1000:.0f} ({f['health_probes']})")),
         ("RSS peak (MiB)", both(lambda f: f"{f['rss_peak_mib']:.0f}")),
         ("p99 with / without", f"{figures['p99_with_over_without']:.2f}"),
-        ("hostile statuses", " ".join(map(str, faulted["hostile_statuses"])) or "-"),
-        ("hostile unfinished", str(faulted["hostile_unfinished"])),
+        ("fault statuses", ""),
+        *(
+            (f"  {name}", " ".join(map(str, sorted(statuses, key=str))))
+            for name, statuses in faulted["hostile_statuses"].items()
+        ),
         ("update statuses", " ".join(map(str, faulted["update_statuses"]))),
         ("RSS before / after (MiB)", f"{figures['rss_before_mib']:.0f} / {figures['rss_after_mib']:.0f}"),
         ("after / before", f"{figures['rss_after_over_before']:.3f}"),

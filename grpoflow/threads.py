@@ -87,5 +87,8 @@ class DaemonPool(Executor):
             try:
                 run_into(future, fn, *args, **kwargs)
             finally:
+                # An idle worker must not keep its last call's arguments and result alive (a
+                # large request body would stay in memory until the next call).
+                del item, future, fn, args, kwargs
                 with self._lock:
                     self._running -= 1
