@@ -189,7 +189,8 @@ class EngineCapabilities:
     adaptable_modules: frozenset[str] | None = None
     """The layers (last name part) an adapter may adapt; None: any, or not known."""
     per_prompt_params: bool = False
-    """`generate` takes one SamplingParams per prompt and on_error="error_completion"."""
+    """`generate` takes one SamplingParams per prompt, on_error="error_completion" and an `intake`
+    of requests that join the running call."""
     aborts: bool = False
     """`generate` takes an `abandoned` hook naming prompts nobody waits for, and stops them."""
     prefix_cache: bool = False

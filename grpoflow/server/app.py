@@ -196,6 +196,7 @@ async def server_info(request: Request) -> dict:
                 "per_prompt_params": batcher.per_prompt,
                 "num_batches": batcher.num_batches,
                 "num_engine_calls": batcher.num_engine_calls,
+                "num_joined": batcher.num_joined,
             },
             "episodes": {
                 "num_recorded": len(service.episodes),

@@ -1,30 +1,29 @@
 """Concurrent requests batched into engine calls, behind a gate that pauses generation.
 
-Requests join a queue; the first of a batch waits `window_s` for others to arrive, then every
-waiting request goes to the engine at once, in as few `generate` calls as the engine allows. An
-engine whose `generate` takes one SamplingParams per prompt (`capabilities.per_prompt_params`: the
-native engine) gets one call per set of distribution fields (temperature, top_p, top_k,
-min_p, repetition_penalty), so requests that differ only in n, max_tokens, seed or stops share a
-call; other engines get one call per distinct SamplingParams. Engine calls run one at a time in the
-engine's own worker thread (pools.py), so the event loop keeps answering, under `lock`, which
-weight writes take too.
+Requests join a queue; the first of a batch waits `window_s` for others to arrive, then the queued
+requests go to the engine. Engine calls run one at a time in the engine's own worker thread
+(pools.py), so the event loop keeps answering, under `lock`, which weight writes take too.
 
-Turns: on a per-prompt engine a request of more than `turn_sequences` sequences (prompts x n) is
-served in turns of that many (its prompts' samples split with `sample_offset`, so a seeded request
-draws what it would in one call). A request left unfinished goes back to the queue behind the
-requests that arrived meanwhile, each batch takes one turn of every queued request, and a short
-request waits for at most one turn of a long one rather than for all of it.
+An engine whose `generate` takes one SamplingParams per prompt (`capabilities.per_prompt_params`:
+the native engine) runs calls that requests join while they run. A call starts with the queued
+requests that share the first one's distribution fields (temperature, top_p, top_k, min_p,
+repetition_penalty); between two of its steps its `intake` hands it, in order, the requests queued
+since with the same fields. The engine gives free rows to the requests in turn and answers each as
+soon as its own sequences have finished, so a short request waits for a free row, not for a long
+one to end. A request whose distribution fields differ cannot join a running call: from it on,
+the queue waits for the next call (the running one takes no more and drains), as it does once a
+call has taken `call_sequences` sequences (a bound on one call's bookkeeping). When a call fails,
+its unanswered requests run again, each in a call of its own, so that only the one that fails gets
+the error. Other engines get one call per distinct SamplingParams of a batch.
 
-The gate: while generation is paused (/pause) or held (a weight update, sleep), no batch starts
-and new requests wait in the queue; a request already started runs its remaining turns. Closing
-the gate waits for them and for the running batch, so a weight update always lands between two
-requests' batches, never inside one request.
+The gate: while generation is paused (/pause) or held (a weight update, sleep), no call starts and
+the intake hands nothing, so new requests wait in the queue and the running call drains. Closing
+the gate waits for that call, so a weight update lands between two calls, never inside a request.
 
-A request whose client went away is dropped from the queue. If its batch is already running on
-an engine that takes an `abandoned` hook (`capabilities.aborts`: the native engine), the engine stops its sequences at the
-next step and gives their cache blocks back, so the rest of the batch, and the requests queued
-behind it, do not wait for work nobody reads; on other engines the call finishes and the request's
-share of the results is discarded.
+A request whose client went away is dropped from the queue. If a running call serves it on an
+engine that takes an `abandoned` hook (`capabilities.aborts`: the native engine), the engine stops
+its sequences at the next step and gives their cache blocks back, so the rest of the call does not
+wait for work nobody reads; on other engines the call finishes and its share is discarded.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -62,56 +62,37 @@ class Job:
     withdrawn: bool = False
     """Set (on the event loop) when the future is cancelled: read by the engine's thread between
     steps, a plain flag rather than the future, which is not thread-safe."""
-    handed: int = 0
-    """Sequences (prompt-major) handed to the engine so far."""
-    groups: list[list[Completion]] = dataclasses.field(default_factory=list)
-    """The completions received so far, one list per prompt."""
-
-    def withdraw_on_cancel(self) -> None:
-        self.future.add_done_callback(lambda future: setattr(self, "withdrawn", future.cancelled()))
+    alone: bool = False
+    """It was in an engine call that failed: it runs in a call of its own, so that the request
+    that fails is found and the others are served."""
 
     @property
-    def started(self) -> bool:
-        """Some of its sequences were handed to the engine and its client still waits."""
-        return self.handed > 0 and not self.future.done()
-
-    @property
-    def complete(self) -> bool:
-        return self.handed == len(self.prompts) * self.params.n
-
-    def take(self, limit: int | None) -> list[Piece]:
-        """The next turn: up to `limit` (None: all) of the sequences not handed out yet, as
-        (prompt index, params with that prompt's share of n and its first sample's offset)."""
-        n, position = self.params.n, self.handed
-        end = len(self.prompts) * n if limit is None else min(len(self.prompts) * n, position + limit)
-        pieces = []
-        while position < end:
-            prompt, sample = divmod(position, n)
-            count = min(n - sample, end - position)
-            offset = self.params.sample_offset + sample
-            pieces.append((prompt, dataclasses.replace(self.params, n=count, sample_offset=offset)))
-            position += count
-        self.handed = end
-        return pieces
-
-    def record(self, pieces: list[Piece], groups: Groups) -> None:
-        """Add a turn's completions (one group per piece)."""
-        if not self.groups:
-            self.groups = [[] for _ in self.prompts]
-        for (prompt, _), group in zip(pieces, groups):
-            self.groups[prompt].extend(group)
-
-
-Piece = tuple[int, SamplingParams]
-"""A prompt of a request (its index) and the samples of it that one turn draws."""
+    def size(self) -> int:
+        """Its sequences (prompts x n)."""
+        return len(self.prompts) * self.params.n
 
 
 @dataclasses.dataclass(slots=True)
-class Turn:
-    """The pieces of one request that one batch serves."""
+class Call:
+    """A running engine call that requests join (read and written in the engine's thread)."""
 
-    job: Job
-    pieces: list[Piece]
+    key: tuple
+    """The distribution fields its requests share."""
+    loop: asyncio.AbstractEventLoop
+    ready: list[Job]
+    """Requests to hand at the next look: the ones it starts with."""
+    taken: int = 0
+    """Sequences handed so far."""
+    closed: bool = False
+    """It takes no more requests: one queued differs, or it took `call_sequences`."""
+    stamp: int = -1
+    """The batcher's stamp at the last look at the queue."""
+    withdrawals: int = -1
+    """The batcher's count of withdrawn requests at the last look for abandoned ones."""
+    num_prompts: int = 0
+    handed: list[Job] = dataclasses.field(default_factory=list)
+    open: dict[int, tuple[Job, range]] = dataclasses.field(default_factory=dict)
+    """The requests handed and not answered yet, with their prompts' indices in the call."""
 
 
 class Batcher:
@@ -123,20 +104,23 @@ class Batcher:
         *,
         window_s: float = 0.005,
         executor: Executor | None = None,
-        turn_sequences: int | None = None,
+        call_sequences: int | None = None,
     ) -> None:
         """`executor`: the thread engine calls run in (default: one of the batcher's own).
-        `turn_sequences`: the most sequences of one request in one batch, on a per-prompt engine
-        (None: a whole request)."""
+        `call_sequences`: the sequences after which a running call takes no more requests (None:
+        no bound); the requests it starts with may be more."""
         self.engine, self.window_s = engine, window_s
         self.executor = executor or DaemonPool(1, "grpoflow-engine")
         self.lock = threading.Lock()
         self.per_prompt = engine.capabilities.per_prompt_params
         self.abortable = engine.capabilities.aborts
-        self.turn_sequences = turn_sequences if self.per_prompt else None
+        self.call_sequences = call_sequences
         self.paused = False
-        self.num_batches = self.num_engine_calls = 0
+        self.num_batches = self.num_engine_calls = self.num_joined = 0
         self._queue: list[Job] = []
+        self._queue_lock = threading.Lock()  # the engine's thread takes joining requests from the queue
+        self._stamp = 0  # moves when a request arrives or the gate opens: the intake looks again
+        self._withdrawals = 0
         self._arrived = asyncio.Event()
         self._gate = asyncio.Condition()
         self._holds = 0
@@ -154,9 +138,10 @@ class Batcher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for job in self._queue:
+        with self._queue_lock:
+            queued, self._queue = self._queue, []
+        for job in queued:
             _deliver(job, RequestError("the server is shutting down", 503))
-        self._queue.clear()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -164,19 +149,21 @@ class Batcher:
         """Queue a request; the future gets one list of `params.n` completions per prompt, or a
         RequestError. Cancel the future to withdraw the request."""
         job = Job(prompts, params, asyncio.get_running_loop().create_future())
-        job.withdraw_on_cancel()
-        self._queue.append(job)
+        job.future.add_done_callback(functools.partial(self._on_done, job))
+        with self._queue_lock:
+            self._queue.append(job)
+            self._stamp += 1
         self._arrived.set()
         return job.future
+
+    def _on_done(self, job: Job, future: asyncio.Future) -> None:
+        if future.cancelled():
+            job.withdrawn = True
+            self._withdrawals += 1
 
     @property
     def is_open(self) -> bool:
         return not self.paused and self._holds == 0
-
-    @property
-    def _busy(self) -> bool:
-        """A batch runs, or a started request waits for its next turn."""
-        return self._running or any(job.started for job in self._queue)
 
     async def _loop(self) -> None:
         while True:
@@ -184,72 +171,92 @@ class Batcher:
             if self.window_s > 0:
                 await asyncio.sleep(self.window_s)
             async with self._gate:
-                self._gate.notify_all()  # a started request withdrawn since may be what a hold waits for
-                await self._gate.wait_for(lambda: self.is_open or self._busy)
-                queued = [job for job in self._queue if not job.future.done()]
-                jobs = [job for job in queued if self.is_open or job.started]
-                self._queue = [job for job in queued if not (self.is_open or job.started)]
-                if not self._queue:
-                    self._arrived.clear()
-                turns = [Turn(job, job.take(self.turn_sequences)) for job in jobs]
-                self._running = bool(turns)
-            if not turns:
+                await self._gate.wait_for(lambda: self.is_open)
+                jobs = self._take_batch()
+                self._running = bool(jobs)
+            if not jobs:
                 continue
-            outcomes: list[Groups | RequestError] = []
             try:
-                outcomes = await run_in(self.executor, self._run, turns)
-            except Exception as error:  # a bug here must not stop the loop: fail this batch only
-                outcomes = [_as_request_error(error)] * len(turns)
+                await (self._serve_joined(jobs) if self.per_prompt else self._serve(jobs))
             finally:
                 async with self._gate:
                     self._running = False
-                    self._settle(turns, outcomes)
                     self._gate.notify_all()
 
-    def _settle(self, turns: list[Turn], outcomes: list[Groups | RequestError]) -> None:
-        """Answer the requests whose last turn ran (or failed); queue the others again, behind
-        the requests that arrived meanwhile."""
-        for turn, outcome in zip(turns, outcomes):
-            job = turn.job
-            if isinstance(outcome, RequestError):
+    def _take_batch(self) -> list[Job]:
+        """The queued requests the next batch starts with: on a per-prompt engine, those that
+        share the first one's distribution fields; on others, all."""
+        with self._queue_lock:
+            queued = [job for job in self._queue if not job.future.done()]
+            key = self._key(queued[0].params) if queued and self.per_prompt else None
+            chosen = [key is None or self._key(job.params) == key for job in queued]
+            if queued and queued[0].alone:
+                chosen = [index == 0 for index in range(len(queued))]
+            self._queue = [job for job, taken in zip(queued, chosen) if not taken]
+            if not self._queue:
+                self._arrived.clear()
+        return [job for job, taken in zip(queued, chosen) if taken]
+
+    async def _serve(self, jobs: list[Job]) -> None:
+        outcomes: list[Groups | RequestError] = []
+        try:
+            outcomes = await run_in(self.executor, self._run, jobs)
+        except Exception as error:  # a bug here must not stop the loop: fail this batch only
+            outcomes = [_as_request_error(error)] * len(jobs)
+        finally:
+            for job, outcome in zip(jobs, outcomes):
                 _deliver(job, outcome)
-                continue
-            job.record(turn.pieces, outcome)
-            if job.complete:
-                _deliver(job, job.groups)
-            elif not job.future.done():
-                self._queue.append(job)
-                self._arrived.set()
-        for job in [turn.job for turn in turns[len(outcomes) :]]:  # cancelled while running
-            _deliver(job, RequestError("the server is shutting down", 503))
+            for job in jobs[len(outcomes) :]:  # cancelled while running
+                _deliver(job, RequestError("the server is shutting down", 503))
+
+    async def _serve_joined(self, jobs: list[Job]) -> None:
+        call = Call(self._key(jobs[0].params), asyncio.get_running_loop(), jobs, closed=jobs[0].alone)
+        try:
+            await run_in(self.executor, self._run_joined, call)
+        except asyncio.CancelledError:
+            for job in call.handed + call.ready:
+                _deliver(job, RequestError("the server is shutting down", 503))
+            raise
+        except Exception as error:  # a bug here must not stop the loop: fail this call only
+            unanswered = [job for job, _ in call.open.values()] + call.ready
+            if len(call.handed + call.ready) == 1:
+                for job in unanswered:
+                    _deliver(job, _as_request_error(error))
+                return
+            for job in unanswered:  # find the request that failed: each runs alone, first in line
+                job.alone = True
+            with self._queue_lock:
+                self._queue[:0] = unanswered
+            self._arrived.set()
 
     # -- the gate -----------------------------------------------------------------------------
 
     async def pause(self, mode: str = "wait") -> None:
-        """Stop starting requests and wait for the running batch and the started requests. mode
-        'abort' also answers the queued requests at once, with what their turns so far generated
-        and empty completions whose finish_reason is 'abort' for the rest; 'wait' and 'keep' leave
-        them queued until /resume (a running batch always finishes: the in-process engine cannot
-        cut a call short)."""
+        """Stop starting requests and wait for the running call. mode 'abort' also answers the
+        queued requests at once with empty completions whose finish_reason is 'abort'; 'wait' and
+        'keep' leave them queued until /resume (a running call always finishes, taking no more
+        requests: the in-process engine cannot cut a call short)."""
         async with self._gate:
             self.paused = True
             if mode == "abort":
-                for job in self._queue:
-                    _deliver(job, _aborted(job))
-                self._queue.clear()
-            await self._gate.wait_for(lambda: not self._busy)
+                with self._queue_lock:
+                    queued, self._queue = self._queue, []
+                for job in queued:
+                    _deliver(job, [[Completion([], [], "abort")] * job.params.n for _ in job.prompts])
+            await self._gate.wait_for(lambda: not self._running)
 
     async def resume(self) -> None:
         async with self._gate:
             self.paused = False
+            self._stamp += 1
             self._gate.notify_all()
 
     async def hold(self) -> None:
-        """Close the gate (holds nest) and wait until no batch runs and no request is part-served."""
+        """Close the gate (holds nest) and wait until no call runs."""
         async with self._gate:
             self._holds += 1
             try:
-                await self._gate.wait_for(lambda: not self._busy)
+                await self._gate.wait_for(lambda: not self._running)
             except BaseException:
                 self._holds -= 1
                 self._gate.notify_all()
@@ -258,6 +265,7 @@ class Batcher:
     async def release(self) -> None:
         async with self._gate:
             self._holds = max(0, self._holds - 1)
+            self._stamp += 1
             self._gate.notify_all()
 
     async def exclusive(self, function: Callable[..., Any], *args: Any) -> Any:
@@ -272,18 +280,86 @@ class Batcher:
         with self.lock:
             return function(*args)
 
-    # -- engine calls (worker thread) ---------------------------------------------------------
+    # -- engine calls that requests join (worker thread) ----------------------------------------
 
-    def _run(self, turns: list[Turn]) -> list[Groups | RequestError]:
-        """One group of completions per piece of each turn, or the turn's request's error."""
+    def _run_joined(self, call: Call) -> None:
+        with self.lock:
+            self.num_batches += 1
+            self.num_engine_calls += 1
+            call.taken = sum(job.size for job in call.ready)
+            extra = {"abandoned": functools.partial(self._abandoned, call)} if self.abortable else {}
+            self.engine.generate(
+                [],
+                call.ready[0].params,
+                on_error="error_completion",
+                intake=functools.partial(self._intake, call),
+                **extra,
+            )
+
+    def _intake(self, call: Call) -> list[tuple[list[list[int]], list[SamplingParams], Callable]]:
+        """The requests that join `call` now: those it starts with, then those queued since the
+        last look (none while the gate is closed). Without new arrivals, two comparisons."""
+        jobs, call.ready = call.ready, []
+        if call.stamp != self._stamp and not call.closed:
+            with self._queue_lock:
+                call.stamp = self._stamp
+                if self.is_open:
+                    jobs += self._joining(call)
+        arrivals = []
+        for job in jobs:
+            call.open[id(job)] = (job, range(call.num_prompts, call.num_prompts + len(job.prompts)))
+            call.num_prompts += len(job.prompts)
+            call.handed.append(job)
+            arrivals.append(
+                (job.prompts, [job.params] * len(job.prompts), functools.partial(self._answer, call, job))
+            )
+        return arrivals
+
+    def _joining(self, call: Call) -> list[Job]:
+        """Take the requests at the head of the queue that may join `call`, up to the first that
+        differs in distribution or would take it past `call_sequences` (then it is closed)."""
+        taken = []
+        while self._queue and not call.closed:
+            job = self._queue[0]
+            full = self.call_sequences is not None and call.taken + job.size > self.call_sequences
+            if not job.withdrawn and (job.alone or full or self._key(job.params) != call.key):
+                call.closed = True
+                break
+            self._queue.pop(0)
+            if not job.withdrawn:
+                taken.append(job)
+                call.taken += job.size
+        self.num_joined += len(taken)
+        return taken
+
+    def _answer(self, call: Call, job: Job, groups: Groups) -> None:
+        """The engine's sink for `job`: its completions, or its error, go to its future."""
+        del call.open[id(job)]
+        errors = [group[0].text for group in groups if group and group[0].finish_reason == "error"]
+        outcome = RequestError("; ".join(map(str, errors))) if errors else groups
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody waits
+            call.loop.call_soon_threadsafe(_deliver, job, outcome)
+
+    def _abandoned(self, call: Call) -> list[int]:
+        """The engine's `abandoned` hook: the prompts of the call's withdrawn requests; without a
+        new withdrawal, one comparison."""
+        if call.withdrawals == self._withdrawals:
+            return []
+        call.withdrawals = self._withdrawals
+        return [index for job, span in list(call.open.values()) if job.withdrawn for index in span]
+
+    # -- engine calls of one batch (worker thread) ----------------------------------------------
+
+    def _run(self, jobs: list[Job]) -> list[Groups | RequestError]:
+        """One outcome per job: its completions or its error."""
         with self.lock:
             self.num_batches += 1
             groups: dict[tuple, list[int]] = {}
-            for index, turn in enumerate(turns):
-                groups.setdefault(self._key(turn.job.params), []).append(index)
-            outcomes: list[Groups | RequestError] = [RequestError("not run", 500)] * len(turns)
+            for index, job in enumerate(jobs):
+                groups.setdefault(self._key(job.params), []).append(index)
+            outcomes: list[Groups | RequestError] = [RequestError("not run", 500)] * len(jobs)
             for members in groups.values():
-                for index, outcome in zip(members, self._run_group([turns[i] for i in members])):
+                for index, outcome in zip(members, self._run_group([jobs[i] for i in members])):
                     outcomes[index] = outcome
             return outcomes
 
@@ -292,40 +368,32 @@ class Batcher:
         values = (getattr(params, name) for name in names)
         return tuple(tuple(value) if isinstance(value, list | tuple) else value for value in values)
 
-    def _run_group(self, turns: list[Turn]) -> list[Groups | RequestError]:
+    def _run_group(self, jobs: list[Job]) -> list[Groups | RequestError]:
         try:
-            return self._generate(turns)
+            return self._generate(jobs)
         except Exception as error:
-            if len(turns) > 1:  # find the request that failed; the others are served alone
-                return [outcome for turn in turns for outcome in self._run_group([turn])]
+            if len(jobs) > 1:  # find the request that failed; the others are served alone
+                return [outcome for job in jobs for outcome in self._run_group([job])]
             return [_as_request_error(error)]
 
-    def _generate(self, turns: list[Turn]) -> list[Groups | RequestError]:
-        prompts = [turn.job.prompts[index] for turn in turns for index, _ in turn.pieces]
+    def _generate(self, jobs: list[Job]) -> list[Groups | RequestError]:
+        prompts = [prompt for job in jobs for prompt in job.prompts]
         self.num_engine_calls += 1
-        if self.per_prompt:
-            params = [piece for turn in turns for _, piece in turn.pieces]
-            extra = {"abandoned": _abandoned_prompts(turns)} if self.abortable else {}
-            groups = self.engine.generate(prompts, params, on_error="error_completion", **extra)
-        else:
-            groups = self.engine.generate(prompts, turns[0].job.params)
-        outcomes: list[Groups | RequestError] = []
-        start = 0
-        for turn in turns:
-            mine = groups[start : start + len(turn.pieces)]
-            start += len(turn.pieces)
-            errors = [group[0].text for group in mine if group and group[0].finish_reason == "error"]
-            outcomes.append(RequestError("; ".join(map(str, errors))) if errors else mine)
-        return outcomes
+        extra = {"abandoned": _abandoned_prompts(jobs)} if self.abortable else {}
+        groups = self.engine.generate(prompts, jobs[0].params, **extra)
+        starts = [0]
+        for job in jobs:
+            starts.append(starts[-1] + len(job.prompts))
+        return [groups[start:end] for start, end in zip(starts, starts[1:])]
 
 
-def _abandoned_prompts(turns: list[Turn]) -> Callable[[], list[int]]:
-    """The engine's `abandoned` hook for one call of `turns`: the indices of the prompts of
+def _abandoned_prompts(jobs: list[Job]) -> Callable[[], list[int]]:
+    """The engine's `abandoned` hook for one call of `jobs`: the indices of the prompts of
     withdrawn jobs."""
     spans, start = [], 0
-    for turn in turns:
-        spans.append((turn.job, range(start, start + len(turn.pieces))))
-        start += len(turn.pieces)
+    for job in jobs:
+        spans.append((job, range(start, start + len(job.prompts))))
+        start += len(job.prompts)
     return lambda: [index for job, span in spans if job.withdrawn for index in span]
 
 
@@ -336,12 +404,6 @@ def _deliver(job: Job, outcome: Groups | RequestError) -> None:
         job.future.set_exception(outcome)
     else:
         job.future.set_result(outcome)
-
-
-def _aborted(job: Job) -> Groups:
-    """What the job's turns generated so far, filled up with empty completions ('abort')."""
-    done = job.groups or [[] for _ in job.prompts]
-    return [group + [Completion([], [], "abort") for _ in range(job.params.n - len(group))] for group in done]
 
 
 def _as_request_error(error: Exception) -> RequestError:

@@ -39,6 +39,9 @@ which the event loop cannot answer even /health), while the hook lets the interp
 threads every few milliseconds, at three times the parse's cost."""
 DISCONNECT_POLL_S = 0.25
 """How often a waiting request checks that its client is still there."""
+CALL_SEQUENCES_PER_ROW = 4
+"""A running engine call takes joining requests up to this many sequences per --max-num-seqs row
+(the batcher's `call_sequences`): its per-sequence bookkeeping lives until the call ends."""
 
 
 class ClientGone(Exception):
@@ -103,7 +106,7 @@ class Service:
             self.engine,
             window_s=self.config.batch_window_ms / 1000,
             executor=self.pools.engine,
-            turn_sequences=self.config.max_num_seqs,
+            call_sequences=CALL_SEQUENCES_PER_ROW * self.config.max_num_seqs,
         )
         self.holds = Holds(self.batcher, self.config.hold_lease_s, lambda: self.pending_weights.clear())
         self.batcher.start()

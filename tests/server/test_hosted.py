@@ -27,8 +27,8 @@ class ClosingEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def generate(self, prompts, params, on_error="raise"):
-        return self.engine.generate(prompts, params, on_error=on_error)
+    def generate(self, prompts, params, on_error="raise", intake=None):
+        return self.engine.generate(prompts, params, on_error=on_error, intake=intake)
 
     def close(self) -> None:
         self.closed += 1

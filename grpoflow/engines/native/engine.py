@@ -21,7 +21,7 @@ import gc
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -30,15 +30,15 @@ from grpoflow.engines.base import Completion, EngineCapabilities, EngineStats, P
 from grpoflow.engines.native.generic import GenericRunner
 from grpoflow.engines.native.model import SUPPORTED_MODEL_TYPES, FamilyModel
 from grpoflow.engines.native.model_runner import STEPS_IN_FLIGHT, Launched, Runner, triton_available
-from grpoflow.engines.native.requests import RequestBook
+from grpoflow.engines.native.requests import Abandoned, RequestBook
 from grpoflow.engines.native.sampler import SamplingOptions
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep, Scheduler
 from grpoflow.engines.native.sizing import NativeEngineConfig
 from grpoflow.transport.adapters import split_adapters
 
 ON_ERROR = ("raise", "error_completion")
-Abandoned = Callable[[], Collection[int]]
-"""Indices of the prompts of a call whose completions nobody waits for any more."""
+Intake = Callable[[], Sequence[tuple[Sequence[Sequence[int]], Sequence[SamplingParams], Callable]]]
+"""Requests that join a running call: prompts, one SamplingParams per prompt, what takes their completions."""
 UNIFORM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "draw")
 
 
@@ -95,6 +95,7 @@ class NativeEngine:
         *,
         on_error: str = "raise",
         abandoned: Abandoned | None = None,
+        intake: Intake | None = None,
     ) -> list[list[Completion]]:
         """Sample `n` completions per prompt.
 
@@ -108,11 +109,16 @@ class NativeEngine:
         `abandoned`, called between steps, names the prompts whose completions nobody waits for
         any more (a server's client went away): their sequences stop where they stand, give their
         rows and cache blocks back, and end with finish_reason 'abort'.
+
+        `intake`, called before each step, hands requests that join the call: their prompts take the
+        call's next indices (as `abandoned` names them), are checked like its own, must share its
+        distribution fields (of `params`), take rows in turn with the other requests', and go to
+        their sink once all their sequences have finished (`prompts`' are returned at the end).
         """
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         with _gc_paused():
-            return self._generate(prompts, params, on_error, abandoned or _nothing_abandoned)
+            return self._generate(prompts, params, on_error, abandoned or (lambda: ()), intake)
 
     def _generate(
         self,
@@ -120,34 +126,25 @@ class NativeEngine:
         params: SamplingParams | Sequence[SamplingParams],
         on_error: str,
         abandoned: Abandoned,
+        intake: Intake | None,
     ) -> list[list[Completion]]:
         requests = self._per_prompt(prompts, params)
         start = time.perf_counter()
         self.wake_up()
-        errors = [
-            self._check(index, prompt, request)
-            for index, (prompt, request) in enumerate(zip(prompts, requests))
-        ]
+        errors = list(map(self._check, range(len(prompts)), prompts, requests))
         if on_error == "raise" and any(errors):
             raise ValueError("; ".join(error for error in errors if error))
-        book = RequestBook(
-            prompts,
-            requests,
-            errors,
-            # Unseeded requests draw their streams from torch's global generator, so a training
-            # run that restores its RNG state from a checkpoint samples exactly as before.
-            seed=int(torch.randint(0, 2**62, (1,)).item()),
-            max_model_len=self.max_model_len,
-            tokenizer=self.tokenizer,
-        )
-        options = SamplingOptions.from_params(requests[0] if requests else SamplingParams())
+        book = self._book(prompts, requests, errors)
+        call = requests[0] if requests else params if isinstance(params, SamplingParams) else SamplingParams()
+        options = SamplingOptions.from_params(call)
+        joins = _Joins(self, book, intake, call)
         prefill = None
         with torch.inference_mode(), _no_autocast(self.model):
             if self.family:
-                extra, prefill = self._run_family(book, options, abandoned)
+                extra, prefill = self._run_family(book, options, abandoned, joins)
             else:
                 with _eval_mode(self.model):  # LoRA dropout off in PEFT's forward
-                    extra = self.generic.run(book, options, abandoned)
+                    extra = self.generic.run(book, options, abandoned, joins)
         self.stats = EngineStats(
             num_prompt_tokens=sum(len(book.prompts[index]) for index in book.prompt_of),
             num_generated_tokens=int(book.num_generated.sum()),
@@ -155,10 +152,18 @@ class NativeEngine:
             extra=extra,
             prefill=prefill,
         )
-        return book.completions(self.policy_version)
+        return book.completions(self.policy_version, range(len(prompts)))
+
+    def _book(self, prompts, params: Sequence[SamplingParams], errors: Sequence[str | None]) -> RequestBook:
+        # Unseeded requests draw their streams from torch's global generator, so a training
+        # run that restores its RNG state from a checkpoint samples exactly as before.
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        return RequestBook(
+            prompts, params, errors, seed=seed, max_model_len=self.max_model_len, tokenizer=self.tokenizer
+        )
 
     def _run_family(
-        self, book: RequestBook, options: SamplingOptions, abandoned: Abandoned
+        self, book: RequestBook, options: SamplingOptions, abandoned: Abandoned, joins: _Joins
     ) -> tuple[dict[str, float], PrefillStats]:
         runner = self.runner
         signature = self._signature()
@@ -171,13 +176,13 @@ class NativeEngine:
             self.family.refresh_adapter_copies()
             self.weights_signature, self.weights_versions = signature, versions
         try:
-            return self._run_steps(book, options, abandoned)
+            return self._run_steps(book, options, abandoned, joins)
         except BaseException:
             runner.reset_pool()  # blocks of the failed call stay held otherwise
             raise
 
     def _run_steps(
-        self, book: RequestBook, options: SamplingOptions, abandoned: Abandoned
+        self, book: RequestBook, options: SamplingOptions, abandoned: Abandoned, joins: _Joins
     ) -> tuple[dict[str, float], PrefillStats]:
         runner = self.runner
         scheduler = Scheduler(
@@ -188,12 +193,16 @@ class NativeEngine:
             max_blocks=runner.max_blocks,
             max_prefill_tokens=self.config.max_prefill_tokens,
         )
+        joins.queue = scheduler.add
         runner.begin(options)
         prefill_steps = decode_steps = context_tokens = 0
         in_flight: deque[tuple[PrefillStep | DecodeStep, Launched]] = deque()  # results not read yet
         converted_ahead = False
         started, waited = time.perf_counter(), 0.0
-        while not (book.finished and not in_flight):
+        while True:
+            joins()  # requests that join the call, and those that are done
+            if book.finished and not in_flight:
+                break
             scheduler.abort(abandoned())
             step = scheduler.schedule()
             launched = None
@@ -206,7 +215,7 @@ class NativeEngine:
                 context_tokens += int(step.context_lens.sum())
             if launched is not None:
                 in_flight.append((step, launched))
-            elif not scheduler.waiting and not converted_ahead:
+            elif not scheduler.waiting and not converted_ahead and joins.intake is None:
                 book.convert_ahead()  # nothing left to launch: overlap this with the last steps
                 converted_ahead = True
             assert in_flight, "the scheduler stalled"
@@ -326,8 +335,36 @@ class NativeEngine:
         return tuple(_version_of(parameter) for parameter in self.model.parameters())
 
 
-def _nothing_abandoned() -> tuple[int, ...]:
-    return ()
+class _Joins:
+    """The requests that join a running call from `intake` (called between steps; None: none do),
+    each handed its completions as soon as its sequences have all finished."""
+
+    def __init__(
+        self, engine: NativeEngine, book: RequestBook, intake: Intake | None, call: SamplingParams
+    ) -> None:
+        self.engine, self.book, self.intake = engine, book, intake
+        self.fields = [getattr(call, name) for name in UNIFORM_FIELDS]
+        self.queue: Callable[[range], None] = lambda prompts: None  # the scheduler's `add`
+        self.open: list[tuple[range, Callable[[list[list[Completion]]], None]]] = []
+        self.done = 0  # finished sequences at the last look for finished requests
+
+    def __call__(self) -> None:
+        if self.intake is None:
+            return
+        engine, book, arrivals = self.engine, self.book, self.intake()
+        for prompts, params, sink in arrivals:
+            if any([getattr(request, name) for name in UNIFORM_FIELDS] != self.fields for request in params):
+                raise ValueError(f"a request that joins a call must share its {', '.join(UNIFORM_FIELDS)}")
+            errors = list(map(engine._check, range(len(prompts)), prompts, params))
+            self.open.append((book.extend(engine._book(prompts, params, errors)), sink))
+            self.queue(self.open[-1][0])
+        done = int(book.done.sum())
+        if arrivals or done != self.done:  # a request may have finished
+            self.done = done
+            finished = [entry for entry in self.open if book.done[book.sequences_of(entry[0])].all()]
+            for prompts, sink in finished:
+                sink(book.completions(engine.policy_version, prompts))
+            self.open = [entry for entry in self.open if entry not in finished]
 
 
 def _version_of(tensor: torch.Tensor) -> int:

@@ -7,13 +7,13 @@ same sampler and stops by the same rules, so every model gets the same engine se
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from grpoflow.engines.native.requests import RequestBook
+from grpoflow.engines.native.requests import Abandoned, RequestBook
 from grpoflow.engines.native.sampler import SamplingOptions, sample
 
 
@@ -28,25 +28,28 @@ class GenericRunner:
         return next(self.model.parameters()).device
 
     def run(
-        self, book: RequestBook, options: SamplingOptions, abandoned: Callable[[], Collection[int]]
+        self, book: RequestBook, options: SamplingOptions, abandoned: Abandoned, joins: Callable
     ) -> dict[str, float]:
         """Generate every sequence of `book`; those of the prompts `abandoned()` names (asked
-        between steps) stop where they stand."""
-        steps = 0
-        for first in range(0, book.num_sequences, self.max_rows):
+        between steps) stop where they stand. A chunk takes the prompts' waiting samples in turn;
+        `joins()`, called between chunks, adds requests to the book and hands finished ones over."""
+        steps, started = 0, np.zeros(0, dtype=bool)
+        while True:
+            joins()
+            started = np.concatenate([started, np.zeros(book.num_sequences - len(started), dtype=bool)])
+            waiting = np.nonzero(~started)[0]
+            if not len(waiting):
+                break
             book.abort(abandoned())
-            chunk = np.arange(first, min(first + self.max_rows, book.num_sequences))
-            if book.done[chunk].all():
-                continue
-            steps += self._run_chunk(book, chunk, options, abandoned)
+            sample = waiting - np.asarray(book.first_sequence)[book.prompt_of[waiting]]
+            chunk = np.sort(waiting[np.argsort(sample, kind="stable")][: self.max_rows])  # prompts in turn
+            started[chunk] = True
+            if not book.done[chunk].all():
+                steps += self._run_chunk(book, chunk, options, abandoned)
         return {"decode_steps": float(steps), "prefill_steps": float(-(-book.num_sequences // self.max_rows))}
 
     def _run_chunk(
-        self,
-        book: RequestBook,
-        chunk: np.ndarray,
-        options: SamplingOptions,
-        abandoned: Callable[[], Collection[int]],
+        self, book: RequestBook, chunk: np.ndarray, options: SamplingOptions, abandoned: Abandoned
     ) -> int:
         device = self.device
         prompts = [book.prompts[book.prompt_of[sequence]] for sequence in chunk]

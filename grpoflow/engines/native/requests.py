@@ -1,18 +1,22 @@
 """The sequences of one `generate` call: what each has generated, and when it must stop.
 
 Arrays are indexed by sequence id (prompt-major: the `n` samples of prompt 0, then of prompt 1,
-...), so recording a decode step and testing stop tokens and lengths are a few numpy operations
-whatever the batch size; only stop strings need per-sequence work.
+..., then those of requests that joined the running call, `extend`), so recording a decode step
+and testing stop tokens and lengths are a few numpy operations whatever the batch size; only stop
+strings need per-sequence work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
 from grpoflow.algo.draws import row_keys, sequence_seeds
 from grpoflow.engines.base import Completion, SamplingParams
+
+Abandoned = Callable[[], Collection[int]]
+"""Indices of the prompts of a call whose completions nobody waits for any more."""
 
 
 class RequestBook:
@@ -83,6 +87,23 @@ class RequestBook:
             table[rows, : len(request.stop_token_ids)] = list(request.stop_token_ids)
         return table
 
+    def extend(self, other: RequestBook) -> range:
+        """Add the prompts and sequences of `other` (a request that joins the call) after these;
+        returns their prompts' indices here."""
+        first_prompt, first = len(self.prompts), self.num_sequences
+        for name in ("prompts", "params", "errors", "stop_strings", "finish_reason"):
+            getattr(self, name).extend(getattr(other, name))
+        self.first_sequence += [first + sequence for sequence in other.first_sequence]
+        for name in ("prompt_of", "sample_of", "limit", "num_generated", "done", "seeds", "token_offsets"):
+            setattr(self, name, np.concatenate([getattr(self, name), getattr(other, name)]))
+        self.prompt_of[first:] += first_prompt
+        for name, fill in (("tokens", 0), ("logprobs", 0), ("stop_ids", -1)):
+            pair = [getattr(self, name), getattr(other, name)]
+            width = max(part.shape[1] for part in pair)
+            pair = [np.pad(part, ((0, 0), (0, width - part.shape[1])), constant_values=fill) for part in pair]
+            setattr(self, name, np.concatenate(pair))
+        return range(first_prompt, len(self.prompts))
+
     @property
     def num_sequences(self) -> int:
         return len(self.prompt_of)
@@ -102,6 +123,11 @@ class RequestBook:
         for sequence in sequences.tolist():
             self.finish_reason[sequence] = "abort"
         return sequences
+
+    def sequences_of(self, prompts: range) -> slice:
+        """The ids of the sequences of `prompts`."""
+        ends = (prompts.start, prompts.stop)
+        return slice(*(self.first_sequence[i] if i < len(self.prompts) else self.num_sequences for i in ends))
 
     def sequence_tokens(self, sequence: int) -> list[int]:
         """Prompt plus what has been generated so far."""
@@ -147,24 +173,27 @@ class RequestBook:
         last steps), so that `completions` only converts the tokens recorded after this."""
         self._converted = (self.tokens.tolist(), self.logprobs.tolist(), self.num_generated.tolist())
 
-    def completions(self, policy_version: int) -> list[list[Completion]]:
-        """One list of `n` completions per prompt; an invalid prompt's completions are empty with
-        finish_reason 'error'."""
-        counts = self.num_generated.tolist()
-        converted = self._converted
+    def completions(self, policy_version: int, prompts: range | None = None) -> list[list[Completion]]:
+        """One list of `n` completions per prompt (of `prompts`, default all); an invalid prompt's
+        completions are empty with finish_reason 'error'."""
+        prompts = range(len(self.params)) if prompts is None else prompts
+        rows, converted = self.sequences_of(prompts), self._converted
+        counts = self.num_generated[rows].tolist()
         if converted is None:  # whole arrays at once: faster than row by row
-            converted = (self.tokens.tolist(), self.logprobs.tolist(), counts)
+            converted = (self.tokens[rows].tolist(), self.logprobs[rows].tolist(), counts)
+        base = 0 if self._converted else rows.start
         tokens, logprobs, ahead = converted
         result = []
-        for index, request in enumerate(self.params):
+        for index in prompts:
+            request = self.params[index]
             if self.errors[index] is not None:
                 error = Completion([], [], "error", policy_version, text=self.errors[index])
                 result.append([error] * request.n)
                 continue
             group = []
             for sequence in range(self.first_sequence[index], self.first_sequence[index] + request.n):
-                count, row_tokens, row_logprobs = counts[sequence], tokens[sequence], logprobs[sequence]
-                start = ahead[sequence]
+                count, start = counts[sequence - rows.start], ahead[sequence - base]
+                row_tokens, row_logprobs = tokens[sequence - base], logprobs[sequence - base]
                 if count > start:  # converted ahead, and grown since
                     row_tokens = row_tokens[:start] + self.tokens[sequence, start:count].tolist()
                     row_logprobs = row_logprobs[:start] + self.logprobs[sequence, start:count].tolist()

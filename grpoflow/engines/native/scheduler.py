@@ -4,7 +4,10 @@ Each running sequence owns a row (its place in the decode batch) and a list of c
 waiting item is a prompt with the sequences still to start from it: it is prefilled once, and
 its children share its full blocks and get a copy of its last, partial block. When blocks run
 out, the most recently admitted sequence is preempted: it frees its row and blocks and waits to
-be prefilled again from its prompt and what it has generated so far.
+be prefilled again from its prompt and what it has generated so far. Waiting items are queued
+per request (a call's own prompts are one; `add` queues one that joins the running call), and the
+requests share free rows in turn, so a short request behind a long one's waiting sequences gets
+rows at the next admission.
 
 With prefix caching (`BlockPool.caching`) an item first takes the cached blocks of its longest
 known prefix and prefills only the rest, always at least its last token (its logits are sampled).
@@ -107,13 +110,10 @@ class Scheduler:
     ) -> None:
         self.book, self.pool = book, pool
         self.block_size, self.max_prefill_tokens = block_size, max_prefill_tokens
-        self.waiting: deque[WorkItem] = deque()
-        starts = np.searchsorted(book.prompt_of, np.arange(len(book.prompts) + 1)).tolist()
-        for index, prompt in enumerate(book.prompts):  # prompt_of is sorted: each prompt's run
-            if starts[index + 1] > starts[index]:
-                self.waiting.append(WorkItem(prompt, list(range(starts[index], starts[index + 1]))))
-        self.num_waiting = book.num_sequences
-        self.scheduled = book.num_generated.copy()
+        self.waiting: deque[deque[WorkItem]] = deque()  # a queue per request; preempted ones first
+        self.num_waiting = 0
+        self.scheduled = np.zeros(0, dtype=np.int64)
+        self.add(range(len(book.prompts)))
         self.row_sequence = np.full(max_rows, -1, dtype=np.int64)
         self.row_context = np.zeros(max_rows, dtype=np.int64)
         self.row_num_blocks = np.zeros(max_rows, dtype=np.int64)
@@ -127,6 +127,18 @@ class Scheduler:
         self.num_prefill_tokens = 0  # tokens run through prefill steps
         self.num_cached_tokens = 0  # tokens whose keys and values came from the prefix cache
         self.min_prefill_rows = max(1, max_rows // 8)
+
+    def add(self, prompts: range) -> None:
+        """Queue the sequences of `prompts` (the book's last) as one request, behind the others."""
+        book = self.book
+        self.scheduled = np.concatenate([self.scheduled, book.num_generated[len(self.scheduled) :]])
+        runs = [(book.prompts[index], book.sequences_of(range(index, index + 1))) for index in prompts]
+        queue = deque(
+            WorkItem(tokens, list(range(run.start, run.stop))) for tokens, run in runs if run.stop > run.start
+        )
+        self.num_waiting += sum(len(item.sequences) for item in queue)
+        if queue:
+            self.waiting.append(queue)
 
     @property
     def num_running(self) -> int:
@@ -146,10 +158,11 @@ class Scheduler:
 
     def _admit(self) -> PrefillStep | None:
         tokens, starts, blocks, copies, child_item, child_rows = [], [], [], [], [], []
-        longest = 0
+        longest, share = 0, -(-len(self.free_rows) // len(self.waiting))
         while self.waiting and self.free_rows:
-            item = self.waiting[0]
-            count = min(len(item.sequences), len(self.free_rows))
+            queue = self.waiting[0]
+            item = queue[0]
+            count = min(len(item.sequences), len(self.free_rows), share)
             length = len(item.tokens)
             keys = chain_keys(item.tokens, self.block_size) if self.pool.caching else []
             cached = self.pool.take_cached(keys[: (length - 1) // self.block_size])
@@ -186,9 +199,12 @@ class Scheduler:
             child_rows += rows
             self.num_waiting -= count
             if count == len(item.sequences):
-                self.waiting.popleft()
+                queue.popleft()
             else:
                 item.sequences = item.sequences[count:]
+            self.waiting.popleft()
+            if queue:  # the next request's turn
+                self.waiting.append(queue)
         if not tokens:
             return None
         rows = np.array(child_rows, dtype=np.int64)
@@ -276,14 +292,12 @@ class Scheduler:
             return
         doomed = np.zeros(self.book.num_sequences, dtype=bool)
         doomed[stopped] = True
-        kept: deque[WorkItem] = deque()
-        for item in self.waiting:
+        for item in (item for queue in self.waiting for item in queue):
             alive = [sequence for sequence in item.sequences if not doomed[sequence]]
             self.num_waiting -= len(item.sequences) - len(alive)
-            if alive:
-                item.sequences = alive
-                kept.append(item)
-        self.waiting = kept
+            item.sequences = alive
+        queues = (deque(item for item in queue if item.sequences) for queue in self.waiting)
+        self.waiting = deque(queue for queue in queues if queue)
         for row in np.nonzero(self.row_sequence >= 0)[0].tolist():
             if doomed[self.row_sequence[row]]:
                 self._retire(row)
@@ -293,7 +307,7 @@ class Scheduler:
         self.num_preemptions += 1
         self._retire(row)
         self.scheduled[sequence] = self.book.num_generated[sequence]  # its token in flight is dropped
-        self.waiting.appendleft(WorkItem(self.book.sequence_tokens(sequence), [sequence]))
+        self.waiting.appendleft(deque([WorkItem(self.book.sequence_tokens(sequence), [sequence])]))
         self.num_waiting += 1
 
     def _retire(self, row: int) -> None:

@@ -1,0 +1,86 @@
+"""Requests that join a running native `generate` call through its intake: they get rows in turn
+with the call's own, are handed their completions as soon as their sequences finish, and draw
+what they would draw alone."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.native_fixtures import one_thread, tiny  # noqa: F401 (a fixture)
+
+from grpoflow.engines.base import SamplingParams
+from grpoflow.engines.native import NativeEngine, NativeEngineConfig
+
+LONG = SamplingParams(n=32, max_tokens=16, ignore_eos=True)
+"""32 sequences over 4 rows: 8 waves of 16 steps."""
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny("qwen2")
+
+
+def engine_for(model, **config) -> NativeEngine:
+    engine = NativeEngine(model, config=NativeEngineConfig(max_num_seqs=4, num_kv_blocks=256, **config))
+    engine.wake_up()
+    return engine
+
+
+class Intake:
+    """Hands `requests` at its `at`-th call; records at which call each sink was called."""
+
+    def __init__(self, at: int, *requests) -> None:
+        self.at, self.requests, self.calls = at, list(requests), 0
+        self.answers: list[tuple[int, list]] = []
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls != self.at:
+            return []
+        return [(prompts, [params] * len(prompts), self.sink) for prompts, params in self.requests]
+
+    def sink(self, groups) -> None:
+        self.answers.append((self.calls, groups))
+
+
+@pytest.mark.parametrize(("generic", "answered_by", "calls"), [(False, 40, 120), (True, 4, 9)])
+def test_a_joining_request_is_answered_long_before_the_call_ends(model, generic, answered_by, calls):
+    """The joining request takes the next free row (the family path's intake runs between steps:
+    when the first wave ends; the generic path's between chunks: in the next chunk), not one after
+    the 28 sequences still waiting, and is answered then, while the call runs on."""
+    engine = engine_for(model, force_generic=generic)
+    intake = Intake(3, ([[3, 4]], SamplingParams(max_tokens=1)))
+    (group,) = engine.generate([[5, 6, 7]], LONG, intake=intake)
+    ((answered_at, answer),) = intake.answers
+    assert [len(c.token_ids) for c in group] == [16] * 32 and len(answer[0][0].token_ids) == 1
+    assert answered_at <= answered_by and intake.calls >= calls
+    assert engine.stats.num_generated_tokens == 32 * 16 + 1
+
+
+def test_a_seeded_request_draws_the_same_whether_it_joined_or_ran_alone(model):
+    engine = engine_for(model)
+    seeded = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5)
+    intake = Intake(5, ([[3, 4], [9]], seeded))
+    engine.generate([[5, 6, 7]], SamplingParams(n=8, max_tokens=20, temperature=1.0), intake=intake)
+    ((_, joined),) = intake.answers
+    alone = engine.generate([[3, 4], [9]], seeded)
+    assert [[c.token_ids for c in group] for group in joined] == [
+        [c.token_ids for c in group] for group in alone
+    ]
+
+
+def test_a_call_of_joining_requests_only_takes_its_distribution_from_params(model):
+    engine = engine_for(model)
+    intake = Intake(
+        1, ([[3, 4]], SamplingParams(n=2, max_tokens=4)), ([[0, 99]], SamplingParams(max_tokens=4))
+    )
+    assert engine.generate([], SamplingParams(), on_error="error_completion", intake=intake) == []
+    ((_, good), (_, bad)) = sorted(intake.answers, key=lambda answer: len(answer[1][0]), reverse=True)
+    assert [len(c.token_ids) for c in good[0]] == [4, 4]
+    assert bad[0][0].finish_reason == "error" and "outside" in bad[0][0].text
+
+
+def test_a_joining_request_must_share_the_call_distribution(model):
+    engine = engine_for(model)
+    intake = Intake(2, ([[3, 4]], SamplingParams(max_tokens=2, temperature=0.5)))
+    with pytest.raises(ValueError, match="must share its temperature"):
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=8), intake=intake)
