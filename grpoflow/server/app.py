@@ -44,6 +44,7 @@ from grpoflow.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    Limits,
     chat_max_tokens,
     chat_messages,
     chat_prompt,
@@ -64,6 +65,8 @@ logger = logging.getLogger("grpoflow.server")
 
 CLIENT_CLOSED = 499
 """Status logged for a request whose client left (nobody reads the answer)."""
+ONE_PROMPT_EXTRA_BYTES = 8 * 2**20
+"""Room a body of one prompt has beyond the prompt: tools, stop strings, a chat template."""
 
 
 def build_app(service: Service) -> FastAPI:
@@ -297,10 +300,23 @@ async def generate(request: Request) -> dict:
 
 async def parsed(request: Request, model: type[BaseModel]) -> Any:
     """The request's body read as `model` and checked, off the event loop (a large body's
-    validation would hold every other request and /health)."""
+    validation would hold every other request and /health). A body of one prompt or conversation
+    (chat, /generate) is read up to `one_prompt_body_bytes`, so a body far larger than any prompt
+    the model takes is refused before it is parsed."""
     service = service_of(request)
-    body = await read_json(request)
+    if model is CompletionRequest:
+        body = await read_json(request)
+    else:
+        why = "one prompt at its longest, --max-prompt-chars or max_model_len, plus 8 MiB for the rest"
+        body = await read_json(request, limit=one_prompt_body_bytes(service.limits), why=why)
     return await run_in(service.pools.requests, parse, model, body, service.limits)
+
+
+def one_prompt_body_bytes(limits: Limits) -> int:
+    """The largest body /v1/chat/completions and /generate read: their prompt or conversation as
+    JSON at its longest (6 bytes a character, written as \\uXXXX; 12 a token id) and
+    ONE_PROMPT_EXTRA_BYTES for the rest (tools, stop strings, a chat template)."""
+    return max(6 * limits.max_prompt_chars, 12 * limits.max_model_len) + ONE_PROMPT_EXTRA_BYTES
 
 
 def _sampled_logprobs_only(logprobs: int | None) -> None:

@@ -251,24 +251,28 @@ def client_of(request: Request, body: Any) -> str:
     return request.client.host if request.client else "unknown"
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, why: str = "") -> bytes:
     """The raw body, read as it streams in; a 413 as soon as it passes `limit` bytes (or declares
-    more), so an oversized body is never held in memory."""
+    more), so an oversized body is never held in memory. `why` explains the limit in the answer."""
     declared = request.headers.get("content-length")
+    why = f" ({why})" if why else ""
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(f"the body has {declared} bytes, over the limit of {limit}", 413)
+        raise RequestError(f"the body has {declared} bytes, over the limit of {limit}{why}", 413)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise RequestError(f"the body is over the limit of {limit} bytes", 413)
+            raise RequestError(f"the body is over the limit of {limit} bytes{why}", 413)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-async def read_json(request: Request, *, required: bool = True) -> Any:
-    """The body as JSON; a 400 for malformed JSON, a 413 past MAX_JSON_BYTES."""
-    body = await read_body(request, MAX_JSON_BYTES)
+async def read_json(
+    request: Request, *, required: bool = True, limit: int = MAX_JSON_BYTES, why: str = ""
+) -> Any:
+    """The body as JSON; a 400 for malformed JSON, a 413 past `limit` bytes (MAX_JSON_BYTES unless
+    the endpoint takes less; `why` says why in the answer)."""
+    body = await read_body(request, limit, why)
     if not body.strip():
         if required:
             raise RequestError("the request has no body: send a JSON object")

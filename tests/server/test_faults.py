@@ -305,11 +305,12 @@ def post_raw(url: str, path: str, payload: bytes, statuses: list[int]) -> None:
 
 
 def test_large_token_id_bodies_leave_health_answering(server):
-    """Bodies of millions of token ids are read, parsed and refused off the event loop, one parse
-    at a time that lets the loop run: /health keeps answering at once meanwhile."""
-    payload = json.dumps({"prompt": {"prompt_token_ids": [5] * 3_000_000}, "max_tokens": 1}).encode()
+    """Bodies of millions of token ids (/v1/completions takes batches of prompts, so large bodies)
+    are read, parsed and refused off the event loop, one parse at a time that lets the loop run:
+    /health keeps answering at once meanwhile."""
+    payload = json.dumps({"prompt": [[5] * 3_000_000], "max_tokens": 1}).encode()
     statuses: list[int] = []
-    senders = [in_background(post_raw, server.url, "/generate", payload, statuses) for _ in range(4)]
+    senders = [in_background(post_raw, server.url, "/v1/completions", payload, statuses) for _ in range(4)]
     worst = 0.0
     with httpx.Client(base_url=server.url, timeout=30) as client:
         while any(sender.is_alive() for sender in senders):
@@ -318,7 +319,27 @@ def test_large_token_id_bodies_leave_health_answering(server):
             worst = max(worst, time.monotonic() - start)
             time.sleep(0.01)
     assert statuses == [400] * 4
-    assert worst < 0.25, f"/health took {worst:.2f}s"
+    assert worst < 0.5, f"/health took {worst:.2f}s"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"prompt": {"prompt_token_ids": [5] * 3_000_000}, "max_tokens": 1}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {f"k{i}": i for i in range(800_000)},
+            },
+        ),
+    ],
+)
+def test_a_body_far_larger_than_one_prompt_is_refused_before_it_is_parsed(server, path, body):
+    """Chat and /generate bodies carry one prompt: past its longest plus 8 MiB, a 413 as it streams in."""
+    answer = httpx.post(server.url + path, content=json.dumps(body).encode(), timeout=30)
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 413 and "--max-prompt-chars or max_model_len" in message, message
 
 
 # -- 8. clients that go away or never finish sending -------------------------------------------

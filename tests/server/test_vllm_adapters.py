@@ -223,7 +223,7 @@ def test_adapters_the_server_cannot_serve_are_refused_whole(server):
     before = served_greedy(server.url)
     refusals = {
         "above this server's --max-lora-rank 8": adapter(Q_PROJ, 16),
-        "lora_B.weight has shape (128, 3)": adapter(Q_PROJ, 4, up_rank=3),
+        "B's columns and A's rows are the adapter's rank and must agree": adapter(Q_PROJ, 4, up_rank=3),
         "not a linear layer": adapter("model.layers.0.self_attn.nowhere", 4),
         "lm_head cannot carry a LoRA adapter": adapter(
             "lm_head", 4, out_features=server.service.limits.vocab_size
