@@ -138,7 +138,7 @@ class TemplateSandbox:
         limit, chunks, size = 12 * self.max_chars + 4096, [], 0
         while not chunks or not chunks[-1].endswith(b"\n"):
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([worker.stdout], [], [], remaining)[0]:
+            if remaining <= 0 or not _readable(worker.stdout.fileno(), remaining):
                 raise RequestError(
                     f"the chat template did not finish within {timeout_s:g}s (--template-timeout-s)",
                     400,
@@ -173,3 +173,11 @@ def _resident_bytes(pid: int) -> int:
             return int(statm.read().split()[1]) * PAGE_BYTES
     except (OSError, IndexError, ValueError):
         return 0
+
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` has something to read within `timeout_s` (poll, not select: a busy server's
+    descriptors run past select's 1,024)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(timeout_s * 1000))

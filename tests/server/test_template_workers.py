@@ -4,6 +4,7 @@ replaced."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -64,3 +65,15 @@ def test_a_worker_that_kept_a_large_render_s_memory_is_replaced():
         assert sandbox.num_started == 2
     finally:
         sandbox.close()
+
+
+def test_a_worker_renders_when_the_server_holds_over_1024_descriptors():
+    """A server with a thousand clients connected: the worker's pipe is past select()'s 1,024."""
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    sandbox = TemplateSandbox(timeout_s=30, max_chars=1000, workers=1)
+    try:
+        assert sandbox.render("{% for m in messages %}{{ m['content'] }}{% endfor %}", MESSAGES) == "hi"
+    finally:
+        sandbox.close()
+        for fd in held:
+            os.close(fd)
