@@ -191,3 +191,34 @@ def test_importing_the_package_loads_neither_torch_nor_the_api():
     code = "import sys, grpoflow; print('torch' in sys.modules, 'grpoflow.api' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_a_loaded_model_trains_and_on_save_follows_the_checkpoints(tmp_path, tiny_model_dir):
+    saves = []
+
+    class SaveRecorder(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            saves.append(state.global_step)
+
+    def reward_len(completions, **kwargs):
+        return [float(len(completion)) for completion in completions]
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        html_report=False,
+        **{**TRL_ARGS, "save_strategy": "steps"},
+        save_steps=1,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_len,
+        args=args,
+        train_dataset=letters_dataset(),
+        callbacks=[SaveRecorder],
+    )
+    trainer.train()
+
+    assert saves == [1, 2]
+    assert (tmp_path / "out" / "checkpoint-2").is_dir()
+    assert trainer.config.policy.model == str(tmp_path / "out" / "initial_model")
