@@ -24,7 +24,6 @@ PACKAGE = "grpoflow"
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 
 LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("root", (PACKAGE,), "the package's own __init__, run before any of its modules: imports none of them"),
     (
         "foundations",
         ("algo", "options", "hub", "imports", "threads", "phases", "distributed"),
@@ -60,8 +59,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
         ("run",),
         "one training run: the loop and its services (checkpoints, health, evaluation, logs)",
     ),
+    ("api", ("api",), "the Python API in TRL's shape (GRPOConfig, GRPOTrainer), over the run's assembly"),
     ("cli", ("cli",), "the command line, over every assembly"),
     ("entry", ("__main__",), "`python -m grpoflow`: the command line"),
+    (
+        "root",
+        (PACKAGE,),
+        "the package's own __init__, run before any of its modules: imports none of them when it runs; "
+        "its module `__getattr__` hands out the API on first use",
+    ),
 )
 """Layers from the bottom up (name, parts, reason): each part of the package (its first name under
 grpoflow, or the package itself) imports only itself and parts of lower layers, never another part

@@ -30,7 +30,7 @@ from grpoflow.run.config import GRPOConfig
 from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.health import HealthMonitor
 from grpoflow.run.infer_workers import RolloutServers
-from grpoflow.run.metrics import MetricsLogger
+from grpoflow.run.metrics import MetricsLogger, StepListener
 from grpoflow.run.output_dir import claim_output_dir
 from grpoflow.run.plan_check import check_plan
 from grpoflow.run.sources import build_group_source, build_rollout, rollout_rewards
@@ -303,8 +303,11 @@ def build_optimizer(
     return optimizer, scheduler
 
 
-def run(config: GRPOConfig, trainer: GRPOTrainer | None = None) -> list[dict[str, float]]:
-    """Train (building the trainer unless given); the metrics of every step."""
+def run(
+    config: GRPOConfig, trainer: GRPOTrainer | None = None, listener: StepListener | None = None
+) -> list[dict[str, float]]:
+    """Train (building the trainer unless given); the metrics of every step. `listener` follows
+    the steps on rank 0 (as the metrics are logged)."""
     trainer = trainer or build_trainer(config)
     metrics_logger, interrupted = None, False
     if trainer.distributed.is_main:  # rank 0 logs the metrics averaged over ranks
@@ -315,6 +318,7 @@ def run(config: GRPOConfig, trainer: GRPOTrainer | None = None) -> list[dict[str
             start_step=trainer.step_count,
             show_progress=not config.log.disable_tqdm,
             run_config=config.to_flat_dict(),
+            listener=listener,
         )
     try:
         return trainer.train(metrics_logger)

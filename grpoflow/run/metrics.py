@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from grpoflow.options import require
 
@@ -40,8 +40,18 @@ class LogConfig:
         require(self.logging_steps > 0, "logging_steps", "> 0", self.logging_steps)
 
 
+class StepListener(Protocol):
+    """Code of the user's that follows the run's steps (the Python API's callbacks)."""
+
+    def logged(self, step: int, metrics: dict[str, float]) -> None:
+        """Step `step`'s metrics were written to the sinks."""
+
+    def advanced(self, step: int, metrics: dict[str, float]) -> None:
+        """Step `step` ended (logged or not), with its metrics."""
+
+
 class MetricsLogger:
-    """Fan step metrics out to the configured sinks."""
+    """Fan step metrics out to the configured sinks, and to a listener when one is given."""
 
     def __init__(
         self,
@@ -52,8 +62,10 @@ class MetricsLogger:
         start_step: int = 0,
         show_progress: bool = True,
         run_config: dict[str, Any] | None = None,
+        listener: StepListener | None = None,
     ) -> None:
         self.output_dir, self.start_step = Path(output_dir), start_step
+        self.listener = listener
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_file = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.completions_file = None
@@ -106,9 +118,13 @@ class MetricsLogger:
                     self.tensorboard.add_scalar(name, value, step)
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
+        if self.listener is not None:
+            self.listener.logged(step, metrics)
 
     def advance(self, step: int, metrics: dict[str, float]) -> None:
-        """Move the progress bar to `step`, showing the latest reward."""
+        """Move the progress bar to `step`, showing the latest reward; tell the listener."""
+        if self.listener is not None:
+            self.listener.advanced(step, metrics)
         if self.progress is None:
             return
         self.progress.update(step - self.progress.n)

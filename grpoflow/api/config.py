@@ -1,0 +1,143 @@
+"""`GRPOConfig(**kwargs)`: TRL's GRPOConfig and the TrainingArguments fields its users set, mapped
+onto the options of a run (`grpoflow.run.config`).
+
+A field whose name is an option of grpoflow (most of TRL's: `learning_rate`, `num_generations`,
+`beta`, `max_completion_length`, `output_dir`, `save_steps`, ...) sets that option, converted and
+checked as a YAML key or a `--key value` flag is. The TrainingArguments fields that say the same
+thing in other words are translated (`bf16`, `fp16`, `use_cpu`, `logging_strategy`); a few that
+change nothing here are accepted with a warning naming them; any other field is refused, by name.
+The defaults are grpoflow's (`grpoflow train --help` lists them).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from grpoflow import options
+from grpoflow.options.loader import coerce
+from grpoflow.run.config import KEY_ALIASES
+from grpoflow.run.config import GRPOConfig as RunConfig
+
+logger = logging.getLogger("grpoflow.api")
+
+UNUSED_FIELDS = frozenset(
+    {
+        "logging_dir",
+        "logging_first_step",
+        "run_name",
+        "log_level",
+        "log_level_replica",
+        "dataloader_num_workers",
+        "dataloader_pin_memory",
+        "dataloader_persistent_workers",
+        "remove_unused_columns",
+        "save_safetensors",
+        "ddp_find_unused_parameters",
+        "ddp_timeout",
+        "include_num_input_tokens_seen",
+    }
+)
+"""TrainingArguments fields that change nothing in a grpoflow run: accepted with a warning."""
+
+
+def _dtype(field: str, dtype: str) -> Callable[[Any], dict[str, Any]]:
+    """A precision switch (`bf16`, `fp16`) as torch_dtype: on, the parameters are in that dtype;
+    None (TRL's default) or off leaves torch_dtype as set."""
+
+    def translate(value: Any) -> dict[str, Any]:
+        return {"torch_dtype": dtype} if value is not None and coerce(field, value, bool) else {}
+
+    return translate
+
+
+def _use_cpu(value: Any) -> dict[str, Any]:
+    return {"device": "cpu"} if coerce("use_cpu", value, bool) else {}
+
+
+def _logging_strategy(value: Any) -> dict[str, Any]:
+    if value not in ("steps", "no"):
+        raise ValueError(
+            f"logging_strategy={value!r} is not supported: grpoflow logs every logging_steps steps "
+            "(logging_strategy steps)"
+        )
+    if value == "no":
+        logger.warning("logging_strategy 'no': metrics.jsonl still gets every logging_steps step")
+    return {}
+
+
+def _push_to_hub(value: Any) -> dict[str, Any]:
+    if coerce("push_to_hub", value, bool):
+        raise ValueError(
+            "push_to_hub=True is not supported: grpoflow does not upload; upload "
+            "trainer.save_model's directory with huggingface_hub.upload_folder"
+        )
+    return {}
+
+
+TRANSLATED: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "bf16": _dtype("bf16", "bfloat16"),
+    "fp16": _dtype("fp16", "float16"),
+    "use_cpu": _use_cpu,
+    "logging_strategy": _logging_strategy,
+    "push_to_hub": _push_to_hub,
+}
+"""TrainingArguments fields said in other words in grpoflow, each to the options it sets. `bf16`
+and `fp16` keep the parameters themselves in that dtype (no float32 master copy under autocast)."""
+
+
+class GRPOConfig:
+    """A run's settings by TRL's GRPOConfig names, refused by name where grpoflow has no such field.
+
+    `to_run_config` builds the run's config tree, the one a YAML recipe builds; reading an
+    attribute gives the value set, or grpoflow's default.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        fields = options.flat_fields(RunConfig)
+        values: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            if name in TRANSLATED:
+                values.update(TRANSLATED[name](value))
+            elif name in UNUSED_FIELDS:
+                logger.warning("GRPOConfig: %s is accepted and not used by grpoflow", name)
+            elif name in fields:
+                values[name] = coerce(name, value, fields[name].value_hint)
+            elif name in KEY_ALIASES:
+                if KEY_ALIASES[name] is not None:
+                    values[KEY_ALIASES[name]] = value
+            else:
+                close = difflib.get_close_matches(name, [*fields, *TRANSLATED], n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise TypeError(
+                    f"GRPOConfig got the field {name!r}, which grpoflow does not implement{hint} "
+                    "(`grpoflow train --help` lists the options)"
+                )
+        self._given = dict(kwargs)
+        self._values = values
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in self._values:
+            return self._values[name]
+        if name in self._given:
+            return self._given[name]
+        fields = options.flat_fields(RunConfig)
+        if name in fields:
+            return fields[name].default
+        raise AttributeError(f"GRPOConfig has no field {name!r}")
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={value!r}" for name, value in self._given.items())
+        return f"GRPOConfig({shown})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options set, by grpoflow's flat keys."""
+        return dict(self._values)
+
+    def to_run_config(self, **values: Any) -> RunConfig:
+        """The run's config: these options with `values` (flat keys) over them, every rule checked."""
+        return RunConfig.from_flat_dict({**self._values, **values})
