@@ -84,3 +84,14 @@ def test_a_joining_request_must_share_the_call_distribution(model):
     intake = Intake(2, ([[3, 4]], SamplingParams(max_tokens=2, temperature=0.5)))
     with pytest.raises(ValueError, match="must share its temperature"):
         engine.generate([[5, 6, 7]], SamplingParams(max_tokens=8), intake=intake)
+
+
+def test_a_request_that_finds_every_row_held_takes_one_from_the_long_request(model):
+    """Every row is the long request's, each for 16 steps: the joining request has one of them
+    (preempted) at once, and is answered a step or two later; the long request still ends whole."""
+    engine = engine_for(model)
+    intake = Intake(3, ([[3, 4]], SamplingParams(max_tokens=2)))
+    (group,) = engine.generate([[5, 6, 7]], LONG, intake=intake)
+    ((answered_at, answer),) = intake.answers
+    assert answered_at <= 8 and len(answer[0][0].token_ids) == 2
+    assert [len(c.token_ids) for c in group] == [16] * 32 and engine.stats.extra["preemptions"] >= 1

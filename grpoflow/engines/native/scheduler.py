@@ -7,7 +7,10 @@ out, the most recently admitted sequence is preempted: it frees its row and bloc
 be prefilled again from its prompt and what it has generated so far. Waiting items are queued
 per request (a call's own prompts are one; `add` queues one that joins the running call), and the
 requests share free rows in turn, so a short request behind a long one's waiting sequences gets
-rows at the next admission.
+rows at the next admission. A request that waits with no row while another holds more than its
+share of them (the rows over the requests with work) takes rows from it: its most recently
+admitted sequences are preempted, so a long request holding every row delays a short one by a
+step, not until its sequences end.
 
 With prefix caching (`BlockPool.caching`) an item first takes the cached blocks of its longest
 known prefix and prefills only the rest, always at least its last token (its logits are sampled).
@@ -113,6 +116,8 @@ class Scheduler:
         self.waiting: deque[deque[WorkItem]] = deque()  # a queue per request; preempted ones first
         self.num_waiting = 0
         self.scheduled = np.zeros(0, dtype=np.int64)
+        self.sequence_request = np.zeros(0, dtype=np.int64)  # the request each sequence is of
+        self.num_requests = 0
         self.add(range(len(book.prompts)))
         self.row_sequence = np.full(max_rows, -1, dtype=np.int64)
         self.row_context = np.zeros(max_rows, dtype=np.int64)
@@ -132,6 +137,9 @@ class Scheduler:
         """Queue the sequences of `prompts` (the book's last) as one request, behind the others."""
         book = self.book
         self.scheduled = np.concatenate([self.scheduled, book.num_generated[len(self.scheduled) :]])
+        joined = np.full(book.num_sequences - len(self.sequence_request), self.num_requests)
+        self.sequence_request = np.concatenate([self.sequence_request, joined])
+        self.num_requests += 1
         runs = [(book.prompts[index], book.sequences_of(range(index, index + 1))) for index in prompts]
         queue = deque(
             WorkItem(tokens, list(range(run.start, run.stop))) for tokens, run in runs if run.stop > run.start
@@ -150,11 +158,38 @@ class Scheduler:
         for its last token and nothing can be admitted."""
         if self.waiting:
             worth = min(self.num_waiting, self.min_prefill_rows)
-            if self.num_running == 0 or len(self.free_rows) >= worth:
+            if self.num_running == 0 or len(self.free_rows) >= worth or self._share_rows():
                 step = self._admit()
                 if step is not None:
                     return step
         return self._decode()
+
+    def _share_rows(self) -> bool:
+        """Preempt, for the requests that wait with no row, the most recently admitted sequences
+        of requests holding more than their share of the rows (at most as many as those requests
+        wait with, and `min_prefill_rows`), and queue the starved requests first; whether any row
+        was freed."""
+        holders = self.sequence_request[self.row_sequence[self.row_sequence >= 0]]
+        running = np.bincount(holders, minlength=self.num_requests)
+        starving = [
+            queue for queue in self.waiting if not running[self.sequence_request[queue[0].sequences[0]]]
+        ]
+        if not starving:
+            return False
+        share = max(1, len(self.row_sequence) // (np.count_nonzero(running) + len(starving)))
+        wanted = min(sum(len(item.sequences) for queue in starving for item in queue), self.min_prefill_rows)
+        freed = 0
+        for row in sorted(self.admission, key=self.admission.__getitem__, reverse=True):
+            request = self.sequence_request[self.row_sequence[row]]
+            if freed < wanted and running[request] > share:
+                self._preempt(row)
+                running[request] -= 1
+                freed += 1
+        if freed:
+            first = {id(queue) for queue in starving}
+            others = [queue for queue in self.waiting if id(queue) not in first]
+            self.waiting = deque(starving + others)
+        return freed > 0
 
     def _admit(self) -> PrefillStep | None:
         tokens, starts, blocks, copies, child_item, child_rows = [], [], [], [], [], []
