@@ -169,6 +169,8 @@ class Scheduler:
         of requests holding more than their share of the rows (at most as many as those requests
         wait with, and `min_prefill_rows`), and queue the starved requests first; whether any row
         was freed."""
+        if self.num_requests < 2:  # a call of one request (a training step's) has no one to starve
+            return False
         holders = self.sequence_request[self.row_sequence[self.row_sequence >= 0]]
         running = np.bincount(holders, minlength=self.num_requests)
         starving = [
