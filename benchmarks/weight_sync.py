@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from grpoflow.engines.remote import RemoteEngine
 from grpoflow.policy.placement import Placement
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
+from grpoflow.remote.engine import RemoteEngine
 from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.sync_check import SyncCheck
 

@@ -31,6 +31,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ),
     ("transport", ("transport",), "moving weights to rollout engines, sender and receiver sides"),
     ("engines", ("engines",), "rollout engines, their interface and the one definition of sampling settings"),
+    (
+        "remote",
+        ("remote",),
+        "the client of rollout servers: the engine over HTTP, what each server offers, the weight transfer chosen from it",
+    ),
     ("rewards", ("rewards",), "scoring completions (they read the sampling budget: max_completion_length)"),
     ("tasks", ("tasks",), "packaged tasks: their rows and the rewards they register"),
     ("components", ("data", "policy"), "prompts of named tasks; the policy being trained"),

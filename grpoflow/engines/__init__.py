@@ -23,7 +23,7 @@ from grpoflow.engines.base import (
 ENGINES: dict[str, str] = {
     "hf": "grpoflow.engines.hf:build",
     "vllm": "grpoflow.engines.vllm:build",
-    "vllm_server": "grpoflow.engines.remote:build",
+    "vllm_server": "grpoflow.remote.engine:build",
     "native": "grpoflow.engines.native:build",
 }
 

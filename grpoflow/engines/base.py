@@ -255,7 +255,7 @@ class EngineOptions:
     vllm: Any = None
     """The colocated vLLM engine's settings (`grpoflow.engines.vllm.VLLMConfig`)."""
     remote: Any = None
-    """The rollout servers' settings (`grpoflow.engines.remote.RemoteConfig`)."""
+    """The rollout servers' settings (`grpoflow.remote.engine.RemoteConfig`)."""
     exclusive_servers: bool = False
     """The rollout servers serve this training process alone (the run started them)."""
     seed: int = 0

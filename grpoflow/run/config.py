@@ -25,7 +25,6 @@ from grpoflow.agents.atropos_client import AtroposConfig
 from grpoflow.agents.config import AgentConfig
 from grpoflow.data.prompts import DataConfig
 from grpoflow.engines.base import EngineConfig, SamplingParams
-from grpoflow.engines.remote import RemoteConfig
 from grpoflow.engines.vllm import VLLMConfig
 from grpoflow.learn.objective import AlgorithmConfig
 from grpoflow.learn.update import ImportanceCorrection, UpdateSettings, replayed_truncation
@@ -33,6 +32,7 @@ from grpoflow.options import require, require_min
 from grpoflow.policy.loading import PolicyConfig
 from grpoflow.policy.lora import AdapterConfig
 from grpoflow.policy.placement import PlacementConfig
+from grpoflow.remote.engine import RemoteConfig
 from grpoflow.rewards.params import RewardConfig
 from grpoflow.run.evaluation import EvalConfig
 from grpoflow.run.health import HealthConfig
@@ -135,7 +135,7 @@ class GRPOConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """A colocated vLLM engine (grpoflow.engines.vllm)."""
     remote: RemoteConfig = field(default_factory=RemoteConfig)
-    """Rollout servers over HTTP (grpoflow.engines.remote)."""
+    """Rollout servers over HTTP (grpoflow.remote.engine)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The GRPO-family objective (grpoflow.learn.objective)."""
     rewards: RewardConfig = field(default_factory=RewardConfig)

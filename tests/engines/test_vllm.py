@@ -13,6 +13,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from helpers import support  # noqa: E402
+from helpers.vllm_reference import PROMPTS, greedy, perturbed, reference_logprobs  # noqa: E402
 
 from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.engines.vllm import (
@@ -22,29 +23,6 @@ from grpoflow.engines.vllm import (
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 
 TINY_SHAPE = support.VLLM_TINY_SHAPE
-PROMPTS = [[5, 6, 7, 8], [20, 21], [30, 31, 32]]
-
-
-def reference_logprobs(model, prompt, completion, temperature):
-    """log_softmax(logits / temperature) of each completion token, by a plain transformers forward."""
-    ids = torch.tensor([list(prompt) + list(completion)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    logps = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-    return logps.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
-
-
-def perturbed(model, scale=0.5, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        (name, tensor.detach() + scale * torch.randn(tensor.shape, generator=generator))
-        for name, tensor in model.named_parameters()
-    ]
-
-
-def greedy(engine, prompts=PROMPTS, max_tokens=6):
-    params = SamplingParams(n=1, max_tokens=max_tokens, temperature=0.0)
-    return [group[0] for group in engine.generate(prompts, params)]
 
 
 @pytest.fixture(scope="module")

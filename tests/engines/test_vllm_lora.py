@@ -3,7 +3,6 @@ the CPU): the same rollouts as the merged policy, with only the adapters sent af
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -16,10 +15,10 @@ pytest.importorskip("peft")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from helpers import support  # noqa: E402
+from helpers.vllm_reference import assert_rollouts_match_merged, tiny_base, train_adapters  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
+from grpoflow.engines import EngineConfig, EngineOptions, build_engine  # noqa: E402
 from grpoflow.engines.vllm import VLLMConfig, adapter_sync_rank  # noqa: E402
 from grpoflow.engines.vllm_adapters import PEFT_PREFIX, AdapterSlot, vllm_max_lora_rank  # noqa: E402
 from grpoflow.policy.lora import (  # noqa: E402
@@ -28,48 +27,8 @@ from grpoflow.policy.lora import (  # noqa: E402
     generation_model,
     merged_rollout_weights,
 )
-from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from grpoflow.transport import in_process  # noqa: E402
 from grpoflow.transport.adapters import is_adapter_name  # noqa: E402
-
-PROMPTS = [[5, 6, 7, 8], [20, 21], [30, 31, 32]]
-MAX_TOKENS = 6
-
-
-def tiny_base():
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
-    return build_tiny_model(len(tokenizer), **support.VLLM_TINY_SHAPE).eval(), tokenizer
-
-
-def train_adapters(policy, seed: int) -> None:
-    """Stand-in for an optimizer step: new, non-zero adapter weights."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in policy.named_parameters():
-            if "lora_" in name:
-                parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator))
-
-
-def merged_reference(policy, prompt):
-    """Greedy continuation and its log-probs from the policy with its adapters merged (transformers)."""
-    merged = copy.deepcopy(policy).merge_and_unload()
-    ids, logprobs = list(prompt), []
-    with torch.no_grad():
-        for _ in range(MAX_TOKENS):
-            logits = merged(input_ids=torch.tensor([ids])).logits[0, -1].float()
-            token = int(logits.argmax())
-            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
-            ids.append(token)
-    return ids[len(prompt) :], logprobs
-
-
-def assert_rollouts_match_merged(engine, policy):
-    params = SamplingParams(n=1, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    for prompt, group in zip(PROMPTS, engine.generate(PROMPTS, params)):
-        tokens, logprobs = merged_reference(policy, prompt)
-        assert group[0].token_ids == tokens
-        torch.testing.assert_close(torch.tensor(group[0].logprobs), torch.tensor(logprobs), atol=2e-3, rtol=0)
 
 
 @pytest.fixture(scope="module")

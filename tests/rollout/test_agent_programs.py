@@ -254,7 +254,7 @@ def test_a_run_trains_on_an_agent_programs_episodes_and_grpoflow_eval_plays_them
 def test_with_rollout_servers_the_programs_sample_from_them_and_their_episodes_are_taken(
     tokenizer, model, tmp_path
 ):
-    from grpoflow.engines.remote import RemoteEngine
+    from grpoflow.remote.engine import RemoteEngine
     from grpoflow.run.infer_workers import RolloutServers
 
     tokenizer.save_pretrained(tmp_path / "model")

@@ -22,11 +22,11 @@ from helpers import support  # noqa: E402
 from helpers.live_server import start_server, tiny_service  # noqa: E402
 
 from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
-from grpoflow.engines.remote import RemoteEngine  # noqa: E402
-from grpoflow.engines.remote_capabilities import ServerOffer, adapters_alone  # noqa: E402
 from grpoflow.options import add_flags, from_flags  # noqa: E402
 from grpoflow.policy.lora import AdapterConfig, add_lora, merged_rollout_weights, merged_weights  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model  # noqa: E402
+from grpoflow.remote.capabilities import ServerOffer, adapters_alone  # noqa: E402
+from grpoflow.remote.engine import RemoteEngine  # noqa: E402
 from grpoflow.server import ServeConfig  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
@@ -163,7 +163,7 @@ def offer(name: str, *, adapters: bool = True, engine: str = "native", max_lora_
 def test_adapters_go_alone_only_to_servers_that_take_the_policys(caplog):
     policy, saved = lora_policy(), lora_policy(modules_to_save=["model.norm"])
     native, vllm = offer("native"), offer("vllm", engine="vllm", max_lora_rank=8)
-    with caplog.at_level(logging.INFO, logger="grpoflow.engines.remote"):
+    with caplog.at_level(logging.INFO, logger="grpoflow.remote"):
         assert adapters_alone([native, vllm], policy)
         assert "adapters alone" in caplog.text
         assert adapters_alone([native], saved)  # the native engine loads modules_to_save too

@@ -26,9 +26,9 @@ from helpers import support  # noqa: E402
 from safetensors.torch import save  # noqa: E402
 
 from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
-from grpoflow.engines.remote import RemoteEngine  # noqa: E402
 from grpoflow.policy.lora import AdapterConfig, add_lora, generation_model, merged_rollout_weights  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from grpoflow.remote.engine import RemoteEngine  # noqa: E402
 from grpoflow.server import ServeConfig, build_service, vllm_backend  # noqa: E402
 from grpoflow.transport import WeightSyncError  # noqa: E402
 from grpoflow.transport.adapters import is_adapter_name  # noqa: E402

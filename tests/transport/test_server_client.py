@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("httpx")
 
-from grpoflow.engines.remote import RemoteEngine, split_evenly  # noqa: E402
-from grpoflow.engines.remote_capabilities import ServerOffer, choose_transfer  # noqa: E402
+from grpoflow.remote.capabilities import ServerOffer, choose_transfer  # noqa: E402
+from grpoflow.remote.engine import RemoteEngine, split_evenly  # noqa: E402
 from grpoflow.transport import ServerError  # noqa: E402
 from grpoflow.transport.server_client import ServerClient, server_urls  # noqa: E402
 

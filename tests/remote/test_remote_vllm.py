@@ -12,19 +12,18 @@ pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
 from helpers import support  # noqa: E402
+from helpers.vllm_reference import PROMPTS, greedy, perturbed, reference_logprobs  # noqa: E402
 
 from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
-from grpoflow.engines.remote import RemoteConfig, RemoteEngine  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from grpoflow.remote.engine import RemoteConfig, RemoteEngine  # noqa: E402
 from grpoflow.transport import ServerError, WeightSyncError  # noqa: E402
-
-from .test_vllm import PROMPTS, TINY_SHAPE, greedy, perturbed, reference_logprobs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(len(tokenizer), **TINY_SHAPE).eval()
+    model = build_tiny_model(len(tokenizer), **support.VLLM_TINY_SHAPE).eval()
     directory = tmp_path_factory.mktemp("model")
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -4,7 +4,7 @@
 /collective_rpc, only with `VLLM_SERVER_DEV_MODE=1`), warns when a server's log-probs are taken
 before temperature, and finds the method each reloads a checkpoint with (grpoflow's worker
 extension's when installed, else vLLM's own) and whether vLLM's own server loads LoRA adapters at
-run time (`remote_adapters`). `choose_transfer` takes `collective` when asked, or
+run time (`runtime_adapters`). `choose_transfer` takes `collective` when asked, or
 under `auto` when every server offers it (grpoflow serve does, vLLM's own server does not) and the
 trainer is a single process (or the servers are its alone); else `checkpoint`. `adapters_alone`
 says whether a LoRA policy's adapters travel alone after the first sync (the servers' offers
@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from grpoflow.engines.remote_adapters import runtime_lora_rank
 from grpoflow.engines.vllm import LOGPROBS_MODE
 from grpoflow.engines.vllm_adapters import adapter_obstacle, adapter_rank, lora_layers
+from grpoflow.remote.runtime_adapters import runtime_lora_rank
 from grpoflow.transport import ServerError
 from grpoflow.transport.checkpoint_sender import READY_METHOD, RELOAD_METHOD, VLLM_RELOAD_METHOD
 from grpoflow.transport.server_client import ServerClient
 
-logger = logging.getLogger("grpoflow.engines.remote")
+logger = logging.getLogger("grpoflow.remote")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,7 @@ class ServerOffer:
     """The largest adapter rank it takes; None: any."""
     adapter_directories: bool = False
     """It takes adapters as a PEFT directory it loads by path (vLLM's own server with runtime LoRA
-    loading, `remote_adapters`), not as tensors."""
+    loading, `runtime_adapters`), not as tensors."""
 
 
 def discover(client: ServerClient) -> list[ServerOffer]:

@@ -16,9 +16,10 @@ httpx = pytest.importorskip("httpx")
 from helpers import support  # noqa: E402
 from helpers.live_server import start_server, tiny_service  # noqa: E402
 
-from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine, remote_capabilities  # noqa: E402
-from grpoflow.engines.remote import RemoteEngine  # noqa: E402
+from grpoflow.engines import EngineConfig, EngineOptions, SamplingParams, build_engine  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model  # noqa: E402
+from grpoflow.remote import capabilities  # noqa: E402
+from grpoflow.remote.engine import RemoteEngine  # noqa: E402
 from grpoflow.transport import WeightSyncError  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [20, 21], [30, 31, 32]]
@@ -181,9 +182,7 @@ def test_small_buckets_and_a_new_group_after_a_failure(url):
 
 
 def test_collective_needs_grpoflow_servers_and_auto_falls_back(url, monkeypatch):
-    monkeypatch.setattr(
-        remote_capabilities, "server_info", lambda client, url: None
-    )  # as a plain vLLM server
+    monkeypatch.setattr(capabilities, "server_info", lambda client, url: None)  # as a plain vLLM server
     with pytest.raises(ValueError, match="offer no collective weight transfer"):
         RemoteEngine([url], startup_timeout=30, weight_transfer="collective")
     engine = RemoteEngine([url], startup_timeout=30)

@@ -18,7 +18,7 @@ from helpers.faulty_proxy import FaultyProxy  # noqa: E402
 from helpers.live_server import start_server, tiny_service  # noqa: E402
 
 from grpoflow.engines import SamplingParams  # noqa: E402
-from grpoflow.engines.remote import RemoteEngine  # noqa: E402
+from grpoflow.remote.engine import RemoteEngine  # noqa: E402
 from grpoflow.run.failures import RunStopped  # noqa: E402
 from grpoflow.transport import ServerError  # noqa: E402
 from grpoflow.transport.server_client import ServerClient  # noqa: E402

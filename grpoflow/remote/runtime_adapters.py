@@ -26,7 +26,7 @@ from grpoflow.engines.vllm_adapters import write_peft_adapter
 from grpoflow.transport import ServerError, WeightSyncError
 from grpoflow.transport.server_client import ServerClient
 
-logger = logging.getLogger("grpoflow.engines.remote")
+logger = logging.getLogger("grpoflow.remote")
 
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 NAME = "grpoflow-{token}-v{version}"

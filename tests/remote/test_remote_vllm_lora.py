@@ -16,14 +16,13 @@ pytest.importorskip("peft")
 pytest.importorskip("httpx")
 
 from helpers import support  # noqa: E402
+from helpers.vllm_reference import assert_rollouts_match_merged, tiny_base, train_adapters  # noqa: E402
 
-from grpoflow.engines.remote import RemoteEngine  # noqa: E402
 from grpoflow.policy.lora import AdapterConfig, add_lora, generation_model, merged_rollout_weights  # noqa: E402
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from grpoflow.remote.engine import RemoteEngine  # noqa: E402
 from grpoflow.transport import WeightSyncError  # noqa: E402
 from grpoflow.transport.adapters import is_adapter_name  # noqa: E402
-
-from .test_vllm_lora import assert_rollouts_match_merged, tiny_base, train_adapters  # noqa: E402
 
 MAX_LORA_RANK = 8
 
@@ -97,7 +96,7 @@ def test_the_base_once_then_adapters_alone_and_rollouts_equal_the_merged_policy(
 
 def test_a_rank_above_the_servers_max_lora_rank_sends_merged_weights(server, tmp_path, caplog):
     policy = lora_policy(rank=2 * MAX_LORA_RANK)
-    with caplog.at_level("INFO", logger="grpoflow.engines.remote"):
+    with caplog.at_level("INFO", logger="grpoflow.remote"):
         engine = RemoteEngine(
             [server], startup_timeout=240, sync_dir=tmp_path, model=generation_model(policy)
         )

@@ -12,7 +12,7 @@ each at once, with token-id prompts and `return_token_ids`, so no text is re-tok
 of each sampled token, as the trainer computes it (vLLM's default reports it before temperature).
 
 The engine is assembled from `grpoflow.transport.server_client.ServerClient` (HTTP, the /health wait, the thread per
-server), `remote_capabilities` (what each server offers, and the weight transfer chosen from it)
+server), `grpoflow.remote.capabilities` (what each server offers, and the weight transfer chosen from it)
 and a sender of `grpoflow.transport`. Weight updates (`weight_transfer`): `collective` broadcasts
 the weights in packed buckets over a process group of the trainer and every server (NCCL between
 GPUs, gloo otherwise), which `grpoflow serve` offers; `checkpoint` writes safetensors that every
@@ -21,7 +21,7 @@ device; set `GRPOFLOW_WEIGHT_SYNC_DIR` to a shared filesystem when the servers r
 machines); `auto` takes collective when every server offers it and the trainer is a single process.
 A LoRA policy's adapters go alone after the first sync to servers that take them: as tensors to
 `grpoflow serve`, as a directory loaded by path to vLLM's own server with runtime LoRA loading
-(`remote_adapters`).
+(`grpoflow.remote.runtime_adapters`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from typing import Literal
 import torch
 
 from grpoflow.engines.base import Completion, EngineCapabilities, EngineOptions, EngineStats, SamplingParams
-from grpoflow.engines.remote_adapters import ServerAdapters
-from grpoflow.engines.remote_capabilities import adapters_alone, choose_transfer, discover
 from grpoflow.engines.vllm import finish_reason, penalises_repetition, sampling_fields
 from grpoflow.options import require
+from grpoflow.remote.capabilities import adapters_alone, choose_transfer, discover
+from grpoflow.remote.runtime_adapters import ServerAdapters
 from grpoflow.transport import WEIGHT_TRANSFERS, ServerError
 from grpoflow.transport.adapters import split_adapters
 from grpoflow.transport.checkpoint_sender import CheckpointSender
@@ -49,7 +49,7 @@ from grpoflow.transport.collective import DEFAULT_BUCKET_BYTES
 from grpoflow.transport.collective_sender import CollectiveSender
 from grpoflow.transport.server_client import ServerClient, server_urls
 
-logger = logging.getLogger("grpoflow.engines.remote")
+logger = logging.getLogger("grpoflow.remote")
 
 
 def split_evenly(count: int, parts: int) -> list[range]:
@@ -236,7 +236,7 @@ class RemoteEngine:
         `sync_dir/policy-v{version}` and have every server reload them (checkpoint). Servers that
         take adapters (`capabilities.accepts_adapters`) may get a LoRA policy's adapters as tensors; the first
         update that arrives whole gives them the base (`holds_base`); vLLM's own servers get the
-        adapters as a directory they load (`remote_adapters`), the rest through the transport."""
+        adapters as a directory they load (`runtime_adapters`), the rest through the transport."""
         if self.server_adapters is not None:
             weights, adapters = split_adapters(weights)
             if weights:
