@@ -3,7 +3,7 @@
 A model loaded in Python is written beside the run (`save_pretrained`) and read back from there; a
 dataset (`datasets.Dataset`, `IterableDataset` or a list of dicts) becomes a jsonl file in the
 output directory, so a run started from Python is one a recipe could start; reward functions given
-as callables are registered under their names (`register_reward`); a PEFT `LoraConfig` becomes the
+as callables are registered under their names while the run is built; a PEFT `LoraConfig` becomes the
 LoRA options. Anything these cannot carry is refused by name.
 """
 
@@ -14,8 +14,6 @@ import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
-
-from grpoflow.rewards.registry import REWARD_REGISTRY, orms, register_reward
 
 logger = logging.getLogger("grpoflow.api")
 
@@ -82,18 +80,20 @@ def _rows(dataset: Any, name: str) -> Iterable[dict]:
         yield row
 
 
-def reward_options(reward_funcs: Any) -> dict[str, Any]:
-    """The reward options of TRL's `reward_funcs`: a callable or a name, or a list of them; a
-    callable is registered under its `__name__`; a local directory is a reward model."""
+def reward_options(reward_funcs: Any) -> tuple[dict[str, Any], dict[str, Callable[..., Any]]]:
+    """The reward options of TRL's `reward_funcs` (a callable or a name, or a list of them; a
+    local directory is a reward model), and the callables by their `__name__`, for the trainer to
+    register while it builds its run (`registered_for_now`)."""
     specs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
-    names, models = [], []
+    names, models, functions = [], [], {}
     for spec in specs:
         if isinstance(spec, str | Path) and Path(spec).is_dir():
             models.append(str(spec))
         elif isinstance(spec, str):
             names.append(spec)
         elif callable(spec) and hasattr(spec, "__name__") and not hasattr(spec, "save_pretrained"):
-            names.append(_registered(spec))
+            names.append(_named(spec))
+            functions[names[-1]] = spec
         else:
             raise TypeError(
                 f"reward_funcs: {spec!r} is not a reward function, a reward name or a reward model "
@@ -101,15 +101,14 @@ def reward_options(reward_funcs: Any) -> dict[str, Any]:
             )
     if len(models) > 1:
         raise ValueError(f"reward_funcs: grpoflow takes one reward model; got {len(models)}: {models}")
-    return {"reward_funcs": names, **({"reward_model": models[0]} if models else {})}
+    options = {"reward_funcs": names, **({"reward_model": models[0]} if models else {})}
+    return options, functions
 
 
-def _registered(function: Callable[..., Any]) -> str:
+def _named(function: Callable[..., Any]) -> str:
     name = function.__name__
     if name == "<lambda>":
         raise ValueError("reward_funcs: a lambda has no name to log its reward under; use a def")
-    if REWARD_REGISTRY.get(name) is None or orms.get(name) is not function:
-        register_reward(name)(function)
     return name
 
 

@@ -19,6 +19,7 @@ from grpoflow.api.callbacks import Callbacks, TrainingStopped
 from grpoflow.api.config import GRPOConfig
 from grpoflow.api.inputs import dataset_file, import_path, lora_options, model_option, reward_options
 from grpoflow.policy.lora import is_peft_model
+from grpoflow.rewards.registry import registered_for_now
 from grpoflow.run.build import build_trainer, run
 from grpoflow.run.config import GRPOConfig as RunConfig
 from grpoflow.run.trainer import GRPOTrainer as Loop
@@ -50,9 +51,10 @@ class GRPOTrainer:
         output_dir = self.args.output_dir
         values: dict[str, Any] = {
             "model": model_option(model, processing_class, output_dir),
-            **reward_options(reward_funcs),
             **lora_options(peft_config),
         }
+        rewards, self._reward_functions = reward_options(reward_funcs)
+        values.update(rewards)
         if train_dataset is not None:
             values["dataset"] = [dataset_file(train_dataset, output_dir, "train_dataset")]
         if eval_dataset is not None:
@@ -89,7 +91,8 @@ class GRPOTrainer:
         if resume_from_checkpoint:
             resume = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
             config = self.args.to_run_config(**self._values, resume_from_checkpoint=resume)
-        self._loop = loop = build_trainer(config)
+        with registered_for_now(self._reward_functions):
+            self._loop = loop = build_trainer(config)
         handler = self.callback_handler
         objects = {
             "model": loop.model,

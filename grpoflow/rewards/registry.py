@@ -21,9 +21,10 @@ accepts three kinds of objects:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 from grpoflow.rewards.params import RewardConfig
@@ -130,6 +131,26 @@ class _OrmTable(MutableMapping):
 
 orms = _OrmTable()
 """ms-swift compatible table: `orms["name"] = MyORM` registers `MyORM` under "name"."""
+
+
+@contextlib.contextmanager
+def registered_for_now(functions: Mapping[str, Any]) -> Iterator[None]:
+    """Register `functions` (reward callables by name) while the block runs, then restore what
+    each name meant before (nothing, or the earlier entry): a Python script's rewards serve its own
+    run and do not outlive it, and one named like a built-in shadows it only meanwhile."""
+    before = {name: (REWARD_REGISTRY.get(name), orms.get(name)) for name in functions}
+    for name, function in functions.items():
+        register_reward(name)(function)
+    try:
+        yield
+    finally:
+        for name, (factory, original) in before.items():
+            if factory is None:
+                REWARD_REGISTRY.pop(name, None)
+                orms._entries.pop(name, None)
+            else:
+                REWARD_REGISTRY[name] = factory
+                orms._record(name, original)
 
 
 def _store(name: str, factory: RewardFactory, original: Any) -> None:

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from grpoflow import GRPOConfig, GRPOTrainer
 from grpoflow.policy.tiny import save_tiny_checkpoint
+from grpoflow.rewards.registry import REWARD_REGISTRY
 
 TRL_ARGS = dict(
     learning_rate=1e-3,
@@ -95,6 +96,7 @@ def test_quickstart_script_trains_logs_and_saves_a_full_model(tmp_path, tiny_mod
     assert recorder.events[0] == "on_train_begin" and recorder.events[-1] == "on_train_end"
     assert recorder.events.count("on_log") == 2 and recorder.events.count("on_step_end") == 2
     assert "rewards/reward_letter/mean" in recorder.logs[0] and "loss" in recorder.logs[0]
+    assert "reward_letter" not in REWARD_REGISTRY  # the script's reward served its run alone
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     changed = [
