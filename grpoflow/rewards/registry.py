@@ -146,8 +146,7 @@ def registered_for_now(functions: Mapping[str, Any]) -> Iterator[None]:
     finally:
         for name, (factory, original) in before.items():
             if factory is None:
-                REWARD_REGISTRY.pop(name, None)
-                orms._entries.pop(name, None)
+                del orms[name]  # the table's own removal: the entry and the registry's name
             else:
                 REWARD_REGISTRY[name] = factory
                 orms._record(name, original)

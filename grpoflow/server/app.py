@@ -240,7 +240,7 @@ async def completions(request: Request) -> dict:
 async def chat_completions(request: Request) -> dict:
     service = service_of(request)
     limits = service.limits
-    body = await parsed(request, ChatCompletionRequest)
+    body = await parsed(request, ChatCompletionRequest, one_prompt=True)
     if body.logprobs and body.top_logprobs:
         raise RequestError(
             f"top_logprobs={body.top_logprobs}: grpoflow serve reports the sampled token's log-prob "
@@ -288,7 +288,7 @@ async def _chat_prompt(service: Service, body: ChatCompletionRequest) -> list[in
 async def generate(request: Request) -> dict:
     service = service_of(request)
     limits = service.limits
-    body = await parsed(request, GenerateRequest)
+    body = await parsed(request, GenerateRequest, one_prompt=True)
     _sampled_logprobs_only(body.logprobs)
     requests = service.pools.requests
     prompt = await run_in(requests, generate_prompt, body, service.tokenizer, limits)
@@ -298,17 +298,17 @@ async def generate(request: Request) -> dict:
     return await run_in(requests, generate_response, body, prompt, group, service.tokenizer)
 
 
-async def parsed(request: Request, model: type[BaseModel]) -> Any:
+async def parsed(request: Request, model: type[BaseModel], *, one_prompt: bool = False) -> Any:
     """The request's body read as `model` and checked, off the event loop (a large body's
-    validation would hold every other request and /health). A body of one prompt or conversation
-    (chat, /generate) is read up to `one_prompt_body_bytes`, so a body far larger than any prompt
-    the model takes is refused before it is parsed."""
+    validation would hold every other request and /health). A body of `one_prompt` (chat,
+    /generate) is read up to `one_prompt_body_bytes`, so a body far larger than any prompt the
+    model takes is refused before it is parsed."""
     service = service_of(request)
-    if model is CompletionRequest:
-        body = await read_json(request)
-    else:
+    if one_prompt:
         why = "one prompt at its longest, --max-prompt-chars or max_model_len, plus 8 MiB for the rest"
         body = await read_json(request, limit=one_prompt_body_bytes(service.limits), why=why)
+    else:
+        body = await read_json(request)
     return await run_in(service.pools.requests, parse, model, body, service.limits)
 
 

@@ -38,22 +38,30 @@ def check_update_values(
     is checked for finite values alone. Names are checked in sorted order, so the refusal names the
     same tensor whatever order they arrived in (a safetensors file's order is not kept)."""
     halves: dict[str, dict[bool, torch.Tensor]] = {}
+    bounds: dict[str, float | None] = {}  # an adapted weight's bound serves its A, its B and the pair
+
+    def bound_of(target: str) -> float | None:
+        if target not in bounds:
+            parameter = parameters.get(target)
+            bounds[target] = None if parameter is None else magnitude_bound(parameter)
+        return bounds[target]
+
     for name, tensor in sorted(tensors, key=lambda pair: pair[0]):
+        target = f"{adapted_module(name)}.weight" if is_adapter_name(name) else name
+        check_values(name, tensor, parameters.get(target), bound_of(target))
         if is_adapter_name(name):
-            module = adapted_module(name)
-            check_values(name, tensor, parameters.get(f"{module}.weight"))
-            halves.setdefault(module, {})[name.endswith(DOWN)] = tensor
-        else:
-            check_values(name, tensor, parameters.get(name))
+            halves.setdefault(adapted_module(name), {})[name.endswith(DOWN)] = tensor
     for module, pair in halves.items():
         if len(pair) == 2:
-            check_adapter_values(module, pair[True], pair[False], parameters.get(f"{module}.weight"))
+            check_adapter_values(module, pair[True], pair[False], bound_of(f"{module}.weight"))
 
 
-def check_values(name: str, tensor: torch.Tensor, parameter: torch.Tensor | None = None) -> None:
+def check_values(
+    name: str, tensor: torch.Tensor, parameter: torch.Tensor | None = None, bound: float | None = None
+) -> None:
     """Refuse `tensor` (sent as `name`) unless it is finite and, given the `parameter` it is
-    written into, fits the parameter's dtype without overflowing to infinity and stays within its
-    `magnitude_bound`."""
+    written into, fits the parameter's dtype without overflowing to infinity and stays within
+    `bound` (its `magnitude_bound`)."""
     if not bool(torch.isfinite(tensor).all()):
         raise ReceiveError(
             f"{name} holds NaN or infinite values: {REFUSED}; check the trainer's weights (a diverged "
@@ -68,7 +76,6 @@ def check_values(name: str, tensor: torch.Tensor, parameter: torch.Tensor | None
             f"{name} holds {top:.3g}, beyond the largest {parameter.dtype} value ({most:.3g}): it would "
             f"become infinite; {REFUSED}"
         )
-    bound = magnitude_bound(parameter)
     if bound is not None and top > bound:
         raise ReceiveError(
             f"{name} holds {top:.3g}, beyond its bound {bound:.3g} ({MAGNITUDE_FACTOR:g} times the "
@@ -78,13 +85,10 @@ def check_values(name: str, tensor: torch.Tensor, parameter: torch.Tensor | None
         )
 
 
-def check_adapter_values(
-    module: str, down: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None
-) -> None:
+def check_adapter_values(module: str, down: torch.Tensor, up: torch.Tensor, bound: float | None) -> None:
     """Refuse the adapter of `module` (A `down`, B `up`, already checked one by one) when the
-    largest change it can make to one entry of the layer's `weight`, rank x max |A| x max |B|, is
-    beyond the weight's `magnitude_bound`."""
-    bound = magnitude_bound(weight) if weight is not None else None
+    largest change it can make to one entry of the layer's weight, rank x max |A| x max |B|, is
+    beyond `bound` (the weight's `magnitude_bound`)."""
     if bound is None or not down.numel() or not up.numel():
         return
     rank, top_down, top_up = down.shape[0], float(down.abs().max()), float(up.abs().max())

@@ -182,8 +182,10 @@ class Scheduler:
         wanted = min(sum(len(item.sequences) for queue in starving for item in queue), self.min_prefill_rows)
         freed = 0
         for row in sorted(self.admission, key=self.admission.__getitem__, reverse=True):
+            if freed == wanted:
+                break
             request = self.sequence_request[self.row_sequence[row]]
-            if freed < wanted and running[request] > share:
+            if running[request] > share:
                 self._preempt(row)
                 running[request] -= 1
                 freed += 1
