@@ -21,13 +21,13 @@ import argparse
 import asyncio
 import datetime
 import json
+import multiprocessing
 import os
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -167,23 +167,45 @@ async def episode_bomb(client: httpx.AsyncClient, turns: int) -> tuple[int, floa
     return status, time.perf_counter() - start
 
 
+class Prober:
+    """/health probed every 0.1 s, and the server's resident memory read, from a process of its
+    own: the load's client keeps this process's interpreter busy, and a probe waiting for it here
+    would time the client rather than the server."""
+
+    def __init__(self, url: str, pid: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._results, sending = context.Pipe(duplex=False)
+        self._process = context.Process(target=probe, args=(url, pid, self._stop, sending), daemon=True)
+        self._process.start()
+
+    def stop(self) -> tuple[list[float], list[float]]:
+        """Stop probing: the /health latencies (s) and the resident memory read at each (MiB)."""
+        self._stop.set()
+        health, peak = self._results.recv()
+        self._process.join()
+        return health, peak
+
+
+def probe(url: str, pid: int, stop: Any, results: Any) -> None:
+    health: list[float] = []
+    peak = [rss_mib(pid)]
+    with httpx.Client(base_url=url, timeout=30) as own:
+        while not stop.is_set():
+            start = time.perf_counter()
+            own.get("/health")
+            health.append(time.perf_counter() - start)
+            peak.append(rss_mib(pid))
+            time.sleep(0.1)
+    results.send((health, peak))
+
+
 async def load(url: str, args: argparse.Namespace, files: dict[str, Path], pid: int, *, faults: bool) -> dict:
     """`args.requests` concurrent completions and `args.updates` weight updates, with the faults
-    alongside when `faults`; /health is probed from a thread of its own throughout."""
+    alongside when `faults`; /health is probed from a process of its own throughout."""
     limits = httpx.Limits(max_connections=args.requests + 200, max_keepalive_connections=args.requests + 200)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        health: list[float] = []
-        peak = [rss_mib(pid)]
-        done = threading.Event()
-
-        def probe() -> None:
-            with httpx.Client(base_url=url, timeout=30) as own:
-                while not done.is_set():
-                    start = time.perf_counter()
-                    own.get("/health")
-                    health.append(time.perf_counter() - start)
-                    peak.append(rss_mib(pid))
-                    time.sleep(0.1)
+        prober = Prober(url, pid)
 
         def completion(index: int):
             body = {"prompt": [1 + index % 50, 2, 3], "max_tokens": args.max_tokens, "seed": index}
@@ -203,8 +225,6 @@ async def load(url: str, args: argparse.Namespace, files: dict[str, Path], pid: 
                 await asyncio.sleep(0.2)
             return statuses
 
-        prober = threading.Thread(target=probe, daemon=True)
-        prober.start()
         start = time.perf_counter()
         hostile = hostile_requests(client, args) if faults else []
         hostile_tasks = [(name, asyncio.ensure_future(task)) for name, task in hostile]
@@ -214,8 +234,7 @@ async def load(url: str, args: argparse.Namespace, files: dict[str, Path], pid: 
         update_statuses = await update_task
         if hostile_tasks:  # /health is still probed while the faults finish
             await asyncio.wait([task for _, task in hostile_tasks], timeout=args.fault_wait_s)
-        done.set()
-        prober.join()
+        health, peak = prober.stop()
         hostile_results: dict[str, list[int | str]] = {}
         for name, task in hostile_tasks:
             hostile_results.setdefault(name, []).append(task.result()[0] if task.done() else "unfinished")
@@ -267,6 +286,7 @@ def main() -> None:
             write_weights(url, files)
             for _ in range(20):  # warm up
                 httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
+            time.sleep(5.0)  # memory is read 5 s after work, before the load as after it
             before = rss_mib(server.pid)
             clean = asyncio.run(load(url, args, files, server.pid, faults=False))
             faulted = asyncio.run(load(url, args, files, server.pid, faults=True))

@@ -165,6 +165,11 @@ class Batcher:
     def is_open(self) -> bool:
         return not self.paused and self._holds == 0
 
+    @property
+    def busy(self) -> bool:
+        """A call is running or requests are queued."""
+        return self._running or bool(self._queue)
+
     async def _loop(self) -> None:
         while True:
             await self._arrived.wait()

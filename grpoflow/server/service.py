@@ -18,6 +18,7 @@ from grpoflow.server.batcher import Batcher
 from grpoflow.server.episode_recorder import EpisodeRecorder
 from grpoflow.server.errors import RequestError
 from grpoflow.server.holds import Holds
+from grpoflow.server.memory import QuietTrimmer
 from grpoflow.server.pools import Pools, run_in
 from grpoflow.server.protocol import Limits
 from grpoflow.server.settings import ServeConfig
@@ -81,6 +82,10 @@ class Service:
     """The agent episodes recorded from chat requests that name one (episode_recorder.py)."""
     templates: TemplateSandbox | None = field(init=False)
     """Where chat templates sent in requests render, when the server trusts them (templates.py)."""
+    large_bodies: int = 0
+    """Request bodies read that were too large to parse on the event loop (refused ones included)."""
+    trimmer: QuietTrimmer | None = field(default=None)
+    """Gives the heap's free memory back once the server is quiet after work (memory.py)."""
 
     def __post_init__(self) -> None:
         self.pools = Pools(self.config.request_threads)
@@ -110,6 +115,14 @@ class Service:
         )
         self.holds = Holds(self.batcher, self.config.hold_lease_s, lambda: self.pending_weights.clear())
         self.batcher.start()
+        batcher = self.batcher
+        self.trimmer = QuietTrimmer(
+            lambda: batcher.num_engine_calls + self.large_bodies,
+            lambda: batcher.busy,
+            self.pools.engine,
+            self.config.trim_quiet_s,
+        )
+        self.trimmer.start()
 
     @property
     def update_open(self) -> bool:
@@ -117,6 +130,8 @@ class Service:
         return self.holds is not None and self.holds.update_open
 
     async def stop(self) -> None:
+        if self.trimmer is not None:
+            self.trimmer.stop()
         if self.batcher is not None:
             await self.batcher.stop()
         self.receiver.close()
@@ -259,11 +274,15 @@ async def read_body(request: Request, limit: int, why: str = "") -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestError(f"the body has {declared} bytes, over the limit of {limit}{why}", 413)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(f"the body is over the limit of {limit} bytes{why}", 413)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(f"the body is over the limit of {limit} bytes{why}", 413)
+            chunks.append(chunk)
+    finally:
+        if size > LOOP_JSON_BYTES:
+            service_of(request).large_bodies += 1
     return b"".join(chunks)
 
 

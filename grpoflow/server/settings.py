@@ -95,6 +95,9 @@ class ServeConfig(EngineConfig):
     """Threads that render the tokenizer's chat template, tokenise prompts and parse bodies, apart
     from the engine's thread (and the template workers'), so no request stalls generation or the
     event loop."""
+    trim_quiet_s: float = 1.0
+    """Seconds the server must be quiet after work before it gives freed heap memory back to the
+    system (glibc's malloc_trim), so bursts of large requests do not leave it larger; 0 never."""
     max_prompt_chars: int | None = None
     """Longest text prompt (characters) a request may send; default 32 x max_model_len."""
     max_weights_bytes: int | None = None
@@ -154,6 +157,7 @@ class ServeConfig(EngineConfig):
         require(self.hold_lease_s > 0, "--hold-lease-s", "> 0 (seconds)", self.hold_lease_s)
         require(self.template_timeout_s > 0, "--template-timeout-s", "> 0 (seconds)", self.template_timeout_s)
         require(self.template_workers >= 1, "--template-workers", ">= 1", self.template_workers)
+        require(self.trim_quiet_s >= 0, "--trim-quiet-s", ">= 0 (seconds)", self.trim_quiet_s)
         require(self.template_wait_s > 0, "--template-wait-s", "> 0 (seconds)", self.template_wait_s)
         require(self.header_timeout_s > 0, "--header-timeout-s", "> 0 (seconds)", self.header_timeout_s)
         require(self.request_threads >= 1, "--request-threads", ">= 1", self.request_threads)
