@@ -147,6 +147,10 @@ def test_bad_reward_models_and_tokenizers_are_refused_by_name(tmp_path, tiny_mod
             optimizers=(object(), None),
             args=args_for(tmp_path),
         )
+    with pytest.raises(ValueError, match="quantization_config is not supported"):
+        GRPOTrainer(
+            model=tiny_model_dir, reward_funcs=reward_len, quantization_config={}, args=args_for(tmp_path)
+        )
 
 
 def test_the_tools_script_trains_with_functions_defined_in_it(tmp_path, chat_model_dir):
