@@ -4,22 +4,44 @@
 A file is executed once as a module named after its resolved path, so what it registers takes
 effect once, and what it defines pickles by reference to that module name (worker processes
 re-import the same file to unpickle it).
+
+Objects a Python script hands to its run (`GRPOTrainer(tools=[fn])`) are provided under their
+import paths while the run is built (`provided_for_now`), so functions and classes defined in the
+script itself, which no module can import, reach the run as they are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 PLUGIN_MODULE_PREFIX = "grpoflow_plugin_"
 """Module names of files imported by path start with this."""
+
+PROVIDED: dict[str, Any] = {}
+"""Objects given in Python, by the import path that names them, while their run is built."""
+
+
+@contextlib.contextmanager
+def provided_for_now(objects: Mapping[str, Any]) -> Iterator[None]:
+    """`load_object` gives these objects for their import paths while the block runs; then each
+    path means what it meant before (an import, or an object provided by an enclosing block)."""
+    before = {spec: PROVIDED[spec] for spec in objects if spec in PROVIDED}
+    PROVIDED.update(objects)
+    try:
+        yield
+    finally:
+        for spec in objects:
+            PROVIDED.pop(spec, None)
+        PROVIDED.update(before)
 
 
 def import_file(
@@ -59,7 +81,10 @@ class ImportFailed(ValueError):
 
 
 def load_object(spec: str, what: str, import_module_file: Callable[[str], ModuleType] | None = None) -> Any:
-    """The object an import path names (`what` names it in errors, e.g. "Tool")."""
+    """The object an import path names (`what` names it in errors, e.g. "Tool"): one provided
+    under that path (`provided_for_now`), else the import's."""
+    if spec in PROVIDED:
+        return PROVIDED[spec]
     module_path, attribute = split_spec(spec, what)
     module = _import_module(spec, module_path, what, import_module_file)
     obj: Any = module

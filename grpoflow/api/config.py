@@ -6,13 +6,15 @@ A field whose name is an option of grpoflow (most of TRL's: `learning_rate`, `nu
 checked as a YAML key or a `--key value` flag is. The TrainingArguments fields that say the same
 thing in other words are translated (`bf16`, `fp16`, `use_cpu`, `logging_strategy`); a few that
 change nothing here are accepted with a warning naming them; any other field is refused, by name.
-The defaults are grpoflow's (`grpoflow train --help` lists them).
+A field set to None where grpoflow's option takes no None (TRL's None for "the default") keeps
+grpoflow's default. The defaults are grpoflow's (`grpoflow train --help` lists them).
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +90,10 @@ TRANSLATED: dict[str, Callable[[Any], dict[str, Any]]] = {
 and `fp16` keep the parameters themselves in that dtype (no float32 master copy under autocast)."""
 
 
+def _takes_none(hint: Any) -> bool:
+    return hint is None or type(None) in typing.get_args(hint)
+
+
 class GRPOConfig:
     """A run's settings by TRL's GRPOConfig names, refused by name where grpoflow has no such field.
 
@@ -104,6 +110,8 @@ class GRPOConfig:
             elif name in UNUSED_FIELDS:
                 logger.warning("GRPOConfig: %s is accepted and not used by grpoflow", name)
             elif name in fields:
+                if value is None and not _takes_none(fields[name].value_hint):
+                    continue  # TRL's None for "the default": grpoflow's default
                 values[name] = coerce(name, value, fields[name].value_hint)
             elif name in KEY_ALIASES:
                 if KEY_ALIASES[name] is not None:

@@ -2,16 +2,17 @@
 
 A model loaded in Python is written beside the run (`save_pretrained`) and read back from there; a
 dataset (`datasets.Dataset`, `IterableDataset` or a list of dicts) becomes a jsonl file in the
-output directory, so a run started from Python is one a recipe could start; reward functions given
-as callables are registered under their names while the run is built; a PEFT `LoraConfig` becomes the
-LoRA options. Anything these cannot carry is refused by name.
+output directory, so a run started from Python is one a recipe could start; a PEFT `LoraConfig`
+becomes the LoRA options; tools, a rollout function and environment factories given as objects are
+provided to the run under their import paths while it is built (rewards: `grpoflow.api.rewards`).
+Anything these cannot carry is refused by name.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -80,38 +81,6 @@ def _rows(dataset: Any, name: str) -> Iterable[dict]:
         yield row
 
 
-def reward_options(reward_funcs: Any) -> tuple[dict[str, Any], dict[str, Callable[..., Any]]]:
-    """The reward options of TRL's `reward_funcs` (a callable or a name, or a list of them; a
-    local directory is a reward model), and the callables by their `__name__`, for the trainer to
-    register while it builds its run (`registered_for_now`)."""
-    specs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
-    names, models, functions = [], [], {}
-    for spec in specs:
-        if isinstance(spec, str | Path) and Path(spec).is_dir():
-            models.append(str(spec))
-        elif isinstance(spec, str):
-            names.append(spec)
-        elif callable(spec) and hasattr(spec, "__name__") and not hasattr(spec, "save_pretrained"):
-            names.append(_named(spec))
-            functions[names[-1]] = spec
-        else:
-            raise TypeError(
-                f"reward_funcs: {spec!r} is not a reward function, a reward name or a reward model "
-                "directory (a loaded reward model: save it with save_pretrained and pass its directory)"
-            )
-    if len(models) > 1:
-        raise ValueError(f"reward_funcs: grpoflow takes one reward model; got {len(models)}: {models}")
-    options = {"reward_funcs": names, **({"reward_model": models[0]} if models else {})}
-    return options, functions
-
-
-def _named(function: Callable[..., Any]) -> str:
-    name = function.__name__
-    if name == "<lambda>":
-        raise ValueError("reward_funcs: a lambda has no name to log its reward under; use a def")
-    return name
-
-
 LORA_FIELDS_DEFAULTS = {
     "bias": "none",
     "use_rslora": False,
@@ -154,18 +123,58 @@ def lora_options(peft_config: Any) -> dict[str, Any]:
     }
 
 
-def import_path(name: str, value: Any) -> Any:
-    """A function or class given for an option that takes an import path (`tools`, `rollout_func`,
-    `environment_factory`): its `module:qualname`; a string as it is. Objects defined in the script
-    itself cannot be imported by the run's workers, and are refused."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list | tuple):
-        return [import_path(name, item) for item in value]
-    module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", "")
-    if not module or module == "__main__" or "<" in qualname:
+def object_options(named: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The options of the arguments that take code (`tools`, `rollout_func`, `environment_factory`,
+    a mapping of names to factories included), and the objects the run takes under them.
+
+    A string is an import path, as it is. A function or class becomes the import path that names it
+    (`module:qualname`, e.g. `__main__:multiply`), with the object itself provided under that path
+    while the run is built (`imports.provided_for_now`): one defined in the script itself, in
+    `__main__` or inside a function, reaches the run as it is, since the run builds in this process.
+    """
+    provided: dict[str, Any] = {}
+
+    def option(name: str, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list | tuple):
+            return [option(f"{name}[{index}]", item) for index, item in enumerate(value)]
+        if isinstance(value, Mapping):
+            return {key: option(f"{name}[{key!r}]", item) for key, item in value.items()}
+        if not callable(value):
+            raise TypeError(
+                f"{name}: {value!r} is a {type(value).__name__}; give a function or class, or its "
+                "import path ('package.module:name')"
+            )
+        spec = _object_path(value, provided)
+        provided[spec] = value
+        return spec
+
+    options = {name: option(name, value) for name, value in named.items() if value is not None}
+    return options, provided
+
+
+def _object_path(value: Any, taken: Mapping[str, Any]) -> str:
+    """`module:qualname` of `value`; another object of the same name gets `#2`, `#3`, ... after it."""
+    module = getattr(value, "__module__", None) or "__main__"
+    qualname = getattr(value, "__qualname__", None) or type(value).__qualname__
+    spec, count = f"{module}:{qualname}", 1
+    while spec in taken and taken[spec] is not value:
+        count += 1
+        spec = f"{module}:{qualname}#{count}"
+    return spec
+
+
+def unsupported_arguments(optimizers: Any, quantization_config: Any) -> None:
+    """Refuse TRL's `optimizers` (other than its default `(None, None)`) and `quantization_config`,
+    each with what grpoflow does instead."""
+    if tuple(optimizers or (None, None)) != (None, None):
         raise ValueError(
-            f"{name}: {value!r} is defined in the script itself; move it into a module and pass it "
-            "(or its import path, 'package.module:name') so the run can import it"
+            "optimizers is not supported: grpoflow builds AdamW and its schedule from the config; set "
+            "learning_rate, adam_beta1, adam_beta2, weight_decay, optim and lr_scheduler_type instead"
         )
-    return f"{module}:{qualname}"
+    if quantization_config is not None:
+        raise ValueError(
+            "quantization_config is not supported: grpoflow trains unquantized weights; leave it unset "
+            "(peft_config trains LoRA adapters on them)"
+        )

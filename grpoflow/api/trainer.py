@@ -8,6 +8,8 @@ adapter alone for LoRA).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,15 @@ from transformers.trainer_utils import TrainOutput
 
 from grpoflow.api.callbacks import Callbacks, TrainingStopped
 from grpoflow.api.config import GRPOConfig
-from grpoflow.api.inputs import dataset_file, import_path, lora_options, model_option, reward_options
+from grpoflow.api.inputs import (
+    dataset_file,
+    lora_options,
+    model_option,
+    object_options,
+    unsupported_arguments,
+)
+from grpoflow.api.rewards import reward_options
+from grpoflow.imports import provided_for_now
 from grpoflow.policy.lora import is_peft_model
 from grpoflow.rewards.registry import registered_for_now
 from grpoflow.run.build import build_trainer, run
@@ -31,40 +41,50 @@ class GRPOTrainer:
     def __init__(
         self,
         model: Any,
-        reward_funcs: Any,
+        reward_funcs: Any = None,
         args: GRPOConfig | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
         reward_processing_classes: Any = None,
         callbacks: list[TrainerCallback | type[TrainerCallback]] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        quantization_config: Any = None,
         peft_config: Any = None,
-        rollout_func: Any = None,
         tools: Any = None,
+        rollout_func: Any = None,
         environment_factory: Any = None,
     ) -> None:
-        if reward_processing_classes is not None:
-            raise ValueError(
-                "reward_processing_classes is not supported: a reward model directory holds its tokenizer"
-            )
+        unsupported_arguments(optimizers, quantization_config)
         self.args = args if args is not None else GRPOConfig()
         output_dir = self.args.output_dir
         values: dict[str, Any] = {
             "model": model_option(model, processing_class, output_dir),
             **lora_options(peft_config),
         }
-        rewards, self._reward_functions = reward_options(reward_funcs)
+        rewards, self._reward_functions = reward_options(
+            reward_funcs, reward_processing_classes, output_dir, self.args.reward_weights
+        )
         values.update(rewards)
         if train_dataset is not None:
             values["dataset"] = [dataset_file(train_dataset, output_dir, "train_dataset")]
         if eval_dataset is not None:
             values["eval_dataset"] = [dataset_file(eval_dataset, output_dir, "eval_dataset")]
-        named = {"rollout_func": rollout_func, "tools": tools, "environment_factory": environment_factory}
-        values.update({name: import_path(name, value) for name, value in named.items() if value is not None})
+        code, self._objects = object_options(
+            {"rollout_func": rollout_func, "tools": tools, "environment_factory": environment_factory}
+        )
+        values.update(code)
         self._values = values
         self.config: RunConfig = self.args.to_run_config(**values)
         self.callback_handler = Callbacks(callbacks or [], self.args)
         self._loop: Loop | None = None
+
+    @contextlib.contextmanager
+    def _script_code(self) -> Iterator[None]:
+        """While the run is built: the script's reward functions registered, and its tools, rollout
+        function and environment factories provided under their import paths."""
+        with registered_for_now(self._reward_functions), provided_for_now(self._objects):
+            yield
 
     @property
     def state(self):
@@ -91,7 +111,7 @@ class GRPOTrainer:
         if resume_from_checkpoint:
             resume = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
             config = self.args.to_run_config(**self._values, resume_from_checkpoint=resume)
-        with registered_for_now(self._reward_functions):
+        with self._script_code():
             self._loop = loop = build_trainer(config)
         handler = self.callback_handler
         objects = {

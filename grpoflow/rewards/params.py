@@ -19,8 +19,9 @@ class RewardConfig:
     (`pkg.module:function`, `file.py:function`)."""
     reward_weights: list[float] | None = None
     """One weight per reward (reward_model last); all 1.0 when unset."""
-    reward_model: str | None = None
-    """A sequence-classification model scoring prompt + completion."""
+    reward_model: str | list[str] | None = None
+    """A sequence-classification model scoring prompt + completion (a directory or hub id), or a
+    list of them; one is logged as reward_model, several each by its name (the path's last part)."""
     external_plugins: list[str] = field(default_factory=list)
     """Python files to load before rewards are resolved (they register rewards)."""
 
@@ -79,13 +80,20 @@ class RewardConfig:
             ">= 0 (0 never stops)",
             self.max_consecutive_reward_failures,
         )
-        num_rewards = len(self.reward_funcs) + bool(self.reward_model)
+        num_rewards = len(self.reward_funcs) + len(self.reward_models)
         require(
             self.reward_weights is None or len(self.reward_weights) == num_rewards,
             "reward_weights",
             f"one weight per reward: there are {num_rewards} rewards (reward_funcs, then reward_model)",
             self.reward_weights,
         )
+
+    @property
+    def reward_models(self) -> list[str]:
+        """`reward_model` as a list (empty when unset)."""
+        if not self.reward_model:
+            return []
+        return [self.reward_model] if isinstance(self.reward_model, str) else list(self.reward_model)
 
     @property
     def effective_cosine_max_len(self) -> int:

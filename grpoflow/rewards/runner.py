@@ -169,14 +169,18 @@ class RewardRunner:
         extra: Sequence[tuple[str, Callable[..., Any]]] = (),
     ) -> RewardRunner:
         """The runner of a rewards section: its plugins loaded, its `reward_funcs` resolved (names,
-        import paths, or callables given in Python; see `resolve_reward`), then its `reward_model`
+        import paths, or callables given in Python; see `resolve_reward`), then its reward models
         on `device`, then the `extra` (name, function) pairs (an environment's reward), weight 1."""
         load_plugins(config.external_plugins)
         funcs = [(reward_name(spec), resolve_reward(spec, config)) for spec in config.reward_funcs]
-        if config.reward_model:
+        models = config.reward_models
+        if models:
             from grpoflow.rewards.model import RewardModel
 
-            funcs.append(("reward_model", RewardModel(config.reward_model, device=device)))
+            names = (
+                ["reward_model"] if len(models) == 1 else [path.rstrip("/").split("/")[-1] for path in models]
+            )
+            funcs += [(name, RewardModel(path, device=device)) for name, path in zip(names, models)]
         funcs += list(extra)
         if not funcs:
             raise ValueError(
