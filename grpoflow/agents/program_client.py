@@ -18,12 +18,16 @@ Needs `openai` (and its `httpx`): import this module only when an agent program 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from grpoflow.chat.trajectory import EPISODE_HEADER
+
+CONNECTIONS_PER_POOL = 16
+"""Connections in one of the episodes' shared pools (SharedConnections)."""
 
 DISTRIBUTION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 """Request fields the run decides: they shape the distribution the log-probs are taken under."""
@@ -162,10 +166,12 @@ def _answer(response: httpx.Response, content: bytes, request: httpx.Request) ->
 
 
 class AsyncEpisodeTransport(httpx.AsyncBaseTransport):
-    """Rewrites an episode's chat requests (module docstring); other requests pass unchanged."""
+    """Rewrites an episode's chat requests (module docstring); other requests pass unchanged, and
+    all go through `inner`, the connection pool every episode shares (closing the episode's
+    client leaves it open)."""
 
-    def __init__(self, budget: EpisodeBudget) -> None:
-        self.budget, self.inner = budget, httpx.AsyncHTTPTransport()
+    def __init__(self, budget: EpisodeBudget, inner: httpx.AsyncBaseTransport) -> None:
+        self.budget, self.inner = budget, inner
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if not _is_chat(request):
@@ -182,15 +188,12 @@ class AsyncEpisodeTransport(httpx.AsyncBaseTransport):
         self.budget.record(response.status_code, content)
         return _answer(response, content, request)
 
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
 
 class EpisodeTransport(httpx.BaseTransport):
     """The synchronous twin of AsyncEpisodeTransport, for programs run in a thread."""
 
-    def __init__(self, budget: EpisodeBudget) -> None:
-        self.budget, self.inner = budget, httpx.HTTPTransport()
+    def __init__(self, budget: EpisodeBudget, inner: httpx.BaseTransport) -> None:
+        self.budget, self.inner = budget, inner
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         if not _is_chat(request):
@@ -207,15 +210,56 @@ class EpisodeTransport(httpx.BaseTransport):
         self.budget.record(response.status_code, content)
         return _answer(response, content, request)
 
-    def close(self) -> None:
-        self.inner.close()
+
+class SharedConnections:
+    """The connection pools episodes' clients send through: made once (a pool builds an SSL
+    context, tens of milliseconds, and keeps its connections alive between episodes) and handed
+    out in turn, CONNECTIONS_PER_POOL connections each (a pool looks through all its connections
+    for every request it sends, so one pool for hundreds of episodes would spend more time there
+    than on the request), enough of them for `concurrency` episodes at once. The asynchronous
+    pools are made on first use, in the loop that uses them."""
+
+    def __init__(self, concurrency: int) -> None:
+        self.num_pools = -(-concurrency // CONNECTIONS_PER_POOL)
+        per_pool = -(-concurrency // self.num_pools) + 2
+        self.limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
+        self._async: list[httpx.AsyncHTTPTransport] = []
+        self._sync: list[httpx.HTTPTransport] = []
+        self._turn = 0
+
+    def asynchronous(self) -> httpx.AsyncHTTPTransport:
+        return self._next(self._async, httpx.AsyncHTTPTransport)
+
+    def synchronous(self) -> httpx.HTTPTransport:
+        return self._next(self._sync, httpx.HTTPTransport)
+
+    def _next(self, pools: list, make: Callable[..., Any]) -> Any:
+        self._turn += 1
+        if len(pools) < self.num_pools:
+            pools.append(make(limits=self.limits))
+        return pools[self._turn % len(pools)]
+
+    async def aclose(self) -> None:
+        for pool in self._async:
+            await pool.aclose()
+        for pool in self._sync:
+            pool.close()
+        self._async, self._sync = [], []
 
 
 def episode_client(
-    base_url: str, api_key: str, episode_id: str, budget: EpisodeBudget, *, asynchronous: bool, timeout: float
+    base_url: str,
+    api_key: str,
+    episode_id: str,
+    budget: EpisodeBudget,
+    connections: SharedConnections,
+    *,
+    asynchronous: bool,
+    timeout: float,
 ):
     """An `openai.AsyncOpenAI` (or `openai.OpenAI`) for one episode: `base_url` (…/v1), the
-    episode's id as a default header, no retries (a retried turn would be recorded twice)."""
+    episode's id as a default header, no retries (a retried turn would be recorded twice), sending
+    through the shared `connections`."""
     import openai
 
     options = dict(
@@ -226,8 +270,9 @@ def episode_client(
         timeout=timeout,
     )
     if asynchronous:
-        http = httpx.AsyncClient(transport=AsyncEpisodeTransport(budget), timeout=timeout)
-        return openai.AsyncOpenAI(**options, http_client=http)
-    return openai.OpenAI(
-        **options, http_client=httpx.Client(transport=EpisodeTransport(budget), timeout=timeout)
-    )
+        transport = AsyncEpisodeTransport(budget, connections.asynchronous())
+        return openai.AsyncOpenAI(
+            **options, http_client=httpx.AsyncClient(transport=transport, timeout=timeout)
+        )
+    transport = EpisodeTransport(budget, connections.synchronous())
+    return openai.OpenAI(**options, http_client=httpx.Client(transport=transport, timeout=timeout))

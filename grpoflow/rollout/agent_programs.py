@@ -58,7 +58,7 @@ from grpoflow.threads import DaemonPool
 if TYPE_CHECKING:
     import httpx
 
-    from grpoflow.agents.program_client import EpisodeBudget
+    from grpoflow.agents.program_client import EpisodeBudget, SharedConnections
 
 logger = logging.getLogger("grpoflow.agents")
 
@@ -168,6 +168,8 @@ class AgentPrograms:
         self._loop = asyncio.new_event_loop()
         self.workers = DaemonPool(config.agent_concurrency, "grpoflow-agent")
         """Where a plain (synchronous) program runs (one that hangs holds its thread)."""
+        self.connections: SharedConnections | None = None
+        """The connection pools every episode's client sends through (made on first use)."""
 
     def __call__(
         self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
@@ -193,6 +195,8 @@ class AgentPrograms:
             self.hosted.stop()
             self.hosted = None
         self.workers.shutdown()
+        if self.connections is not None:
+            self._loop.run_until_complete(self.connections.aclose())
         self._loop.close()
 
     # -- where the policy is served -------------------------------------------------------------
@@ -306,14 +310,17 @@ class AgentPrograms:
     async def _run(
         self, endpoint: Endpoint, episode_id: str, budget: EpisodeBudget, row: dict[str, Any]
     ) -> Any:
-        from grpoflow.agents.program_client import episode_client
+        from grpoflow.agents.program_client import SharedConnections, episode_client
 
+        if self.connections is None:
+            self.connections = SharedConnections(self.config.agent_concurrency)
         timeout = self.config.agent_timeout
         client = episode_client(
             f"{endpoint.url}/v1",
             endpoint.api_key,
             episode_id,
             budget,
+            self.connections,
             asynchronous=self.asynchronous,
             timeout=timeout,
         )

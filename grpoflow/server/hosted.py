@@ -130,7 +130,8 @@ def host_engine(
         device=device.type if device.type in ("cpu", "cuda") else "auto",
         tool_call_parser=tool_call_parser,
         max_recorded_episodes=max_recorded_episodes,
-        trust_request_chat_template=True,  # its only clients are programs the run already runs
+        trust_request_chat_template=True,  # its only clients are programs the run already runs,
+        template_workers=0,  # so their templates render in-process, compiled once
     )
     limits = served_limits(config, model, tokenizer, max_model_len)
     service = Service(

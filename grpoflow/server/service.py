@@ -90,7 +90,7 @@ class Service:
     def __post_init__(self) -> None:
         self.pools = Pools(self.config.request_threads)
         self.templates = None
-        if self.config.trust_request_chat_template:
+        if self.config.trust_request_chat_template and self.config.template_workers > 0:
             self.templates = TemplateSandbox(
                 timeout_s=self.config.template_timeout_s,
                 max_chars=self.limits.max_prompt_chars,

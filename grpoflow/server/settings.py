@@ -76,7 +76,9 @@ class ServeConfig(EngineConfig):
     --trust-request-chat-template; it runs in a worker process that is killed past this)."""
     template_workers: int = 2
     """Processes that render chat templates sent in requests (with --trust-request-chat-template),
-    apart from the request threads: slow templates wait on these only."""
+    apart from the request threads: slow templates wait on these only. 0 renders them in the
+    request threads, compiled once and without limits: only for clients as trusted as the
+    server's own code (a training run's agent programs)."""
     template_wait_s: float = 1.0
     """Seconds a request with its own chat template waits for a free template worker before it is
     refused with a 503."""
@@ -156,7 +158,7 @@ class ServeConfig(EngineConfig):
         require(self.batch_window_ms >= 0, "--batch-window-ms", ">= 0", self.batch_window_ms)
         require(self.hold_lease_s > 0, "--hold-lease-s", "> 0 (seconds)", self.hold_lease_s)
         require(self.template_timeout_s > 0, "--template-timeout-s", "> 0 (seconds)", self.template_timeout_s)
-        require(self.template_workers >= 1, "--template-workers", ">= 1", self.template_workers)
+        require(self.template_workers >= 0, "--template-workers", ">= 0", self.template_workers)
         require(self.trim_quiet_s >= 0, "--trim-quiet-s", ">= 0 (seconds)", self.trim_quiet_s)
         require(self.template_wait_s > 0, "--template-wait-s", "> 0 (seconds)", self.template_wait_s)
         require(self.header_timeout_s > 0, "--header-timeout-s", "> 0 (seconds)", self.header_timeout_s)

@@ -77,3 +77,17 @@ def test_a_worker_renders_when_the_server_holds_over_1024_descriptors():
         sandbox.close()
         for fd in held:
             os.close(fd)
+
+
+def test_no_template_workers_render_trusted_templates_in_the_request_threads(
+    serve_live, make_service, chat_template
+):
+    live = serve_live(make_service(trust_request_chat_template=True, template_workers=0))
+    body = {"messages": MESSAGES, "chat_template": chat_template, "max_tokens": 1, "logprobs": True}
+    try:
+        assert live.service.templates is None  # no sandbox: no worker process to start
+        answer = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["prompt_tokens"] == len("u:hi\na:")
+    finally:
+        live.stop()
