@@ -13,6 +13,7 @@ import torch
 from starlette.requests import Request
 from torch import nn
 
+from grpoflow.chat.tool_calls import resolve_tool_call_format
 from grpoflow.engines.base import Completion, EngineCapabilities, RolloutEngine, SamplingParams
 from grpoflow.server.batcher import Batcher
 from grpoflow.server.episode_recorder import EpisodeRecorder
@@ -81,9 +82,13 @@ class Service:
     """The agent episodes recorded from chat requests that name one (episode_recorder.py)."""
     templates: TemplateSandbox | None = field(init=False)
     """Where chat templates sent in requests render, when the server trusts them (templates.py)."""
+    tool_call_format: str = field(init=False)
+    """The format chat answers' tool calls are read in: --tool-call-parser, or with `auto` the one
+    the tokenizer's chat template renders (grpoflow.chat.tool_calls)."""
 
     def __post_init__(self) -> None:
         self.pools = Pools(self.config.request_threads)
+        self.tool_call_format = resolve_tool_call_format(self.config.tool_call_parser, self.tokenizer)
         self.templates = None
         if self.config.trust_request_chat_template:
             self.templates = TemplateSandbox(
