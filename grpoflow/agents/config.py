@@ -35,8 +35,9 @@ class AgentConfig:
     max_turn_tokens: int | None = None
     """Most tokens the policy writes in one turn; unset: the rest of max_completion_length."""
     tool_call_parser: str = "auto"
-    """How tool calls are read from a turn: hermes (Qwen2.5/Qwen3 `<tool_call>` JSON),
-    llama3_json (Llama 3.1 JSON), or auto (either)."""
+    """How tool calls are read from a turn (vLLM's names): hermes, qwen3_coder, llama3_json,
+    deepseek_v3 (or deepseek_v31), mistral, openai (gpt-oss's harmony), or auto: the one the
+    tokenizer's chat template renders, chosen once per run and logged (grpoflow.chat.tool_calls)."""
     environment_timeout: float = 60.0
     """Seconds a tool call, `reset`, `respond` or `get_reward` may take; past it the episode ends
     with its error recorded (a tool's error is shown to the model instead)."""

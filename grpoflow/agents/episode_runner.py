@@ -19,7 +19,7 @@ from grpoflow.agents.config import AgentConfig
 from grpoflow.agents.episodes import FINISH_REASONS, Episode
 from grpoflow.agents.render import TurnRenderer
 from grpoflow.agents.tools import ToolBox, environment_tools, tool_schema
-from grpoflow.chat.tool_calls import parse_tool_calls
+from grpoflow.chat.tool_calls import parse_tool_calls, resolve_tool_call_format
 from grpoflow.data.prompts import PromptItem, encode_prompt
 from grpoflow.engines import PrefillStats, RolloutEngine, SamplingParams, prefix_cache_metrics
 from grpoflow.threads import DaemonPool
@@ -71,6 +71,7 @@ class EpisodeRunner:
         self.max_completion_length, self.system = max_completion_length, system
         self.max_prompt_length = max_prompt_length
         self.per_prompt_params = per_prompt_params
+        self.tool_call_format = resolve_tool_call_format(config.tool_call_parser, tokenizer)
         self.last_metrics: dict[str, float] = {}
         # One loop for the runner's life; asyncio.run would wait at its end for threads that overran.
         self._loop = asyncio.new_event_loop()
@@ -214,7 +215,7 @@ class EpisodeRunner:
         tools = episode.tools
         if not tools:
             return None
-        parsed = parse_tool_calls(text, self.config.tool_call_parser)
+        parsed = parse_tool_calls(text, self.tool_call_format, episode.tool_schemas)
         if not parsed.calls:
             return None
         limit = self.config.max_tool_calling_iterations

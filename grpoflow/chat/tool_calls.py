@@ -1,65 +1,64 @@
 """Tool calls read from a policy turn's text, in the formats of the common chat templates.
 
-* `hermes` (Qwen2.5, Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
-  anywhere in the text; the content is the text outside them (a Qwen3 `<think>` block stays in it).
-* `llama3_json` (Llama 3.1/3.2): the whole turn is `{"name": ..., "parameters": {...}}` (or
-  `"arguments"`), optionally after `<|python_tag|>`, several separated by `;`. Text that does not
-  start with `{` (after the tag) holds no call: Llama's built-in tools (`brave_search.call(...)`)
-  are not read.
-* `auto`: the first of hermes, llama3_json that finds calls in the text.
+Formats, by the name `tool_call_parser` takes (vLLM's names); grpoflow.chat.tool_formats has one
+module per family, each describing its format:
 
-Each format is a function `text -> ParsedResponse | None`, None when the text holds no call of that
-format. A call that cannot be read (bad JSON, no name, arguments that are not an object, an
-unclosed `<tool_call>`) is a `MalformedToolCall` whose message is shown to the model, never an
-exception. Unlike vLLM's parsers, a hermes block is closed by the first `</tool_call>` after its
-JSON value, so a `</tool_call>` inside a JSON string does not cut the call short.
+* `hermes` (Qwen2.5, Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+* `qwen3_coder` (Qwen3-Coder, Qwen3.5, Nemotron 3): `<tool_call><function=NAME><parameter=ARG>...`,
+  values typed by the tool's parameter schema.
+* `llama3_json` (Llama 3.1/3.2): the whole turn is `{"name": ..., "parameters": {...}}`.
+* `deepseek_v3` (DeepSeek V3, R1, V3.1; also `deepseek_v31`):
+  `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>...<｜tool▁call▁end｜><｜tool▁calls▁end｜>`.
+* `mistral`: `[TOOL_CALLS]` and a JSON list of calls, or `[TOOL_CALLS]NAME[ARGS]{...}`.
+* `openai` (gpt-oss's harmony): `<|channel|>commentary to=functions.NAME ...<|message|>{...}<|call|>`;
+  the final channel is the content, the analysis channel the reasoning.
+* `auto`: resolved once per run or server from the tokenizer's chat template (`resolve_tool_call_format`);
+  where the template shows no format, each turn's text picks it by its markers.
+
+A call that cannot be read is a `MalformedToolCall` whose message is shown to the model, never an
+exception.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import logging
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"
-_DECODER = json.JSONDecoder()
+from grpoflow.chat.tool_formats.base import (
+    MalformedToolCall,
+    ParsedResponse,
+    ToolCall,
+    ToolCallFormat,
+    ToolSchemas,
+    new_call_id,
+    tool_schemas,
+)
+from grpoflow.chat.tool_formats.deepseek import CALLS_BEGIN, parse_deepseek
+from grpoflow.chat.tool_formats.harmony import CHANNEL, parse_harmony
+from grpoflow.chat.tool_formats.json_calls import HERMES_OPEN, PYTHON_TAG, parse_hermes, parse_llama3_json
+from grpoflow.chat.tool_formats.mistral import TOOL_CALLS, parse_mistral
+from grpoflow.chat.tool_formats.qwen3_coder import FUNCTION, holds_xml_call, parse_qwen3_coder
 
+__all__ = [
+    "TOOL_CALL_FORMATS",
+    "MalformedToolCall",
+    "ParsedResponse",
+    "ToolCall",
+    "ToolCallFormat",
+    "check_tool_call_format",
+    "format_of_template",
+    "new_call_id",
+    "parse_tool_calls",
+    "register_tool_call_format",
+    "resolve_tool_call_format",
+]
 
-def new_call_id() -> str:
-    """An id in OpenAI's style for a call the model did not name: `call_` and 24 hex digits."""
-    return f"call_{uuid.uuid4().hex[:24]}"
+logger = logging.getLogger("grpoflow.chat")
 
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-    id: str = field(default_factory=new_call_id)
-    """The id an OpenAI-format `tool_calls` entry carries, and a `tool` message answers."""
-
-
-@dataclass(frozen=True, slots=True)
-class MalformedToolCall:
-    text: str
-    """The raw text of the call."""
-    message: str
-    """What is wrong, phrased for the model."""
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedResponse:
-    content: str
-    """The text outside the calls."""
-    calls: list[ToolCall | MalformedToolCall]
-
-
-ToolCallFormat = Callable[[str], ParsedResponse | None]
 TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {}
-"""Parsers by the name `tool_call_parser` takes; each returns None for text without its calls."""
+"""Parsers by the name `tool_call_parser` takes: `(text, schemas) -> ParsedResponse | None`, None
+for text without their calls (grpoflow.chat.tool_formats.base)."""
 
 
 def register_tool_call_format(name: str) -> Callable[[ToolCallFormat], ToolCallFormat]:
@@ -72,10 +71,13 @@ def register_tool_call_format(name: str) -> Callable[[ToolCallFormat], ToolCallF
     return register
 
 
-def parse_tool_calls(text: str, format: str = "auto") -> ParsedResponse:
-    """The calls in `text` under `format` (a key of TOOL_CALL_FORMATS); none: the text as content."""
+def parse_tool_calls(
+    text: str, format: str = "auto", tools: Iterable[Mapping[str, Any]] | None = None
+) -> ParsedResponse:
+    """The calls in `text` under `format` (a key of TOOL_CALL_FORMATS); none: the text as content.
+    `tools` (OpenAI-style tool schemas) types the arguments of formats that write them as text."""
     check_tool_call_format(format)
-    parsed = TOOL_CALL_FORMATS[format](text)
+    parsed = TOOL_CALL_FORMATS[format](text, tool_schemas(tools))
     return parsed if parsed is not None else ParsedResponse(text, [])
 
 
@@ -85,99 +87,71 @@ def check_tool_call_format(format: str) -> None:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, got {format!r}")
 
 
-@register_tool_call_format("hermes")
-def parse_hermes(text: str) -> ParsedResponse | None:
-    if HERMES_OPEN not in text:
-        return None
-    outside: list[str] = []
-    calls: list[ToolCall | MalformedToolCall] = []
-    position = 0
-    while (start := text.find(HERMES_OPEN, position)) != -1:
-        outside.append(text[position:start])
-        body_start = start + len(HERMES_OPEN)
-        body_end = _hermes_body_end(text, body_start)
-        if body_end is None:
-            message = f"the tool call is not closed with {HERMES_CLOSE}; {_expected('arguments')}"
-            calls.append(MalformedToolCall(text[start:], message))
-            position = len(text)
-            break
-        calls.append(_call_from_json(text[body_start:body_end].strip(), "arguments"))
-        position = body_end + len(HERMES_CLOSE)
-    outside.append(text[position:])
-    return ParsedResponse("".join(outside).strip(), calls)
+def parse_auto(text: str, schemas: ToolSchemas) -> ParsedResponse | None:
+    """The format whose markers the text holds: harmony, DeepSeek, Mistral, Qwen3-Coder's XML,
+    hermes, else llama3_json."""
+    if CHANNEL in text:
+        return parse_harmony(text, schemas)
+    if CALLS_BEGIN in text:
+        return parse_deepseek(text, schemas)
+    if TOOL_CALLS in text:
+        return parse_mistral(text, schemas)
+    if holds_xml_call(text):
+        return parse_qwen3_coder(text, schemas)
+    return parse_hermes(text, schemas) or parse_llama3_json(text, schemas)
 
 
-@register_tool_call_format("llama3_json")
-def parse_llama3_json(text: str) -> ParsedResponse | None:
-    body = text.strip().removeprefix(PYTHON_TAG).strip()
-    if not body.startswith("{"):
-        return None
-    return ParsedResponse("", [_call_from_json(part, "parameters") for part in _split_top_level(body)])
+for _name, _parser in {
+    "hermes": parse_hermes,
+    "qwen3_coder": parse_qwen3_coder,
+    "llama3_json": parse_llama3_json,
+    "deepseek_v3": parse_deepseek,
+    "deepseek_v31": parse_deepseek,
+    "mistral": parse_mistral,
+    "openai": parse_harmony,
+    "auto": parse_auto,
+}.items():
+    register_tool_call_format(_name)(_parser)
+
+TEMPLATE_MARKERS: tuple[tuple[str, str], ...] = (
+    (CHANNEL, "openai"),
+    (CALLS_BEGIN, "deepseek_v3"),
+    (TOOL_CALLS, "mistral"),
+    (FUNCTION, "qwen3_coder"),
+    ("<arg_key>", "auto"),
+    (HERMES_OPEN, "hermes"),
+    (PYTHON_TAG, "llama3_json"),
+    ('"parameters": dictionary', "llama3_json"),
+)
+"""What in a chat template shows its tool-call format, first match wins: Qwen3-Coder's templates
+also hold `<tool_call>`, and so do GLM-4.5's (`<tool_call>NAME<arg_key>...`), a format none here
+reads."""
 
 
-@register_tool_call_format("auto")
-def parse_auto(text: str) -> ParsedResponse | None:
-    return parse_hermes(text) or parse_llama3_json(text)
+def format_of_template(template: str | Mapping[str, str] | None) -> str:
+    """The tool-call format a chat template renders (a name of TOOL_CALL_FORMATS); `auto` when it
+    shows none of TEMPLATE_MARKERS. A mapping of named templates is read whole."""
+    if isinstance(template, Mapping):
+        template = "\n".join(str(value) for value in template.values())
+    for marker, format in TEMPLATE_MARKERS:
+        if template and marker in template:
+            return format
+    return "auto"
 
 
-def _hermes_body_end(text: str, body_start: int) -> int | None:
-    """Where the `</tool_call>` closing the block opened before `body_start` begins: the first one
-    after a JSON value that starts the block, else the first one at all; None when unclosed."""
-    value_start = body_start + len(text[body_start:]) - len(text[body_start:].lstrip())
-    with contextlib.suppress(json.JSONDecodeError):
-        _, value_end = _DECODER.raw_decode(text, value_start)
-        after = value_end + len(text[value_end:]) - len(text[value_end:].lstrip())
-        if text.startswith(HERMES_CLOSE, after):
-            return after
-    end = text.find(HERMES_CLOSE, body_start)
-    return None if end == -1 else end
-
-
-def _expected(arguments_key: str) -> str:
-    return f'write {{"name": "<tool>", "{arguments_key}": {{...}}}}'
-
-
-def _call_from_json(body: str, arguments_key: str) -> ToolCall | MalformedToolCall:
-    """The call a JSON object `{"name", "arguments" | "parameters"}` makes; missing arguments: {}."""
-    try:
-        payload = json.loads(body)
-    except json.JSONDecodeError as error:
-        return MalformedToolCall(
-            body, f"the tool call is not valid JSON ({error.msg}); {_expected(arguments_key)}"
+def resolve_tool_call_format(format: str, tokenizer: Any) -> str:
+    """The format to read a run's (or a server's) turns with: `format` itself unless it is `auto`,
+    else the one the tokenizer's chat template renders; the choice is logged."""
+    check_tool_call_format(format)
+    if format != "auto":
+        return format
+    chosen = format_of_template(getattr(tokenizer, "chat_template", None))
+    if chosen == "auto":
+        logger.info(
+            "tool_call_parser auto: the chat template shows no known tool-call format; each turn's "
+            "text picks it by its markers (set tool_call_parser to one of %s to fix it)",
+            ", ".join(name for name in TOOL_CALL_FORMATS if name != "auto"),
         )
-    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str) or not payload["name"]:
-        return MalformedToolCall(body, f"the tool call names no tool; {_expected(arguments_key)}")
-    arguments = payload.get("arguments", payload.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        with contextlib.suppress(json.JSONDecodeError):
-            arguments = json.loads(arguments)
-    if not isinstance(arguments, dict):
-        return MalformedToolCall(
-            body, f"the arguments of {payload['name']!r} are not a JSON object; {_expected(arguments_key)}"
-        )
-    return ToolCall(payload["name"], arguments)
-
-
-def _split_top_level(body: str) -> list[str]:
-    """`{...}; {...}` split at the semicolons outside JSON strings and brackets."""
-    parts, depth, start, in_string, escaped = [], 0, 0, False, False
-    for index, char in enumerate(body):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-            continue
-        if char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-        elif char == ";" and depth == 0:
-            parts.append(body[start:index].strip())
-            start = index + 1
-    parts.append(body[start:].strip())
-    return [part for part in parts if part]
+    else:
+        logger.info("tool_call_parser auto: %s, from the chat template", chosen)
+    return chosen

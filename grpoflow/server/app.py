@@ -210,7 +210,7 @@ async def server_info(request: Request) -> dict:
                 "max_episode_bytes": config.max_episode_bytes,
                 "num_dropped": service.episodes.num_dropped,
             },
-            "tool_call_parser": config.tool_call_parser,
+            "tool_call_parser": service.tool_call_format,
         },
     }
 
@@ -263,7 +263,7 @@ async def chat_completions(request: Request) -> dict:
         prompt,
         group,
         service.tokenizer,
-        service.config.tool_call_parser,
+        service.tool_call_format,
     )
     if turn is not None:
         await episode_routes.record_turn(request, turn, prompt, group[0], response)

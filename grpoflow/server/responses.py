@@ -71,7 +71,7 @@ def chat_response(
     choices = []
     for index, completion in enumerate(group):
         text = _text(completion, tokenizer, request.skip_special_tokens)
-        message = assistant_message(text, tool_call_parser if request.offers_tools else None)
+        message = assistant_message(text, tool_call_parser if request.offers_tools else None, request.tools)
         choice = {
             "index": index,
             "message": message,
@@ -97,12 +97,13 @@ def chat_response(
     return response
 
 
-def assistant_message(text: str, tool_call_parser: str | None) -> dict:
+def assistant_message(text: str, tool_call_parser: str | None, tools: list[dict] | None = None) -> dict:
     """The assistant message answering with `text`: with a parser, the calls in it as OpenAI
-    `tool_calls` and the text outside them as content (None when empty); without one, or when a
-    call is malformed, the whole text as content."""
+    `tool_calls` (arguments typed by `tools`' schemas where the format needs it) and the text
+    outside them as content (None when empty); without one, or when a call is malformed, the whole
+    text as content."""
     if tool_call_parser is not None:
-        parsed = parse_tool_calls(text, tool_call_parser)
+        parsed = parse_tool_calls(text, tool_call_parser, tools)
         if parsed.calls and all(isinstance(call, ToolCall) for call in parsed.calls):
             calls = [openai_tool_call(call) for call in parsed.calls]
             return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}

@@ -13,6 +13,7 @@ import torch
 from starlette.requests import Request
 from torch import nn
 
+from grpoflow.chat.tool_calls import resolve_tool_call_format
 from grpoflow.engines.base import Completion, EngineCapabilities, RolloutEngine, SamplingParams
 from grpoflow.server.batcher import Batcher
 from grpoflow.server.episode_recorder import EpisodeRecorder
@@ -86,9 +87,13 @@ class Service:
     """Request bodies read that were too large to parse on the event loop (refused ones included)."""
     trimmer: QuietTrimmer | None = field(default=None)
     """Gives the heap's free memory back once the server is quiet after work (memory.py)."""
+    tool_call_format: str = field(init=False)
+    """The format chat answers' tool calls are read in: --tool-call-parser, or with `auto` the one
+    the tokenizer's chat template renders (grpoflow.chat.tool_calls)."""
 
     def __post_init__(self) -> None:
         self.pools = Pools(self.config.request_threads)
+        self.tool_call_format = resolve_tool_call_format(self.config.tool_call_parser, self.tokenizer)
         self.templates = None
         if self.config.trust_request_chat_template and self.config.template_workers > 0:
             self.templates = TemplateSandbox(

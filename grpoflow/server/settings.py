@@ -65,8 +65,9 @@ class ServeConfig(EngineConfig):
     trust_remote_code: bool = False
     """Allow model code from the hub."""
     tool_call_parser: str = "auto"
-    """How chat completions offered `tools` read tool calls from the text: hermes (Qwen2.5/Qwen3
-    `<tool_call>` JSON), llama3_json (Llama 3.1/3.2 JSON), or auto (either)."""
+    """How chat completions offered `tools` read tool calls from the text (vLLM's names): hermes,
+    qwen3_coder, llama3_json, deepseek_v3 (or deepseek_v31), mistral, openai (gpt-oss's harmony),
+    or auto: the one the tokenizer's chat template renders, chosen once at start and logged."""
     trust_request_chat_template: bool = False
     """Render a `chat_template` sent in a request (Jinja from the client runs on the server, and a
     hostile template can hold a worker thread for as long as it likes); refused by default, as vLLM

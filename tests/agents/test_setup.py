@@ -82,7 +82,7 @@ def test_an_unknown_tool_call_parser_is_named_with_the_known_ones():
     from grpoflow.agents.config import AgentConfig
 
     with pytest.raises(ValueError, match="tool_call_parser must be one of .*hermes"):
-        AgentConfig(tool_call_parser="mistral")
+        AgentConfig(tool_call_parser="mistral_v9")
 
 
 def test_a_mapping_of_environments_gives_one_reward_per_class_each_scoring_only_its_own():

@@ -188,7 +188,7 @@ def test_a_stray_close_tag_stays_in_the_content():
 
 def test_a_registered_format_is_used_by_name():
     @register_tool_call_format("test_upper")
-    def upper(text):
+    def upper(text, schemas):
         return ParsedResponse("", [ToolCall(text.upper(), {})]) if text else None
 
     try:
@@ -199,5 +199,6 @@ def test_a_registered_format_is_used_by_name():
 
 
 def test_an_unknown_format_is_named():
-    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json, auto"):
-        parse_tool_calls("x", "mistral")
+    message = "tool_call_parser must be one of hermes, qwen3_coder, llama3_json, deepseek_v3, deepseek_v31, mistral, openai, auto"
+    with pytest.raises(ValueError, match=message):
+        parse_tool_calls("x", "mistral_v9")

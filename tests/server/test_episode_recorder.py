@@ -215,7 +215,7 @@ def test_past_max_recorded_episodes_the_least_recently_recorded_is_dropped(url, 
 @pytest.mark.parametrize(
     ("flags", "words"),
     [
-        (["--tool-call-parser", "mistral"], "--tool-call-parser must be one of hermes, llama3_json, auto"),
+        (["--tool-call-parser", "mistral_v9"], "--tool-call-parser must be one of hermes, qwen3_coder, "),
         (["--max-recorded-episodes", "0"], "--max-recorded-episodes must be >= 1"),
     ],
 )
