@@ -129,8 +129,8 @@ def recipe_parser(prog: str, description: str, epilog: str) -> argparse.Argument
 def train(argv: list[str]) -> int:
     epilog = embedded_note() + "\n\nOptions (YAML keys or --key value):" + describe_options()
     known, rest = recipe_parser("grpoflow train", TRAIN_HELP, epilog).parse_known_args(argv)
+    from grpoflow.api.trainer import GRPOTrainer
     from grpoflow.run import torchrun
-    from grpoflow.run.build import build_trainer, run
     from grpoflow.run.failures import RunStopped
 
     recipe, overrides = None, {}
@@ -142,23 +142,23 @@ def train(argv: list[str]) -> int:
             return torchrun.launch(argv, os.environ)
         if os.environ.get("RANK", "0") != "0":  # rank 0 speaks for the run
             logging.getLogger().setLevel(logging.WARNING)
-        trainer = build_trainer(config)
+        trainer = GRPOTrainer.from_run_config(config)
+        loop = trainer.build()
     except ValueError as error:
         print(f"grpoflow train: {error}{recipe_note(str(error), recipe, overrides)}", file=sys.stderr)
         return 2
     try:
-        history = run(config, trainer)
+        trainer.train()
     except KeyboardInterrupt:
-        print(
-            f"grpoflow train: {interrupted(trainer.step_count, config.training.output_dir)}", file=sys.stderr
-        )
+        print(f"grpoflow train: {interrupted(loop.step_count, config.training.output_dir)}", file=sys.stderr)
         return 130
     except RunStopped as stopped:
         print(f"grpoflow train: {stopped}", file=sys.stderr)
         return 1
     finally:
-        trainer.distributed.close()
-    if history and trainer.distributed.is_main:
+        loop.distributed.close()
+    history = trainer.run_history
+    if history and loop.distributed.is_main:
         first, last = history[0].get("reward"), history[-1].get("reward")
         errors = int(sum(step.get("rewards/num_errors", 0) for step in history))
         failures = f", {errors} reward errors (logged as warnings)" if errors else ""

@@ -22,6 +22,7 @@ from grpoflow import options
 from grpoflow.options.loader import coerce
 from grpoflow.run.config import KEY_ALIASES
 from grpoflow.run.config import GRPOConfig as RunConfig
+from grpoflow.run.evaluation import EvalConfig
 
 logger = logging.getLogger("grpoflow.api")
 
@@ -70,6 +71,20 @@ def _logging_strategy(value: Any) -> dict[str, Any]:
     return {}
 
 
+def _metric_for_best_model(value: Any) -> dict[str, Any]:
+    """TrainingArguments' name of an eval metric (`eval_reward`, `reward`) as grpoflow's option."""
+    return {"metric_for_best_model": None if value is None else str(value).removeprefix("eval_")}
+
+
+def _load_best_model_at_end(value: Any) -> dict[str, Any]:
+    if coerce("load_best_model_at_end", value, bool):
+        logger.warning(
+            "load_best_model_at_end: the best checkpoint is kept as output_dir/checkpoint-best "
+            "(metric_for_best_model); the trainer's model after train() is the last step's"
+        )
+    return {}
+
+
 def _push_to_hub(value: Any) -> dict[str, Any]:
     if coerce("push_to_hub", value, bool):
         raise ValueError(
@@ -85,9 +100,13 @@ TRANSLATED: dict[str, Callable[[Any], dict[str, Any]]] = {
     "use_cpu": _use_cpu,
     "logging_strategy": _logging_strategy,
     "push_to_hub": _push_to_hub,
+    "metric_for_best_model": _metric_for_best_model,
+    "load_best_model_at_end": _load_best_model_at_end,
 }
 """TrainingArguments fields said in other words in grpoflow, each to the options it sets. `bf16`
-and `fp16` keep the parameters themselves in that dtype (no float32 master copy under autocast)."""
+and `fp16` keep the parameters themselves in that dtype (no float32 master copy under autocast);
+`metric_for_best_model` takes TrainingArguments' names (`eval_reward`) and grpoflow's (`reward`,
+`eval/reward`) alike."""
 
 
 def _takes_none(hint: Any) -> bool:
@@ -98,7 +117,9 @@ class GRPOConfig:
     """A run's settings by TRL's GRPOConfig names, refused by name where grpoflow has no such field.
 
     `to_run_config` builds the run's config tree, the one a YAML recipe builds; reading an
-    attribute gives the value set, or grpoflow's default.
+    attribute gives the value set, or grpoflow's default; the fields transformers' callbacks read
+    (`metric_for_best_model`, `greater_is_better`, `load_best_model_at_end`) read as
+    TrainingArguments gives them.
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -125,6 +146,34 @@ class GRPOConfig:
                 )
         self._given = dict(kwargs)
         self._values = values
+
+    @classmethod
+    def from_run_config(cls, config: RunConfig) -> GRPOConfig:
+        """The settings of a run's config tree (a recipe's), taken as they are."""
+        args = cls()
+        args._values = config.to_flat_dict()
+        return args
+
+    @property
+    def metric_for_best_model(self) -> str | None:
+        """The eval metric whose best value's checkpoint is kept, by its logged name (`eval_reward`)."""
+        metric = self._values.get("metric_for_best_model")
+        return None if metric is None else f"eval_{metric.removeprefix('eval/')}"
+
+    @property
+    def greater_is_better(self) -> bool | None:
+        """Whether a larger metric_for_best_model is better: as set, else as TrainingArguments
+        decides it (yes, unless the metric is a loss or a length); None without a metric."""
+        metric = self._values.get("metric_for_best_model")
+        if metric is None:
+            return self._values.get("greater_is_better")
+        return EvalConfig(
+            metric_for_best_model=metric, greater_is_better=self._values.get("greater_is_better")
+        ).best_is_greater()
+
+    @property
+    def load_best_model_at_end(self) -> bool:
+        return coerce("load_best_model_at_end", self._given.get("load_best_model_at_end", False), bool)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):

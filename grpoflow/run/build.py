@@ -15,6 +15,7 @@ import torch
 
 from grpoflow.agents.setup import load_environment_factory
 from grpoflow.algo import check_packed_attention
+from grpoflow.data.prompts import PromptItem
 from grpoflow.distributed import DistributedContext, init_distributed
 from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
 from grpoflow.engines.colocate import ColocateLayout
@@ -90,8 +91,9 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         vocab_size=vocab_size,
     )
     total_steps = config.total_steps(len(items), distributed.world_size)
+    steps_per_epoch = config.steps_per_epoch(len(items), distributed.world_size) if items else None
     trainer = GRPOTrainer(
-        config.loop_settings(total_steps),
+        config.loop_settings(total_steps, steps_per_epoch),
         source=source,
         advantages=config.algorithm.step_advantages(
             source.reward_weights, config.generation.num_generations, distributed
@@ -160,19 +162,17 @@ def build_evaluator(
     distributed: DistributedContext,
 ) -> Evaluator | None:
     """The evaluator of the eval section, sampling like the run through its rollout; None when
-    the run does not evaluate."""
-    if not config.eval.during_training:
-        if config.eval.eval_dataset:
-            logger.warning(
-                "eval_dataset is set but eval_strategy is 'no' and eval_on_start false: the run will "
-                "not evaluate (set eval_strategy: steps, or use `grpoflow eval`)"
-            )
+    there is no eval_dataset. It evaluates during training as eval_strategy and eval_on_start say,
+    and whenever the Python API's `evaluate` asks."""
+    if not config.eval.eval_dataset:
         return None
+    if not config.eval.during_training:
+        logger.warning(
+            "eval_dataset is set but eval_strategy is 'no' and eval_on_start false: the run will not "
+            "evaluate during training (set eval_strategy: steps, or use `grpoflow eval`)"
+        )
     assert rewards is not None, "a run that evaluates has rewards (atropos_url refuses eval_dataset)"
-    data = dataclasses.replace(
-        config.data, dataset=config.eval.eval_dataset, dataset_split=config.eval.eval_split
-    )
-    items = data.load_prompts(tokenizer, seed=config.training.seed)
+    items = eval_prompts(config, tokenizer)
     logger.info("evaluating on %d prompts of %s", len(items), ", ".join(config.eval.eval_dataset))
     return Evaluator(
         config.eval,
@@ -184,6 +184,15 @@ def build_evaluator(
         per_prompt_seeds=engine.capabilities.per_prompt_params,
         batch_size=config.generation_batch_size,
     )
+
+
+def eval_prompts(config: GRPOConfig, tokenizer, datasets: list[str] | None = None) -> list[PromptItem]:
+    """The prompts of `datasets` (default: eval_dataset) in eval_split, read as the run reads its
+    training prompts."""
+    data = dataclasses.replace(
+        config.data, dataset=datasets or config.eval.eval_dataset, dataset_split=config.eval.eval_split
+    )
+    return data.load_prompts(tokenizer, seed=config.training.seed)
 
 
 def run_cleanups(rollout: Rollout, workers: RolloutServers | None) -> list[Callable[[], None]]:

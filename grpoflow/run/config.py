@@ -200,10 +200,12 @@ class GRPOConfig:
             group_by_length=self.groups_by_length(),
         )
 
-    def loop_settings(self, total_steps: int) -> LoopSettings:
-        """What the training loop reads, for a run of `total_steps`."""
+    def loop_settings(self, total_steps: int, steps_per_epoch: float | None = None) -> LoopSettings:
+        """What the training loop reads, for a run of `total_steps` (`steps_per_epoch`: the steps
+        that take every prompt once; None when the prompts come from a service)."""
         return LoopSettings(
             total_steps=total_steps,
+            steps_per_epoch=steps_per_epoch,
             logging_steps=self.log.logging_steps,
             log_completions=self.log.log_completions,
             mask_truncated_completions=self.algorithm.mask_truncated_completions,
@@ -226,8 +228,13 @@ class GRPOConfig:
         (world_size times a rank's) for num_train_epochs."""
         if self.training.max_steps > 0:
             return self.training.max_steps
-        per_step = world_size * self.generation_batch_size // self.generation.num_generations
-        return max(1, math.ceil(self.training.num_train_epochs * num_prompts / per_step))
+        return max(
+            1, math.ceil(self.training.num_train_epochs * self.steps_per_epoch(num_prompts, world_size))
+        )
+
+    def steps_per_epoch(self, num_prompts: int, world_size: int = 1) -> float:
+        """Steps over `world_size` ranks that take each of `num_prompts` prompts once."""
+        return num_prompts / (world_size * self.generation_batch_size // self.generation.num_generations)
 
     def validate(self) -> None:
         """The rules that span sections."""

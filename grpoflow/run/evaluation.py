@@ -11,6 +11,7 @@ the `accuracy` reward has), and is left out for rewards that extract none.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -193,6 +194,14 @@ class Evaluator:
             )
         function = dict(zip(rewards.names, rewards.funcs))[self.pass_reward]
         self.extract_answer = getattr(function, "extract_answer", None)
+
+    def on(self, items: Sequence[PromptItem]) -> Evaluator:
+        """This evaluator (its rollout, rewards and sampling) on other prompts."""
+        other = copy.copy(self)
+        rank, world_size = self.distributed.rank, self.distributed.world_size
+        other.items = list(items)[rank::world_size]
+        other.indices = list(range(len(items)))[rank::world_size]
+        return other
 
     def __call__(self, engine: RolloutEngine) -> EvalResult:
         """Sample every eval prompt, score, and reduce to `eval/...` metrics over all ranks."""

@@ -43,6 +43,9 @@ class LogConfig:
 class StepListener(Protocol):
     """Code of the user's that follows the run's steps (the Python API's callbacks)."""
 
+    def begins(self, step: int) -> None:
+        """Step `step` starts."""
+
     def logged(self, step: int, metrics: dict[str, float]) -> None:
         """Step `step`'s metrics were written to the sinks."""
 
@@ -120,6 +123,11 @@ class MetricsLogger:
             self.wandb.log(clean, step=step)
         if self.listener is not None:
             self.listener.logged(step, metrics)
+
+    def begin(self, step: int) -> None:
+        """Step `step` starts: tell the listener."""
+        if self.listener is not None:
+            self.listener.begins(step)
 
     def advance(self, step: int, metrics: dict[str, float]) -> None:
         """Move the progress bar to `step`, showing the latest reward; tell the listener."""

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from grpoflow.algo import overlong_mask
+from grpoflow.data.prompts import PromptItem
 from grpoflow.distributed import DistributedContext
 from grpoflow.engines import NonFiniteLogits, RolloutEngine
 from grpoflow.learn.learner import Learner
@@ -63,6 +64,8 @@ class LoopSettings:
     """What the loop itself reads of the run's config (`GRPOConfig.loop_settings`)."""
 
     total_steps: int
+    steps_per_epoch: float | None
+    """Steps that take every training prompt once (None: the prompts come from a service)."""
     logging_steps: int
     """Steps between metric lines (`logging_steps`)."""
     log_completions: bool
@@ -163,6 +166,8 @@ class GRPOTrainer:
     ) -> None:
         log_seconds = 0.0
         while self.step_count < self.total_steps:
+            if metrics_logger is not None:
+                metrics_logger.begin(self.step_count + 1)
             timer = PhaseTimer()
             timer.add("log", log_seconds)
             with timer.active(), timer.measure():
@@ -316,13 +321,15 @@ class GRPOTrainer:
             stop = RunStopped(reward_failure_message(failing, streaks.limit, self.step_count, saved, errors))
         return evaluated, stop
 
-    def evaluate(self) -> dict[str, float]:
-        """Evaluate the current policy on the eval prompts (`eval/...` metrics, global)."""
+    def evaluate(self, items: Sequence[PromptItem] | None = None) -> dict[str, float]:
+        """Evaluate the current policy on the eval prompts, or on `items` (`eval/...` metrics,
+        global)."""
         if self.evaluator is None:
             raise ValueError("this run has no eval_dataset to evaluate on")
+        evaluator = self.evaluator if items is None else self.evaluator.on(items)
         self.source.settle()  # the engine is free once the groups made ahead are done
         with engine_awake(self.engine, self.placement):
-            result = self.evaluator(self.engine)
+            result = evaluator(self.engine)
         return result.metrics
 
     def _health_stop(self, findings: list[Finding], saved: Path | None = None) -> RunStopped | None:
