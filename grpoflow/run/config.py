@@ -260,7 +260,8 @@ class GRPOConfig:
             "set (or reward_model, an environment_factory whose environment has get_reward, or an "
             "agent_program)",
             [],
-            "a run needs a reward: set reward_funcs (e.g. accuracy format) or reward_model",
+            "a run needs a reward: set reward_funcs (e.g. accuracy format; reasoning_gym for a "
+            "reasoning_gym: dataset) or reward_model",
         )
         g, batch = self.generation.num_generations, self.generation_batch_size
         require(
