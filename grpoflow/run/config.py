@@ -242,6 +242,8 @@ class GRPOConfig:
         if self.atropos.enabled:
             self._validate_atropos()
             return
+        if self.agent.environment is not None and not self.data.dataset:
+            self.data.dataset = [self.agent.environment]  # a library environment brings its tasks
         require(
             bool(self.data.dataset),
             "dataset",
@@ -254,6 +256,7 @@ class GRPOConfig:
                 self.rewards.reward_funcs
                 or self.rewards.reward_model
                 or self.agent.environment_factory
+                or self.agent.environment
                 or self.agent.agent_program
             ),
             "reward_funcs",

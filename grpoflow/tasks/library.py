@@ -24,6 +24,9 @@ class LibrarySpec:
     name: str
     args: dict[str, Any] = field(default_factory=dict)
 
+    def __hash__(self) -> int:
+        return hash(self.text)
+
     @property
     def text(self) -> str:
         """The spec as written in a config (arguments in their given order)."""
