@@ -26,8 +26,9 @@ class AgentConfig:
     column pick its class."""
     environment: str | None = None
     """Another library's environment by name, played like an environment_factory class and
-    scored by its own rewards: `verifiers:TASKSET_ID` (grpoflow.tasks.verifiers_env), arguments
-    as `?key=value&key=value`. Its tasks are the run's prompts when `dataset` is unset."""
+    scored by its own rewards: `verifiers:TASKSET_ID` (grpoflow.tasks.verifiers_env),
+    `openenv:pkg.module:Environment` (grpoflow.tasks.openenv_env), arguments as
+    `?key=value&key=value`. Its rows are the run's prompts when `dataset` is unset."""
     rollout_func: str | None = None
     """A function as an import path that plays a step's rollouts itself (TRL's `rollout_func`):
     `fn(prompts, trainer)` returns a dict of `prompt_ids`, `completion_ids`, `logprobs`, optionally

@@ -1,13 +1,14 @@
 """Tasks shipped inside the package, loadable by name with no network: `--dataset echo`,
 `--dataset gsm8k`, `--dataset relay` (multi-turn, with `grpoflow.tasks.relay:RelayEnvironment`);
 and tasks and environments of other libraries named `LIBRARY:NAME`
-(`reasoning_gym:basic_arithmetic`, `verifiers:TASKSET_ID`, grpoflow.tasks.library)."""
+(`reasoning_gym:basic_arithmetic`, `verifiers:TASKSET_ID`, `openenv:pkg.module:Environment`,
+grpoflow.tasks.library)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from grpoflow.tasks import echo, gsm8k, reasoning_gym_tasks, relay, verifiers_env
+from grpoflow.tasks import echo, gsm8k, openenv_env, reasoning_gym_tasks, relay, verifiers_env
 from grpoflow.tasks.library import LibrarySpec, parse_spec
 
 TASKS: dict[str, Callable[[str], list[dict]]] = {
@@ -20,11 +21,13 @@ TASKS: dict[str, Callable[[str], list[dict]]] = {
 LIBRARIES: dict[str, Callable[[LibrarySpec, str, int], list[dict]]] = {
     reasoning_gym_tasks.LIBRARY: reasoning_gym_tasks.load_rows,
     verifiers_env.LIBRARY: verifiers_env.load_rows,
+    openenv_env.LIBRARY: openenv_env.load_rows,
 }
 """Library name -> function(spec, split, seed) returning the rows a spec names."""
 
 ENVIRONMENTS: dict[str, Callable[[LibrarySpec], type]] = {
     verifiers_env.LIBRARY: verifiers_env.environment_class,
+    openenv_env.LIBRARY: openenv_env.environment_class,
 }
 """Library name -> function(spec) returning the episode class of the environment a spec names."""
 
