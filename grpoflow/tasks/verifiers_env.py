@@ -33,9 +33,10 @@ MAX_TASKS = 100_000
 
 
 @functools.cache
-def load(spec: LibrarySpec) -> tuple[Any, list[Any]]:
-    """The environment a spec names and its tasks, loaded once per process."""
+def load(spec: LibrarySpec) -> tuple[Any, list[Any], str]:
+    """The environment a spec names, its tasks and its agent seat, loaded once per process."""
     vf = import_library("verifiers.v1", "verifiers", f"environment {spec.text!r}")
+    agent_configs = import_library("verifiers.v1.configs.agent", "verifiers", f"environment {spec.text!r}")
     try:
         config = vf.resolve_env_config({"taskset": {"id": spec.name, **spec.args}})
         env = vf.load_environment(config)
@@ -44,7 +45,7 @@ def load(spec: LibrarySpec) -> tuple[Any, list[Any]]:
         raise ValueError(
             f"environment {spec.text!r}: verifiers could not load it: {_one_line(error)}"
         ) from None
-    seats = list(env._agent_specs)
+    seats = list(agent_configs.agent_config_fields(env.config))
     if len(seats) != 1:
         raise ValueError(
             f"environment {spec.text!r} has the agent seats {', '.join(seats)}; grpoflow trains an "
@@ -52,12 +53,12 @@ def load(spec: LibrarySpec) -> tuple[Any, list[Any]]:
         )
     if not tasks:
         raise ValueError(f"environment {spec.text!r}: its taskset gave no tasks")
-    return env, tasks
+    return env, tasks, seats[0]
 
 
 def load_rows(spec: LibrarySpec, split: str, seed: int) -> list[dict]:
     """One row per task: its prompt (with its system prompt) and its place in the taskset."""
-    _, tasks = load(spec)
+    _, tasks, _ = load(spec)
     rows = []
     for index, task in enumerate(tasks):
         data = task.data
@@ -90,12 +91,12 @@ class VerifiersEnvironment:
     spec: LibrarySpec
 
     async def reset(self, verifiers_task: int, prompt: Any = None, **row: Any) -> str | None:
-        env, tasks = load(self.spec)
+        env, tasks, seat = load(self.spec)
         vf = import_library("verifiers.v1", "verifiers", f"environment {self.spec.text!r}")
         self.task = tasks[verifiers_task]
         self.messages: list[dict] = []
         self.seat = PolicySeat(vf.Segment, vf.AssistantMessage)
-        agents = PolicyAgents(next(iter(env._agent_specs)), PolicyAgent(self.seat))
+        agents = PolicyAgents(seat, PolicyAgent(self.seat))
         self.driver = on_seat_loop(self.seat.drive(env, self.task, agents))
         opening = await asyncio.wrap_future(on_seat_loop(self.seat.next_message()))
         if opening is END:

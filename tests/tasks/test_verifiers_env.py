@@ -72,6 +72,7 @@ def test_an_episode_a_limit_ends_is_scored_and_its_run_wound_down():
     [
         ("verifiers:vf-nowhere", "verifiers could not load it: taskset 'vf-nowhere' not found"),
         ("verifiers:vf-letters?colour=red", "verifiers could not load it: .*colour"),
+        ("verifiers:vf-pair", "has the agent seats first, second; grpoflow trains an environment with one"),
         ("gym:thing", "names no library's environment: write verifiers:NAME"),
     ],
 )
