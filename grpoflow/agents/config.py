@@ -24,6 +24,11 @@ class AgentConfig:
     that calls no tool (TRL's `environment_factory`, plus `respond`). A mapping of names to
     import paths (`a=pkg:A,b=file.py:B` on the command line) lets each row's `environment`
     column pick its class."""
+    environment: str | None = None
+    """Another library's environment by name, played like an environment_factory class and
+    scored by its own rewards: `verifiers:TASKSET_ID` (grpoflow.tasks.verifiers_env),
+    `openenv:pkg.module:Environment` (grpoflow.tasks.openenv_env), arguments as
+    `?key=value&key=value`. Its rows are the run's prompts when `dataset` is unset."""
     rollout_func: str | None = None
     """A function as an import path that plays a step's rollouts itself (TRL's `rollout_func`):
     `fn(prompts, trainer)` returns a dict of `prompt_ids`, `completion_ids`, `logprobs`, optionally
@@ -70,6 +75,14 @@ class AgentConfig:
                 self.environment_factory,
             )
         require(
+            self.environment is None or self.environment_factory is None,
+            "environment",
+            "unset with environment_factory",
+            self.environment,
+            "an episode plays one environment: keep environment (a library's, by name) or "
+            "environment_factory (a class), not both",
+        )
+        require(
             self.rollout_func is None or not self.enabled,
             "rollout_func",
             "unset when tools or environment_factory are set",
@@ -94,4 +107,4 @@ class AgentConfig:
     @property
     def enabled(self) -> bool:
         """Whether episodes run (tools or an environment are set)."""
-        return bool(self.tools or self.environment_factory)
+        return bool(self.tools or self.environment_factory or self.environment)

@@ -10,6 +10,15 @@ from grpoflow import imports
 from grpoflow.agents.config import AgentConfig
 from grpoflow.agents.episode_runner import EpisodeRunner, environment_factories
 from grpoflow.agents.tools import environment_tools, resolve_tools
+from grpoflow.tasks import library_environment
+
+
+def agent_environment(config: AgentConfig) -> Callable[[], Any] | dict[str, Callable[[], Any]] | None:
+    """What plays an episode's environment: the class of the library environment `environment`
+    names, else what `environment_factory` names (see `load_environment_factory`)."""
+    if config.environment is not None:
+        return library_environment(config.environment)
+    return load_environment_factory(config.environment_factory)
 
 
 def load_environment_factory(

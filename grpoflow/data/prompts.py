@@ -21,7 +21,7 @@ import torch
 
 from grpoflow import hub
 from grpoflow.options import require
-from grpoflow.tasks import TASKS
+from grpoflow.tasks import TASKS, library_rows
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,8 +29,9 @@ class DataConfig:
     """Where prompts come from and how they become token ids."""
 
     dataset: list[str] = field(default_factory=list)
-    """Datasets: a packaged task (echo, gsm8k), a local jsonl/json/parquet/csv file or a hub
-    dataset; `NAME#N` takes N rows."""
+    """Datasets: a packaged task (echo, gsm8k), another library's task
+    (`reasoning_gym:basic_arithmetic`, grpoflow.tasks.library), a local jsonl/json/parquet/csv
+    file or a hub dataset; `NAME#N` takes N rows."""
     dataset_split: str = "train"
     """Split of hub datasets and packaged tasks."""
     system: str | None = None
@@ -76,13 +77,17 @@ class PromptItem:
 
 
 def load_rows(spec: str, split: str = "train", seed: int = 0) -> list[dict]:
-    """Rows of one dataset spec: `echo`, `gsm8k`, `path/to/file.jsonl`, `org/name`, each
-    optionally with `#N` to take N rows (sampled with `seed` when N is below the size)."""
+    """Rows of one dataset spec: `echo`, `gsm8k`, `reasoning_gym:basic_arithmetic`,
+    `path/to/file.jsonl`, `org/name`, each optionally with `#N` to take N rows (sampled with `seed`
+    when N is below the size)."""
     name, hash_sign, count = spec.partition("#")
     if hash_sign and (not count.isdigit() or int(count) < 1):
         raise ValueError(f"dataset {spec!r}: the part after '#' must be a positive row count")
     path = Path(name)
-    if name in TASKS:
+    library = library_rows(name, split, seed)
+    if library is not None:
+        rows = library
+    elif name in TASKS:
         rows = TASKS[name](split)
     elif path.suffix in LOCAL_FORMATS:
         if not path.is_file():

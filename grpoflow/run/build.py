@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grpoflow.agents.setup import load_environment_factory
+from grpoflow.agents.setup import agent_environment
 from grpoflow.algo import check_packed_attention
 from grpoflow.data.prompts import PromptItem
 from grpoflow.distributed import DistributedContext, init_distributed
@@ -55,7 +55,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
         # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
         torch.backends.cuda.enable_cudnn_sdp(False)
-    environment_factory = load_environment_factory(config.agent.environment_factory)
+    environment_factory = agent_environment(config.agent)
     rewards = None
     if not config.atropos.enabled:  # first: a missing package stops here
         extra = rollout_rewards(config, environment_factory)

@@ -249,6 +249,8 @@ class GRPOConfig:
         if self.atropos.enabled:
             self._validate_atropos()
             return
+        if self.agent.environment is not None and not self.data.dataset:
+            self.data.dataset = [self.agent.environment]  # a library environment brings its tasks
         require(
             bool(self.data.dataset),
             "dataset",
@@ -261,13 +263,15 @@ class GRPOConfig:
                 self.rewards.reward_funcs
                 or self.rewards.reward_model
                 or self.agent.environment_factory
+                or self.agent.environment
                 or self.agent.agent_program
             ),
             "reward_funcs",
             "set (or reward_model, an environment_factory whose environment has get_reward, or an "
             "agent_program)",
             [],
-            "a run needs a reward: set reward_funcs (e.g. accuracy format) or reward_model",
+            "a run needs a reward: set reward_funcs (e.g. accuracy format; reasoning_gym for a "
+            "reasoning_gym: dataset) or reward_model",
         )
         g, batch = self.generation.num_generations, self.generation_batch_size
         require(

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from grpoflow.agents.setup import load_environment_factory
+from grpoflow.agents.setup import agent_environment
 from grpoflow.distributed import DistributedContext
 from grpoflow.policy import adapter_checkpoints
 from grpoflow.policy.loading import resolve_device
@@ -45,7 +45,7 @@ def evaluate_model(config: GRPOConfig) -> dict[str, float]:
     started = time.perf_counter()
     seed_everything(config.training.seed)
     device = resolve_device(config.policy.device)
-    factory = load_environment_factory(config.agent.environment_factory)
+    factory = agent_environment(config.agent)
     rewards = RewardRunner.from_config(config.rewards, device=device, extra=rollout_rewards(config, factory))
     tokenizer = config.policy.load_tokenizer()
     data = dataclasses.replace(
