@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     import httpx
 
     from grpoflow.agents.program_client import EpisodeBudget, SharedConnections
+    from grpoflow.server.in_process import InProcessConnections
 
 logger = logging.getLogger("grpoflow.agents")
 
@@ -168,8 +169,9 @@ class AgentPrograms:
         self._loop = asyncio.new_event_loop()
         self.workers = DaemonPool(config.agent_concurrency, "grpoflow-agent")
         """Where a plain (synchronous) program runs (one that hangs holds its thread)."""
-        self.connections: SharedConnections | None = None
-        """The connection pools every episode's client sends through (made on first use)."""
+        self.connections: SharedConnections | InProcessConnections | None = None
+        """What every episode's client sends through (made on first use): the hosted server's app
+        called in-process, or connection pools to the rollout servers."""
 
     def __call__(
         self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
@@ -212,6 +214,7 @@ class AgentPrograms:
 
             if self.hosted is not None:
                 self.hosted.stop()
+            self.connections = None
             self.hosted = host_engine(
                 engine,
                 self.tokenizer,
@@ -298,7 +301,13 @@ class AgentPrograms:
             if budget.exhausted and outcome.error is None:
                 outcome.ending = "budget"
             try:
-                outcome.turns = await take_episode(fetcher, endpoint, episode_id)
+                hosted = self.hosted
+                taken = (
+                    take_episode(fetcher, endpoint, episode_id)
+                    if hosted is None
+                    else hosted.take_episode(episode_id)
+                )
+                outcome.turns = await taken
             except Exception as error:
                 outcome.ending, outcome.error = "error", f"its turns could not be fetched: {error}"
             if not outcome.turns and outcome.error is None:
@@ -313,7 +322,12 @@ class AgentPrograms:
         from grpoflow.agents.program_client import SharedConnections, episode_client
 
         if self.connections is None:
-            self.connections = SharedConnections(self.config.agent_concurrency)
+            hosted = self.hosted
+            self.connections = (
+                hosted.connections()
+                if hosted is not None
+                else SharedConnections(self.config.agent_concurrency)
+            )
         timeout = self.config.agent_timeout
         client = episode_client(
             f"{endpoint.url}/v1",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import secrets
 import socket
@@ -26,6 +27,8 @@ import torch
 
 from grpoflow.engines.base import EngineStats, RolloutEngine
 from grpoflow.server.build import served_limits
+from grpoflow.server.errors import RequestError
+from grpoflow.server.in_process import InProcessConnections
 from grpoflow.server.service import Service
 from grpoflow.server.settings import ServeConfig
 
@@ -78,7 +81,27 @@ class HostedServer:
     """The uvicorn.Server."""
     thread: threading.Thread
     loop: asyncio.AbstractEventLoop
+    app: Any
+    """The ASGI app uvicorn serves (what in-process clients call directly)."""
     is_open: bool = False
+
+    def connections(self) -> InProcessConnections:
+        """Transports that hand requests to the app in its loop, with no socket (in_process.py)."""
+        return InProcessConnections(self.app, self.loop)
+
+    async def take_episode(self, episode_id: str) -> list[dict[str, Any]]:
+        """The recorded turns of `episode_id` as GET /v1/episodes/ID gives them, then deleted; []
+        when it recorded none. Awaited from any loop; the recorder is read in the server's."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._take(episode_id), self.loop))
+
+    async def _take(self, episode_id: str) -> list[dict[str, Any]]:
+        episodes = self.service.episodes
+        try:
+            turns = episodes.turns("", episode_id)
+        except RequestError:  # none recorded
+            return []
+        episodes.drop("", episode_id)
+        return [json.loads(turn.to_json(index)) for index, turn in enumerate(turns)]
 
     def open(self) -> None:
         """Let requests reach the engine."""
@@ -142,7 +165,8 @@ def host_engine(
         tokenizer=tokenizer,
         limits=limits,
     )
-    server = uvicorn.Server(uvicorn.Config(build_app(service), log_level="warning", lifespan="on"))
+    app = build_app(service)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     loop = asyncio.new_event_loop()
     loop.set_default_executor(_engine_executor(device))
     thread = threading.Thread(
@@ -151,7 +175,15 @@ def host_engine(
     thread.start()
     _wait_until_started(server, thread)
     hosted = HostedServer(
-        f"http://127.0.0.1:{port}", config.api_key, model_name, service, server, thread, loop, is_open=True
+        f"http://127.0.0.1:{port}",
+        config.api_key,
+        model_name,
+        service,
+        server,
+        thread,
+        loop,
+        app,
+        is_open=True,
     )
     hosted.close()
     logger.info("serving the policy to agent programs at %s/v1", hosted.url)
