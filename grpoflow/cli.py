@@ -161,7 +161,10 @@ def train(argv: list[str]) -> int:
     if history and trainer.distributed.is_main:
         first, last = history[0].get("reward"), history[-1].get("reward")
         errors = int(sum(step.get("rewards/num_errors", 0) for step in history))
-        failures = f", {errors} reward errors (logged as warnings)" if errors else ""
+        failed = int(sum(step.get("episodes/num_errors", 0) for step in history))
+        failures = f", {errors} reward errors" if errors else ""
+        failures += f", {failed} failed episodes" if failed else ""
+        failures += " (logged as warnings)" if failures else ""
         print(
             f"done: {len(history)} steps, reward {first:.3f} -> {last:.3f}{failures}, "
             f"output in {config.training.output_dir}"
