@@ -94,7 +94,12 @@ def recipe_note(message: str, recipe: Path | None, overrides: dict) -> str:
         return ""
     where = "the embedded default recipe (no --config, no --model)" if recipe == DEFAULT_RECIPE else recipe
     settings = ", ".join(f"{key}={values[key]}" for key in named)
-    return f" [{settings} set by {where}; a flag such as --{named[0]} overrides it]"
+    keys = options.flat_fields(GRPOConfig)
+    if named[0] in keys:
+        return f" [{settings} set by {where}; a flag such as --{named[0]} overrides it]"
+    close = difflib.get_close_matches(named[0], keys, n=1)
+    spelled = f"the option is spelled {close[0]} (--{close[0]})" if close else "it is no option"
+    return f" [{settings} set by {where}; {spelled}]"
 
 
 def interrupted(step: int, output_dir: str) -> str:
