@@ -100,6 +100,11 @@ class HostedServer:
         asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
 
+HOSTED_TEMPLATE_WAIT_S = 60.0
+"""How long a request waits for a free chat template worker: the run's own programs are its only
+clients, and an episode that waits out a busy moment (a loaded CPU) is better than one that fails."""
+
+
 def host_engine(
     engine: RolloutEngine,
     tokenizer,
@@ -131,6 +136,7 @@ def host_engine(
         tool_call_parser=tool_call_parser,
         max_recorded_episodes=max_recorded_episodes,
         trust_request_chat_template=True,  # its only clients are programs the run already runs
+        template_wait_s=HOSTED_TEMPLATE_WAIT_S,
     )
     limits = served_limits(config, model, tokenizer, max_model_len)
     service = Service(
