@@ -108,7 +108,11 @@ def interrupted(step: int, output_dir: str) -> str:
 
     saved = list_checkpoints(output_dir)
     if not saved:
-        return f"stopped at step {step}, before its first checkpoint: nothing to resume in {output_dir}"
+        again = "run the same command" if step == 0 else "run again with --overwrite_output_dir true"
+        return (
+            f"stopped at step {step}, before its first checkpoint: nothing to resume in {output_dir}; "
+            f"{again} to start over there"
+        )
     return f"stopped at step {step}; resume from {saved[-1]} with --resume_from_checkpoint latest"
 
 

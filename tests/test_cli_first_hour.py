@@ -75,3 +75,8 @@ def test_a_run_stopped_before_any_progress_starts_over_and_latest_says_how(tmp_p
     (directory / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
     with pytest.raises(ValueError, match="It has no checkpoint to resume: start over with --overwrite"):
         claim_output_dir(directory, None, overwrite=False)
+
+
+def test_an_interrupted_run_without_a_checkpoint_says_how_to_start_over(tmp_path):
+    assert cli.interrupted(0, str(tmp_path)).endswith("run the same command to start over there")
+    assert "run again with --overwrite_output_dir true" in cli.interrupted(3, str(tmp_path))

@@ -121,7 +121,8 @@ class GRPOTrainer:
         self.last_reward_errors: list = []
         self.last_episode_error: str | None = None
         """The first error of the latest step's failed episodes, if any."""
-        self.episode_streak = RewardFailureStreaks([EPISODES], 0)
+        self.episode_streak = RewardFailureStreaks([EPISODES], settings.max_consecutive_reward_failures)
+        """Steps in a row on which every episode failed."""
 
     @property
     def total_steps(self) -> int:
@@ -151,7 +152,6 @@ class GRPOTrainer:
         history = []
         settings = self.settings
         streaks = RewardFailureStreaks(self.reward_names, settings.max_consecutive_reward_failures)
-        self.episode_streak = RewardFailureStreaks([EPISODES], settings.max_consecutive_reward_failures)
         self.source.start(self.total_steps, self.step_count)
         if self.evaluator is not None and settings.eval.eval_on_start and self.step_count == 0:
             start_metrics = self.evaluate()
