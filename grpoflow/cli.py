@@ -94,7 +94,12 @@ def recipe_note(message: str, recipe: Path | None, overrides: dict) -> str:
         return ""
     where = "the embedded default recipe (no --config, no --model)" if recipe == DEFAULT_RECIPE else recipe
     settings = ", ".join(f"{key}={values[key]}" for key in named)
-    return f" [{settings} set by {where}; a flag such as --{named[0]} overrides it]"
+    keys = options.flat_fields(GRPOConfig)
+    if named[0] in keys:
+        return f" [{settings} set by {where}; a flag such as --{named[0]} overrides it]"
+    close = difflib.get_close_matches(named[0], keys, n=1)
+    spelled = f"the option is spelled {close[0]} (--{close[0]})" if close else "it is no option"
+    return f" [{settings} set by {where}; {spelled}]"
 
 
 def interrupted(step: int, output_dir: str) -> str:
@@ -103,7 +108,11 @@ def interrupted(step: int, output_dir: str) -> str:
 
     saved = list_checkpoints(output_dir)
     if not saved:
-        return f"stopped at step {step}, before its first checkpoint: nothing to resume in {output_dir}"
+        again = "run the same command" if step == 0 else "run again with --overwrite_output_dir true"
+        return (
+            f"stopped at step {step}, before its first checkpoint: nothing to resume in {output_dir}; "
+            f"{again} to start over there"
+        )
     return f"stopped at step {step}; resume from {saved[-1]} with --resume_from_checkpoint latest"
 
 
@@ -161,7 +170,10 @@ def train(argv: list[str]) -> int:
     if history and loop.distributed.is_main:
         first, last = history[0].get("reward"), history[-1].get("reward")
         errors = int(sum(step.get("rewards/num_errors", 0) for step in history))
-        failures = f", {errors} reward errors (logged as warnings)" if errors else ""
+        failed = int(sum(step.get("episodes/num_errors", 0) for step in history))
+        failures = f", {errors} reward errors" if errors else ""
+        failures += f", {failed} failed episodes" if failed else ""
+        failures += " (logged as warnings)" if failures else ""
         print(
             f"done: {len(history)} steps, reward {first:.3f} -> {last:.3f}{failures}, "
             f"output in {config.training.output_dir}"

@@ -26,7 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 BUCKET_NUMEL = 2**25
 """Gradient elements per all-reduce call (128 MiB in float32)."""
-SUM_METRICS = ("rewards/num_errors", "tokens_per_second/")
+SUM_METRICS = ("rewards/num_errors", "episodes/num_errors", "tokens_per_second/")
 """Metric names (or prefixes) summed over ranks; `MAX_METRICS` and names ending in /max take the
 largest, names ending in /min the smallest; others the mean."""
 MAX_METRICS = ("time/", "memory/")

@@ -1,5 +1,6 @@
 """User code named in a config: `package.module:name`, `package.module.name` or
-`path/to/file.py:name` (rewards, tools, environments, rollout functions).
+`path/to/file.py:name` (rewards, tools, environments, rollout functions); and the optional
+packages an option needs, checked before any work.
 
 A file is executed once as a module named after its resolved path, so what it registers takes
 effect once, and what it defines pickles by reference to that module name (worker processes
@@ -18,7 +19,7 @@ import importlib
 import importlib.util
 import re
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -42,6 +43,23 @@ def provided_for_now(objects: Mapping[str, Any]) -> Iterator[None]:
         for spec in objects:
             PROVIDED.pop(spec, None)
         PROVIDED.update(before)
+
+
+def require_extra(packages: Sequence[str], extra: str, needed_by: str) -> None:
+    """ValueError naming the missing ones of `packages` (import names) and the extra of grpoflow
+    that installs them, when any is missing; `needed_by` says what needs them."""
+    missing = [name for name in packages if not _installed(name)]
+    if missing:
+        raise ValueError(
+            f"{needed_by} needs {', '.join(missing)}, not installed: pip install 'grpoflow[{extra}]'"
+        )
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ValueError:  # in sys.modules without a spec
+        return package in sys.modules and sys.modules[package] is not None
 
 
 def import_file(

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from grpoflow import imports
 from grpoflow.chat.tool_calls import check_tool_call_format
 from grpoflow.options import require
+
+AGENT_PACKAGES = ("openai", "httpx", "fastapi", "uvicorn")
+"""What agent programs need: the `agent` extra."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,6 +107,12 @@ class AgentConfig:
             "an agent program plays its episodes itself (its tools are its own): drop tools, "
             "environment_factory and rollout_func, or drop agent_program",
         )
+
+    def check_installed(self) -> None:
+        """ValueError naming the install command when agent_program's packages are missing (the
+        openai client, and the server that hosts the policy for it)."""
+        if self.agent_program is not None:
+            imports.require_extra(AGENT_PACKAGES, "agent", "agent_program")
 
     @property
     def enabled(self) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 from grpoflow.agents.config import AgentConfig
 from grpoflow.agents.episodes import FINISH_REASONS, Episode
+from grpoflow.agents.grouped_warnings import GroupedWarnings
 from grpoflow.agents.render import TurnRenderer
 from grpoflow.agents.tools import ToolBox, environment_tools, tool_schema
 from grpoflow.chat.tool_calls import parse_tool_calls, resolve_tool_call_format
@@ -73,6 +74,8 @@ class EpisodeRunner:
         self.per_prompt_params = per_prompt_params
         self.tool_call_format = resolve_tool_call_format(config.tool_call_parser, tokenizer)
         self.last_metrics: dict[str, float] = {}
+        self.warnings = GroupedWarnings(logger)
+        """The rollout's per-episode warnings, logged once each with a count when it ends."""
         # One loop for the runner's life; asyncio.run would wait at its end for threads that overran.
         self._loop = asyncio.new_event_loop()
         self.workers = DaemonPool(config.environment_workers, "grpoflow-environment")
@@ -99,6 +102,7 @@ class EpisodeRunner:
                 self._answer_all([episode for episode in active if episode.finish is None])
             )
             environment_seconds += time.perf_counter() - before
+        self.warnings.flush()
         self.last_metrics = self._metrics(episodes, environment_seconds, time.perf_counter() - started)
         self.last_metrics.update(prefix_cache_metrics(prefill))
         return groups
@@ -117,7 +121,7 @@ class EpisodeRunner:
                 episode.environment = factory()
             observation = await self._call(episode, "reset", **columns, prompt=item.prompt)
         except Exception as error:
-            logger.warning("an episode could not start: %s; it is skipped (no reward)", _describe(error))
+            self.warnings.add(f"could not start: {_describe(error)}; skipped (no reward)")
             episode.end("error", _describe(error))
             return episode
         episode.tools = self._tools_of(episode)
@@ -132,7 +136,7 @@ class EpisodeRunner:
                 f"with its tools and reset text the prompt has {len(episode.prompt_ids)} tokens > "
                 f"max_prompt_length={self.max_prompt_length}; raise max_prompt_length"
             )
-            logger.warning("an episode could not start: %s; it is skipped (no reward)", message)
+            self.warnings.add(f"could not start: {message}; skipped (no reward)")
             episode.end("error", message)
         return episode
 
@@ -194,9 +198,7 @@ class EpisodeRunner:
                     return
                 messages = [{"role": "user", "content": str(reply)}]
         except Exception as error:
-            logger.warning(
-                "an episode's environment failed: %s; the episode ends (no reward)", _describe(error)
-            )
+            self.warnings.add(f"the environment failed: {_describe(error)}; the episode ends (no reward)")
             episode.end("error", _describe(error))
             return
         if not messages:

@@ -70,9 +70,9 @@ class Episode:
 
     def completion(self) -> Completion:
         """The trajectory after the prompt, as the trainer takes it; an episode that failed is
-        empty (its rewards are dropped)."""
+        empty (its rewards are dropped), its error as its text."""
         if self.finish == "error":
-            return Completion([], [], "error", self.policy_version, mask=[])
+            return Completion([], [], "error", self.policy_version, text=self.error, mask=[])
         finish = "length" if self.finish == "length" else "stop"
         return Completion(
             list(self.ids), list(self.logprobs), finish, self.policy_version, mask=list(self.mask)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from grpoflow import imports
@@ -92,13 +92,8 @@ def build_episode_runner(
     if not config.enabled:
         return None
     tools = resolve_tools(config.tools)
-    classes = (environment_factories(factory) or {}).values()
-    has_tools = bool(tools) or any(inspect.isclass(cls) and environment_tools(cls) for cls in classes)
-    if has_tools and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "tools are shown to the model by its chat template, and this tokenizer has none: use a chat "
-            "model (e.g. a Qwen2.5-Instruct), or an environment that answers through respond(text)"
-        )
+    if not getattr(tokenizer, "chat_template", None):
+        _check_no_tools(tools, (environment_factories(factory) or {}).values())
     return EpisodeRunner(
         config,
         tokenizer,
@@ -109,3 +104,21 @@ def build_episode_runner(
         system=system,
         per_prompt_params=per_prompt_params,
     )
+
+
+def _check_no_tools(tools: list[Callable[..., Any]], classes: Iterable[Any]) -> None:
+    """Refuse tools for a tokenizer with no chat template, naming each one and where it comes from."""
+    causes = [f"tools {', '.join(tool.__name__ for tool in tools)}"] if tools else []
+    for cls in classes:
+        methods = environment_tools(cls) if inspect.isclass(cls) else []
+        if methods:
+            names = ", ".join(method.__name__ for method in methods)
+            causes.append(
+                f"{cls.__name__}'s public methods {names} (an environment's public methods other than "
+                "reset, respond and get_reward are tools; prefix a helper's name with _ to keep it one)"
+            )
+    if causes:
+        raise ValueError(
+            f"this run has {'; and '.join(causes)}; tools are shown to the model by its chat template, and "
+            "this tokenizer has none: use a chat model (e.g. a Qwen2.5-Instruct)"
+        )

@@ -1,8 +1,8 @@
 """Tiny models and tokenizers built locally, with nothing downloaded.
 
 They back the embedded default run and the tests: a character-level tokenizer (one token per
-character, so rewards on text map one-to-one onto tokens) and a small randomly initialised
-decoder of any transformers architecture that takes a Llama-style config.
+character, so rewards on text map one-to-one onto tokens) with a small chat template, and a small
+randomly initialised decoder of any transformers architecture that takes a Llama-style config.
 """
 
 from __future__ import annotations
@@ -19,9 +19,40 @@ DEFAULT_SEED = 42
 
 DEFAULT_CHARS = string.ascii_lowercase + string.digits + string.ascii_uppercase + string.punctuation + " \n"
 
+CHAT_TEMPLATE = (
+    "{%- set start = 1 if messages and messages[0].role == 'system' else 0 %}"
+    "{%- if start %}{{ messages[0].content }}{{ '\\n' }}{% endif %}"
+    "{%- if tools %}<tools>{{ '\\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    "</tools>{{ '\\n' }}Call a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>{{ '\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages[start:] %}"
+    "{%- if message.role == 'assistant' %}{{ message.content or '' }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set function = call.function if call.function is defined else call %}"
+    '<tool_call>{"name": {{ function.name | tojson }}, "arguments": '
+    "{% if function.arguments is string %}{{ function.arguments }}{% else %}{{ function.arguments | tojson }}"
+    "{%- endif %}}</tool_call>"
+    "{%- endfor %}<eos>"
+    "{%- elif message.role == 'tool' %}{{ '\\n' }}<tool_response>{{ '\\n' }}{{ message.content }}{{ '\\n' }}"
+    "</tool_response>"
+    "{%- else %}{% if not loop.first %}{{ '\\n' }}{% endif %}{{ message.content }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt and messages[start:] | length > 1 %}{{ '\\n' }}{% endif %}"
+)
+"""The character tokenizer's chat template: Qwen2.5's tool format (hermes) in plain text, with no
+role markers (each would cost a dozen tokens of one character). A conversation of one user message
+renders as its text, so a text prompt keeps the ids it has without a template; a later message
+starts on a new line, as does the policy's next turn; an assistant turn ends with `<eos>` (so a
+turn the policy ended with that token renders as it was sampled) after its calls, each
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; a tool result is
+`<tool_response>...</tool_response>`; tools are listed as JSON schemas in `<tools>` before the
+conversation, after the system message's text."""
+
 
 def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
-    """One token per character plus `<pad>` (id 0), `<eos>` (id 1) and `<unk>` (id 2)."""
+    """One token per character plus `<pad>` (id 0), `<eos>` (id 1) and `<unk>` (id 2), with
+    `CHAT_TEMPLATE`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     symbols = ["<pad>", "<eos>", "<unk>", *dict.fromkeys(chars)]
@@ -29,9 +60,11 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_tiny_model(

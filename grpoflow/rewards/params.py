@@ -54,7 +54,7 @@ class RewardConfig:
     """Process-pool size for CPU-heavy rewards (math verification); 0 runs them in threads."""
     max_consecutive_reward_failures: int = 5
     """Stop the run, with a checkpoint, when one reward function has failed on every sample (raised,
-    timed out, answered wrongly) this many steps in a row; 0 never stops."""
+    timed out, answered wrongly), or every episode failed, this many steps in a row; 0 never stops."""
 
     def __post_init__(self) -> None:
         require(self.max_completion_length >= 1, "max_completion_length", ">= 1", self.max_completion_length)

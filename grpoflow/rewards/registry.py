@@ -22,6 +22,7 @@ accepts three kinds of objects:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
@@ -64,9 +65,11 @@ def get_reward(name: str, config: RewardConfig | None = None) -> RewardFn:
     """Build the registered reward `name` with `config` (defaults when None)."""
     if name not in REWARD_REGISTRY:
         known = ", ".join(sorted(REWARD_REGISTRY)) or "(none)"
+        close = difflib.get_close_matches(name, REWARD_REGISTRY, n=1)
+        hint = f"; did you mean {close[0]}?" if close else "."
         raise ValueError(
-            f"Unknown reward {name!r}. Registered rewards: {known}. Register yours with "
-            "@register_reward, load its file with load_plugins, or give an import path "
+            f"Unknown reward {name!r}{hint} Registered rewards: {known}. Register yours with "
+            "@register_reward in a file named in external_plugins, or give an import path "
             "('package.module:function' or 'path/to/file.py:function')."
         )
     return REWARD_REGISTRY[name](config if config is not None else RewardConfig())

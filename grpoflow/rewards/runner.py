@@ -456,6 +456,6 @@ def _log_errors(errors: list[RewardError]) -> None:
         logger.warning("%s", error)
     if len(errors) > MAX_LOGGED_ERRORS:
         logger.warning(
-            "... and %d more reward errors in this batch (see RewardBatch.errors)",
+            "... and %d more reward errors in this batch (all counted in rewards/num_errors)",
             len(errors) - MAX_LOGGED_ERRORS,
         )

@@ -69,8 +69,6 @@ ENDINGS = ("stop", "length", "budget", "timeout", "error")
 """How an episode ended: its program returned (within max_completion_length, or having used all of
 it); a request past max_completion_length was refused; agent_timeout; an error or no recorded
 turn."""
-LOGGED_ERRORS = 3
-"""Failed episodes logged one by one per rollout; the rest are counted."""
 
 
 @dataclass(slots=True)
@@ -367,7 +365,7 @@ class AgentPrograms:
         completions, texts, conversations = [], [], []
         for outcome, trajectory in zip(outcomes, trajectories):
             if trajectory is None:
-                completions.append(Completion([], [], "error", version, mask=[]))
+                completions.append(Completion([], [], "error", version, text=outcome.error, mask=[]))
                 texts.append("")
                 conversations.append([])
                 continue
@@ -412,22 +410,30 @@ class AgentPrograms:
         return metrics
 
     def _log_failures(self, outcomes: list[ProgramOutcome], dropped: int) -> None:
-        failed = [o for o in outcomes if o.error is not None]
-        for outcome in failed[:LOGGED_ERRORS]:
+        """One warning per distinct error of the rollout, with its count and the first row it
+        came with; the dropped turns once per run."""
+        rows: dict[str, dict] = {}
+        counts = Counter(o.error for o in outcomes if o.error is not None)
+        for outcome in outcomes:
+            if outcome.error is not None:
+                rows.setdefault(outcome.error, outcome.row)
+        for error, count in counts.items():
             logger.warning(
-                "an agent program episode failed and gets no reward: %s; row %s",
-                outcome.error,
-                short(outcome.row),
+                "%d agent program episode%s failed and get no reward: %s; first row %s",
+                count,
+                "" if count == 1 else "s",
+                error,
+                short(rows[error]),
             )
-        if len(failed) > LOGGED_ERRORS:
-            logger.warning("%d more agent program episodes failed this rollout", len(failed) - LOGGED_ERRORS)
         if dropped and not self._warned_dropped:
             self._warned_dropped = True
             logger.warning(
                 "%d recorded turns were dropped: a turn's prompt did not start with the previous turn's "
                 "prompt and completion (the program rewrote its history, or the chat template renders "
-                "an earlier turn differently), so only the longest chaining run of an episode's turns "
-                "is trained (episodes/dropped_turns_mean); warned once",
+                "an earlier turn differently, e.g. a special token the policy sampled is missing from "
+                'the turn\'s text: request with extra_body={"skip_special_tokens": False} to keep '
+                "them), so only the longest chaining run of an episode's turns is trained "
+                "(episodes/dropped_turns_mean); warned once",
                 dropped,
             )
 

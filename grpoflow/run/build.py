@@ -44,6 +44,8 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     """Everything a run needs, each part built from its own section and handed to the trainer:
     prompts, rewards, policy, engine, placement, the source of groups, the learner, the services."""
     training = config.training
+    config.agent.check_installed()
+    quiet_request_logs()
     seed_everything(training.seed)
     claim = claim_output_dir(
         training.output_dir, training.resume_from_checkpoint, training.overwrite_output_dir
@@ -218,6 +220,13 @@ def start(trainer: GRPOTrainer, config: GRPOConfig, claim, workers: RolloutServe
     if distributed.is_main:
         claim.apply(settings=config.to_flat_dict())
     distributed.barrier()
+
+
+def quiet_request_logs() -> None:
+    """Keep the HTTP client's one line per request (INFO) out of a run's log: an agent program's
+    run makes thousands of requests a step. Its warnings still show."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
 
 
 def seed_everything(seed: int) -> None:

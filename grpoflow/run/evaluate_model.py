@@ -26,7 +26,7 @@ from grpoflow.policy import adapter_checkpoints
 from grpoflow.policy.loading import resolve_device
 from grpoflow.rewards import RewardRunner
 from grpoflow.run import checkpoint
-from grpoflow.run.build import build_rollout_engine, run_cleanups, seed_everything
+from grpoflow.run.build import build_rollout_engine, quiet_request_logs, run_cleanups, seed_everything
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.export import adapter_base
@@ -43,6 +43,8 @@ def evaluate_model(config: GRPOConfig) -> dict[str, float]:
     """Evaluate `config.policy.model` on the eval prompts; the `eval/...` metrics, also written
     with every completion into `config.training.output_dir`."""
     started = time.perf_counter()
+    config.agent.check_installed()
+    quiet_request_logs()
     seed_everything(config.training.seed)
     device = resolve_device(config.policy.device)
     factory = agent_environment(config.agent)

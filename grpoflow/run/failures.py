@@ -1,5 +1,5 @@
-"""When a run stops by itself: a reward function that keeps failing on every sample, rollout
-servers that fail past their retries, a weight sync that keeps failing."""
+"""When a run stops by itself: a reward function that keeps failing on every sample, episodes that
+all fail, rollout servers that fail past their retries, a weight sync that keeps failing."""
 
 from __future__ import annotations
 
@@ -40,6 +40,16 @@ def reward_failure_message(name: str, steps: int, step: int, saved: Path, errors
         f"stopped at step {step}: reward {name!r} failed on every sample for {steps} steps in a row "
         f"(last error: {last}). Checkpoint: {saved}. Fix the reward and resume with "
         "--resume_from_checkpoint latest (max_consecutive_reward_failures sets the limit; 0 never stops)"
+    )
+
+
+def episode_failure_message(steps: int, step: int, saved: Path, first_error: str | None) -> str:
+    """Why the run stopped at `step`: every episode failed for `steps` steps in a row."""
+    return (
+        f"stopped at step {step}: every episode failed for {steps} steps in a row, so nothing was "
+        f"learned (first error: {first_error or 'none recorded'}). Checkpoint: {saved}. Fix the "
+        "environment or agent program and resume with --resume_from_checkpoint latest "
+        "(max_consecutive_reward_failures sets the limit; 0 never stops)"
     )
 
 

@@ -175,6 +175,8 @@ def _logprob_gap(metrics: Mapping[str, float], history: History, config: HealthC
 
 def _reward_errors(metrics: Mapping[str, float], history: History, config: HealthConfig) -> str | None:
     rate = metrics.get("rewards/failed_fraction")
+    if _finite(rate):  # a failed episode has no reward: not the reward functions' failure
+        rate -= metrics.get("episodes/failed_fraction", 0.0)
     if _finite(rate) and rate > config.reward_error_rate:
         return f"reward functions failed on {rate:.0%} of the samples (the warnings above name them)"
     return None

@@ -5,6 +5,8 @@ marker. Before any work, `claim_output_dir` decides what the run may do there:
 
 * a new run refuses a directory holding another run's files (checkpoints, metrics, run.json)
   unless `overwrite_output_dir`, which deletes those files, and only those, when training starts;
+  a run that left no checkpoint and logged no step (it stopped while it was built, or during its
+  first step) holds nothing to keep, so a new run starts over it, saying so;
 * `resume_from_checkpoint latest` resumes the newest checkpoint of the directory's own run;
 * a resumed run continues the id of the checkpoint it starts from, and its metrics files are cut
   back to that step, so a step is never logged twice. Resuming from an older checkpoint than the
@@ -89,11 +91,7 @@ def claim_output_dir(output_dir: str | Path, resume_from_checkpoint: str | None,
     if not resume_from_checkpoint:
         traces = run_files(directory)
         if traces and not overwrite:
-            raise ValueError(
-                f"output_dir {directory} holds another run ({_describe(traces)}). Resume it with "
-                "--resume_from_checkpoint latest, start over with --overwrite_output_dir true (deletes "
-                "its checkpoints and logs), or choose another --output_dir"
-            )
+            _refuse_or_start_over(directory, traces)
         return RunClaim(directory, new_run_id(), discard=traces)
     if resume_from_checkpoint.lower() in {"latest", "true", "auto"}:
         resume = _latest_of(directory, owner, resume_from_checkpoint)
@@ -121,6 +119,37 @@ def claim_output_dir(output_dir: str | Path, resume_from_checkpoint: str | None,
             f"set --overwrite_output_dir true to delete the checkpoints after step {step}"
         )
     return RunClaim(directory, run_id, resume, step, later)
+
+
+def _refuse_or_start_over(directory: Path, traces: list[Path]) -> None:
+    """ValueError for a directory holding another run's checkpoints or logged steps; for one that
+    holds neither, a line saying the new run starts over it."""
+    checkpoints = [path for path in traces if path.name.startswith(("checkpoint-", ".tmp-checkpoint-"))]
+    if not checkpoints and not any(_logged_steps(directory / name) for name in LOG_FILES):
+        logger.info(
+            "output_dir %s holds a run that stopped before its first step (no checkpoint, no logged "
+            "step): starting over there",
+            directory,
+        )
+        return
+    advice = (
+        "Resume it with --resume_from_checkpoint latest, start over"
+        if checkpoints
+        else "It has no checkpoint to resume: start over"
+    )
+    raise ValueError(
+        f"output_dir {directory} holds another run ({_describe(traces)}). {advice} with "
+        "--overwrite_output_dir true (deletes its checkpoints and logs), or choose another --output_dir"
+    )
+
+
+def _logged_steps(path: Path) -> bool:
+    """Whether a step log holds a row."""
+    try:
+        with path.open(encoding="utf-8") as lines:
+            return any(line.strip() for line in lines)
+    except OSError:
+        return False
 
 
 def _same_run(directory: Path, owner: str | None, resume: Path, resume_run: str | None) -> bool:
@@ -175,7 +204,12 @@ def _latest_of(directory: Path, owner: str | None, spec: str) -> Path:
     found = list_checkpoints(directory)
     ours = [path for path in found if checkpoint_run_id(path) in (owner, None)] if owner else found
     if not ours:
-        raise ValueError(f"resume_from_checkpoint={spec}: no complete checkpoint of this run in {directory}")
+        raise ValueError(
+            f"resume_from_checkpoint={spec}: no complete checkpoint of this run in {directory}, so there is "
+            "nothing to resume; start the run afresh without --resume_from_checkpoint (add "
+            "--overwrite_output_dir true if the directory holds its logged steps), or choose another "
+            "--output_dir"
+        )
     if len(ours) < len(found):
         logger.warning(
             "%s holds checkpoints of other runs (%s); they are not resumed",

@@ -8,10 +8,12 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 
+from grpoflow import hub
 from grpoflow.options import require
 from grpoflow.policy.loading import local_preset
 from grpoflow.policy.memory_plan import GIB, MemoryPlan, ModelShape, PlanSettings, plan_memory
@@ -72,7 +74,13 @@ def model_shape(config, on_gpu: bool) -> ModelShape:
         return ModelShape(**values, dtype_bytes=dtype_bytes)
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(policy.model, trust_remote_code=policy.trust_remote_code)
+    if not Path(policy.model).exists() and hub.unreachable():
+        raise ValueError(hub.unreachable_message(f"model {policy.model!r}"))
+    try:
+        hf_config = AutoConfig.from_pretrained(policy.model, trust_remote_code=policy.trust_remote_code)
+    except OSError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"model {policy.model!r}: its config could not be read ({reason})") from None
     return ModelShape.from_config(getattr(hf_config, "text_config", hf_config), dtype_bytes=dtype_bytes)
 
 

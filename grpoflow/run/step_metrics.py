@@ -103,11 +103,15 @@ def rank_metrics(
     device: torch.device,
 ) -> dict[str, float]:
     """This rank's share of a step's metrics, to be summed, maxed or averaged over ranks: reward
-    failures, rollout tokens/s (over `rollout_seconds`), peak memory and the rollout's own
+    failures, episodes (completions) that failed and get no reward, rollout tokens/s (over `rollout_seconds`), peak memory and the rollout's own
     metrics (time/environment, time/agent: seconds inside the rollout phase)."""
     rollout_seconds = max(rollout_seconds, 1e-9)
+    completions = [c for group in scored.groups for c in group.completions]
+    failed = sum(c.finish_reason == "error" for c in completions)
     metrics = {
         "rewards/num_errors": float(len(scored.errors)),
+        "episodes/num_errors": float(failed),
+        "episodes/failed_fraction": failed / max(1, len(completions)),
         **{f"rewards/{name}/failed_all": float(name in scored.failed_everywhere) for name in reward_names},
         "tokens_per_second/rollout": batch.loss_mask.sum().item() / rollout_seconds,
     }

@@ -40,6 +40,7 @@ from grpoflow.run.failures import (
     RewardFailureStreaks,
     RunStopped,
     batches_timeout_message,
+    episode_failure_message,
     reward_failure_message,
     server_failure_message,
     sync_failure_message,
@@ -57,6 +58,9 @@ from grpoflow.run.weight_sync import WeightSync
 from grpoflow.transport import ServerError, WeightSyncError
 
 logger = logging.getLogger("grpoflow")
+
+EPISODES = "episodes"
+"""The one name of the streak of steps on which every episode failed."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,6 +122,10 @@ class GRPOTrainer:
         self.step_count = 0
         self.num_tokens = 0
         self.last_reward_errors: list = []
+        self.last_episode_error: str | None = None
+        """The first error of the latest step's failed episodes, if any."""
+        self.episode_streak = RewardFailureStreaks([EPISODES], settings.max_consecutive_reward_failures)
+        """Steps in a row on which every episode failed."""
 
     @property
     def total_steps(self) -> int:
@@ -195,6 +203,7 @@ class GRPOTrainer:
     def _step(self, metrics_logger: MetricsLogger | None, timer: PhaseTimer) -> dict[str, float]:
         scored = self._next_groups()
         self.last_reward_errors = scored.errors
+        self.last_episode_error = _first_error(scored)
         batch = self._collate(scored)
         if self.step_count + 1 < self.total_steps:
             self.source.ahead(self.step_count + 1)
@@ -308,6 +317,9 @@ class GRPOTrainer:
             failing = streaks.update(
                 {name for name in self.reward_names if metrics[f"rewards/{name}/failed_all"] == 1.0}
             )
+            episodes_failing = self.episode_streak.update(
+                {EPISODES} if metrics.get("episodes/failed_fraction") == 1.0 else set()
+            )
         saved = None
         if self.checkpoints.is_due(self.step_count, self.total_steps):
             saved = self.save()
@@ -315,6 +327,10 @@ class GRPOTrainer:
             with phase("checkpoint"):
                 self.best.consider(self.step_count, metrics, saved, self.save, self.distributed)
         stop = self._health_stop(findings, saved)
+        if stop is None and episodes_failing is not None:
+            saved = saved or self.save()
+            limit, error = self.episode_streak.limit, self.last_episode_error
+            stop = RunStopped(episode_failure_message(limit, self.step_count, saved, error))
         if stop is None and failing is not None:
             saved = saved or self.save()
             errors = self.last_reward_errors
@@ -374,6 +390,12 @@ class GRPOTrainer:
     def save(self) -> Path:
         """Write a checkpoint of the steps taken so far."""
         return self.checkpoints.save(self.step_count, self.state_dict())
+
+
+def _first_error(scored: ScoredGroups) -> str | None:
+    """The message of the first completion that failed (an episode, or the engine's error)."""
+    failed = (c for group in scored.groups for c in group.completions if c.finish_reason == "error")
+    return next((c.text or "no message" for c in failed), None)
 
 
 def _carries_logprobs(scored: ScoredGroups) -> bool:

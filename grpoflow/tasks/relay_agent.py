@@ -2,8 +2,8 @@
 program asks the policy to echo a letter, scores the answer, names the next letter, and returns
 the mean score as the episode's reward (`agent_program: grpoflow.tasks.relay_agent:play`).
 
-The tiny model's character tokenizer has no chat template, so the program sends one with each
-request (`chat_template`, a vLLM extension of the chat request); it closes every assistant turn
+The program sends a chat template of its own with each request (`chat_template`, a vLLM extension
+of the chat request), which marks each turn's role (`u:`, `a:`); it closes every assistant turn
 with `<eos>`, the tokenizer's end-of-sequence token, so that a turn the policy ended with that
 token renders exactly as it was sampled.
 """

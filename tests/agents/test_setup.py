@@ -9,6 +9,7 @@ import pytest
 
 from grpoflow.agents.setup import environment_rewards, load_environment_factory
 from grpoflow.cli import RECIPES
+from grpoflow.policy.tiny import build_char_tokenizer
 from grpoflow.run.build import run
 from grpoflow.run.config import load_config
 from grpoflow.tasks.relay import RelayEnvironment
@@ -56,26 +57,69 @@ def test_bad_environment_specs_are_explained(tmp_path):
         load_environment_factory(f"{path}:Missing")
 
 
+def plain_tokenizer():
+    """The character tokenizer without its chat template (a base model's)."""
+    from grpoflow.policy.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = None
+    return tokenizer
+
+
+def build_runner(config, tokenizer, factory=None):
+    from grpoflow.agents.setup import build_episode_runner
+
+    return build_episode_runner(
+        config,
+        tokenizer,
+        factory,
+        max_completion_length=8,
+        max_prompt_length=8,
+        system=None,
+        per_prompt_params=False,
+    )
+
+
 def test_tools_without_a_chat_template_are_refused(tmp_path):
     from grpoflow.agents.config import AgentConfig
-    from grpoflow.agents.setup import build_episode_runner
-    from grpoflow.policy.tiny import build_char_tokenizer
 
     path = tmp_path / "calc.py"
     path.write_text(
         'def add(a: int, b: int) -> int:\n    """Add.\n\n    Args:\n        a: A.\n        b: B.\n    """\n    return a + b\n'
     )
     config = AgentConfig(tools=[f"{path}:add"])
-    with pytest.raises(ValueError, match="tools are shown to the model by its chat template"):
-        build_episode_runner(
-            config,
-            build_char_tokenizer(),
-            None,
-            max_completion_length=8,
-            max_prompt_length=8,
-            system=None,
-            per_prompt_params=False,
-        )
+    with pytest.raises(ValueError, match="this run has tools add; tools are shown to the model by its chat"):
+        build_runner(config, plain_tokenizer())
+    assert build_runner(config, build_char_tokenizer()) is not None  # the tiny model's template shows them
+
+
+class Counter:
+    """Answers in words, and has a public method (a tool, by TRL's rule)."""
+
+    def reset(self, **row):
+        self.count = 0
+
+    def respond(self, text):
+        return None
+
+    def bump(self, by: int) -> int:
+        """Count.
+
+        Args:
+            by: How much.
+        """
+        self.count += by
+        return self.count
+
+
+def test_an_environment_that_responds_is_told_its_public_methods_are_tools():
+    from grpoflow.agents.config import AgentConfig
+
+    with pytest.raises(ValueError) as refused:
+        build_runner(AgentConfig(environment_factory="unused"), plain_tokenizer(), Counter)
+    message = str(refused.value)
+    assert "Counter's public methods bump" in message and "prefix a helper's name with _" in message
+    assert "respond(text)" not in message
 
 
 def test_an_unknown_tool_call_parser_is_named_with_the_known_ones():

@@ -27,7 +27,10 @@ ROWS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_char_tokenizer()
+    """The character tokenizer without its chat template: a base model's."""
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = None
+    return tokenizer
 
 
 @pytest.fixture
@@ -215,6 +218,14 @@ def test_conversational_row_moves_the_assistant_turn_to_solution(tokenizer):
     assert item.columns == {"solution": "2", "level": 1}
     # without a chat template the messages become "role: content" lines
     assert item.prompt_ids == ids_of(tokenizer, "system: be brief\nuser: what is 1+1?")
+
+
+def test_the_tiny_models_template_keeps_a_text_prompt_as_it_is():
+    tokenizer = build_char_tokenizer()
+    assert tokenizer.chat_template
+    for prompt, system in (("echo c:", None), ("echo c:", "be brief")):
+        expected = ids_of(tokenizer, f"{system}\n{prompt}" if system else prompt)
+        assert encode_prompt(tokenizer, prompt, system) == expected
 
 
 def test_conversational_row_keeps_an_existing_solution(tokenizer):

@@ -166,6 +166,7 @@ def test_failures_hangs_and_rewritten_histories_end_only_their_own_episode(engin
     assert metrics["episodes/ended_by/error"] == pytest.approx(2 / 5)
     assert metrics["episodes/errors"] == pytest.approx(3 / 5) and metrics["time/agent"] < 30
     assert "recorded turns were dropped" in caplog.text
+    assert 'extra_body={"skip_special_tokens": False}' in caplog.text  # the fix, named
 
 
 def test_a_plain_function_runs_in_a_thread_and_a_spent_budget_ends_the_episode_truncated(engine, tokenizer):

@@ -23,7 +23,7 @@ CHAT_TEMPLATE = (
 @pytest.fixture(scope="module")
 def live():
     """A server shared by a module's tests; tests that change its weights use their own. It renders
-    templates sent in requests (the character tokenizer has none of its own)."""
+    templates sent in requests (besides the character tokenizer's own)."""
     server = start_server(tiny_service(trust_request_chat_template=True))
     yield server
     server.stop()

@@ -81,13 +81,14 @@ def test_chat_completions_render_the_tokenizers_template(client, live, chat_temp
     tokenizer = live.service.tokenizer
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     body = {"messages": messages, "n": 2, "max_tokens": 4, "logprobs": True, "return_token_ids": True}
-    refused = client.post("/v1/chat/completions", json=body)
-    assert refused.status_code == 400 and "no chat template" in refused.json()["error"]["message"]
-    tokenizer.chat_template = chat_template
+    original, tokenizer.chat_template = tokenizer.chat_template, None  # a base model's tokenizer
     try:
+        refused = client.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 400 and "no chat template" in refused.json()["error"]["message"]
+        tokenizer.chat_template = chat_template
         answer = client.post("/v1/chat/completions", json=body).json()
     finally:
-        tokenizer.chat_template = None
+        tokenizer.chat_template = original
     assert (
         answer["prompt_token_ids"] == tokenizer("s:be brief\nu:hi\na:", add_special_tokens=False)["input_ids"]
     )
