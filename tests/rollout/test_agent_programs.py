@@ -29,11 +29,11 @@ from grpoflow.rollout.agent_programs import (  # noqa: E402
     PROGRAM_REWARD,
     AgentPrograms,
     load_agent_program,
-    new_episode_id,
     program_rewards,
 )
 from grpoflow.rollout.batch import collate  # noqa: E402
 from grpoflow.rollout.groups import reward_inputs  # noqa: E402
+from grpoflow.rollout.program_turns import new_episode_id  # noqa: E402
 from grpoflow.run.build import run  # noqa: E402
 from grpoflow.run.config import load_config  # noqa: E402
 from grpoflow.run.evaluate_model import RESULTS_FILE  # noqa: E402

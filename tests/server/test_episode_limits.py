@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from grpoflow.engines.base import Completion
-from grpoflow.rollout.agent_programs import Endpoint, take_episode
+from grpoflow.rollout.program_turns import Endpoint, take_episode
 from grpoflow.server import build_app
 from grpoflow.server.episode_recorder import RecordedTurn, TurnRequest
 from grpoflow.server.episode_routes import MAX_TURNS_PAGE, PAGE_BYTES, episode_page

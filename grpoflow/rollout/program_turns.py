@@ -1,0 +1,77 @@
+"""An agent program's episode as the server recorded it: where the turns are read from, read and
+deleted once the program returns, and the chained turns as the completion a group trains on."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from grpoflow.chat.trajectory import Trajectory
+from grpoflow.engines import Completion
+
+if TYPE_CHECKING:
+    import httpx
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A server the programs sample from."""
+
+    url: str
+    api_key: str
+    model: str
+
+
+def new_episode_id() -> str:
+    """An episode id no other client can guess (128 random bits)."""
+    return f"agent-{secrets.token_urlsafe(16)}"
+
+
+async def take_episode(
+    fetcher: httpx.AsyncClient, endpoint: Endpoint, episode_id: str, page_turns: int | None = None
+) -> list[dict[str, Any]]:
+    """An episode's recorded turns, read a page at a time (of the server's size, or `page_turns`)
+    and then deleted from the server; [] when it recorded none."""
+    headers = {"Authorization": f"Bearer {endpoint.api_key}"}
+    url = f"{endpoint.url}/v1/episodes/{episode_id}"
+    turns: list[dict[str, Any]] = []
+    offset: int | None = 0
+    while offset is not None:
+        params = {"offset": offset} if page_turns is None else {"offset": offset, "limit": page_turns}
+        answer = await fetcher.get(url, headers=headers, params=params)
+        if answer.status_code == 404 and not turns:
+            return []
+        answer.raise_for_status()
+        page = answer.json()
+        turns += page["turns"]
+        following = page.get("next_offset")
+        if following is not None and following <= offset:
+            raise ValueError(f"{url} answered offset {offset} with next_offset {following}: it must advance")
+        offset = following
+    (await fetcher.delete(url, headers=headers)).raise_for_status()
+    return turns
+
+
+def training_completion(trajectory: Trajectory, shared: int) -> Completion:
+    """The trajectory after the group's shared prompt: its own rest of the prompt (mask 0), then
+    its turns."""
+    rest = trajectory.prompt_ids[shared:]
+    return Completion(
+        rest + trajectory.ids,
+        [0.0] * len(rest) + trajectory.logprobs,
+        "length" if trajectory.truncated else "stop",
+        trajectory.policy_version,
+        mask=[0] * len(rest) + trajectory.mask,
+    )
+
+
+def common_prefix(sequences: list[list[int]]) -> list[int]:
+    if not sequences:
+        return []
+    length = 0
+    for column in zip(*sequences):
+        if any(value != column[0] for value in column):
+            break
+        length += 1
+    return list(sequences[0][:length])
