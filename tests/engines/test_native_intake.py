@@ -4,6 +4,8 @@ what they would draw alone."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from helpers.native_fixtures import one_thread, tiny  # noqa: F401 (a fixture)
 
@@ -20,7 +22,8 @@ def model():
 
 
 def engine_for(model, **config) -> NativeEngine:
-    engine = NativeEngine(model, config=NativeEngineConfig(max_num_seqs=4, num_kv_blocks=256, **config))
+    config = {"max_num_seqs": 4, "num_kv_blocks": 256, **config}
+    engine = NativeEngine(model, config=NativeEngineConfig(**config))
     engine.wake_up()
     return engine
 
@@ -95,3 +98,48 @@ def test_a_request_that_finds_every_row_held_takes_one_from_the_long_request(mod
     ((answered_at, answer),) = intake.answers
     assert answered_at <= 8 and len(answer[0][0].token_ids) == 2
     assert [len(c.token_ids) for c in group] == [16] * 32 and engine.stats.extra["preemptions"] >= 1
+
+
+class Trickle:
+    """Hands one request of one sequence at each of its calls from `first` on, `count` in all."""
+
+    def __init__(self, first: int, count: int, params: SamplingParams) -> None:
+        self.first, self.count, self.params, self.calls = first, count, params, 0
+        self.answers: list[tuple[int, list]] = []
+
+    def __call__(self):
+        self.calls += 1
+        index = self.calls - self.first
+        if not 0 <= index < self.count:
+            return []
+        return [([[3 + index, 4]], [self.params], functools.partial(self.sink, index))]
+
+    def sink(self, index: int, groups) -> None:
+        self.answers.append((index, groups))
+
+
+@pytest.mark.parametrize(("wait_steps", "prefills"), [(0, 9), (8, 5)])
+def test_requests_arriving_one_by_one_share_prefill_steps(model, wait_steps, prefills):
+    """16 rows (a prefill is worth 2 sequences): 8 requests joining one a step each are prefilled
+    one by one without waiting, in pairs when each may wait for the next; their draws are the same."""
+    engine = engine_for(model, max_num_seqs=16, prefill_wait_steps=wait_steps)
+    joining = SamplingParams(max_tokens=3, temperature=1.0, seed=7)
+    trickle = Trickle(3, 8, joining)
+    engine.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0), intake=trickle
+    )
+    assert len(trickle.answers) == 8
+    assert engine.stats.extra["prefill_steps"] == prefills
+    alone = engine.generate([[3 + index, 4] for index in range(8)], joining)
+    joined = [groups[0] for _, groups in sorted(trickle.answers, key=lambda answer: answer[0])]
+    assert [[c.token_ids for c in group] for group in joined] == [
+        [c.token_ids for c in group] for group in alone
+    ]
+
+
+def test_a_lone_joining_request_waits_at_most_prefill_wait_steps(model):
+    engine = engine_for(model, max_num_seqs=16, prefill_wait_steps=6)
+    intake = Intake(3, ([[3, 4]], SamplingParams(max_tokens=1)))
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=40, ignore_eos=True), intake=intake)
+    ((answered_at, _),) = intake.answers
+    assert 3 + 6 <= answered_at <= 3 + 6 + 4

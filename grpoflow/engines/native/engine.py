@@ -192,6 +192,7 @@ class NativeEngine:
             block_size=self.config.block_size,
             max_blocks=runner.max_blocks,
             max_prefill_tokens=self.config.max_prefill_tokens,
+            prefill_wait_steps=0 if joins.intake is None else self.config.prefill_wait_steps,
         )
         joins.queue = scheduler.add
         runner.begin(options)

@@ -110,8 +110,13 @@ class Scheduler:
         block_size: int,
         max_blocks: int,
         max_prefill_tokens: int,
+        prefill_wait_steps: int = 0,
     ) -> None:
+        """`prefill_wait_steps`: decode steps that waiting sequences fewer than min_prefill_rows
+        may be held for others to arrive (requests joining the call) before they are admitted."""
         self.book, self.pool = book, pool
+        self.prefill_wait_steps = prefill_wait_steps
+        self.steps_waited = 0  # decode steps run since sequences started waiting with rows free
         self.block_size, self.max_prefill_tokens = block_size, max_prefill_tokens
         self.waiting: deque[deque[WorkItem]] = deque()  # a queue per request; preempted ones first
         self.num_waiting = 0
@@ -155,13 +160,19 @@ class Scheduler:
     def schedule(self) -> PrefillStep | DecodeStep | None:
         """The next step: a prefill when enough rows are free to make one worth a pass over the
         weights (or nothing runs), else a decode step; None when every running sequence waits
-        for its last token and nothing can be admitted."""
+        for its last token and nothing can be admitted. Fewer waiting sequences than
+        min_prefill_rows are held up to prefill_wait_steps decode steps for others to join them."""
         if self.waiting:
-            worth = min(self.num_waiting, self.min_prefill_rows)
-            if self.num_running == 0 or len(self.free_rows) >= worth or self._share_rows():
+            free = len(self.free_rows) >= min(self.num_waiting, self.min_prefill_rows)
+            gathered = (
+                self.num_waiting >= self.min_prefill_rows or self.steps_waited >= self.prefill_wait_steps
+            )
+            if self.num_running == 0 or (free and gathered) or (not free and self._share_rows()):
                 step = self._admit()
                 if step is not None:
+                    self.steps_waited = 0
                     return step
+            self.steps_waited += free
         return self._decode()
 
     def _share_rows(self) -> bool:

@@ -35,6 +35,11 @@ class NativeEngineConfig(EngineConfig):
     tokens, so a prompt that starts with a cached prefix (a GRPO group's shared prompt, a
     multi-turn episode's earlier turns) prefills only the rest; dropped when the weights change,
     on sleep and by `reset_prefix_cache` (family path only)."""
+    prefill_wait_steps: int = 8
+    """Requests that join a running call (a server's, a run's hosted agent programs') and are
+    fewer than an eighth of max_num_seqs wait up to this many decode steps for others before they
+    are prefilled, so requests that arrive one by one share prefill steps instead of taking one
+    each; 0 prefills each as soon as rows are free. Prompts a call starts with never wait."""
     max_lora_rank: int = 64
     """The largest rank of an adapter sent as tensors (`grpoflow.transport.adapters`) the engine
     takes (vLLM's --max-lora-rank); a LoRA policy's own layers are not bounded by it."""
@@ -54,6 +59,7 @@ class NativeEngineConfig(EngineConfig):
             self.num_kv_blocks,
         )
         require(self.max_lora_rank >= 1, "max_lora_rank", ">= 1", self.max_lora_rank)
+        require(self.prefill_wait_steps >= 0, "prefill_wait_steps", ">= 0", self.prefill_wait_steps)
         require(self.max_prefill_tokens >= 1, "max_prefill_tokens", ">= 1", self.max_prefill_tokens)
 
     @classmethod
