@@ -8,13 +8,17 @@ in the training process (`environment_factory`) and an agent program on the `ope
 The policy is a random model of the preset's shape over a character tokenizer (its vocabulary is
 the tokenizer's, so every sampled id is text) with a chat template in Qwen2.5's layout that
 renders tools. Each episode starts from one user message and offers one tool; the policy writes
-`--turn-tokens` tokens a turn (EOS ignored is not an option of either path, so a turn may end
-early), and after each turn the same short user message comes back, `--turns` policy turns in all.
-The environment answers through `respond`; the program appends the reply and the message and asks
-again. Both get a reward drawn from the episode's row (the model learns nothing here: only speed
-is measured). Each mode runs `grpoflow train` for `--steps` steps and the steps after the first
-`--warmup` are averaged: trained (sampled) tokens per second of rollout, seconds per step and
-episodes per second of rollout. Prints a table and saves JSON under benchmarks/results/.
+up to `--turn-tokens` tokens a turn (a sampled EOS ends it), and after each turn the same short
+user message comes back, `--turns` policy turns in all. The environment answers through
+`respond`; the program appends the reply and the message and asks again. Both get a reward drawn
+from the episode's row (the model learns nothing here: only speed is measured).
+
+Each mode runs `grpoflow train` for `--steps` steps and the steps after the first `--warmup` are
+averaged: trained tokens per second of rollout, seconds per step and episodes per second of
+rollout. An agent program's turns that a later prompt does not extend are not trained (`dropped`:
+a random model samples `<pad>` and `<unk>`, which its decoded text loses), so episodes per second
+compare the two paths' speed more closely than tokens. Prints a table and saves JSON under
+benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
 CHAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nYou may call these tools:\n"
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
-    "Call one as <tool_call>{\"name\": NAME, \"arguments\": ARGS}</tool_call>.<|im_end|>\n{% endif %}"
+    'Call one as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>.<|im_end|>\n{% endif %}'
     "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -192,7 +196,9 @@ def device_name(device: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="qwen2-0.5b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
@@ -216,17 +222,28 @@ def main() -> None:
     figures = {"device": device_name(args.device), "args": vars(args), "rows": rows}
     if len(rows) == 2:
         figures["agent_program_over_environment"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-    print(f"{'mode':<15} {'tokens/s':>10} {'s/step':>8} {'rollout s':>10} {'episodes/s':>11} {'turns':>6}")
+        figures["episodes_agent_program_over_environment"] = (
+            rows[1]["episodes_per_s"] / rows[0]["episodes_per_s"]
+        )
+    print(
+        f"{'mode':<15} {'tokens/s':>10} {'s/step':>8} {'rollout s':>10} {'episodes/s':>11} {'turns':>6} {'dropped':>8}"
+    )
     for row in rows:
         print(
             f"{row['mode']:<15} {row['tokens_per_s']:>10.0f} {row['seconds_per_step']:>8.2f} "
-            f"{row['rollout_seconds_per_step']:>10.2f} {row['episodes_per_s']:>11.1f} {row['turns_mean']:>6.2f}"
+            f"{row['rollout_seconds_per_step']:>10.2f} {row['episodes_per_s']:>11.1f} {row['turns_mean']:>6.2f} "
+            f"{row['dropped_turns_mean']:>8.2f}"
         )
     if "agent_program_over_environment" in figures:
-        print(f"agent_program / environment tokens/s: {figures['agent_program_over_environment']:.2f}")
+        print(
+            f"agent_program / environment: tokens/s {figures['agent_program_over_environment']:.2f}, "
+            f"episodes/s {figures['episodes_agent_program_over_environment']:.2f}"
+        )
     today = datetime.date.today().isoformat()
     tag = "cuda" if args.device == "cuda" else "cpu"
-    path = Path(args.output) if args.output else Path(__file__).parent / "results" / f"{today}-agents-{tag}.json"
+    path = (
+        Path(args.output) if args.output else Path(__file__).parent / "results" / f"{today}-agents-{tag}.json"
+    )
     path.write_text(json.dumps(figures, indent=2) + "\n")
     print(f"results in {path}")
 

@@ -174,10 +174,13 @@ class Prober:
 
     def __init__(self, url: str, pid: int) -> None:
         context = multiprocessing.get_context("spawn")
-        self._stop = context.Event()
+        self._stop, ready = context.Event(), context.Event()
         self._results, sending = context.Pipe(duplex=False)
-        self._process = context.Process(target=probe, args=(url, pid, self._stop, sending), daemon=True)
+        arguments = (url, pid, ready, self._stop, sending)
+        self._process = context.Process(target=probe, args=arguments, daemon=True)
         self._process.start()
+        if not ready.wait(120):
+            raise RuntimeError("the /health prober did not start")
 
     def stop(self) -> tuple[list[float], list[float]]:
         """Stop probing: the /health latencies (s) and the resident memory read at each (MiB)."""
@@ -187,10 +190,12 @@ class Prober:
         return health, peak
 
 
-def probe(url: str, pid: int, stop: Any, results: Any) -> None:
+def probe(url: str, pid: int, ready: Any, stop: Any, results: Any) -> None:
     health: list[float] = []
     peak = [rss_mib(pid)]
     with httpx.Client(base_url=url, timeout=30) as own:
+        own.get("/health")  # connected: the load may start
+        ready.set()
         while not stop.is_set():
             start = time.perf_counter()
             own.get("/health")
