@@ -348,7 +348,6 @@ REFUSED_TRL_FIELDS = frozenset(
         "hub_strategy",
         "hub_always_push",
         "hub_revision",
-        "load_best_model_at_end",
         "ignore_data_skip",
         "restore_callback_states_from_checkpoint",
         "full_determinism",

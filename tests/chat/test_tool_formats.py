@@ -286,6 +286,8 @@ def test_auto_is_resolved_from_the_tokenizer_template_and_logged(caplog):
 
 
 def test_auto_without_a_known_template_reads_each_turn_by_its_markers(caplog):
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
     with caplog.at_level(logging.INFO, logger="grpoflow.chat"):
-        assert resolve_tool_call_format("auto", build_char_tokenizer()) == "auto"
+        assert resolve_tool_call_format("auto", tokenizer) == "auto"
     assert "no known tool-call format" in caplog.text and "qwen3_coder" in caplog.text
