@@ -315,7 +315,7 @@ def main() -> None:
         "rss_after_over_before": after / before,
         "healthy_after": alive,
         "stopped_on_sigterm": stopped,
-        "cpus": os.cpu_count(),
+        "cpus": len(os.sched_getaffinity(0)),
         "args": vars(args),
     }
     print_table(figures)
