@@ -164,14 +164,14 @@ def assert_resumed_run_replays(straight_dir: Path, resumed_dir: Path) -> None:
 
 
 def save_reward_model(directory, chat_template=None):
-    """A tiny random Qwen2 sequence classifier (one label) and its char tokenizer in `directory`."""
+    """A tiny random Qwen2 sequence classifier (one label) and its char tokenizer in `directory`,
+    with `chat_template` as its template (None: none)."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     from grpoflow.policy.tiny import PRESETS, build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
+    tokenizer.chat_template = chat_template
     shape = {**PRESETS["tiny"], "intermediate_size": 64, "max_position_embeddings": 128}
     config = Qwen2Config(
         vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=1, **shape

@@ -113,7 +113,7 @@ def test_a_run_trains_on_a_verifiers_environment_by_name(tmp_path):
 
 
 def test_a_run_plays_a_multi_turn_verifiers_environment(tmp_path):
-    overrides = {"environment": "verifiers:vf-relay", "max_turn_tokens": 4, "max_completion_length": 32}
+    overrides = {"environment": "verifiers:vf-relay", "max_turn_tokens": 4, "max_completion_length": 40}
     history = run(config(tmp_path, **overrides))
     step = history[-1]
     assert step["episodes/turns_mean"] == 3.0 and step["episodes/ended_by/stop"] == 1.0
