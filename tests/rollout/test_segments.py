@@ -54,6 +54,7 @@ def test_collate_marks_where_each_later_sequence_starts():
     assert batch.sequence_starts.tolist() == [[False, True, False, False, False], [False] * 5]
     assert batch.loss_mask.tolist() == [[1, 0, 0, 1, 1], [1, 1, 0, 0, 0]]
     assert batch.rows(1, 2).sequence_starts.tolist() == [[False, False]]
+    assert batch.take(torch.tensor([1, 0])).sequence_starts[1].tolist() == [False, True, False, False, False]
     assert collate([two_episodes(segmented=False)], PAD, torch.device("cpu")).sequence_starts is None
 
 
