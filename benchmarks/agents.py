@@ -183,6 +183,7 @@ def summarize(mode: str, steps: list[dict], args: argparse.Namespace) -> dict:
         "episodes_per_s": episodes / rollout,
         "turns_mean": statistics.mean(step.get("episodes/turns_mean", float("nan")) for step in timed),
         "dropped_turns_mean": statistics.mean(step.get("episodes/dropped_turns_mean", 0.0) for step in timed),
+        "segments_mean": statistics.mean(step.get("episodes/segments_mean", 1.0) for step in timed),
         "steps_timed": len(timed),
     }
 
@@ -226,13 +227,13 @@ def main() -> None:
             rows[1]["episodes_per_s"] / rows[0]["episodes_per_s"]
         )
     print(
-        f"{'mode':<15} {'tokens/s':>10} {'s/step':>8} {'rollout s':>10} {'episodes/s':>11} {'turns':>6} {'dropped':>8}"
+        f"{'mode':<15} {'tokens/s':>10} {'s/step':>8} {'rollout s':>10} {'episodes/s':>11} {'turns':>6} {'dropped':>8} {'segments':>9}"
     )
     for row in rows:
         print(
             f"{row['mode']:<15} {row['tokens_per_s']:>10.0f} {row['seconds_per_step']:>8.2f} "
             f"{row['rollout_seconds_per_step']:>10.2f} {row['episodes_per_s']:>11.1f} {row['turns_mean']:>6.2f} "
-            f"{row['dropped_turns_mean']:>8.2f}"
+            f"{row['dropped_turns_mean']:>8.2f} {row['segments_mean']:>9.2f}"
         )
     if "agent_program_over_environment" in figures:
         print(

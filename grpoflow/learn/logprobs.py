@@ -1,6 +1,7 @@
 """Log-probs of a rollout batch's completion tokens under a placed model, from its padded rows or,
 under `padding_free`, from its sequences packed end to end in one row (`algo.packing`); either
-way they come back padded, so the losses see the same tensors."""
+way they come back padded, so the losses see the same tensors. A row holding several sequences
+(`RolloutBatch.sequence_starts`) is scored as a row per sequence (`rollout.segments`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from grpoflow.algo import LogprobOptions, pack_sequences, packed_sequence_logpro
 from grpoflow.learn.update import UpdateSettings
 from grpoflow.policy.placement import Placement
 from grpoflow.rollout.batch import RolloutBatch
+from grpoflow.rollout.segments import split_sequences
 
 
 def batch_logprobs(
@@ -22,6 +24,12 @@ def batch_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (batch, completion_len) of the completion tokens under the placed model
     (and their entropy if asked), from the padded rows or, under `padding_free`, packed ones."""
+    if batch.sequence_starts is not None and bool(batch.sequence_starts.any()):
+        split = split_sequences(batch)
+        logps, entropies = batch_logprobs(
+            placement, split.batch, settings, entropy=entropy, entropy_grad=entropy_grad
+        )
+        return split.place(logps), None if entropies is None else split.place(entropies)
     model = placement.module
     options = LogprobOptions(
         temperature=settings.temperature,

@@ -25,7 +25,8 @@ by `grpoflow serve`'s app on 127.0.0.1 (`grpoflow.server.hosted`), whose gate is
 the programs run, so they never meet the trainer's weight updates or sleep; with `vllm_mode:
 server` the programs talk to the run's `grpoflow serve` servers themselves. Either way the server
 records every turn; once the program returns, the episode's turns are fetched (and deleted) and
-chained into one training sequence (`grpoflow.chat.trajectory`).
+chained into training sequences (`grpoflow.chat.trajectory`): one per run of turns that extend each
+other, every sampled token trained with the log-prob it was sampled with.
 
 A program that raises, or runs past `agent_timeout`, or records no turn, ends only its own
 episode: it trains with advantage 0 (no reward), and the error is logged with its row. A request
@@ -90,7 +91,10 @@ class ProgramOutcome:
     num_turns: int = 0
     """Turns recorded."""
     num_dropped: int = 0
-    """Recorded turns left out of the training sequence (grpoflow.chat.trajectory)."""
+    """Recorded turns left out of the training sequences (past max_completion_length)."""
+    num_segments: int = 0
+    """Sequences the episode trains as: its runs of turns that extend each other
+    (grpoflow.chat.trajectory); 0 for an episode that failed."""
 
 
 def program_rewards() -> list[tuple[str, Callable[..., Any]]]:
@@ -359,20 +363,23 @@ class AgentPrograms:
                 outcomes[index].ending, outcomes[index].reward = "error", None
                 outcomes[index].error = "its first prompt shares no token with its group's first episode's"
         shared = common_prefix([t.prompt_ids for t in trajectories if t is not None])
-        completions, texts, conversations = [], [], []
+        completions, starts, texts, conversations = [], [], [], []
         for outcome, trajectory in zip(outcomes, trajectories):
             if trajectory is None:
                 completions.append(Completion([], [], "error", version, text=outcome.error, mask=[]))
+                starts.append([])
                 texts.append("")
                 conversations.append([])
                 continue
             if outcome.ending == "budget":  # ended by the run's limits, not by the program
                 trajectory = replace(trajectory, truncated=True)
-            completions.append(training_completion(trajectory, len(shared)))
+            completion, sequence_starts = training_completion(trajectory, len(shared))
+            completions.append(completion)
+            starts.append(sequence_starts)
             first, last = outcome.turns[0], outcome.turns[-1]
             texts.append(last["message"].get("content") or "")
             conversations.append([*last["messages"][len(first["messages"]) :], last["message"]])
-            outcome.num_dropped = trajectory.num_dropped
+            outcome.num_dropped, outcome.num_segments = trajectory.num_dropped, trajectory.num_segments
             if trajectory.truncated and outcome.ending == "stop":
                 outcome.ending = "length"
         for outcome in outcomes:
@@ -383,6 +390,7 @@ class AgentPrograms:
             texts=texts,
             conversations=conversations,
             environments=list(outcomes),
+            sequence_starts=starts if any(starts) else None,
         )
 
     def _metrics(
@@ -398,6 +406,7 @@ class AgentPrograms:
         metrics = {
             "episodes/turns_mean": sum(o.num_turns for o in outcomes) / count,
             "episodes/dropped_turns_mean": dropped / count,
+            "episodes/segments_mean": sum(o.num_segments for o in outcomes) / count,
             "episodes/masked_token_fraction": inserted / tokens if tokens else 0.0,
             "episodes/errors": sum(o.error is not None for o in outcomes) / count,
             "time/agent": seconds,
@@ -425,12 +434,9 @@ class AgentPrograms:
         if dropped and not self._warned_dropped:
             self._warned_dropped = True
             logger.warning(
-                "%d recorded turns were dropped: a turn's prompt did not start with the previous turn's "
-                "prompt and completion (the program rewrote its history, or the chat template renders "
-                "an earlier turn differently, e.g. a special token the policy sampled is missing from "
-                'the turn\'s text: request with extra_body={"skip_special_tokens": False} to keep '
-                "them), so only the longest chaining run of an episode's turns is trained "
-                "(episodes/dropped_turns_mean); warned once",
+                "%d recorded turns were dropped: each began past max_completion_length tokens after "
+                "its run's prompt (episodes/dropped_turns_mean); raise max_completion_length to train "
+                "them; warned once",
                 dropped,
             )
 

@@ -1,4 +1,14 @@
-"""Groups to padded training tensors: the `RolloutBatch` the learner reads."""
+"""Groups to padded training tensors: the `RolloutBatch` the learner reads.
+
+One row per completion, whatever the completion: an episode whose turns split into several runs
+(`grpoflow.chat.trajectory`) is one row too, its later runs' sequences laid after its first in
+the completion columns and marked in `sequence_starts`; the learner's forward passes keep them
+apart (`grpoflow.rollout.segments`). So every loss normaliser counts what it counts for any
+completion: a row, i.e. one episode, for those over sequences (grpo's per-sequence token mean,
+dr_grpo's `num_sequences`, luspo; GSPO's sequence-level ratio), and the loss tokens (mask 1) for
+those over tokens (dapo, bnpo). An episode of two sequences weighs exactly as an episode of one
+sequence with the same sampled tokens: the prompt tokens of a later sequence have mask 0.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +44,10 @@ class RolloutBatch:
     loss_mask: torch.Tensor | None = None
     """(batch, completion_len) 1 on the tokens that get a loss: those the policy sampled (not
     those an environment inserted), less any filtered out; `completion_mask` when unset."""
+    sequence_starts: torch.Tensor | None = None
+    """(batch, completion_len) bool: True on a completion token that begins another sequence of
+    its row (the first token of that sequence's prompt; mask 0): positions restart there and no
+    token attends across it. None: every row is its prompt then its completion, one sequence."""
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -81,21 +95,33 @@ class RolloutBatch:
             truncated=self.truncated[start:stop],
             left_padded=self.left_padded and not bool(prompt_mask[:, first:].all()),
             loss_mask=self.loss_mask[start:stop, :last],
+            sequence_starts=None if self.sequence_starts is None else self.sequence_starts[start:stop, :last],
         )
 
 
 def collate(groups: Sequence[Group], pad_token_id: int, device: torch.device) -> RolloutBatch:
-    """Pad every completion of every group into one batch of tensors on `device`."""
+    """Pad every completion of every group into one batch of tensors on `device`, with where
+    each completion's later sequences start (`Group.sequence_starts`)."""
     pairs = [(group.item.prompt_ids, c) for group in groups for c in group.completions]
-    return collate_pairs(pairs, pad_token_id, device)
+    starts = [
+        list(offsets)
+        for group in groups
+        for offsets in (group.sequence_starts or [[]] * len(group.completions))
+    ]
+    return collate_pairs(pairs, pad_token_id, device, starts if any(starts) else None)
 
 
 def collate_pairs(
-    pairs: Sequence[tuple[Sequence[int], Completion]], pad_token_id: int, device: torch.device
+    pairs: Sequence[tuple[Sequence[int], Completion]],
+    pad_token_id: int,
+    device: torch.device,
+    sequence_starts: Sequence[Sequence[int]] | None = None,
 ) -> RolloutBatch:
     """Pad `(prompt ids, completion)` pairs into one batch of tensors on `device`: prompts on the
     left, completions on the right. Each field goes in as one flat tensor, scattered through a
-    row-major mask (a row's positions in order, row after row: the pairs' order)."""
+    row-major mask (a row's positions in order, row after row: the pairs' order).
+    `sequence_starts`: per pair, the completion offsets where another sequence begins (each a
+    token the completion's mask leaves out of the loss)."""
     prompt_lengths = torch.tensor([len(prompt) for prompt, _ in pairs], dtype=torch.long)
     lengths = torch.tensor([len(c.token_ids) for _, c in pairs], dtype=torch.long)
     prompt_len = int(prompt_lengths.max())
@@ -117,6 +143,7 @@ def collate_pairs(
     else:
         loss_mask = scatter(_chain(c.loss_mask for _, c in pairs), 0, torch.long, filled)
     truncated = torch.tensor([c.truncated for _, c in pairs], dtype=torch.bool)
+    starts = None if sequence_starts is None else _starts(sequence_starts, pairs, completion_mask, loss_mask)
     return RolloutBatch(
         prompt_ids=prompt_ids.to(device),
         prompt_mask=prompt_mask.to(device),
@@ -126,7 +153,33 @@ def collate_pairs(
         truncated=truncated.to(device),
         left_padded=len({len(prompt) for prompt, _ in pairs}) > 1,
         loss_mask=loss_mask.to(device),
+        sequence_starts=None if starts is None else starts.to(device),
     )
+
+
+def _starts(
+    offsets: Sequence[Sequence[int]],
+    pairs: Sequence[tuple[Sequence[int], Completion]],
+    completion_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+) -> torch.Tensor:
+    """(batch, completion_len) bool: True at each pair's sequence starts, which must lie inside its
+    completion, on a token without a loss."""
+    if len(offsets) != len(pairs):
+        raise ValueError(
+            f"sequence_starts has {len(offsets)} entries for {len(pairs)} completions: give one each"
+        )
+    starts = torch.zeros_like(completion_mask, dtype=torch.bool)
+    for row, (row_offsets, (_, completion)) in enumerate(zip(offsets, pairs)):
+        for offset in row_offsets:
+            if not 0 <= offset < len(completion.token_ids) or loss_mask[row, offset]:
+                raise ValueError(
+                    f"completion {row}'s sequence start {offset} must be a token of its completion "
+                    f"({len(completion.token_ids)} tokens) whose mask is 0: the first token of that "
+                    "sequence's prompt"
+                )
+            starts[row, offset] = True
+    return starts
 
 
 def _chain(lists: Iterable[Sequence]) -> list:

@@ -36,6 +36,12 @@ class Group:
     reward functions receive them beside the row's columns, which they override."""
     sampling_logprobs: bool = True
     """Whether the completions carry the engine's log-probs (a rollout function may not)."""
+    sequence_starts: list[list[int]] | None = None
+    """Per completion: the offsets in its `token_ids` where another sequence begins (the first
+    token of its own prompt), for an episode whose later turns do not extend its earlier ones
+    (`grpoflow.chat.trajectory`); it trains as those sequences, apart, with the episode's one
+    advantage (`grpoflow.rollout.segments`). None, or [] for a completion: one sequence, its
+    prompt then its tokens."""
 
 
 @dataclass(slots=True)

@@ -1,5 +1,6 @@
 """An agent program's episode as the server recorded it: where the turns are read from, read and
-deleted once the program returns, and the chained turns as the completion a group trains on."""
+deleted once the program returns, and the chained turns as the completion a group trains on (with
+where each of its later sequences starts)."""
 
 from __future__ import annotations
 
@@ -53,17 +54,18 @@ async def take_episode(
     return turns
 
 
-def training_completion(trajectory: Trajectory, shared: int) -> Completion:
+def training_completion(trajectory: Trajectory, shared: int) -> tuple[Completion, list[int]]:
     """The trajectory after the group's shared prompt: its own rest of the prompt (mask 0), then
-    its turns."""
+    its turns; and where in the completion each of its later runs starts (`Group.sequence_starts`)."""
     rest = trajectory.prompt_ids[shared:]
-    return Completion(
+    completion = Completion(
         rest + trajectory.ids,
         [0.0] * len(rest) + trajectory.logprobs,
         "length" if trajectory.truncated else "stop",
         trajectory.policy_version,
         mask=[0] * len(rest) + trajectory.mask,
     )
+    return completion, [len(rest) + start for start in trajectory.starts]
 
 
 def common_prefix(sequences: list[list[int]]) -> list[int]:

@@ -1,5 +1,5 @@
-"""Chaining an agent program's recorded turns into one training sequence, against sequences
-written out by hand."""
+"""Chaining an agent program's recorded turns into training sequences, one per run of turns that
+extend each other, against sequences written out by hand."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_turns_that_extend_each_other_chain_with_the_inserted_ids_masked():
     assert (trajectory.num_turns, trajectory.num_dropped, trajectory.truncated) == (3, 0, False)
 
 
-def test_a_turn_that_rewrites_history_starts_a_new_run_and_the_longest_run_is_kept():
+def test_a_turn_that_rewrites_history_starts_a_new_sequence_and_every_run_is_trained():
     turns = [
         turn([1, 2], [3]),
         turn([1, 7], [4], version=4),  # the history was rewritten: not [1, 2, 3, ...]
@@ -36,13 +36,18 @@ def test_a_turn_that_rewrites_history_starts_a_new_run_and_the_longest_run_is_ke
     ]
     assert chaining_runs(turns) == [range(0, 1), range(1, 3)]
     trajectory = chain_turns(turns, 100)
-    assert trajectory.prompt_ids == [1, 7] and trajectory.ids == [4, 9, 5] and trajectory.mask == [1, 0, 1]
-    assert trajectory.num_dropped == 1 and trajectory.policy_version == 4
+    assert trajectory.prompt_ids == [1, 2]
+    assert trajectory.ids == [3, 1, 7, 4, 9, 5] and trajectory.mask == [1, 0, 0, 1, 0, 1]
+    assert trajectory.logprobs == [-0.5, 0.0, 0.0, -0.5, 0.0, -0.5]
+    assert trajectory.starts == [1] and trajectory.num_segments == 2
+    assert (trajectory.num_turns, trajectory.num_dropped, trajectory.policy_version) == (3, 0, 3)
 
 
-def test_on_a_tie_the_later_run_is_kept_since_the_reward_judges_the_end():
-    trajectory = chain_turns([turn([1], [2]), turn([8], [9])], 100)
-    assert trajectory.prompt_ids == [8] and trajectory.ids == [9] and trajectory.num_dropped == 1
+def test_every_run_is_trained_whatever_its_length():
+    trajectory = chain_turns([turn([1], [2]), turn([8], [9]), turn([8, 9, 6], [5, 4])], 100)
+    assert trajectory.prompt_ids == [1] and trajectory.ids == [2, 8, 9, 6, 5, 4]
+    assert trajectory.mask == [1, 0, 1, 0, 1, 1] and trajectory.starts == [1]
+    assert trajectory.num_dropped == 0 and trajectory.num_turns == 3
 
 
 def test_a_prompt_shorter_than_the_previous_turn_does_not_extend_it():
@@ -56,6 +61,14 @@ def test_the_sequence_is_cut_at_max_completion_length_and_counts_as_truncated():
     exact = chain_turns(turns, 6)
     assert exact.truncated and len(exact.ids) == 6  # the episode used its whole budget
     assert not chain_turns([turn([1], [2], finish="length")], 5).truncated  # a turn's own limit
+
+
+def test_each_run_is_cut_after_its_own_prompt_and_a_turn_past_the_cut_is_dropped():
+    turns = [turn([1], [2, 3]), turn([7, 7, 7], [8]), turn([7, 7, 7, 8, 6, 6], [5])]
+    trajectory = chain_turns(turns, 3)
+    assert trajectory.ids == [2, 3, 7, 7, 7, 8] and trajectory.starts == [2]  # run 2: [8] then [6, 6] ends it
+    assert trajectory.mask == [1, 1, 0, 0, 0, 1] and trajectory.truncated
+    assert (trajectory.num_turns, trajectory.num_dropped) == (2, 1)
 
 
 def test_no_turns_is_refused():

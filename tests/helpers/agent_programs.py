@@ -126,3 +126,36 @@ def hanging_sync_agent(client: openai.OpenAI, model: str, row: dict) -> float:
     """A plain function that hangs, past any timeout, until RELEASE is set."""
     RELEASE.wait()
     return 0.0
+
+
+async def chatty_agent(client: openai.AsyncOpenAI, model: str, row: dict) -> float:
+    """Three user turns, each answer appended to the history as the program received it; the
+    row's `template_kwargs` go to the chat template (Qwen3's `enable_thinking`)."""
+    options = {"chat_template_kwargs": row["template_kwargs"]} if row.get("template_kwargs") else {}
+    messages = [{"role": "user", "content": row["question"]}]
+    for follow_up in ("more", "again", None):
+        reply = await ask(client, model, row, messages, **options)
+        if follow_up is not None:
+            messages += [
+                {"role": "assistant", "content": reply.content},
+                {"role": "user", "content": follow_up},
+            ]
+    return 1.0
+
+
+async def forgetful_agent(client: openai.AsyncOpenAI, model: str, row: dict) -> float:
+    """Four turns; before the third the program forgets the first exchange (keeps the last one),
+    so the third and fourth turns do not extend the first two."""
+    messages = [{"role": "user", "content": row["question"]}]
+    first = await ask(client, model, row, messages)
+    messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "more"}]
+    second = await ask(client, model, row, messages)
+    messages = [
+        *messages[2:],
+        {"role": "assistant", "content": second.content},
+        {"role": "user", "content": "go"},
+    ]
+    third = await ask(client, model, row, messages)
+    messages += [{"role": "assistant", "content": third.content}, {"role": "user", "content": "end"}]
+    await ask(client, model, row, messages)
+    return 1.0

@@ -1,6 +1,7 @@
 """Agent programs on the real `openai` client, against the policy's native engine hosted in this
-process: the training sequence is exactly what was sampled plus the template's ids between turns;
-failures, hangs, rewritten histories and spent budgets end only their own episode."""
+process: the training sequences are exactly what was sampled plus the template's ids between turns;
+failures, hangs and spent budgets end only their own episode, and a rewritten history starts
+another sequence of it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ pytest.importorskip("uvicorn")
 
 from helpers import agent_programs  # noqa: E402
 from helpers.native_fixtures import forward_logprobs  # noqa: E402
+from helpers.trained_turns import assert_every_turn_trained  # noqa: E402
 
 from grpoflow import cli  # noqa: E402
 from grpoflow.agents.config import AgentConfig  # noqa: E402
@@ -154,19 +156,23 @@ def test_failures_hangs_and_rewritten_histories_end_only_their_own_episode(engin
         assert completion.finish_reason == "error" and completion.token_ids == []
         assert words in group.environments[0].error and group.environments[0].reward is None
     assert "the tool broke" in caplog.text and "'behaviour': 'raise'" in caplog.text  # logged with its row
-    # turn 2 restarted the conversation: turns 2 and 3 are trained, turn 1 dropped
+    # turn 2 restarted the conversation: turn 1 is a sequence, turns 2 and 3 another, all trained
     (completion,) = rewritten.completions
-    second, third = seen["rewrite"][1:]
-    assert rewritten.item.prompt_ids == second["prompt_ids"]
-    assert completion.token_ids == third["prompt_ids"][len(second["prompt_ids"]) :] + third["completion_ids"]
-    assert rewritten.environments[0].num_dropped == 1
+    first, second, third = seen["rewrite"]
+    assert rewritten.item.prompt_ids == first["prompt_ids"] and rewritten.sequence_starts == [
+        [len(first["completion_ids"])]
+    ]
+    assert completion.token_ids == first["completion_ids"] + third["prompt_ids"] + third["completion_ids"]
+    batch = collate([rewritten], tokenizer.pad_token_id, torch.device("cpu"))
+    assert_every_turn_trained(batch, 0, seen["rewrite"])
+    assert (rewritten.environments[0].num_dropped, rewritten.environments[0].num_segments) == (0, 2)
     metrics = agent.last_metrics
-    assert metrics["episodes/dropped_turns_mean"] == pytest.approx(1 / 5)
+    assert metrics["episodes/dropped_turns_mean"] == 0
+    assert metrics["episodes/segments_mean"] == pytest.approx((1 + 2) / 5)  # ok 1, rewrite 2, failed 0
     assert metrics["episodes/ended_by/timeout"] == pytest.approx(1 / 5)
     assert metrics["episodes/ended_by/error"] == pytest.approx(2 / 5)
     assert metrics["episodes/errors"] == pytest.approx(3 / 5) and metrics["time/agent"] < 30
-    assert "recorded turns were dropped" in caplog.text
-    assert 'extra_body={"skip_special_tokens": False}' in caplog.text  # the fix, named
+    assert "recorded turns were dropped" not in caplog.text
 
 
 def test_a_plain_function_runs_in_a_thread_and_a_spent_budget_ends_the_episode_truncated(engine, tokenizer):
