@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -311,7 +310,7 @@ def build_optimizer(
     scheduler = get_scheduler(
         training.lr_scheduler_type,
         optimizer,
-        num_warmup_steps=math.ceil(training.warmup_ratio * optimizer_steps),
+        num_warmup_steps=training.warmup(optimizer_steps),
         num_training_steps=optimizer_steps,
     )
     if sharded:
