@@ -6,6 +6,9 @@ evaluation's (the run's `eval/...` metrics, renamed `eval_...` as transformers n
 log entry of their own, to `on_log` and to `on_evaluate`; each step ends with `on_step_end` (and
 `on_save` when the step saved its scheduled checkpoint), and a callback that sets
 `control.should_training_stop` (`EarlyStoppingCallback` among them) stops the run after that step.
+Under torchrun the callbacks run on every rank, with the same metrics (averaged over ranks) and
+`state.is_world_process_zero` true on rank 0 alone; a stop asked on any rank stops every rank
+after the same step.
 `state.epoch` counts the steps done in epochs of the training prompts, and `state.best_metric`
 follows metric_for_best_model at each evaluation during training, as transformers' Trainer keeps
 them.
@@ -48,6 +51,7 @@ class Callbacks:
         """What every hook gets besides its arguments: model, processing_class, optimizer, lr_scheduler."""
         self.saves_at: Callable[[int], bool] = lambda step: False
         self.steps_per_epoch: float | None = None
+        self.any_rank: Callable[[bool], bool] = bool
 
     def start(
         self,
@@ -58,17 +62,18 @@ class Callbacks:
         step: int = 0,
         history: Sequence[dict[str, Any]] = (),
         rank: tuple[bool, bool] = (True, True),
+        any_rank: Callable[[bool], bool] = bool,
     ) -> None:
         """Before the first step: the run's length, its checkpoint schedule, its epoch length in
         steps, the `step` it starts after and the metrics `history` it logged up to there (a
-        resumed run), and whether this process is rank 0 (of the world, of its node); calls
-        on_train_begin."""
+        resumed run), whether this process is rank 0 (of the world, of its node), and `any_rank`,
+        whether a flag is set on any rank (a collective every rank calls); calls on_train_begin."""
         state = self.state
         state.max_steps = total_steps
         state.logging_steps = self.args.logging_steps
         state.save_steps = self.args.save_steps
         state.is_world_process_zero, state.is_local_process_zero = rank
-        self.saves_at, self.steps_per_epoch = saves_at, steps_per_epoch
+        self.saves_at, self.steps_per_epoch, self.any_rank = saves_at, steps_per_epoch, any_rank
         state.log_history, state.best_metric = [], None
         for record in history:
             evaluated = self._record(record["step"], record)
@@ -111,12 +116,14 @@ class Callbacks:
         return logs
 
     def advanced(self, step: int, metrics: dict[str, float]) -> None:
-        """A step ended: on_step_end, on_save after a scheduled checkpoint, then stop if asked."""
+        """A step ended: on_step_end, on_save after a scheduled checkpoint, then stop if asked on
+        any rank."""
         self.state.global_step, self.state.epoch = step, self.epoch(step)
         self.event("on_step_end")
         if self.saves_at(step):
             self.event("on_save")
-        if self.control.should_training_stop:
+        if self.any_rank(bool(self.control.should_training_stop)):
+            self.control.should_training_stop = True
             raise TrainingStopped(f"a callback stopped training after step {step}")
 
     def _record(self, step: int, metrics: dict[str, Any], call: bool = False) -> dict[str, float] | None:

@@ -4,8 +4,9 @@ onto the options of a run (`grpoflow.run.config`).
 A field whose name is an option of grpoflow (most of TRL's: `learning_rate`, `num_generations`,
 `beta`, `max_completion_length`, `output_dir`, `save_steps`, ...) sets that option, converted and
 checked as a YAML key or a `--key value` flag is. The TrainingArguments fields that say the same
-thing in other words are translated (`bf16`, `fp16`, `use_cpu`, `logging_strategy`); a few that
-change nothing here are accepted with a warning naming them; any other field is refused, by name.
+thing in other words are translated (`bf16`, `fp16`, `use_cpu`, `logging_strategy`, and TRL's in
+`grpoflow.api.trl_fields`); a few that change nothing here are accepted with a warning naming them;
+any other field is refused, by name, with why or what to set instead.
 A field set to None where grpoflow's option takes no None (TRL's None for "the default") keeps
 grpoflow's default. The defaults are grpoflow's (`grpoflow train --help` lists them).
 """
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grpoflow import options
+from grpoflow.api import trl_fields
 from grpoflow.options.loader import coerce
 from grpoflow.run.config import KEY_ALIASES
 from grpoflow.run.config import GRPOConfig as RunConfig
@@ -41,9 +43,13 @@ UNUSED_FIELDS = frozenset(
         "ddp_find_unused_parameters",
         "ddp_timeout",
         "include_num_input_tokens_seen",
+        "dataloader_drop_last",
+        "label_names",
     }
 )
-"""TrainingArguments fields that change nothing in a grpoflow run: accepted with a warning."""
+"""TrainingArguments fields that change nothing in a grpoflow run: accepted with a warning
+(`dataloader_drop_last`: a step takes its prompts across an epoch's end, so no batch is short;
+`label_names`: GRPO's completions are their own labels)."""
 
 
 def _dtype(field: str, dtype: str) -> Callable[[Any], dict[str, Any]]:
@@ -85,28 +91,32 @@ def _load_best_model_at_end(value: Any) -> dict[str, Any]:
     return {}
 
 
-def _push_to_hub(value: Any) -> dict[str, Any]:
-    if coerce("push_to_hub", value, bool):
-        raise ValueError(
-            "push_to_hub=True is not supported: grpoflow does not upload; upload "
-            "trainer.save_model's directory with huggingface_hub.upload_folder"
-        )
-    return {}
-
-
 TRANSLATED: dict[str, Callable[[Any], dict[str, Any]]] = {
     "bf16": _dtype("bf16", "bfloat16"),
     "fp16": _dtype("fp16", "float16"),
     "use_cpu": _use_cpu,
     "logging_strategy": _logging_strategy,
-    "push_to_hub": _push_to_hub,
     "metric_for_best_model": _metric_for_best_model,
     "load_best_model_at_end": _load_best_model_at_end,
+    **trl_fields.TRANSLATED,
 }
 """TrainingArguments fields said in other words in grpoflow, each to the options it sets. `bf16`
 and `fp16` keep the parameters themselves in that dtype (no float32 master copy under autocast);
 `metric_for_best_model` takes TrainingArguments' names (`eval_reward`) and grpoflow's (`reward`,
 `eval/reward`) alike."""
+
+
+def _refusal(name: str, fields: dict[str, Any]) -> TypeError:
+    """The error of a field grpoflow does not implement: why, for a TRL field it refuses, or the
+    options spelled like it."""
+    if name in trl_fields.REFUSED:
+        return TypeError(f"GRPOConfig field {name!r} is not supported: {trl_fields.REFUSED[name]}")
+    close = difflib.get_close_matches(name, [*fields, *TRANSLATED], n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return TypeError(
+        f"GRPOConfig got the field {name!r}, which grpoflow does not implement{hint} "
+        "(`grpoflow train --help` lists the options)"
+    )
 
 
 def _takes_none(hint: Any) -> bool:
@@ -128,6 +138,8 @@ class GRPOConfig:
         for name, value in kwargs.items():
             if name in TRANSLATED:
                 values.update(TRANSLATED[name](value))
+            elif name in trl_fields.GENERATION_BATCH_FIELDS:
+                continue  # checked once every field is set
             elif name in UNUSED_FIELDS:
                 logger.warning("GRPOConfig: %s is accepted and not used by grpoflow", name)
             elif name in fields:
@@ -138,12 +150,8 @@ class GRPOConfig:
                 if KEY_ALIASES[name] is not None:
                     values[KEY_ALIASES[name]] = value
             else:
-                close = difflib.get_close_matches(name, [*fields, *TRANSLATED], n=3)
-                hint = f"; did you mean {', '.join(close)}?" if close else ""
-                raise TypeError(
-                    f"GRPOConfig got the field {name!r}, which grpoflow does not implement{hint} "
-                    "(`grpoflow train --help` lists the options)"
-                )
+                raise _refusal(name, fields)
+        trl_fields.check_generation_batch(kwargs, values, {name: fields[name].default for name in fields})
         self._given = dict(kwargs)
         self._values = values
 

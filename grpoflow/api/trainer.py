@@ -170,6 +170,7 @@ class GRPOTrainer:
             step=loop.step_count,
             history=self._logged_so_far(loop),
             rank=(loop.distributed.is_main, loop.distributed.local_rank == 0),
+            any_rank=lambda flag: loop.distributed.max_int(int(flag)) > 0,
         )
         self._ran, self.run_history = True, []
         with contextlib.suppress(TrainingStopped):  # a callback stopped it: the run ends there

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,7 @@ from grpoflow.run.config import GRPOConfig
 from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.health import HealthMonitor
 from grpoflow.run.infer_workers import RolloutServers
-from grpoflow.run.metrics import MetricsLogger, StepListener
+from grpoflow.run.metrics import ListenerRelay, MetricsLogger, StepListener, StepLog
 from grpoflow.run.output_dir import claim_output_dir
 from grpoflow.run.plan_check import check_plan
 from grpoflow.run.sources import build_group_source, build_rollout, rollout_rewards
@@ -311,7 +310,7 @@ def build_optimizer(
     scheduler = get_scheduler(
         training.lr_scheduler_type,
         optimizer,
-        num_warmup_steps=math.ceil(training.warmup_ratio * optimizer_steps),
+        num_warmup_steps=training.warmup(optimizer_steps),
         num_training_steps=optimizer_steps,
     )
     if sharded:
@@ -325,10 +324,13 @@ def run(
     config: GRPOConfig, trainer: GRPOTrainer | None = None, listener: StepListener | None = None
 ) -> list[dict[str, float]]:
     """Train (building the trainer unless given); the metrics of every step. `listener` follows
-    the steps on rank 0 (as the metrics are logged)."""
+    the steps on every rank (as rank 0 logs the metrics, averaged over ranks)."""
     trainer = trainer or build_trainer(config)
-    metrics_logger, interrupted = None, False
-    if trainer.distributed.is_main:  # rank 0 logs the metrics averaged over ranks
+    metrics_logger: StepLog | None = None
+    interrupted, is_main = False, trainer.distributed.is_main
+    if not is_main and listener is not None:
+        metrics_logger = ListenerRelay(listener)
+    if is_main:  # rank 0 logs the metrics averaged over ranks
         metrics_logger = MetricsLogger(
             config.training.output_dir,
             report_to=[sink for sink in config.log.report_to if sink != "none"],
@@ -349,5 +351,5 @@ def run(
         trainer.close()
         # Finished, or stopped early (a health check, failing rewards), the run gets its report;
         # not when the user interrupts it (`grpoflow report OUTPUT_DIR` writes it then).
-        if metrics_logger is not None and config.log.html_report and not interrupted:
+        if is_main and config.log.html_report and not interrupted:
             report.write_at_end(config.training.output_dir)

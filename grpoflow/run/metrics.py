@@ -160,6 +160,34 @@ class MetricsLogger:
             self.progress.close()
 
 
+class ListenerRelay:
+    """The steps of a rank other than 0, told to its listener alone: rank 0 writes the metrics
+    (averaged over ranks, so every rank holds the same), while the Python API's callbacks run on
+    every rank, as transformers' Trainer calls them."""
+
+    def __init__(self, listener: StepListener) -> None:
+        self.listener = listener
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.listener.logged(step, metrics)
+
+    def begin(self, step: int) -> None:
+        self.listener.begins(step)
+
+    def advance(self, step: int, metrics: dict[str, float]) -> None:
+        self.listener.advanced(step, metrics)
+
+    def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Rank 0 writes the completions of every rank; nothing to do here."""
+
+    def close(self) -> None:
+        """Nothing is open."""
+
+
+StepLog = MetricsLogger | ListenerRelay
+"""Where the training loop reports its steps: rank 0's logger, or another rank's relay."""
+
+
 def _finite(value: float) -> float | None:
     value = float(value)
     return value if math.isfinite(value) else None

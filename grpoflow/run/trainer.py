@@ -46,7 +46,7 @@ from grpoflow.run.failures import (
     sync_failure_message,
 )
 from grpoflow.run.health import Finding, HealthMonitor, stop_message
-from grpoflow.run.metrics import MetricsLogger
+from grpoflow.run.metrics import StepLog
 from grpoflow.run.step_metrics import (
     batch_metrics,
     completion_rows,
@@ -145,7 +145,7 @@ class GRPOTrainer:
     def optimizer(self) -> torch.optim.Optimizer:
         return self.learner.optimizer
 
-    def train(self, metrics_logger: MetricsLogger | None = None) -> list[dict[str, float]]:
+    def train(self, metrics_logger: StepLog | None = None) -> list[dict[str, float]]:
         """Run to `total_steps`, logging and checkpointing; returns each step's metrics.
 
         A step's `time/...` phases cover everything between writing the previous step's metrics
@@ -168,7 +168,7 @@ class GRPOTrainer:
 
     def _loop(
         self,
-        metrics_logger: MetricsLogger | None,
+        metrics_logger: StepLog | None,
         streaks: RewardFailureStreaks,
         history: list[dict[str, float]],
     ) -> None:
@@ -192,7 +192,7 @@ class GRPOTrainer:
             if stop is not None:
                 raise stop
 
-    def step(self, metrics_logger: MetricsLogger | None = None) -> dict[str, float]:
+    def step(self, metrics_logger: StepLog | None = None) -> dict[str, float]:
         """One generation batch: next groups, advantages, learn, sync; its metrics with its
         `time/...` phases (`train` also counts evaluation, checkpoints and logging)."""
         timer = PhaseTimer()
@@ -200,7 +200,7 @@ class GRPOTrainer:
             metrics = self._step(metrics_logger, timer)
         return {**metrics, **time_metrics(timer)}
 
-    def _step(self, metrics_logger: MetricsLogger | None, timer: PhaseTimer) -> dict[str, float]:
+    def _step(self, metrics_logger: StepLog | None, timer: PhaseTimer) -> dict[str, float]:
         scored = self._next_groups()
         self.last_reward_errors = scored.errors
         self.last_episode_error = _first_error(scored)
@@ -269,7 +269,7 @@ class GRPOTrainer:
         return metrics
 
     def _log_completions(
-        self, scored: ScoredGroups, advantages: torch.Tensor, metrics_logger: MetricsLogger | None
+        self, scored: ScoredGroups, advantages: torch.Tensor, metrics_logger: StepLog | None
     ) -> None:
         rows = self.distributed.gather_objects(
             completion_rows(scored.groups, scored.rewards, advantages, self.reward_names)
@@ -277,7 +277,7 @@ class GRPOTrainer:
         if metrics_logger is not None and rows is not None:
             metrics_logger.log_completions(self.step_count, [row for part in rows for row in part])
 
-    def _checked_step(self, metrics_logger: MetricsLogger | None, timer: PhaseTimer) -> dict[str, float]:
+    def _checked_step(self, metrics_logger: StepLog | None, timer: PhaseTimer) -> dict[str, float]:
         """`_step`, turning a failure into a stop: after a checkpoint where a step was taken."""
         try:
             return self._step(metrics_logger, timer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +29,9 @@ class TrainingConfig:
     """Learning-rate schedule (transformers' names)."""
     warmup_ratio: float = 0.0
     """Fraction of steps spent warming up."""
+    warmup_steps: int = 0
+    """Optimizer steps spent warming up (num_iterations per training step), instead of
+    warmup_ratio; 0: warmup_ratio decides."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta1: float = 0.9
@@ -98,12 +102,24 @@ class TrainingConfig:
             "set padding_free: true to form micro-batches by a token budget",
         )
         require(0 <= self.warmup_ratio < 1, "warmup_ratio", "in [0, 1)", self.warmup_ratio)
+        require(self.warmup_steps >= 0, "warmup_steps", ">= 0", self.warmup_steps)
+        require(
+            not (self.warmup_steps and self.warmup_ratio),
+            "warmup_steps",
+            "0 when warmup_ratio is set",
+            self.warmup_steps,
+            "set the warmup once: in steps (warmup_steps) or as a fraction of the run (warmup_ratio)",
+        )
         require(
             self.max_steps > 0 or self.max_steps == -1,
             "max_steps",
             "> 0, or -1 to use num_train_epochs",
             self.max_steps,
         )
+
+    def warmup(self, optimizer_steps: int) -> int:
+        """Optimizer steps of warmup in a run of `optimizer_steps`."""
+        return self.warmup_steps or math.ceil(self.warmup_ratio * optimizer_steps)
 
     def saves_at(self, step: int, total_steps: int) -> bool:
         """Whether step `step` of `total_steps` ends with a scheduled checkpoint."""
