@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -57,15 +58,22 @@ def dataset_file(dataset: Any, output_dir: str, name: str) -> str:
         raise ValueError(f"{name} has no rows")
     path = Path(output_dir) / f"{name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as file:
-        for index, row in enumerate(rows):
-            try:
-                file.write(json.dumps(row) + "\n")
-            except (TypeError, ValueError) as error:
-                raise ValueError(
-                    f"{name} row {index}: {error}; grpoflow takes rows of JSON values (text, numbers, "
-                    "lists, chat messages)"
-                ) from None
+    # Every rank of a torchrun job writes the same rows: each to a file of its own, renamed into
+    # place whole, so no rank reads a file another is still writing.
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        with partial.open("w", encoding="utf-8") as file:
+            for index, row in enumerate(rows):
+                try:
+                    file.write(json.dumps(row) + "\n")
+                except (TypeError, ValueError) as error:
+                    raise ValueError(
+                        f"{name} row {index}: {error}; grpoflow takes rows of JSON values (text, "
+                        "numbers, lists, chat messages)"
+                    ) from None
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return str(path)
 
 

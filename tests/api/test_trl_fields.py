@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,3 +121,14 @@ def test_refused_fields_say_why(tmp_path):
         GRPOConfig(optim_args="betas=(0.9,0.95)")
     with pytest.raises(TypeError, match="'deepspeed' is not supported: grpoflow runs data-parallel or FSDP"):
         GRPOConfig(deepspeed="ds.json")
+
+
+def test_a_dataset_given_as_rows_is_written_whole_and_leaves_no_partial_file(tmp_path):
+    from grpoflow.api.inputs import dataset_file
+
+    path = dataset_file([{"prompt": "ab"}, {"prompt": "cd"}], str(tmp_path), "train_dataset")
+    assert Path(path).read_text().splitlines() == ['{"prompt": "ab"}', '{"prompt": "cd"}']
+    with pytest.raises(ValueError, match="row 1"):
+        dataset_file([{"prompt": "ab"}, {"prompt": object()}], str(tmp_path), "train_dataset")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train_dataset.jsonl"]  # the bad write left nothing
+    assert Path(path).read_text().count("\n") == 2  # and the earlier file stands
