@@ -49,11 +49,6 @@ TOOLS_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    return str(save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_model")))
-
-
-@pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory):
     directory = save_tiny_checkpoint(tmp_path_factory.mktemp("chat_model"))
     tokenizer = AutoTokenizer.from_pretrained(directory)

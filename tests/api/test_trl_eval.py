@@ -3,12 +3,10 @@ model on the CPU; and `grpoflow train`'s run through the same trainer."""
 
 from __future__ import annotations
 
-import pytest
 from datasets import Dataset
 from transformers import EarlyStoppingCallback, PrinterCallback, ProgressCallback, TrainerCallback
 
 from grpoflow import GRPOConfig, GRPOTrainer
-from grpoflow.policy.tiny import save_tiny_checkpoint
 from grpoflow.run.config import load_config
 
 TRL_ARGS = dict(
@@ -27,11 +25,6 @@ TRL_ARGS = dict(
     html_report=False,
 )
 """Four prompts, two per step: an epoch is two steps."""
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    return str(save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_model")))
 
 
 def letters(*prompts: str) -> Dataset:

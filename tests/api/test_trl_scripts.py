@@ -13,7 +13,6 @@ from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from grpoflow import GRPOConfig, GRPOTrainer
-from grpoflow.policy.tiny import save_tiny_checkpoint
 from grpoflow.rewards.registry import REWARD_REGISTRY
 
 TRL_ARGS = dict(
@@ -31,11 +30,6 @@ TRL_ARGS = dict(
     seed=0,
 )
 """GRPOConfig fields as a TRL script sets them (each one TRL's GRPOConfig takes)."""
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    return str(save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_model")))
 
 
 def letters_dataset(conversational: bool = False) -> Dataset:

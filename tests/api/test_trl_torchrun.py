@@ -14,8 +14,6 @@ import torch
 from helpers.support import clean_env, free_port
 from transformers import AutoModelForCausalLM
 
-from grpoflow.policy.tiny import save_tiny_checkpoint
-
 pytestmark = pytest.mark.slow
 
 SCRIPT = """
@@ -97,11 +95,6 @@ def run_for_at_most(command: list[str], seconds: float) -> tuple[int | None, str
         output, _ = process.communicate()
         return None, f"{output}\nkilled after {seconds} s"
     return process.returncode, output
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_model"))
 
 
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])
