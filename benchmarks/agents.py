@@ -39,13 +39,14 @@ from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
 CHAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nYou may call these tools:\n"
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
-    'Call one as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>.<|im_end|>\n{% endif %}'
+    'Call one as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>.<eos>\n{% endif %}'
     "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-    "<|im_end|>\n{% endfor %}"
+    "<eos>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 """Qwen2.5's layout (system block of tools, `<|im_start|>role ... <|im_end|>` turns), spelled in
-the character tokenizer."""
+the character tokenizer, whose end-of-turn token is its `<eos>` (as Qwen2.5's is `<|im_end|>`):
+the token that ends a sampled turn is the one the template writes after it."""
 
 FOLLOW_UP = "Go on."
 """The user message after each policy turn."""

@@ -26,7 +26,7 @@ CHAT_TEMPLATE = (
     "</tools>{{ '\\n' }}Call a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>{{ '\\n' }}"
     "{%- endif %}"
     "{%- for message in messages[start:] %}"
-    "{%- if message.role == 'assistant' %}{{ message.content or '' }}"
+    "{%- if message.role == 'assistant' %}{% if loop.index0 > 1 %}{{ '\\n' }}{% endif %}{{ message.content or '' }}"
     "{%- for call in message.tool_calls or [] %}"
     "{%- set function = call.function if call.function is defined else call %}"
     '<tool_call>{"name": {{ function.name | tojson }}, "arguments": '
@@ -43,7 +43,8 @@ CHAT_TEMPLATE = (
 """The character tokenizer's chat template: Qwen2.5's tool format (hermes) in plain text, with no
 role markers (each would cost a dozen tokens of one character). A conversation of one user message
 renders as its text, so a text prompt keeps the ids it has without a template; a later message
-starts on a new line, as does the policy's next turn; an assistant turn ends with `<eos>` (so a
+starts on a new line, as does the policy's next turn (but the first, which follows its prompt's
+text; a turn renders in the history as it was prompted); an assistant turn ends with `<eos>` (so a
 turn the policy ended with that token renders as it was sampled) after its calls, each
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; a tool result is
 `<tool_response>...</tool_response>`; tools are listed as JSON schemas in `<tools>` before the

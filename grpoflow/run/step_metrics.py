@@ -55,19 +55,26 @@ def batch_metrics(
 def completion_rows(
     groups: Sequence[Group], rewards: torch.Tensor, advantages: torch.Tensor, names: Sequence[str]
 ) -> list[dict]:
-    """One completions.jsonl row per completion: prompt, completion, rewards by name, advantage."""
+    """One completions.jsonl row per completion: prompt, completion, rewards by name, advantage;
+    and for an episode, its whole `conversation` after the prompt (turns, tool calls, tool results)."""
     prompts, completions, _, _ = reward_inputs(groups)
+    conversations = [
+        (group.conversations or [None] * len(group.completions))[index]
+        for group in groups
+        for index in range(len(group.completions))
+    ]
     rows = []
     for index, (prompt, completion) in enumerate(zip(prompts, completions)):
         values = rewards[index].tolist()
-        rows.append(
-            {
-                "prompt": prompt,
-                "completion": completion,
-                "rewards": {name: None if math.isnan(v) else v for name, v in zip(names, values)},
-                "advantage": float(advantages[index]),
-            }
-        )
+        row = {
+            "prompt": prompt,
+            "completion": completion,
+            "rewards": {name: None if math.isnan(v) else v for name, v in zip(names, values)},
+            "advantage": float(advantages[index]),
+        }
+        if conversations[index]:
+            row["conversation"] = conversations[index]
+        rows.append(row)
     return rows
 
 

@@ -36,7 +36,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from grpoflow.server import control, episode_recorder, episode_routes, weights
+from grpoflow.server import continuation, control, episode_recorder, episode_routes, weights
 from grpoflow.server.auth import BearerAuth, api_keys
 from grpoflow.server.errors import RequestError
 from grpoflow.server.pools import run_in
@@ -47,7 +47,7 @@ from grpoflow.server.protocol import (
     Limits,
     chat_max_tokens,
     chat_messages,
-    chat_prompt,
+    chat_text,
     check_prompts,
     completion_max_tokens,
     completion_prompts,
@@ -55,7 +55,6 @@ from grpoflow.server.protocol import (
     parse,
     sampling_params,
     sandbox_arguments,
-    tokenize,
 )
 from grpoflow.server.responses import chat_response, completion_response, generate_response
 from grpoflow.server.service import ClientGone, Service, read_json, service_of
@@ -250,7 +249,17 @@ async def chat_completions(request: Request) -> dict:
         )
     episode_id = episode_recorder.episode_id_of(request, body)
     requests = service.pools.requests
-    prompt = await _chat_prompt(service, body)
+    text = await _chat_text(service, body)
+    resume = episode_routes.resume_of(request, episode_id)
+    prompt = await run_in(
+        requests,
+        continuation.prompt_ids,
+        text,
+        resume,
+        service.tokenizer,
+        bool(body.add_special_tokens),
+        limits,
+    )
     params = sampling_params(body, chat_max_tokens(body, prompt, limits), limits)
     await run_in(requests, check_prompts, [prompt], params.max_tokens, params.n, limits)
     turn = None if episode_id is None else await episode_routes.open_turn(request, episode_id, body)
@@ -266,22 +275,19 @@ async def chat_completions(request: Request) -> dict:
         service.tool_call_format,
     )
     if turn is not None:
-        await episode_routes.record_turn(request, turn, prompt, group[0], response)
+        await episode_routes.record_turn(request, turn, body, (text, prompt), group[0], response)
     return response
 
 
-async def _chat_prompt(service: Service, body: ChatCompletionRequest) -> list[int]:
-    """The chat request's prompt: rendered in a request thread, but for a template of the request's
-    own, which renders in the template sandbox's workers (templates.py)."""
+async def _chat_text(service: Service, body: ChatCompletionRequest) -> str:
+    """The chat request's prompt as text: rendered in a request thread, but for a template of the
+    request's own, which renders in the template sandbox's workers (templates.py)."""
     requests, tokenizer, limits = service.pools.requests, service.tokenizer, service.limits
     if body.chat_template is None or service.templates is None:
-        return await run_in(requests, chat_prompt, body, tokenizer, limits)
+        return await run_in(requests, chat_text, body, tokenizer, limits)
     messages = await run_in(requests, chat_messages, body, tokenizer, limits)
-    text = await service.templates.render_soon(
+    return await service.templates.render_soon(
         body.chat_template, messages, **sandbox_arguments(body, tokenizer)
-    )
-    return await run_in(
-        requests, tokenize, tokenizer, text, bool(body.add_special_tokens), limits, "messages"
     )
 
 

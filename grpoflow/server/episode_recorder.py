@@ -44,6 +44,7 @@ from starlette.requests import Request
 
 from grpoflow.chat.trajectory import EPISODE_HEADER
 from grpoflow.engines.base import Completion
+from grpoflow.server.continuation import Resume
 from grpoflow.server.errors import RequestError
 from grpoflow.server.protocol import ChatCompletionRequest
 from grpoflow.server.responses import LOGPROB_FLOOR
@@ -151,6 +152,8 @@ class RecordedTurn:
 class Episode:
     turns: list[RecordedTurn] = field(default_factory=list)
     nbytes: int = 0
+    resume: Resume | None = None
+    """What the next turn's prompt may build on (continuation.py); its size counts in `nbytes`."""
 
 
 class EpisodeRecorder:
@@ -189,14 +192,19 @@ class EpisodeRecorder:
                 "episode_id",
             )
 
-    def record(self, turn: RecordedTurn) -> None:
-        """Add `turn` to its episode (checked again: other turns may have landed meanwhile), then
-        drop the least recently recorded episodes past max_episodes or max_total_bytes."""
-        request, nbytes = turn.request, turn.nbytes
-        self.admit(request, nbytes)
+    def record(self, turn: RecordedTurn, resume: Resume | None = None) -> None:
+        """Add `turn` to its episode (checked again: other turns may have landed meanwhile), with
+        the `resume` the next turn may build on, then drop the least recently recorded episodes
+        past max_episodes or max_total_bytes."""
+        request = turn.request
         key = (request.owner, request.episode_id)
+        previous = self._episodes.get(key)
+        replaced = previous.resume.nbytes if previous is not None and previous.resume is not None else 0
+        nbytes = turn.nbytes + (resume.nbytes if resume is not None else 0) - replaced
+        self.admit(request, nbytes)
         episode = self._episodes.setdefault(key, Episode())
         episode.turns.append(turn)
+        episode.resume = resume
         episode.nbytes += nbytes
         self.nbytes += nbytes
         self._episodes.move_to_end(key)
@@ -214,6 +222,11 @@ class EpisodeRecorder:
                 self.max_episodes,
                 self.max_total_bytes,
             )
+
+    def resume(self, owner: str, episode_id: str) -> Resume | None:
+        """What the episode's next turn may build on; None for an episode not recorded yet."""
+        episode = self._episodes.get((owner, episode_id))
+        return None if episode is None else episode.resume
 
     def turns(self, owner: str, episode_id: str) -> list[RecordedTurn]:
         """The episode's turns in the order they were answered; a 404 for an id `owner` has not

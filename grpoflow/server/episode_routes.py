@@ -26,6 +26,7 @@ from starlette.responses import Response
 
 from grpoflow.engines.base import Completion
 from grpoflow.server.auth import owner_of
+from grpoflow.server.continuation import Resume
 from grpoflow.server.episode_recorder import RecordedTurn, TurnRequest, to_json
 from grpoflow.server.pools import run_in
 from grpoflow.server.protocol import ChatCompletionRequest
@@ -52,13 +53,42 @@ async def open_turn(request: Request, episode_id: str, body: ChatCompletionReque
     return turn
 
 
+def resume_of(request: Request, episode_id: str | None) -> Resume | None:
+    """What the episode's next turn may build on (continuation.py); None without an episode."""
+    if episode_id is None:
+        return None
+    return service_of(request).episodes.resume(owner_of(request), episode_id)
+
+
 async def record_turn(
-    request: Request, turn: TurnRequest, prompt: list[int], completion: Completion, response: dict
+    request: Request,
+    turn: TurnRequest,
+    body: ChatCompletionRequest,
+    prompt: tuple[str, list[int]],
+    completion: Completion,
+    response: dict,
 ) -> None:
-    """Record the turn `turn` started, answered with `completion` in `response`."""
+    """Record the turn `turn` started with the `prompt` (text, ids) of `body`, answered with
+    `completion` in `response`."""
     service = service_of(request)
-    recorded = await run_in(service.pools.requests, RecordedTurn.of, turn, prompt, completion, response)
-    service.episodes.record(recorded)
+    text, ids = prompt
+    recorded = await run_in(
+        service.pools.requests, _recorded, turn, body, text, ids, completion, response, service.tokenizer
+    )
+    service.episodes.record(*recorded)
+
+
+def _recorded(
+    turn: TurnRequest,
+    body: ChatCompletionRequest,
+    text: str,
+    ids: list[int],
+    completion: Completion,
+    response: dict,
+    tokenizer,
+) -> tuple[RecordedTurn, Resume]:
+    resume = Resume.of(text, ids, completion, tokenizer, body.skip_special_tokens)
+    return RecordedTurn.of(turn, ids, completion, response), resume
 
 
 def _turn_request(owner: str, episode_id: str, body: ChatCompletionRequest, tokenizer) -> TurnRequest:

@@ -318,7 +318,13 @@ def sandbox_arguments(request: ChatCompletionRequest, tokenizer) -> dict[str, An
 
 def chat_prompt(request: ChatCompletionRequest, tokenizer, limits: Limits) -> list[int]:
     """The conversation and its tools rendered by the chat template (the tokenizer's; the
-    request's only where the server trusts request templates) in this process."""
+    request's only where the server trusts request templates) in this process, as token ids."""
+    text = chat_text(request, tokenizer, limits)
+    return tokenize(tokenizer, text, bool(request.add_special_tokens), limits, "messages")
+
+
+def chat_text(request: ChatCompletionRequest, tokenizer, limits: Limits) -> str:
+    """`chat_prompt`'s rendered text, before it is tokenised."""
     messages = chat_messages(request, tokenizer, limits)
     try:
         text = tokenizer.apply_chat_template(
@@ -332,7 +338,7 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer, limits: Limits) -> li
         )
     except Exception as error:  # a template is user code: any failure is the request's
         raise RequestError(f"the chat template failed on these messages: {error}", 400, "messages") from None
-    return tokenize(tokenizer, text, bool(request.add_special_tokens), limits, "messages")
+    return text
 
 
 def _special_tokens(tokenizer) -> dict[str, Any]:

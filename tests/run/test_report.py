@@ -26,6 +26,8 @@ from grpoflow.run.report.run_files import read_metrics, read_samples
 from grpoflow.run.report.writer import spread_steps
 
 ALL_PLOTS = [spec.name for spec in PLOTS]
+SINGLE_TURN_PLOTS = [name for name in ALL_PLOTS if not name.startswith("episode")]
+"""What a run without agent episodes draws when it logs everything else."""
 
 
 class ReportPage(HTMLParser):
@@ -135,7 +137,7 @@ def finished_run(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_a_finished_run_ends_with_a_report_holding_every_plot(finished_run):
     page = read_page(finished_run / REPORT_FILE)
-    assert sorted(page.plots) == sorted(ALL_PLOTS)
+    assert sorted(page.plots) == sorted(SINGLE_TURN_PLOTS)
     for name, data in page.images.items():
         width, height = png_size(data)
         assert width > 300 and height > 150, name
@@ -261,6 +263,31 @@ def test_the_samples_table_escapes_what_the_policy_wrote(tmp_path):
     assert "script" not in page.tags and page.tags.count("img") == len(report.plots)
     assert page.sample_rows[0][3:] == ["echo <b>", attack]
     assert page.sample_rows[1][2:4] == ["echo –", "echo &"]
+
+
+def test_agent_episodes_get_their_plots_and_whole_conversations_in_the_samples(tmp_path):
+    rows = [
+        {"step": step, "reward": 0.5, "episodes/turns_mean": 3.0, "episodes/segments_mean": 1.0}
+        | {"episodes/ended_by/stop": 0.75, "episodes/ended_by/length": 0.25}
+        for step in (1, 2)
+    ]
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"query": "cat"}'}}
+    conversation = [
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "cat: a word"},
+        {"role": "assistant", "content": "x" * 3000 + " A cat is an animal."},
+    ]
+    completion = {"step": 1, "prompt": "Define cat.", "completion": "A cat is an animal.", "advantage": 1.0}
+    completions = [completion | {"rewards": {"agent": 1.0}, "conversation": conversation}]
+    report = write_report(write_run(tmp_path, rows, completions))
+    assert report.plots == ("reward", "episodes", "episode_endings")
+    page = read_page(report.path)
+    assert page.plots["episodes"]["data-metrics"].split() == ["episodes/turns_mean", "episodes/segments_mean"]
+    shown = page.sample_rows[0][4]
+    assert shown.startswith(
+        'assistant: Let me look.\n  -> lookup({"query": "cat"})\ntool: cat: a word\nassistant: x'
+    )
+    assert shown.endswith(" A cat is an animal.") and "characters] …" in shown  # cut in the middle
 
 
 def test_without_matplotlib_the_run_says_how_to_get_its_report(tmp_path, monkeypatch, caplog):

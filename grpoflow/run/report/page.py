@@ -132,7 +132,12 @@ def _sample_row(sample: Sample) -> str:
 
 
 def _cut(text: str) -> str:
-    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + f" … [{len(text) - MAX_TEXT} more characters]"
+    """`text`, or its first and last parts around a note of what was cut (an episode's end is
+    where it was decided)."""
+    if len(text) <= MAX_TEXT:
+        return text
+    head, tail = MAX_TEXT * 3 // 5, MAX_TEXT * 2 // 5
+    return f"{text[:head]} … [{len(text) - head - tail} characters] … {text[-tail:]}"
 
 
 def _text(value: Any) -> str:

@@ -139,13 +139,33 @@ def _sample(record: dict[str, Any] | None) -> Sample | None:
     if not isinstance(step, int) or not isinstance(advantage, int | float):
         return None
     rewards = record.get("rewards")
+    conversation = record.get("conversation")
+    completion = record.get("completion", "")
     return Sample(
         step=step,
-        prompt=str(record.get("prompt", "")),
-        completion=str(record.get("completion", "")),
+        prompt=_shown(record.get("prompt", "")),
+        completion=_shown(conversation if isinstance(conversation, list) and conversation else completion),
         rewards=rewards if isinstance(rewards, dict) else {},
         advantage=float(advantage),
     )
+
+
+def _shown(value: Any) -> str:
+    """A prompt or completion as the samples table shows it: text as it is; messages as a
+    transcript, a line per turn (`role: text`, each tool call as `-> name(arguments)`)."""
+    if not isinstance(value, list):
+        return str(value)
+    lines = []
+    for message in value:
+        if not isinstance(message, dict):
+            lines.append(str(message))
+            continue
+        content = message.get("content")
+        lines.append(f"{message.get('role', '?')}: {'' if content is None else content}")
+        for call in message.get("tool_calls") or []:
+            function = call.get("function", call) if isinstance(call, dict) else {}
+            lines.append(f"  -> {function.get('name', '?')}({function.get('arguments', '')})")
+    return "\n".join(lines)
 
 
 def _records(path: Path) -> Iterator[dict[str, Any] | None]:
