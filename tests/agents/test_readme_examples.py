@@ -169,3 +169,23 @@ def test_the_agent_program_examples_run(tmp_path, monkeypatch, caplog, which):
     (step,) = train(tmp_path, program if which == "program" else recipe)
     assert step["episodes/errors"] == 0 and step["episodes/turns_mean"] >= 1
     assert not [record for record in caplog.records if record.name.startswith(("httpx", "httpcore"))]
+
+
+@pytest.mark.slow
+def test_the_walkthrough_trains_its_task_both_ways(tmp_path, monkeypatch):
+    """The README's walkthrough: its data, its environment class and its agent program, each
+    command one step on the tiny model."""
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    monkeypatch.chdir(tmp_path)
+    title = "### From a task idea to a trained agent"
+    (rows,) = code(title, "jsonl")
+    (tmp_path / "words.jsonl").write_text(rows)
+    game, agent = code(title, "python")
+    (tmp_path / "word_game.py").write_text(game)
+    (tmp_path / "word_agent.py").write_text(agent)
+    environment, program = train_commands(title)
+    (step,) = train(tmp_path, environment)
+    assert step["episodes/num_errors"] == 0 and "rewards/WordGame/mean" in step
+    (step,) = train(tmp_path, program)
+    assert step["episodes/errors"] == 0 and "rewards/agent_program/mean" in step
