@@ -57,13 +57,21 @@ class _Draft:
     checked: int = 0
     """Leading tokens the trainer's replay has confirmed."""
     policy_version: int = 0
+    distributions: dict | None = None
+    """The engine's kept distributions by position, of the prefixes the draft still has."""
 
     @property
     def done(self) -> bool:
         return self.checked >= len(self.tokens)
 
     def completion(self) -> Completion:
-        return Completion(list(self.tokens), list(self.logprobs), self.finish_reason, self.policy_version)
+        return Completion(
+            list(self.tokens),
+            list(self.logprobs),
+            self.finish_reason,
+            self.policy_version,
+            distributions=self.distributions or None,
+        )
 
 
 @dataclass(slots=True)
@@ -175,6 +183,8 @@ class OnPolicyDraws:
                 if first is None:
                     draft.checked = length
                     continue
+                if draft.distributions:  # later positions had another prefix
+                    draft.distributions = {p: row for p, row in draft.distributions.items() if p <= first}
                 draft.tokens = draft.tokens[:first] + [ours[first]]
                 draft.logprobs = draft.logprobs[: first + 1]
                 draft.checked = first + 1
@@ -215,6 +225,11 @@ class OnPolicyDraws:
             if completion.finish_reason == "error":  # no room left in the model's context
                 draft.finish_reason = "length"
                 continue
+            offset = len(draft.tokens)
+            draft.distributions = {
+                **(draft.distributions or {}),
+                **{offset + p: row for p, row in (completion.distributions or {}).items()},
+            }
             draft.tokens += completion.token_ids
             draft.logprobs += completion.logprobs
             draft.finish_reason = completion.finish_reason
@@ -270,4 +285,5 @@ def _draft(prompt: Sequence[int], params: SamplingParams, sample: int, completio
         logprobs=list(completion.logprobs),
         finish_reason=completion.finish_reason,
         policy_version=completion.policy_version,
+        distributions=completion.distributions,
     )

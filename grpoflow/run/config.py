@@ -71,6 +71,10 @@ class GenerationConfig:
     `grpoflow serve` on each and trains against them in server mode (0: none)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Sizes of the native engine (gpu_memory_utilization, max_num_seqs, max_model_len)."""
+    distribution_check_positions: int = 64
+    """Sampled positions per engine call at which the trainer compares the engine's whole
+    next-token distribution with its own (`sampling/distribution_{tv,kl}/{mean,max}`; native
+    engine; 0: off)."""
     on_policy_sampling: bool = False
     """Native engine: make every completion token an exact draw from the trainer's own forward
     (the trainer replays the engine's keyed draws on its logits and the engine continues from the
@@ -80,6 +84,7 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         require_min("num_generations", self.num_generations, 2, " (group-relative advantages need a group)")
+        require_min("distribution_check_positions", self.distribution_check_positions, 0)
         require(
             self.sampling.temperature > 0,
             "temperature",
