@@ -20,6 +20,7 @@ from grpoflow.agents.episodes import FINISH_REASONS, Episode
 from grpoflow.agents.grouped_warnings import GroupedWarnings
 from grpoflow.agents.render import TurnRenderer
 from grpoflow.agents.tools import ToolBox, environment_tools, tool_schema
+from grpoflow.algo.draws import request_keys
 from grpoflow.chat.tool_calls import parse_tool_calls, resolve_tool_call_format
 from grpoflow.data.prompts import PromptItem, encode_prompt
 from grpoflow.engines import PrefillStats, RolloutEngine, SamplingParams, prefix_cache_metrics
@@ -166,10 +167,12 @@ class EpisodeRunner:
         if not self.per_prompt_params:  # one setting for all: the largest budget, cut per episode below
             params = dataclasses.replace(base, n=1, max_tokens=max(budgets))
         outputs = engine.generate([episode.engine_prompt for episode in active], params)
-        for episode, budget, (completion,) in zip(active, budgets, outputs, strict=True):
+        seeded = isinstance(params, list) and all(request.seed is not None for request in params)
+        for index, (episode, budget, (completion,)) in enumerate(zip(active, budgets, outputs, strict=True)):
             ids, logprobs = completion.token_ids[:budget], completion.logprobs[:budget]
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            episode.add_policy(ids, logprobs, text, completion.policy_version)
+            keys = request_keys(params[index].seed, 0, len(ids)).tolist() if seeded else None
+            episode.add_policy(ids, logprobs, text, completion.policy_version, keys)
             if len(episode.ids) >= self.max_completion_length:
                 episode.end("length")
             elif self.config.max_turns is not None and episode.turns >= self.config.max_turns:

@@ -35,6 +35,8 @@ class Episode:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    """Per token of `ids`: the key the engine drew it with (seeded turns), 0 for the environment's."""
     messages: list[dict] = field(default_factory=list)
     """The turns after the prompt: assistant, tool and user messages."""
     turns: int = 0
@@ -50,8 +52,16 @@ class Episode:
     def engine_prompt(self) -> list[int]:
         return self.prompt_ids + self.ids
 
-    def add_policy(self, token_ids: list[int], logprobs: list[float], text: str, version: int) -> None:
+    def add_policy(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        text: str,
+        version: int,
+        keys: list[int] | None = None,
+    ) -> None:
         self.ids += token_ids
+        self.keys += keys if keys is not None else [0] * len(token_ids)
         self.mask += [1] * len(token_ids)
         self.logprobs += logprobs
         self.messages.append({"role": "assistant", "content": text})
@@ -60,6 +70,7 @@ class Episode:
 
     def add_environment(self, token_ids: list[int], messages: list[dict]) -> None:
         self.ids += token_ids
+        self.keys += [0] * len(token_ids)
         self.mask += [0] * len(token_ids)
         self.logprobs += [0.0] * len(token_ids)
         self.messages += messages
@@ -68,12 +79,19 @@ class Episode:
         if self.finish is None:
             self.finish, self.error = reason, error
 
-    def completion(self) -> Completion:
+    def completion(self, shared: int | None = None) -> Completion:
         """The trajectory after the prompt, as the trainer takes it; an episode that failed is
-        empty (its rewards are dropped), its error as its text."""
+        empty (its rewards are dropped), its error as its text. `shared`: the length of the
+        prompt its group trains with; its own prompt's tokens after that lead the completion
+        (mask 0)."""
         if self.finish == "error":
             return Completion([], [], "error", self.policy_version, text=self.error, mask=[])
+        rest = self.prompt_ids[len(self.prompt_ids) if shared is None else shared :]
         finish = "length" if self.finish == "length" else "stop"
         return Completion(
-            list(self.ids), list(self.logprobs), finish, self.policy_version, mask=list(self.mask)
+            rest + self.ids,
+            [0.0] * len(rest) + self.logprobs,
+            finish,
+            self.policy_version,
+            mask=[0] * len(rest) + self.mask,
         )

@@ -70,6 +70,13 @@ def row_keys(seeds: np.ndarray, token_index: np.ndarray) -> np.ndarray:
     )
 
 
+def request_keys(seed: int, sample: int, count: int) -> np.ndarray:
+    """(count,) int64 keys of the first `count` draws of sample `sample` of a request seeded with
+    `seed` (the native engine's streams for a seeded request)."""
+    sequence = sequence_seeds(seed, np.zeros(1, dtype=np.int64), np.array([sample]))
+    return row_keys(sequence, np.arange(count))
+
+
 def uniforms_from_bits(bits: Tensor) -> Tensor:
     """uint32 hashes (in int64) -> float32 uniforms in (0, 1) from their top 24 bits (the Triton
     kernels' conversion)."""

@@ -116,6 +116,9 @@ class Completion:
     mask: list[int] | None = None
     """Per token: 1 where the policy sampled it, 0 where an environment inserted it (a tool
     result, a user turn) in a multi-turn episode; such tokens get no loss. None: all sampled."""
+    distributions: dict[int, torch.Tensor] | None = None
+    """Position -> the engine's whole next-token distribution there, `log_softmax(logits / T)`
+    float32 `(vocab,)`, at the few sampled positions it kept (`distribution_positions`)."""
 
     @property
     def truncated(self) -> bool:
@@ -193,6 +196,9 @@ class EngineCapabilities:
     of requests that join the running call."""
     aborts: bool = False
     """`generate` takes an `abandoned` hook naming prompts nobody waits for, and stops them."""
+    distributions: bool = False
+    """Its completions carry the whole next-token distribution at sampled positions when asked
+    (`EngineOptions.distribution_positions`)."""
     prefix_cache: bool = False
     """It keeps prompt prefixes' keys and values across calls; `reset_prefix_cache` drops them."""
     module: torch.nn.Module | None = None
@@ -264,6 +270,9 @@ class EngineOptions:
     """This training process's global rank (colocated engines under torchrun)."""
     world_size: int = 1
     """Training processes over all nodes."""
+    distribution_positions: int = 0
+    """Sampled positions per call whose whole distribution the completions carry, where the
+    engine can (`EngineCapabilities.distributions`); 0: none."""
 
     @property
     def max_model_len(self) -> int:

@@ -16,6 +16,7 @@ sequences packed into one row (`learn.logprobs`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -34,6 +35,7 @@ from grpoflow.algo import (
 )
 from grpoflow.distributed import DistributedContext
 from grpoflow.learn.accumulator import MetricsAccumulator
+from grpoflow.learn.distribution_check import DistributionTap
 from grpoflow.learn.logprobs import batch_logprobs, frozen_logprobs
 from grpoflow.learn.micro_batches import MicroBatch, PreparedBatch, micro_batches
 from grpoflow.learn.objective import AlgorithmConfig
@@ -144,9 +146,15 @@ class Learner:
         the step's other micro-batches; `last` lets a sharded model reduce them); its metrics.
         The entropy bonus's tokens and entropies go into `window`."""
         settings, num_micro_batches = prepared.settings, prepared.num_micro_batches
-        logps, entropy = batch_logprobs(
-            self.placement, micro.rows, settings, entropy=True, entropy_grad=self.entropy_control.enabled
-        )
+        tap = None
+        if first_pass:
+            tap = DistributionTap.for_rows(
+                self.placement, micro.rows, settings.temperature, settings.padding_free
+            )
+        with tap if tap is not None else contextlib.nullcontext():
+            logps, entropy = batch_logprobs(
+                self.placement, micro.rows, settings, entropy=True, entropy_grad=self.entropy_control.enabled
+            )
         before_update = logps.detach() if micro.old_logps is None else micro.old_logps
         sampler_metrics = _compare_sampler(micro, before_update, settings) if first_pass else {}
         sampled_by = micro.rows.sampling_logps if settings.sampling_logprobs else before_update
@@ -163,6 +171,8 @@ class Learner:
             loss_weights=loss_weights,
         )
         metrics.update(sampler_metrics)
+        if tap is not None:
+            metrics.update(tap.metrics())
         scale = micro_batch_scale(
             self.loss_settings.loss_type,
             num_micro_batches,

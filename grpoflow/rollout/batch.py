@@ -22,6 +22,15 @@ from grpoflow.engines import Completion
 from grpoflow.rollout.groups import Group
 
 
+@dataclass(frozen=True, slots=True)
+class EngineDistributions:
+    """The engine's whole next-token distributions at the positions it kept
+    (`Completion.distributions`), which the learner compares with its own."""
+
+    log_probs: torch.Tensor
+    """(kept, vocab) float32 `log_softmax(logits / T)`."""
+
+
 @dataclass(slots=True)
 class RolloutBatch:
     """Padded tensors of a generation batch; rows are consecutive groups of G completions."""
@@ -48,6 +57,12 @@ class RolloutBatch:
     """(batch, completion_len) bool: True on a completion token that begins another sequence of
     its row (the first token of that sequence's prompt; mask 0): positions restart there and no
     token attends across it. None: every row is its prompt then its completion, one sequence."""
+
+    distribution_index: torch.Tensor | None = None
+    """(batch, completion_len) long: the row of `engine_distributions` holding the engine's whole
+    next-token distribution at that token, -1 where it kept none. None: it kept none at all."""
+    engine_distributions: EngineDistributions | None = None
+    """The rows `distribution_index` points into."""
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -96,6 +111,10 @@ class RolloutBatch:
             left_padded=self.left_padded and not bool(prompt_mask[:, first:].all()),
             loss_mask=self.loss_mask[start:stop, :last],
             sequence_starts=None if self.sequence_starts is None else self.sequence_starts[start:stop, :last],
+            distribution_index=(
+                None if self.distribution_index is None else self.distribution_index[start:stop, :last]
+            ),
+            engine_distributions=self.engine_distributions,
         )
 
 
@@ -144,7 +163,10 @@ def collate_pairs(
         loss_mask = scatter(_chain(c.loss_mask for _, c in pairs), 0, torch.long, filled)
     truncated = torch.tensor([c.truncated for _, c in pairs], dtype=torch.bool)
     starts = None if sequence_starts is None else _starts(sequence_starts, pairs, completion_mask, loss_mask)
+    index, distributions = _distributions(pairs, completion_mask.shape, device)
     return RolloutBatch(
+        distribution_index=index,
+        engine_distributions=distributions,
         prompt_ids=prompt_ids.to(device),
         prompt_mask=prompt_mask.to(device),
         completion_ids=completion_ids.to(device),
@@ -180,6 +202,25 @@ def _starts(
                 )
             starts[row, offset] = True
     return starts
+
+
+def _distributions(
+    pairs: Sequence[tuple[Sequence[int], Completion]], shape: torch.Size, device: torch.device
+) -> tuple[torch.Tensor | None, EngineDistributions | None]:
+    """`distribution_index` and `engine_distributions` of the pairs' kept distributions."""
+    kept = [
+        (row, position, values)
+        for row, (_, completion) in enumerate(pairs)
+        for position, values in sorted((completion.distributions or {}).items())
+        if position < len(completion.token_ids)
+    ]
+    if not kept:
+        return None, None
+    index = torch.full(shape, -1, dtype=torch.long)
+    for number, (row, position, _) in enumerate(kept):
+        index[row, position] = number
+    rows = torch.stack([values.to(device, torch.float32) for _, _, values in kept])
+    return index.to(device), EngineDistributions(rows)
 
 
 def _chain(lists: Iterable[Sequence]) -> list:

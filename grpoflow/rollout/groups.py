@@ -10,7 +10,7 @@ the same protocol: `grpoflow.rollout.on_policy` (completions redrawn by the trai
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from grpoflow.algo import select_groups
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, RolloutEngine, SamplingParams, prefix_cache_metrics
+from grpoflow.rollout.program_turns import common_prefix
 
 
 @dataclass(slots=True)
@@ -169,13 +170,22 @@ def _column(group: Group, name: str) -> list[Any]:
 
 
 def episode_groups(tokenizer, episodes: Sequence[Sequence[Any]]) -> list[Group]:
-    """Groups of played episodes (`grpoflow.agents.Episode`), one per prompt."""
+    """Groups of played episodes (`grpoflow.agents.Episode`), one per prompt. The group's prompt
+    is what its episodes' prompts (after tools and `reset`'s text went in) share; the rest of an
+    episode's own prompt leads its completion, mask 0, so each trains on the sequence it sampled."""
     groups = []
     for members in episodes:
-        completions = [episode.completion() for episode in members]
+        played = [list(episode.prompt_ids) for episode in members if episode.finish != "error"]
+        shared = common_prefix(played) if played else list(members[0].item.prompt_ids)
+        if not shared:
+            raise ValueError(
+                "the episodes of one prompt begin with different tokens once their environments' reset "
+                "text is in: start the prompt's template with the same tokens (a system message) for all"
+            )
+        completions = [episode.completion(len(shared)) for episode in members]
         groups.append(
             Group(
-                item=members[0].item,
+                item=replace(members[0].item, prompt_ids=shared),
                 completions=completions,
                 texts=[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions],
                 conversations=[list(episode.messages) for episode in members],

@@ -32,10 +32,10 @@ from grpoflow.algo.draws import row_keys, sequence_seeds
 from grpoflow.algo.redraw import sequence_redraws
 from grpoflow.algo.truncation import Truncation
 from grpoflow.data.prompts import PromptItem
-from grpoflow.engines import Completion, RolloutEngine, SamplingParams
+from grpoflow.engines import Completion, RolloutEngine, SamplingParams, prefix_cache_metrics
 from grpoflow.policy.placement import Placement
 from grpoflow.rollout.batch import collate_pairs
-from grpoflow.rollout.groups import Group, SingleTurn
+from grpoflow.rollout.groups import Group
 
 MAX_ROUNDS = 32
 """Rounds of replay and continuation before a completion keeps its unchecked tail."""
@@ -57,57 +57,90 @@ class _Draft:
     checked: int = 0
     """Leading tokens the trainer's replay has confirmed."""
     policy_version: int = 0
+    distributions: dict | None = None
+    """The engine's kept distributions by position, of the prefixes the draft still has."""
 
     @property
     def done(self) -> bool:
         return self.checked >= len(self.tokens)
 
     def completion(self) -> Completion:
-        return Completion(list(self.tokens), list(self.logprobs), self.finish_reason, self.policy_version)
+        return Completion(
+            list(self.tokens),
+            list(self.logprobs),
+            self.finish_reason,
+            self.policy_version,
+            distributions=self.distributions or None,
+        )
 
 
 @dataclass(slots=True)
-class OnPolicySingleTurn:
-    """`SingleTurn` whose completions the trainer's forward redraws (see the module docstring)."""
+class Replay:
+    """How the trainer replays draws: its placed policy, the distribution the engine drew from
+    (temperature, replayed truncation) and the rows the update gives the completions."""
 
-    tokenizer: object
     placement: Placement
     micro_batch_size: int
     temperature: float
     truncation: Truncation | None = None
     chunk_size: int = 1024
-    last_metrics: dict[str, float] = field(default_factory=dict)
+    pad_id: int = 0
 
-    def __call__(
-        self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
-    ) -> list[Group]:
-        start = time.perf_counter()
-        requests = [params] * len(items) if isinstance(params, SamplingParams) else list(params)
+    def redraw(self, pairs: Sequence[tuple[Sequence[int], Completion]], keys: np.ndarray) -> tuple:
+        """(rows, width) trainer draws and log-probs of one micro-batch of `(prompt, completion)`
+        pairs, in the rows and padding the update gives them (`collate`, then `RolloutBatch.rows`);
+        `keys`: (rows, width) int64 keys of the completion tokens' draws."""
+        batch = collate_pairs(pairs, self.pad_id, self.placement.device)
+        batch = batch.rows(0, len(batch))
+        input_ids, mask = batch.model_inputs()
+        keys = torch.from_numpy(keys[:, : batch.completion_ids.shape[1]]).to(input_ids.device)
+        model = self.placement.module
+        with self.placement.evaluating():
+            return self.placement.sharded_forward(
+                lambda: sequence_redraws(
+                    model, input_ids, mask, keys, self.temperature, self.truncation, self.chunk_size
+                )
+            )
+
+
+@dataclass(slots=True)
+class OnPolicyDraws:
+    """Completions of the engine's that the trainer's forward redraws until every token is its
+    own draw (see the module docstring); `counts` sums the work over calls."""
+
+    tokenizer: object
+    replay: Replay
+    counts: dict[str, int] = field(default_factory=dict)
+    prefill: dict[str, float] = field(default_factory=dict)
+    """The engine's prefill and prefix-cache counts of the last call's first sampling."""
+
+    def generate(
+        self, engine: RolloutEngine, prompts: Sequence[Sequence[int]], params: SamplingParams | list
+    ) -> list[list[Completion]]:
+        """`engine.generate`'s completions, each token an exact draw of the trainer's forward."""
+        requests = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         requests = [dataclasses.replace(request, draw="gumbel") for request in requests]
-        inner = SingleTurn(self.tokenizer)
-        groups = inner(engine, items, requests)
+        outputs = engine.generate(prompts, requests)
+        self.prefill = prefix_cache_metrics(engine.stats.prefill)
         drafts = [
-            [
-                _draft(item.prompt_ids, request, sample, completion)
-                for sample, completion in enumerate(group.completions)
-            ]
-            for item, request, group in zip(items, requests, groups, strict=True)
+            [_draft(prompt, request, sample, completion) for sample, completion in enumerate(completions)]
+            for prompt, request, completions in zip(prompts, requests, outputs, strict=True)
         ]
-        counts = self._settle(engine, drafts)
-        for group, members in zip(groups, drafts):
-            group.completions = [
+        for name, value in self._settle(engine, drafts).items():
+            self.counts[name] = self.counts.get(name, 0) + value
+        return [
+            [
                 draft.completion() if draft.finish_reason != "error" else completion
-                for draft, completion in zip(members, group.completions)
+                for draft, completion in zip(members, completions)
             ]
-            group.texts = [
-                self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group.completions
-            ]
-        self.last_metrics = {
-            **inner.last_metrics,
-            **{f"on_policy/{name}": float(value) for name, value in counts.items()},
-            "on_policy/seconds": time.perf_counter() - start,
-        }
-        return groups
+            for members, completions in zip(drafts, outputs)
+        ]
+
+    def metrics(self) -> dict[str, float]:
+        """`on_policy/NAME` of each count, then the counts start again."""
+        metrics = {f"on_policy/{name}": float(value) for name, value in self.counts.items()}
+        self.counts = {}
+        return metrics
 
     def _settle(self, engine: RolloutEngine, drafts: list[list[_Draft]]) -> dict[str, int]:
         everyone = [draft for members in drafts for draft in members if draft.finish_reason != "error"]
@@ -134,9 +167,14 @@ class OnPolicySingleTurn:
         order; cut each at its first disagreement and put the trainer's token there. Returns the
         drafts that changed."""
         changed = []
-        for start in range(0, len(drafts), self.micro_batch_size):
-            part = drafts[start : start + self.micro_batch_size]
-            tokens, logprobs = self._redraw(part)
+        for start in range(0, len(drafts), self.replay.micro_batch_size):
+            part = drafts[start : start + self.replay.micro_batch_size]
+            seeds = np.array([draft.seed for draft in part], dtype=np.uint64)
+            width = max(len(draft.tokens) for draft in part)
+            keys = row_keys(seeds[:, None], np.arange(width)[None, :])
+            tokens, logprobs = self.replay.redraw(
+                [(draft.prompt, draft.completion()) for draft in part], keys
+            )
             for row, draft in enumerate(part):
                 length = len(draft.tokens)
                 ours = tokens[row, :length].tolist()
@@ -145,35 +183,14 @@ class OnPolicySingleTurn:
                 if first is None:
                     draft.checked = length
                     continue
+                if draft.distributions:  # later positions had another prefix
+                    draft.distributions = {p: row for p, row in draft.distributions.items() if p <= first}
                 draft.tokens = draft.tokens[:first] + [ours[first]]
                 draft.logprobs = draft.logprobs[: first + 1]
                 draft.checked = first + 1
                 draft.finish_reason = self._finish(draft)
                 changed.append(draft)
         return changed
-
-    def _redraw(self, drafts: list[_Draft]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, width) trainer draws and log-probs for the drafts, in the rows and padding the
-        update gives them (`collate`, then `RolloutBatch.rows`)."""
-        pairs = [(draft.prompt, draft.completion()) for draft in drafts]
-        batch = collate_pairs(pairs, self._pad_id(), self.placement.device)
-        batch = batch.rows(0, len(batch))
-        input_ids, mask = batch.model_inputs()
-        seeds = np.array([draft.seed for draft in drafts], dtype=np.uint64)
-        keys = row_keys(seeds[:, None], np.arange(batch.completion_ids.shape[1])[None, :])
-        model = self.placement.module
-        with self.placement.evaluating():
-            return self.placement.sharded_forward(
-                lambda: sequence_redraws(
-                    model,
-                    input_ids,
-                    mask,
-                    torch.from_numpy(keys).to(input_ids.device),
-                    self.temperature,
-                    self.truncation,
-                    self.chunk_size,
-                )
-            )
 
     def _finish(self, draft: _Draft) -> str:
         """How a completion whose last token the trainer just drew ends: 'stop', 'length', or
@@ -208,14 +225,51 @@ class OnPolicySingleTurn:
             if completion.finish_reason == "error":  # no room left in the model's context
                 draft.finish_reason = "length"
                 continue
+            offset = len(draft.tokens)
+            draft.distributions = {
+                **(draft.distributions or {}),
+                **{offset + p: row for p, row in (completion.distributions or {}).items()},
+            }
             draft.tokens += completion.token_ids
             draft.logprobs += completion.logprobs
             draft.finish_reason = completion.finish_reason
             counts["continued_tokens"] += len(completion.token_ids)
 
-    def _pad_id(self) -> int:
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        return pad if pad is not None else 0
+
+@dataclass(slots=True)
+class OnPolicySingleTurn:
+    """`SingleTurn` whose completions the trainer's forward redraws (see the module docstring)."""
+
+    tokenizer: object
+    replay: Replay
+    last_metrics: dict[str, float] = field(default_factory=dict)
+
+    def __call__(
+        self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
+    ) -> list[Group]:
+        start = time.perf_counter()
+        draws = OnPolicyDraws(self.tokenizer, self.replay)
+        outputs = draws.generate(engine, [item.prompt_ids for item in items], params)
+        groups = [
+            Group(
+                item=item,
+                completions=completions,
+                texts=[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions],
+            )
+            for item, completions in zip(items, outputs, strict=True)
+        ]
+        self.last_metrics = {
+            **draws.prefill,
+            **draws.metrics(),
+            "on_policy/seconds": time.perf_counter() - start,
+        }
+        return groups
+
+
+def pad_id(tokenizer) -> int:
+    """The tokenizer's pad id, else 0: what `collate` pads with."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad if pad is not None else 0
 
 
 def _draft(prompt: Sequence[int], params: SamplingParams, sample: int, completion: Completion) -> _Draft:
@@ -231,4 +285,5 @@ def _draft(prompt: Sequence[int], params: SamplingParams, sample: int, completio
         logprobs=list(completion.logprobs),
         finish_reason=completion.finish_reason,
         policy_version=completion.policy_version,
+        distributions=completion.distributions,
     )

@@ -281,14 +281,22 @@ def build_rollout_engine(
         seed=config.training.seed,
         rank=distributed.rank,
         world_size=distributed.world_size,
+        distribution_positions=config.generation.distribution_check_positions,
     )
     try:
-        return build_engine(config.generation.engine_name, lora.generation_model(model), tokenizer, options)
+        built = build_engine(config.generation.engine_name, lora.generation_model(model), tokenizer, options)
     except Exception:
         if workers:
             workers.check_alive()  # a server that died says why
             workers.close()
         raise
+    if options.distribution_positions and not built.capabilities.distributions:
+        logger.info(
+            "distribution_check_positions: the %s engine does not return whole next-token distributions, so "
+            "the engine/trainer distribution check is off (no sampling/distribution_* metrics)",
+            built.capabilities.name,
+        )
+    return built
 
 
 def build_optimizer(

@@ -71,13 +71,20 @@ class GenerationConfig:
     `grpoflow serve` on each and trains against them in server mode (0: none)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Sizes of the native engine (gpu_memory_utilization, max_num_seqs, max_model_len)."""
+    distribution_check_positions: int = 64
+    """Sampled positions per engine call at which the trainer compares the engine's whole
+    next-token distribution with its own (`sampling/distribution_{tv,kl}/{mean,max}`; native
+    engine; 0: off)."""
     on_policy_sampling: bool = False
     """Native engine: make every completion token an exact draw from the trainer's own forward
     (the trainer replays the engine's keyed draws on its logits and the engine continues from the
-    first disagreement), so the sampled tokens' log-probs are the trainer's (grpoflow.rollout.on_policy)."""
+    first disagreement), so the sampled tokens' log-probs are the trainer's (grpoflow.rollout.on_policy);
+    for single-turn completions and the turns of tool or environment episodes
+    (grpoflow.rollout.on_policy_episodes)."""
 
     def __post_init__(self) -> None:
         require_min("num_generations", self.num_generations, 2, " (group-relative advantages need a group)")
+        require_min("distribution_check_positions", self.distribution_check_positions, 0)
         require(
             self.sampling.temperature > 0,
             "temperature",
@@ -357,7 +364,8 @@ class GRPOConfig:
             )
 
     def _validate_on_policy(self) -> None:
-        """The trainer replays the native engine's draws of single-turn completions."""
+        """The trainer replays the native engine's draws of completions and environment episodes'
+        turns."""
         engine = self.generation.engine_name
         require(
             engine == "native",
@@ -368,22 +376,40 @@ class GRPOConfig:
             "without use_vllm",
         )
         clashes = {
-            "tools / environment_factory": self.agent.enabled,
-            "rollout_func": self.agent.rollout_func is not None,
-            "agent_program": bool(self.agent.agent_program),
-            "atropos_url": bool(self.atropos.atropos_url),
-            "repetition_penalty != 1": self.generation.sampling.repetition_penalty != 1,
-            "replay_sampling_truncation: false": not self.algorithm.replay_sampling_truncation,
-            "fsdp (ranks replay different numbers of rounds)": self.placement.fsdp,
+            "rollout_func": (
+                self.agent.rollout_func is not None,
+                "a rollout function samples through its own calls, which the trainer cannot replay",
+            ),
+            "agent_program": (
+                bool(self.agent.agent_program),
+                "an agent program's turns arrive over HTTP after it has acted on them, too late to redraw",
+            ),
+            "atropos_url": (
+                bool(self.atropos.atropos_url),
+                "Atropos environments sample on their own server",
+            ),
+            "repetition_penalty != 1": (
+                self.generation.sampling.repetition_penalty != 1,
+                "the trainer's forward does not apply a repetition penalty",
+            ),
+            "replay_sampling_truncation: false": (
+                not self.algorithm.replay_sampling_truncation,
+                "the trainer must draw from the truncated distribution the engine draws from",
+            ),
+            "fsdp": (self.placement.fsdp, "ranks would replay different numbers of rounds"),
+            "lora_dropout > 0": (
+                self.adapter.train_type == "lora" and self.adapter.lora_dropout > 0,
+                "dropout makes the update's forward random, so no draw can match it (lora_dropout: 0 keeps LoRA)",
+            ),
         }
-        for name, used in clashes.items():
+        for name, (used, why) in clashes.items():
             require(
                 not used,
                 "on_policy_sampling",
                 f"false with {name}",
                 True,
-                "on_policy_sampling covers single-turn completions drawn with temperature and "
-                "top_k/top_p/min_p replayed by the trainer: drop one of the two",
+                f"on_policy_sampling replays the native engine's draws on the trainer's forward, and {why}: "
+                "drop one of the two",
             )
 
     def _validate_async(self) -> None:

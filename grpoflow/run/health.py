@@ -9,6 +9,9 @@ Checks (`CHECKS`), each with an action `health_NAME`: warn, stop or off:
   `health_window` steps (and above `kl_spike_min`);
 - `logprob_gap`: the engine's log-probs of its samples differ from the trainer's by more than
   `logprob_gap_max` nats per token on average;
+- `distribution_gap`: at some checked position the engine's whole next-token distribution is
+  more than `distribution_tv_max` in total variation from the trainer's
+  (`sampling/distribution_tv/max`);
 - `reward_errors`: reward functions fail on more than `reward_error_rate` of the samples;
 - `zero_spread`, `entropy_collapse`, `length_growth`: over the last `health_window` steps, at least
   `zero_spread_fraction` of the groups have no reward spread; the entropy fell below
@@ -49,6 +52,8 @@ class HealthConfig:
     """The KL jumps far above its recent median."""
     health_logprob_gap: Action = "warn"
     """The engine's log-probs drift from the trainer's."""
+    health_distribution_gap: Action = "warn"
+    """The engine's next-token distribution differs from the trainer's at a checked position."""
     health_reward_errors: Action = "warn"
     """Reward functions fail on many samples."""
     health_zero_spread: Action = "warn"
@@ -65,6 +70,8 @@ class HealthConfig:
     """... and above this KL."""
     logprob_gap_max: float = 1.0
     """logprob_gap fires above this mean gap (nats per token)."""
+    distribution_tv_max: float = 0.1
+    """distribution_gap fires above this total variation distance."""
     reward_error_rate: float = 0.5
     """reward_errors fires above this share of failed samples."""
     zero_spread_fraction: float = 0.95
@@ -78,7 +85,12 @@ class HealthConfig:
         require(self.health_window >= 2, "health_window", ">= 2", self.health_window)
         for name in ("kl_spike_factor", "length_growth_factor"):
             require(getattr(self, name) > 1, name, "> 1", getattr(self, name))
-        for name in ("reward_error_rate", "zero_spread_fraction", "entropy_collapse_ratio"):
+        for name in (
+            "reward_error_rate",
+            "zero_spread_fraction",
+            "entropy_collapse_ratio",
+            "distribution_tv_max",
+        ):
             require(0 < getattr(self, name) <= 1, name, "in (0, 1]", getattr(self, name))
         for name in ("kl_spike_min", "logprob_gap_max"):
             require(getattr(self, name) > 0, name, "> 0", getattr(self, name))
@@ -173,6 +185,17 @@ def _logprob_gap(metrics: Mapping[str, float], history: History, config: HealthC
     return None
 
 
+def _distribution_gap(metrics: Mapping[str, float], history: History, config: HealthConfig) -> str | None:
+    tv = metrics.get("sampling/distribution_tv/max")
+    if _finite(tv) and tv > config.distribution_tv_max:
+        return (
+            f"the engine's next-token distribution is {tv:.3g} in total variation from the trainer's at "
+            f"a checked position (> {config.distribution_tv_max}): weights not synced to the engine, a "
+            "different dtype, or another attention implementation"
+        )
+    return None
+
+
 def _reward_errors(metrics: Mapping[str, float], history: History, config: HealthConfig) -> str | None:
     rate = metrics.get("rewards/failed_fraction")
     if _finite(rate):  # a failed episode has no reward: not the reward functions' failure
@@ -223,6 +246,7 @@ CHECKS: dict[str, tuple[Check, str]] = {
     "nonfinite": (_nonfinite, "instant"),
     "kl_spike": (_kl_spike, "instant"),
     "logprob_gap": (_logprob_gap, "streak"),
+    "distribution_gap": (_distribution_gap, "instant"),
     "reward_errors": (_reward_errors, "streak"),
     "zero_spread": (_zero_spread, "window"),
     "entropy_collapse": (_entropy_collapse, "window"),

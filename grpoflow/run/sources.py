@@ -20,7 +20,8 @@ from grpoflow.rewards import RewardRunner
 from grpoflow.rollout.agent_programs import AgentPrograms, program_rewards
 from grpoflow.rollout.atropos import AtroposGroups
 from grpoflow.rollout.groups import Episodes, Rollout, SingleTurn
-from grpoflow.rollout.on_policy import OnPolicySingleTurn
+from grpoflow.rollout.on_policy import OnPolicySingleTurn, Replay, pad_id
+from grpoflow.rollout.on_policy_episodes import OnPolicyEpisodes
 from grpoflow.rollout.prefetch import PrefetchedGroups
 from grpoflow.rollout.prompt_draws import PromptDraws
 from grpoflow.rollout.rollout_func import RolloutFunction
@@ -39,8 +40,9 @@ def build_rollout(
     vocab_size: int | None = None,
 ) -> Rollout:
     """What turns a step's prompts into groups: the user's rollout_func when one is named, an agent
-    program's episodes, episodes of tools or an environment, completions the trainer redraws
-    (on_policy_sampling, given the placed policy), else one sampled completion per group member.
+    program's episodes, episodes of tools or an environment (their turns redrawn by the trainer
+    under on_policy_sampling, given the placed policy), completions the trainer redraws
+    (on_policy_sampling), else one sampled completion per group member.
     `vocab_size`: the policy's embedding rows, which a rollout function's ids may use."""
     agent, native = config.agent, config.generation.engine_name == "native"
     if agent.rollout_func is not None:
@@ -69,17 +71,21 @@ def build_rollout(
         system=config.data.system,
         per_prompt_params=native,
     )
-    if runner is not None:
-        return Episodes(runner, tokenizer)
-    if config.generation.on_policy_sampling and placement is not None:
-        return OnPolicySingleTurn(
-            tokenizer,
+    on_policy = config.generation.on_policy_sampling and placement is not None
+    replay = None
+    if on_policy:
+        replay = Replay(
             placement,
-            micro_batch_size=config.training.per_device_train_batch_size,
-            temperature=config.generation.sampling.temperature,
-            truncation=replayed_truncation(config.generation.sampling, config.algorithm),
-            chunk_size=config.algorithm.logprob_chunk_size,
+            config.training.per_device_train_batch_size,
+            config.generation.sampling.temperature,
+            replayed_truncation(config.generation.sampling, config.algorithm),
+            config.algorithm.logprob_chunk_size,
+            pad_id(tokenizer),
         )
+    if runner is not None:
+        return OnPolicyEpisodes(runner, tokenizer, replay) if replay else Episodes(runner, tokenizer)
+    if replay is not None:
+        return OnPolicySingleTurn(tokenizer, replay)
     return SingleTurn(tokenizer)
 
 

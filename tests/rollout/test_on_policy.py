@@ -19,7 +19,7 @@ from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.policy.placement import Placement
 from grpoflow.rollout.batch import collate
 from grpoflow.rollout.groups import SingleTurn
-from grpoflow.rollout.on_policy import OnPolicySingleTurn
+from grpoflow.rollout.on_policy import OnPolicySingleTurn, Replay
 from grpoflow.run.build import run
 
 
@@ -73,7 +73,7 @@ def test_completions_are_the_trainers_own_draws_whatever_the_engine_proposes(sam
         c.token_ids for g in expected for c in g.completions
     ]
     rollout = OnPolicySingleTurn(
-        Tokens(), Placement(module=policy, device=torch.device("cpu")), 5, 1.0, truncation
+        Tokens(), Replay(Placement(module=policy, device=torch.device("cpu")), 5, 1.0, truncation)
     )
     groups = rollout(proposer, items(), request)
     for ours, theirs in zip(groups, expected):
@@ -97,7 +97,9 @@ def test_completions_are_the_trainers_own_draws_whatever_the_engine_proposes(sam
 def test_an_engine_on_the_trainers_weights_needs_one_round():
     torch.manual_seed(0)
     policy = tiny()
-    rollout = OnPolicySingleTurn(Tokens(), Placement(module=policy, device=torch.device("cpu")), 4, 1.0)
+    rollout = OnPolicySingleTurn(
+        Tokens(), Replay(Placement(module=policy, device=torch.device("cpu")), 4, 1.0)
+    )
     rollout(engine(policy), items(), params())
     assert rollout.last_metrics["on_policy/rounds"] == 1
     assert rollout.last_metrics["on_policy/replaced_tokens"] == 0
@@ -105,7 +107,9 @@ def test_an_engine_on_the_trainers_weights_needs_one_round():
 
 def test_unseeded_requests_are_refused():
     policy = tiny()
-    rollout = OnPolicySingleTurn(Tokens(), Placement(module=policy, device=torch.device("cpu")), 4, 1.0)
+    rollout = OnPolicySingleTurn(
+        Tokens(), Replay(Placement(module=policy, device=torch.device("cpu")), 4, 1.0)
+    )
     with pytest.raises(ValueError, match="seed"):
         rollout(engine(policy), items(), SamplingParams(n=2, max_tokens=4))
 
@@ -114,7 +118,19 @@ def test_a_run_with_on_policy_sampling_trains_with_no_gap(tmp_path):
     history = run(recipe(tmp_path, max_steps=2, on_policy_sampling=True, top_p=0.9))
     for step in history:
         assert step["on_policy/rounds"] >= 1 and step["on_policy/unchecked_tokens"] == 0
-        assert step["sampling/sampling_logp_difference/max"] < 1e-5
+        assert step["sampling/sampling_logp_difference/max"] == 0
+
+
+def test_a_lora_policy_with_in_place_adapters_trains_with_no_gap(tmp_path):
+    """The native engine applies the adapters unmerged; the trainer replays through PEFT's layers.
+    With the adapters moving every step, each step's tokens and log-probs are still the trainer's."""
+    config = recipe(
+        tmp_path, max_steps=3, on_policy_sampling=True, train_type="lora", lora_rank=4, lora_dropout=0.0,
+        learning_rate=0.01,
+    )  # fmt: skip
+    history = run(config)
+    assert [step["sampling/sampling_logp_difference/max"] for step in history] == [0.0] * 3
+    assert all(step["on_policy/unchecked_tokens"] == 0 for step in history)
 
 
 @pytest.mark.parametrize(
@@ -125,6 +141,8 @@ def test_a_run_with_on_policy_sampling_trains_with_no_gap(tmp_path):
         ({"repetition_penalty": 1.1}, "repetition_penalty"),
         ({"replay_sampling_truncation": False}, "replay_sampling_truncation"),
         ({"fsdp": True}, "fsdp"),
+        ({"train_type": "lora", "lora_dropout": 0.05}, "lora_dropout"),
+        ({"rollout_func": "grpoflow.tasks.echo:echo_reward"}, "rollout_func"),
     ],
 )
 def test_on_policy_sampling_refuses_what_it_cannot_replay(tmp_path, overrides, named):

@@ -56,6 +56,10 @@ TRIPS = {
         ),
         8 + WINDOW - 1,
     ),
+    "distribution_gap": (
+        lambda step: {**healthy(step), "sampling/distribution_tv/max": 0.4} if step == 13 else healthy(step),
+        13,
+    ),
     "reward_errors": (
         lambda step: {**healthy(step), "rewards/failed_fraction": 0.8} if step >= 10 else healthy(step),
         10 + WINDOW - 1,

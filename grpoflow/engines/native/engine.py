@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from grpoflow.engines.base import Completion, EngineCapabilities, EngineStats, PrefillStats, SamplingParams
+from grpoflow.engines.native.distributions import DistributionCapture
 from grpoflow.engines.native.generic import GenericRunner
 from grpoflow.engines.native.model import SUPPORTED_MODEL_TYPES, FamilyModel
 from grpoflow.engines.native.model_runner import STEPS_IN_FLIGHT, Launched, Runner, triton_available
@@ -66,6 +67,7 @@ class NativeEngine:
             per_prompt_params=True,
             aborts=True,
             prefix_cache=self.family is not None,
+            distributions=self.family is not None,
             module=model,
         )
         model_config = model.config
@@ -80,6 +82,7 @@ class NativeEngine:
         on_cuda = next(model.parameters()).device.type == "cuda"
         use_triton = on_cuda and config.use_triton and triton_available()
         self.generic = None if self.family else GenericRunner(model, config.max_num_seqs, use_triton)
+        self.last_capture: DistributionCapture | None = None
         self.weights_signature = self._signature()
         self.weights_versions = self._versions()
 
@@ -152,7 +155,14 @@ class NativeEngine:
             extra=extra,
             prefill=prefill,
         )
-        return book.completions(self.policy_version, range(len(prompts)))
+        completions = book.completions(self.policy_version, range(len(prompts)))
+        capture, self.last_capture = self.last_capture, None
+        if capture is not None:
+            for index, group in enumerate(completions):
+                for sample, completion in enumerate(group):
+                    sequence = book.first_sequence[index] + sample
+                    completion.distributions = capture.take(sequence, len(completion.token_ids))
+        return completions
 
     def _book(self, prompts, params: Sequence[SamplingParams], errors: Sequence[str | None]) -> RequestBook:
         # Unseeded requests draw their streams from torch's global generator, so a training
@@ -196,6 +206,7 @@ class NativeEngine:
         )
         joins.queue = scheduler.add
         runner.begin(options)
+        capture = self._capture(options)
         prefill_steps = decode_steps = context_tokens = 0
         in_flight: deque[tuple[PrefillStep | DecodeStep, Launched]] = deque()  # results not read yet
         converted_ahead = False
@@ -207,14 +218,23 @@ class NativeEngine:
             scheduler.abort(abandoned())
             step = scheduler.schedule()
             launched = None
+            if step is not None:
+                keys = book.keys(step.sequences, step.token_index)
+                chosen = capture.select(step.sequences, step.token_index, keys) if capture else None
             if isinstance(step, PrefillStep):
-                launched = runner.prefill(step, book.keys(step.sequences, step.token_index), options)
+                launched = runner.prefill(step, keys, options)
                 prefill_steps += 1
             elif step is not None:
-                launched = runner.decode(step, book.keys(step.sequences, step.token_index), options)
+                launched = runner.decode(step, keys, options)
                 decode_steps += 1
                 context_tokens += int(step.context_lens.sum())
             if launched is not None:
+                if capture is not None:
+                    by_row = isinstance(step, DecodeStep)
+                    launched.distributions = capture.rows_of(
+                        runner.step_logits, step.rows[chosen] if by_row else chosen
+                    )
+                    launched.chosen = chosen
                 in_flight.append((step, launched))
             elif not scheduler.waiting and not converted_ahead and joins.intake is None:
                 book.convert_ahead()  # nothing left to launch: overlap this with the last steps
@@ -225,6 +245,12 @@ class NativeEngine:
                 before = time.perf_counter()
                 tokens, logprobs = results.wait()
                 waited += time.perf_counter() - before
+                if results.distributions is not None:
+                    chosen = results.chosen
+                    current = scheduler.row_epoch[done.rows[chosen]] == done.epochs[chosen]
+                    capture.record(
+                        done.sequences[chosen], done.token_index[chosen], results.distributions, current
+                    )
                 scheduler.finish(done, tokens, logprobs)
         extra = {
             "prefill_steps": float(prefill_steps),
@@ -237,7 +263,16 @@ class NativeEngine:
             "steps_seconds": time.perf_counter() - started,
             "gpu_wait_seconds": waited,
         }
+        self.last_capture = capture
         return extra, PrefillStats(scheduler.num_prefill_tokens, scheduler.num_cached_tokens)
+
+    def _capture(self, options: SamplingOptions) -> DistributionCapture | None:
+        """What keeps the call's next-token distributions at sampled positions
+        (`distribution_positions`); None when off or greedy."""
+        count = self.config.distribution_positions
+        if not count or options.greedy:
+            return None
+        return DistributionCapture(count, options.inverse_temperature)
 
     def _per_prompt(self, prompts, params) -> list[SamplingParams]:
         requests = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)

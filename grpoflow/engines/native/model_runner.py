@@ -56,6 +56,10 @@ class Launched:
     tokens: torch.Tensor
     logprobs: torch.Tensor
     event: torch.cuda.Event | None
+    distributions: torch.Tensor | None = None
+    """The log-softmax rows of the step's kept positions (`distributions.DistributionCapture`)."""
+    chosen: np.ndarray | None = None
+    """Their indices into the step's rows."""
 
     def wait(self) -> tuple[np.ndarray, np.ndarray]:
         """Block until the step is done; copies of its tokens (int64) and log-probs. Raises
@@ -96,6 +100,8 @@ class Runner:
         self.num_blocks = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.seen: torch.Tensor | None = None
+        self.step_logits: torch.Tensor | None = None
+        """The logits the last launched step sampled from (a prefill's by child, a decode's by row)."""
 
     @property
     def awake(self) -> bool:
@@ -202,6 +208,7 @@ class Runner:
         rows = _to(step.rows, device)
         self.block_table[rows] = _to(step.table, device)
         child_logits = logits[_to(step.child_item, device)]
+        self.step_logits = child_logits  # indexed like step.rows
         seen = None
         if self.seen is not None:
             self._mark_prompts(step)
@@ -247,6 +254,7 @@ class Runner:
         else:
             self._decode_forward(rows, int(step.context_lens.max()))
         seen = self.seen[:rows] if self.seen is not None else None
+        self.step_logits = self.logits  # indexed by row
         tokens, logprobs = sample(
             self.logits[:rows],
             self.meta[3, :rows],

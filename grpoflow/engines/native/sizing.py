@@ -40,6 +40,9 @@ class NativeEngineConfig(EngineConfig):
     fewer than an eighth of max_num_seqs wait up to this many decode steps for others before they
     are prefilled, so requests that arrive one by one share prefill steps instead of taking one
     each; 0 prefills each as soon as rows are free. Prompts a call starts with never wait."""
+    distribution_positions: int = 0
+    """Sampled positions per call whose whole next-token distribution the completions carry
+    (`Completion.distributions`; 0: none)."""
     max_lora_rank: int = 64
     """The largest rank of an adapter sent as tensors (`grpoflow.transport.adapters`) the engine
     takes (vLLM's --max-lora-rank); a LoRA policy's own layers are not bounded by it."""

@@ -1,0 +1,81 @@
+"""The check of the whole next-token distribution between the engine and the trainer: at the few
+positions whose distribution the engine kept (`RolloutBatch.engine_distributions`), the total
+variation distance and KL(engine || trainer) of the two `softmax(logits / T)`, logged as
+`sampling/distribution_{tv,kl}/{mean,max}`.
+
+The trainer's side comes from the forward the learner already runs on a micro-batch's first
+pass: its decoder body's last hidden states are read by a forward hook, and only the kept
+positions are projected to the vocabulary. Rows packed under `padding_free`, rows of several
+sequences and sharded policies are not checked (the metrics are absent for them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from grpoflow.algo.logprobs import decoder_and_head
+from grpoflow.policy.placement import Placement
+from grpoflow.rollout.batch import RolloutBatch
+
+
+class DistributionTap:
+    """Reads the decoder's last hidden states during one forward pass (a context manager), then
+    compares the trainer's distributions at the batch's kept positions with the engine's."""
+
+    def __init__(self, placement: Placement, rows: RolloutBatch, temperature: float) -> None:
+        self.rows, self.temperature = rows, temperature
+        self.decoder, self.head = decoder_and_head(placement.module)
+        self.hidden: Tensor | None = None
+        self.handle = None
+
+    @classmethod
+    def for_rows(
+        cls, placement: Placement, rows: RolloutBatch, temperature: float, padding_free: bool
+    ) -> DistributionTap | None:
+        """A tap when `rows` carry kept distributions and their forward can be read; else None."""
+        if rows.distribution_index is None or padding_free or placement.is_sharded:
+            return None
+        if rows.sequence_starts is not None and bool(rows.sequence_starts.any()):
+            return None
+        if not bool((rows.distribution_index >= 0).any()) or decoder_and_head(placement.module) is None:
+            return None
+        return cls(placement, rows, temperature)
+
+    def __enter__(self) -> DistributionTap:
+        def keep(module, args, output) -> None:
+            self.hidden = output.last_hidden_state.detach()
+
+        self.handle = self.decoder.register_forward_hook(keep)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    @torch.no_grad()
+    def metrics(self) -> dict[str, Tensor]:
+        """`sampling/distribution_{tv,kl}/{mean,max}` over the kept positions."""
+        if self.hidden is None:
+            return {}
+        index = self.rows.distribution_index
+        rows, positions = (index >= 0).nonzero(as_tuple=True)
+        engine = self.rows.engine_distributions.log_probs[index[rows, positions]]
+        width = self.rows.prompt_ids.shape[1]
+        hidden = self.hidden[rows, width + positions - 1]  # the state before a token draws it
+        trainer = (self.head(hidden).float() / self.temperature).log_softmax(dim=-1)
+        tv, kl = distribution_distances(engine.to(trainer.device), trainer)
+        return {
+            "sampling/distribution_tv/mean": tv.mean(),
+            "sampling/distribution_tv/max": tv.max(),
+            "sampling/distribution_kl/mean": kl.mean(),
+            "sampling/distribution_kl/max": kl.max(),
+        }
+
+
+def distribution_distances(engine: Tensor, trainer: Tensor) -> tuple[Tensor, Tensor]:
+    """(rows,) total variation distance and KL(engine || trainer) between rows of log-probs
+    `(rows, vocab)`; tokens the engine gives no mass add nothing to the KL."""
+    p = engine.exp()
+    tv = 0.5 * (p - trainer.exp()).abs().sum(dim=-1)
+    terms = torch.where(p > 0, p * (engine - trainer), torch.zeros_like(p))
+    return tv, terms.sum(dim=-1).clamp(min=0)
