@@ -15,9 +15,8 @@ from the episode's row (the model learns nothing here: only speed is measured).
 
 Each mode runs `grpoflow train` for `--steps` steps and the steps after the first `--warmup` are
 averaged: trained tokens per second of rollout, seconds per step and episodes per second of
-rollout. An agent program's turns that a later prompt does not extend are not trained (`dropped`:
-a random model samples `<pad>` and `<unk>`, which its decoded text loses), so episodes per second
-compare the two paths' speed more closely than tokens. Prints a table and saves JSON under
+rollout; and how many sequences each episode trained as (`segments`: 1 when every turn's prompt
+extends the turns before, as the server builds it from the ids it sampled) and its turns dropped. Prints a table and saves JSON under
 benchmarks/results/.
 """
 
