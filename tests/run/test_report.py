@@ -159,8 +159,8 @@ def test_grpoflow_report_writes_where_asked_and_says_what_it_drew(finished_run, 
     output = tmp_path / "elsewhere" / "page.html"
     assert cli.main(["report", str(finished_run), "--output", str(output)]) == 0
     said = capsys.readouterr().out
-    assert str(output) in said and f"{len(ALL_PLOTS)} plots" in said
-    assert sorted(read_page(output).plots) == sorted(ALL_PLOTS)
+    assert str(output) in said and f"{len(SINGLE_TURN_PLOTS)} plots" in said
+    assert sorted(read_page(output).plots) == sorted(SINGLE_TURN_PLOTS)
 
 
 def test_grpoflow_report_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
