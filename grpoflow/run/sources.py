@@ -75,7 +75,7 @@ def build_rollout(
         return OnPolicySingleTurn(
             tokenizer,
             placement,
-            micro_batch_size=config.training.per_device_train_batch_size,
+            micro_batch_size=config.training.micro_batch_size,
             temperature=config.generation.sampling.temperature,
             truncation=replayed_truncation(config.generation.sampling, config.algorithm),
             chunk_size=config.algorithm.logprob_chunk_size,
