@@ -11,8 +11,12 @@
 Trainer does mixed precision (float32 master weights, bf16 autocast) and samples from in float32.
 
 The standard workload: a random-initialised Qwen2-0.5B-shaped model in bf16, 64 prompts x 8
-generations, prompt 128 tokens, 256 new tokens, beta 0, micro-batch 32, gradient checkpointing, one
-optimizer step per generation batch. Prompts are 128 random characters, which the character
+generations, prompt 128 tokens, 256 new tokens, beta 0, one optimizer step per generation batch.
+With no grpoflow option (--micro-batch, --gradient-checkpointing, --torch-compile, --max-tokens,
+--set) grpoflow runs as `grpoflow train` does by default: the settings it leaves unset are chosen
+from the memory plan for the GPU (`grpoflow.run.chosen_settings`), and the JSON says
+`"defaults": true`; TRL takes micro-batch 32 with gradient checkpointing. Each grpoflow row also
+gives the step time `grpoflow plan` predicts (`predicted_seconds_per_step`). Prompts are 128 random characters, which the character
 tokenizer maps to exactly 128 tokens. Each system runs in its own subprocess (clean GPU memory);
 the first `--warmup` steps are left out of the means. Results go to benchmarks/results/ as JSON.
 
@@ -135,20 +139,35 @@ def write_inputs(
     return directory / "model", directory / "prompts.jsonl"
 
 
+def uses_defaults(args) -> bool:
+    """No grpoflow setting was passed: grpoflow runs as `grpoflow train` does by default."""
+    given = (args.micro_batch, args.gradient_checkpointing, args.torch_compile)
+    return all(value is None for value in given) and not args.max_tokens and not args.set
+
+
 def grpoflow_overrides(args, model_dir: Path, prompts: Path) -> dict:
-    """grpoflow's config for the standard workload."""
+    """grpoflow's config for the workload: 512 completions a step, the speed settings as passed
+    (those not passed left to grpoflow's choice)."""
+    from grpoflow.policy.auto_settings import DEFAULT_MICRO_BATCH
+
+    micro_batch = args.micro_batch
+    settings = {
+        "per_device_train_batch_size": micro_batch,
+        "gradient_checkpointing": None
+        if args.gradient_checkpointing is None
+        else bool(args.gradient_checkpointing),
+        "torch_compile": None if args.torch_compile is None else bool(args.torch_compile),
+    }
     return {
         "model": str(model_dir),
         "dataset": str(prompts),
         "reward_funcs": [f"{Path(__file__).resolve()}:reward_length"],
         "num_generations": 8,
-        "per_device_train_batch_size": args.micro_batch,
-        "gradient_accumulation_steps": 512 // args.micro_batch,
+        **{key: value for key, value in settings.items() if value is not None},
+        "gradient_accumulation_steps": 512 // (micro_batch or DEFAULT_MICRO_BATCH),
         "max_prompt_length": 128,
         "max_completion_length": args.new_tokens,
         "beta": 0.0,
-        "gradient_checkpointing": bool(args.gradient_checkpointing),
-        "torch_compile": bool(args.torch_compile),
         "learning_rate": 1e-6,
         "max_steps": args.steps,
         "rollout_engine": args.engine,
@@ -178,9 +197,16 @@ def extra_overrides(items: list[str] | None) -> dict:
 
 def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
     from grpoflow.run.build import build_trainer
+    from grpoflow.run.chosen_settings import choose_for_run, gpu_spec, predicted_step
     from grpoflow.run.config import load_config
 
     config = load_config(None, grpoflow_overrides(args, model_dir, prompts))
+    resolved, chosen = choose_for_run(config)  # the choice build_trainer makes
+    gpu = gpu_spec(resolved)
+    extra = {
+        "chosen_settings": chosen.record(),
+        "predicted_seconds_per_step": predicted_step(resolved, gpu).total if gpu is not None else None,
+    }
     trainer = build_trainer(config)
     steps = []
     for _ in range(args.steps):
@@ -188,16 +214,16 @@ def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
         metrics = trainer.step()
         metrics["time/wall"] = time.perf_counter() - start
         steps.append(metrics)
-        save_result(args, steps)
-    return {"steps": steps, "peak_gib": _peak_gib()}
+        save_result(args, steps, extra)
+    return {"steps": steps, "peak_gib": _peak_gib(), **extra}
 
 
-def save_result(args, steps: list[dict]) -> None:
-    """The child's steps so far, written whole (a rename), so that a run cut off by --time-limit
-    still reports the steps it finished."""
+def save_result(args, steps: list[dict], extra: dict | None = None) -> None:
+    """The child's steps so far (and `extra` facts of its run), written whole (a rename), so that
+    a run cut off by --time-limit still reports the steps it finished."""
     path = Path(args.workdir) / f"{args.child}.json"
     partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps({"steps": steps, "peak_gib": _peak_gib()}, default=float))
+    partial.write_text(json.dumps({"steps": steps, "peak_gib": _peak_gib(), **(extra or {})}, default=float))
     partial.replace(path)
 
 
@@ -256,10 +282,11 @@ def run_trl(args, model_dir: Path, prompts: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     timer = StepTimer(args)
+    micro_batch = args.micro_batch or WORKLOADS[args.workload]["micro_batch"]
     config = GRPOConfig(
         output_dir=str(Path(args.workdir) / "trl"),
-        per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=512 // args.micro_batch,
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=512 // micro_batch,
         num_generations=8,
         max_completion_length=args.new_tokens,
         beta=0.0,
@@ -299,6 +326,9 @@ def summarize(name: str, result: dict, warmup: int, num_params: int, tflops: flo
         return sum(values) / len(values) if values else None
 
     row = {"system": name, "seconds_per_step": mean("time/wall"), "peak_gib": result["peak_gib"]}
+    for key in ("predicted_seconds_per_step", "chosen_settings"):
+        if key in result:
+            row[key] = result[key]
     for phase in ("rollout", "reward", "update", "sync"):
         row[f"{phase}_s"] = mean(f"time/{phase}")
     generated = mean("completions/mean_length")
@@ -355,7 +385,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--engine", default="auto", help="grpoflow's rollout_engine")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="standard")
-    parser.add_argument("--micro-batch", type=int, default=None, help="completions per micro-batch")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="completions per micro-batch (grpoflow: unset, chosen from the memory plan; TRL: the workload's)",
+    )
     parser.add_argument("--new-tokens", type=int, default=None, help="max_completion_length")
     parser.add_argument(
         "--max-tokens",
@@ -363,8 +398,12 @@ def parse_args() -> argparse.Namespace:
         default=0,
         help="grpoflow: packed updates with this token budget per micro-batch (0: padded)",
     )
-    parser.add_argument("--gradient-checkpointing", type=int, default=1, help="grpoflow's; 0 turns it off")
-    parser.add_argument("--torch-compile", type=int, default=0, help="grpoflow's; 1 compiles the layers")
+    parser.add_argument(
+        "--gradient-checkpointing", type=int, default=None, help="grpoflow's (unset: chosen from the plan)"
+    )
+    parser.add_argument(
+        "--torch-compile", type=int, default=None, help="grpoflow's (unset: chosen from the plan)"
+    )
     parser.add_argument("--set", action="append", default=[], help="grpoflow config KEY=VALUE")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument(
@@ -378,23 +417,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    defaults = WORKLOADS[args.workload]
-    args.micro_batch = args.micro_batch or defaults["micro_batch"]
-    args.new_tokens = args.new_tokens or defaults["new_tokens"]
+    args.new_tokens = args.new_tokens or WORKLOADS[args.workload]["new_tokens"]
     return args
 
 
 def child_command(args, system: str, workdir: Path) -> list[str]:
     """The command line that runs one system's steps in a process of its own."""
     command = [sys.executable, __file__, "--child", system, "--workdir", str(workdir)]
-    command += [f"--steps={args.steps}", f"--engine={args.engine}", f"--micro-batch={args.micro_batch}"]
+    command += [f"--steps={args.steps}", f"--engine={args.engine}"]
     command += [
         f"--workload={args.workload}",
         f"--max-tokens={args.max_tokens}",
         f"--new-tokens={args.new_tokens}",
-        f"--gradient-checkpointing={args.gradient_checkpointing}",
-        f"--torch-compile={args.torch_compile}",
     ]
+    given = {
+        "micro-batch": args.micro_batch,
+        "gradient-checkpointing": args.gradient_checkpointing,
+        "torch-compile": args.torch_compile,
+    }
+    command += [f"--{flag}={value}" for flag, value in given.items() if value is not None]
     command += ["--smoke"] if args.smoke else []
     return command + [f"--set={item}" for item in args.set]
 
@@ -459,7 +500,14 @@ def main() -> None:
             ratio = row["seconds_per_step"] / ours["seconds_per_step"]
             rows.append({"system": f"ratio {row['system']}/grpoflow", "seconds_per_step": ratio})
     date = datetime.date.today().isoformat()
-    record = {"gpu": gpu, "date": date, "num_params": num_params, "args": vars(args), "rows": rows}
+    record = {
+        "gpu": gpu,
+        "date": date,
+        "defaults": uses_defaults(args),
+        "num_params": num_params,
+        "args": vars(args),
+        "rows": rows,
+    }
     workload = "" if args.workload == "standard" else f"{args.workload}-"
     out = Path(args.out) if args.out else RESULTS / f"{date}-grpo-step-{workload}{gpu.replace(' ', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -182,11 +182,16 @@ def train(argv: list[str]) -> int:
 
 
 def plan(argv: list[str]) -> int:
-    """Print the run's memory plan (config only: no weights load)."""
-    epilog = "The run's options as for grpoflow train; gpu_memory_gib plans for a GPU of that size."
+    """Print the run's memory plan, the settings chosen from it and the step time they predict
+    (config only: no weights load)."""
+    epilog = (
+        "The run's options as for grpoflow train; gpu_memory_gib plans for a GPU of that size, "
+        "gpu_name (or gpu_memory_bandwidth_tbps and gpu_bf16_tflops) predicts its step time."
+    )
     known, rest = recipe_parser(
-        "grpoflow plan", "Predict each GPU's peak memory, by part.", epilog
+        "grpoflow plan", "Predict each GPU's peak memory, by part, and the step time.", epilog
     ).parse_known_args(argv)
+    from grpoflow.run.chosen_settings import applied, choose, gpu_spec, planned_gpu, predicted_step
     from grpoflow.run.plan_check import format_plan, gpu_capacity, run_plan
 
     try:
@@ -195,13 +200,24 @@ def plan(argv: list[str]) -> int:
         capacity = gpu_capacity(config)
         if capacity is None:
             raise ValueError("no GPU is visible: pass --gpu_memory_gib (e.g. 80) to plan for one")
+        chosen = choose(config, planned_gpu(capacity))
+        config = applied(config, chosen)
         memory, blocks = run_plan(config, capacity)
+        gpu = gpu_spec(config)
+        step = predicted_step(config, gpu) if gpu is not None else None
     except ValueError as error:
         print(f"grpoflow plan: {error}", file=sys.stderr)
         return 2
     print(format_plan(memory))
     if blocks is not None:
         print(f"native engine KV cache: {blocks} blocks")
+    print(chosen.summary())
+    if step is not None:
+        print(f"{step.describe()} (GPU: {gpu.name})")
+    else:
+        print(
+            "step time: pass --gpu_name (H100, H200, A100) or the GPU's measured --gpu_memory_bandwidth_tbps and --gpu_bf16_tflops"
+        )
     return 0 if memory.fits else 1
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from grpoflow.options.loader import coerce
+from grpoflow.policy.auto_settings import DEFAULT_MICRO_BATCH
 
 logger = logging.getLogger("grpoflow.api")
 
@@ -154,7 +155,7 @@ def check_generation_batch(
     generation batch: one optimizer step's (per_device_train_batch_size x gradient_accumulation_steps
     completions per process), on which each step takes num_iterations optimizer steps."""
     accumulation = values.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"])
-    per_device = values.get("per_device_train_batch_size", defaults["per_device_train_batch_size"])
+    per_device = values.get("per_device_train_batch_size") or DEFAULT_MICRO_BATCH
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     why = (
         "grpoflow generates one optimizer step's batch at a time (per_device_train_batch_size x "

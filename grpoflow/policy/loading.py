@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 
 from grpoflow import hub
+from grpoflow.options import NOT_AN_OPTION
 from grpoflow.policy import varlen_attention
 from grpoflow.policy.adapter_checkpoints import is_adapter_checkpoint, load_adapter_weights
+from grpoflow.policy.compiling import compile_layers
 from grpoflow.policy.lora import WithoutAdapters, is_peft_model
 
 
@@ -26,11 +28,13 @@ class PolicyConfig:
     """Parameter dtype; auto is bfloat16 on a GPU that supports it, float32 on the CPU."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train; auto picks CUDA when available."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
-    torch_compile: bool = False
+    gradient_checkpointing: bool | None = None
+    """Recompute activations in the backward pass to save memory; unset: `grpoflow train` on a GPU
+    turns it on only when the memory plan does not fit without it (off on the CPU)."""
+    torch_compile: bool | None = None
     """Compile each decoder layer with torch.compile for the update phase (fuses the norms,
-    rotary embeddings and activations); generation engines are unaffected."""
+    rotary embeddings and activations); generation engines are unaffected. Unset: on for a CUDA
+    device where torch.compile has Triton (off on the CPU)."""
     trust_remote_code: bool = False
     """Allow model code from the hub."""
     attn_implementation: (
@@ -43,6 +47,9 @@ class PolicyConfig:
     (sdpa). Rollout engines keep their own. `padding_free` wants one that skips what the packed
     mask hides: grpoflow_varlen (torch's varlen flash attention, no extra package; sdpa for
     anything not packed), flex_attention, flash_attention_2."""
+    compile_fallback: bool = field(default=False, metadata=NOT_AN_OPTION)
+    """torch_compile was chosen, not given: a model torch.compile cannot take trains uncompiled,
+    with one log line."""
 
     def load_tokenizer(self):
         """The model's tokenizer, with a pad token."""
@@ -143,20 +150,11 @@ def load_model(
                 f"({error}); leave it unset for sdpa"
             ) from None
     if config.torch_compile:
-        compile_layers(model)
+        compile_layers(model, fallback=config.compile_fallback)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
-
-
-def compile_layers(model: torch.nn.Module) -> None:
-    """torch.compile every decoder layer in place (dynamic shapes: micro-batches vary in length)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError("torch_compile needs a model with model.layers (Llama-style decoders)")
-    for layer in layers:
-        layer.compile(dynamic=True)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

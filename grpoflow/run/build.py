@@ -26,6 +26,7 @@ from grpoflow.rewards import RewardRunner
 from grpoflow.rollout.agent_programs import AgentPrograms
 from grpoflow.rollout.groups import Rollout
 from grpoflow.run import checkpoint, infer_workers, report
+from grpoflow.run.chosen_settings import choose_for_run, chosen_record
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.health import HealthMonitor
@@ -41,7 +42,9 @@ logger = logging.getLogger("grpoflow")
 
 def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     """Everything a run needs, each part built from its own section and handed to the trainer:
-    prompts, rewards, policy, engine, placement, the source of groups, the learner, the services."""
+    prompts, rewards, policy, engine, placement, the source of groups, the learner, the services;
+    the speed settings left unset chosen for the device first (`chosen_settings`)."""
+    config, chosen = choose_for_run(config)
     training = config.training
     config.agent.check_installed()
     quiet_request_logs()
@@ -50,6 +53,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         training.output_dir, training.resume_from_checkpoint, training.overwrite_output_dir
     )
     kv_blocks = check_plan(config)  # before anything heavy loads
+    settings_record = chosen_record(config, chosen, kv_blocks)
     distributed, device = init_distributed(resolve_device(config.policy.device))
     check_world(config, distributed)
     if device.type == "cuda":
@@ -111,7 +115,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         evaluator=build_evaluator(config, rollout, rewards, engine, tokenizer, distributed),
         cleanups=run_cleanups(rollout, workers),
     )
-    start(trainer, config, claim, workers)
+    start(trainer, config, claim, workers, settings_record)
     return trainer
 
 
@@ -203,9 +207,16 @@ def run_cleanups(rollout: Rollout, workers: RolloutServers | None) -> list[Calla
     return cleanups + [workers.close] if workers else cleanups
 
 
-def start(trainer: GRPOTrainer, config: GRPOConfig, claim, workers: RolloutServers | None) -> None:
+def start(
+    trainer: GRPOTrainer,
+    config: GRPOConfig,
+    claim,
+    workers: RolloutServers | None,
+    chosen: dict[str, dict[str, object]] | None = None,
+) -> None:
     """Bring the run to its first step: the servers it started get the policy, a resumed run its
-    state, and the output directory is claimed once every rank has read it."""
+    state, and the output directory is claimed (with the `chosen` settings' record) once every
+    rank has read it."""
     resume = claim.resume
     if workers and resume is None:  # the servers start from the model's files; the policy may differ
         trainer.weight_sync.send(0)
@@ -217,7 +228,7 @@ def start(trainer: GRPOTrainer, config: GRPOConfig, claim, workers: RolloutServe
     distributed = trainer.distributed
     distributed.barrier()  # every rank has read the directory before rank 0 changes it
     if distributed.is_main:
-        claim.apply(settings=config.to_flat_dict())
+        claim.apply(settings=config.to_flat_dict(), chosen=chosen)
     distributed.barrier()
 
 
@@ -345,7 +356,7 @@ def run(
             total_steps=trainer.total_steps,
             start_step=trainer.step_count,
             show_progress=not config.log.disable_tqdm,
-            run_config=config.to_flat_dict(),
+            run_config=trainer.settings.flat_config,  # the settings chosen for the device in place
             listener=listener,
         )
     try:

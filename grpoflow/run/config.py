@@ -175,7 +175,7 @@ class GRPOConfig:
     @property
     def generation_batch_size(self) -> int:
         """Completions generated per step and rank."""
-        return self.training.per_device_train_batch_size * self.training.gradient_accumulation_steps
+        return self.training.micro_batch_size * self.training.gradient_accumulation_steps
 
     @property
     def max_model_len(self) -> int:
@@ -196,7 +196,7 @@ class GRPOConfig:
         corrects = correction.vllm_importance_sampling_correction
         return UpdateSettings(
             algorithm=self.algorithm,
-            micro_batch_size=self.training.per_device_train_batch_size,
+            micro_batch_size=self.training.micro_batch_size,
             temperature=self.generation.sampling.temperature,
             max_completion_length=self.generation.max_completion_length,
             max_grad_norm=self.training.max_grad_norm,

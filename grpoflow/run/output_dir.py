@@ -52,9 +52,10 @@ class RunClaim:
     discard: list[Path] = field(default_factory=list)
     """Files of another run (or of this run past `resume_step`) deleted by `apply`."""
 
-    def apply(self, settings: dict[str, Any] | None = None) -> None:
+    def apply(self, settings: dict[str, Any] | None = None, chosen: dict[str, Any] | None = None) -> None:
         """Delete what is discarded, record the run (with its `settings`, the flat config, for
-        tools that read the directory such as its report), cut its logs back to `resume_step`."""
+        tools that read the directory such as its report, and the speed settings' values and
+        sources, `chosen`), cut its logs back to `resume_step`."""
         for path in self.discard:
             _delete(path)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -63,6 +64,8 @@ class RunClaim:
             record["resumed_from"] = str(self.resume)
         if settings is not None:
             record["config"] = settings
+        if chosen is not None:
+            record["chosen_settings"] = chosen
         _write_atomically(self.output_dir / RUN_FILE, json.dumps(record, default=str) + "\n")
         for name in LOG_FILES:
             cut_log(self.output_dir / name, self.resume_step)

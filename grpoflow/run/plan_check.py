@@ -17,6 +17,7 @@ from grpoflow import hub
 from grpoflow.options import require
 from grpoflow.policy.loading import local_preset
 from grpoflow.policy.memory_plan import GIB, MemoryPlan, ModelShape, PlanSettings, plan_memory
+from grpoflow.policy.step_time import KNOWN_GPUS, known_gpu
 
 logger = logging.getLogger("grpoflow")
 
@@ -33,6 +34,14 @@ class PlanConfig:
     or skip the plan; a peak within 10% of the GPU only warns (the prediction is an estimate)."""
     gpu_memory_gib: float | None = None
     """The GPU's memory to plan for; unset: the visible GPU's (no GPU and unset: no check)."""
+    gpu_name: str | None = None
+    """The GPU whose memory bandwidth and bf16 peak `grpoflow plan` predicts the step time for, by
+    a name of its table (H100, H200, A100); unset: the visible GPU's."""
+    gpu_memory_bandwidth_tbps: float | None = None
+    """Measured memory bandwidth in TB/s for the step-time prediction, over the table's figure."""
+    gpu_bf16_tflops: float | None = None
+    """Measured dense bf16 matrix-product peak in TFLOP/s for the step-time prediction, over the
+    table's figure."""
     kv_cache_from_plan: bool = True
     """Size the native engine's KV cache from what the plan leaves under gpu_memory_utilization
     (when num_kv_blocks is unset); false: from the memory free when the engine wakes."""
@@ -43,6 +52,17 @@ class PlanConfig:
             "gpu_memory_gib",
             "> 0",
             self.gpu_memory_gib,
+        )
+        for name in ("gpu_memory_bandwidth_tbps", "gpu_bf16_tflops"):
+            value = getattr(self, name)
+            require(value is None or value > 0, name, "> 0", value)
+        measured = self.gpu_memory_bandwidth_tbps is not None and self.gpu_bf16_tflops is not None
+        require(
+            self.gpu_name is None or measured or known_gpu(self.gpu_name) is not None,
+            "gpu_name",
+            f"one of {', '.join(KNOWN_GPUS)}",
+            self.gpu_name,
+            "or give the GPU's measured gpu_memory_bandwidth_tbps and gpu_bf16_tflops",
         )
 
 
@@ -90,8 +110,8 @@ def plan_settings(config, kv_cache_bytes: int = 0, dtype_bytes: int = 2) -> Plan
     return PlanSettings(
         lora_rank=config.adapter.lora_rank if lora else None,
         target_modules=list(config.adapter.target_modules),
-        gradient_checkpointing=config.policy.gradient_checkpointing,
-        micro_batch_size=config.training.per_device_train_batch_size,
+        gradient_checkpointing=bool(config.policy.gradient_checkpointing),
+        micro_batch_size=config.training.micro_batch_size,
         sequence_length=config.max_model_len,
         logprob_chunk_size=config.algorithm.logprob_chunk_size,
         reference_copy=config.algorithm.beta != 0 and not lora,

@@ -76,11 +76,11 @@ def build_rollout(
     if on_policy:
         replay = Replay(
             placement,
-            config.training.per_device_train_batch_size,
-            config.generation.sampling.temperature,
-            replayed_truncation(config.generation.sampling, config.algorithm),
-            config.algorithm.logprob_chunk_size,
-            pad_id(tokenizer),
+            micro_batch_size=config.training.micro_batch_size,
+            temperature=config.generation.sampling.temperature,
+            truncation=replayed_truncation(config.generation.sampling, config.algorithm),
+            chunk_size=config.algorithm.logprob_chunk_size,
+            pad_id=pad_id(tokenizer),
         )
     if runner is not None:
         return OnPolicyEpisodes(runner, tokenizer, replay) if replay else Episodes(runner, tokenizer)

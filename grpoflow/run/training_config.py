@@ -8,6 +8,7 @@ from typing import Literal
 
 from grpoflow.distributed import DistributedContext
 from grpoflow.options import require
+from grpoflow.policy.auto_settings import DEFAULT_MICRO_BATCH
 from grpoflow.policy.placement import Placement
 from grpoflow.policy.tiny import DEFAULT_SEED
 from grpoflow.run.checkpoint import Checkpointer
@@ -40,8 +41,10 @@ class TrainingConfig:
     """AdamW beta2."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm; 0 turns clipping off."""
-    per_device_train_batch_size: int = 8
-    """Completions per micro-batch."""
+    per_device_train_batch_size: int | None = None
+    """Completions per micro-batch; unset: 8 for the generation batch (per_device_train_batch_size
+    x gradient_accumulation_steps), which `grpoflow train` on a GPU cuts into micro-batches as
+    large as the memory plan allows (a multiple of 8 that divides it)."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step; a step generates their completions in one batch."""
     padding_free: bool = False
@@ -116,6 +119,11 @@ class TrainingConfig:
             "> 0, or -1 to use num_train_epochs",
             self.max_steps,
         )
+
+    @property
+    def micro_batch_size(self) -> int:
+        """per_device_train_batch_size, or its default when unset."""
+        return self.per_device_train_batch_size or DEFAULT_MICRO_BATCH
 
     def warmup(self, optimizer_steps: int) -> int:
         """Optimizer steps of warmup in a run of `optimizer_steps`."""

@@ -1,0 +1,145 @@
+"""The speed settings a run leaves unset, chosen for its device from its memory plan
+(`grpoflow.policy.auto_settings`), and the step time they predict (`grpoflow.policy.step_time`).
+
+`grpoflow train` chooses before anything loads and trains with the config this returns; on the
+CPU nothing is planned and the defaults stand, at no cost. `grpoflow plan` prints the same choice
+and its predicted step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+
+import torch
+
+from grpoflow.policy.auto_settings import ChosenSettings, DeviceFacts, UserSettings, choose_settings
+from grpoflow.policy.loading import resolve_device
+from grpoflow.policy.step_time import GpuSpec, StepTime, UpdatePasses, Workload, known_gpu, predict_step
+from grpoflow.run.config import GRPOConfig
+from grpoflow.run.plan_check import gpu_capacity, model_shape, plan_settings
+
+logger = logging.getLogger("grpoflow")
+
+
+def device_facts(config: GRPOConfig) -> DeviceFacts:
+    """The training device as the choice sees it: a CUDA GPU with the memory to plan for (none
+    under memory_check off), or the CPU."""
+    if resolve_device(config.policy.device).type != "cuda":
+        return DeviceFacts("cpu")
+    memory = None if config.plan.memory_check == "off" else gpu_capacity(config)
+    return DeviceFacts("cuda", memory, compile_available=inductor_compiles())
+
+
+def planned_gpu(capacity: int) -> DeviceFacts:
+    """A GPU of `capacity` bytes to plan for (`grpoflow plan`): the visible one's compiler, or
+    Triton assumed beside a GPU not visible here (CUDA builds of torch bring it)."""
+    return DeviceFacts("cuda", capacity, inductor_compiles() if torch.cuda.is_available() else True)
+
+
+def inductor_compiles() -> bool:
+    """torch.compile can generate kernels for the visible GPU: Triton is installed and the GPU
+    is one Triton supports (compute capability 7.0 or newer)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.get_device_capability() >= (7, 0)
+
+
+def user_settings(config: GRPOConfig) -> UserSettings:
+    """The settings the choice may set, as `config` gives them."""
+    return UserSettings(
+        gradient_checkpointing=config.policy.gradient_checkpointing,
+        micro_batch_size=config.training.per_device_train_batch_size,
+        torch_compile=config.policy.torch_compile,
+        max_tokens_per_micro_batch=config.training.max_tokens_per_micro_batch,
+        padding_free=config.training.padding_free,
+        generation_batch=config.generation_batch_size,
+        loss_reads_micro_batches=(
+            config.algorithm.loss_type == "bnpo" or config.algorithm.top_entropy_quantile < 1.0
+        ),
+    )
+
+
+def choose(config: GRPOConfig, device: DeviceFacts) -> ChosenSettings:
+    """The settings `config` trains with on `device`."""
+    user = user_settings(config)
+    if device.kind != "cuda" or device.memory_bytes is None:
+        return choose_settings(None, None, device, user)  # nothing planned: no config is read
+    shape = model_shape(config, on_gpu=True)
+    return choose_settings(shape, plan_settings(config, dtype_bytes=shape.dtype_bytes), device, user)
+
+
+def applied(config: GRPOConfig, chosen: ChosenSettings) -> GRPOConfig:
+    """`config` with the chosen settings in place of unset ones; the generation batch unchanged."""
+    batch, size = config.generation_batch_size, chosen.micro_batch_size
+    accumulation = batch // size if batch % size == 0 else config.training.gradient_accumulation_steps
+    training = dataclasses.replace(
+        config.training,
+        per_device_train_batch_size=size,
+        gradient_accumulation_steps=accumulation,
+        max_tokens_per_micro_batch=chosen.max_tokens_per_micro_batch,
+    )
+    policy = dataclasses.replace(
+        config.policy,
+        gradient_checkpointing=chosen.gradient_checkpointing,
+        torch_compile=chosen.torch_compile,
+        compile_fallback=chosen.torch_compile and chosen.sources["torch_compile"] != "user",
+    )
+    return dataclasses.replace(config, training=training, policy=policy)
+
+
+def choose_for_run(config: GRPOConfig) -> tuple[GRPOConfig, ChosenSettings]:
+    """The config a run trains with and its chosen settings."""
+    chosen = choose(config, device_facts(config))
+    return applied(config, chosen), chosen
+
+
+def chosen_record(
+    config: GRPOConfig, chosen: ChosenSettings, kv_blocks: int | None
+) -> dict[str, dict[str, object]]:
+    """Each chosen setting's value and source, with the native engine's KV-cache blocks when the
+    plan sized them (what run.json keeps); logs one line on what the plan chose."""
+    record = chosen.record()
+    if kv_blocks is not None:
+        record["num_kv_blocks"] = {"value": kv_blocks, "source": "plan"}
+    line = chosen.describe(kv_blocks)
+    if line is not None:
+        logger.info("%s", line)
+    return record
+
+
+def gpu_spec(config: GRPOConfig) -> GpuSpec | None:
+    """The GPU to predict the step time for: gpu_name's or the visible one's figures
+    (`step_time.KNOWN_GPUS`), each replaced by a measured one given; None when neither knows it."""
+    plan = config.plan
+    named = plan.gpu_name or (torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+    spec = known_gpu(named) if named else None
+    bandwidth, tflops = plan.gpu_memory_bandwidth_tbps, plan.gpu_bf16_tflops
+    if spec is None and (bandwidth is None or tflops is None):
+        return None
+    return GpuSpec(
+        named or "given",
+        bandwidth * 1e12 if bandwidth is not None else spec.bandwidth,
+        tflops * 1e12 if tflops is not None else spec.bf16_flops,
+    )
+
+
+def predicted_step(config: GRPOConfig, gpu: GpuSpec) -> StepTime:
+    """The step time `config` (its settings chosen) predicts on `gpu`."""
+    algorithm, generation = config.algorithm, config.generation
+    workload = Workload(
+        prompts=max(1, config.generation_batch_size // generation.num_generations),
+        generations=generation.num_generations,
+        prompt_length=config.data.max_prompt_length,
+        completion_length=generation.max_completion_length,
+    )
+    passes = UpdatePasses(
+        gradient_checkpointing=bool(config.policy.gradient_checkpointing),
+        torch_compile=bool(config.policy.torch_compile),
+        lora=config.adapter.train_type == "lora",
+        extra_forwards=int(algorithm.beta != 0) + int(algorithm.num_iterations > 1),
+        iterations=algorithm.num_iterations,
+        engine_shares_weights=generation.engine_name in ("native", "hf"),
+    )
+    return predict_step(model_shape(config, on_gpu=True), workload, gpu, passes)

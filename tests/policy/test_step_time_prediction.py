@@ -1,0 +1,81 @@
+"""The step-time prediction against the measured steps in benchmarks/results/: the standard
+workload (random Qwen2-0.5B shape, 64 prompts x 8, prompt 128, 256 new tokens) on an H100 and an
+H200, each within 20% of what was measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpoflow.policy.memory_plan import ModelShape
+from grpoflow.policy.step_time import KNOWN_GPUS, UpdatePasses, Workload, known_gpu, predict_step
+from grpoflow.policy.tiny import PRESETS
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+TOLERANCE = 0.2
+STANDARD = Workload(prompts=64, generations=8, prompt_length=128, completion_length=256)
+QWEN_05B = ModelShape(
+    **{key: value for key, value in PRESETS["qwen2-0.5b"].items() if key != "max_position_embeddings"},
+    tie_word_embeddings=True,
+)
+
+
+def grpoflow_row(name: str) -> tuple[dict, dict]:
+    record = json.loads((RESULTS / name).read_text())
+    return record["args"], next(row for row in record["rows"] if row["system"] == "grpoflow")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "2026-11-25-grpo-step-standard-defaults-vs-trl-NVIDIA_H100_80GB_HBM3.json",
+        "2026-11-25-grpo-step-standard-gc0-mb64-compile-grpoflow-NVIDIA_H100_80GB_HBM3.json",
+        "2026-11-25-grpo-step-standard-gc0-mb64-compile-vs-trl-NVIDIA_H100_80GB_HBM3.json",
+        "2026-11-25-grpo-step-standard-mb128-compile-grpoflow-NVIDIA_H100_80GB_HBM3.json",
+    ],
+)
+def test_standard_workload_on_an_h100_within_20_percent(name):
+    args, row = grpoflow_row(name)
+    passes = UpdatePasses(
+        gradient_checkpointing=bool(args["gradient_checkpointing"]), torch_compile=bool(args["torch_compile"])
+    )
+    predicted = predict_step(QWEN_05B, STANDARD, KNOWN_GPUS["H100"], passes)
+    for got, measured in (
+        (predicted.total, row["seconds_per_step"]),
+        (predicted.rollout, row["rollout_s"]),
+        (predicted.update, row["update_s"]),
+    ):
+        assert abs(got - measured) <= TOLERANCE * measured, (name, predicted, row)
+
+
+def test_standard_workload_on_an_h200_within_20_percent():
+    record = json.loads((RESULTS / "2026-11-26-grpo-step-H200-before-after-run-recut.json").read_text())
+    measured = [run["seconds_per_step"] for call in record["calls"] for run in call["runs"]]
+    mean = sum(measured) / len(measured)
+    predicted = predict_step(
+        QWEN_05B, STANDARD, KNOWN_GPUS["H200"], UpdatePasses(gradient_checkpointing=True)
+    )
+    assert abs(predicted.total - mean) <= TOLERANCE * mean, (predicted, mean)
+
+
+def test_phases_follow_the_settings():
+    gpu = KNOWN_GPUS["H100"]
+    plain = predict_step(QWEN_05B, STANDARD, gpu, UpdatePasses())
+    checkpointed = predict_step(QWEN_05B, STANDARD, gpu, UpdatePasses(gradient_checkpointing=True))
+    assert checkpointed.update == pytest.approx(plain.update * 8 / 6)
+    with_reference = predict_step(QWEN_05B, STANDARD, gpu, UpdatePasses(extra_forwards=1))
+    assert with_reference.update == pytest.approx(plain.update * 8 / 6)
+    copied = predict_step(QWEN_05B, STANDARD, gpu, UpdatePasses(engine_shares_weights=False))
+    assert plain.sync == 0 and copied.sync == pytest.approx(QWEN_05B.num_parameters() * 2 / gpu.bandwidth)
+    faster = predict_step(QWEN_05B, STANDARD, KNOWN_GPUS["H200"], UpdatePasses())
+    assert faster.rollout < plain.rollout
+
+
+def test_gpus_by_device_name():
+    assert known_gpu("NVIDIA H100 80GB HBM3") is KNOWN_GPUS["H100"]
+    assert known_gpu("NVIDIA A100-SXM4-80GB") is KNOWN_GPUS["A100"]
+    assert known_gpu("Tesla T4") is None
+    with pytest.raises(ValueError, match="prompts must be >= 1"):
+        Workload(prompts=0, generations=8, prompt_length=1, completion_length=1)

@@ -1,0 +1,113 @@
+"""The speed settings a run leaves unset, chosen for its device: the CPU keeps today's defaults at
+no cost, a GPU's memory (given as a number) chooses from the plan, run.json records each setting's
+source, and `grpoflow plan` prints the choice and the step time it predicts."""
+
+from __future__ import annotations
+
+import json
+
+from helpers.support import recipe
+
+from grpoflow.cli import main
+from grpoflow.policy.auto_settings import DeviceFacts
+from grpoflow.policy.memory_plan import GIB
+from grpoflow.run.build import build_trainer
+from grpoflow.run.chosen_settings import (
+    applied,
+    choose,
+    choose_for_run,
+    chosen_record,
+    gpu_spec,
+    predicted_step,
+)
+
+STANDARD = {
+    "model": "random:qwen2-0.5b",
+    "gradient_accumulation_steps": 64,
+    "max_prompt_length": 128,
+    "max_completion_length": 256,
+}
+"""The standard workload's shape with the speed settings unset: 8 x 64 = 512 completions a step."""
+
+
+def unset(config):
+    """`config` with the speed settings the QUICK recipe sets left unset."""
+    return config.__class__.from_flat_dict(
+        {key: value for key, value in config.to_flat_dict().items() if key != "per_device_train_batch_size"}
+    )
+
+
+def test_a_gpu_of_80_gib_trains_the_standard_workload_fast(tmp_path, caplog):
+    config = unset(recipe(tmp_path, **STANDARD))
+    chosen = choose(config, DeviceFacts("cuda", 80 * GIB, compile_available=True))
+    trained = applied(config, chosen)
+    with caplog.at_level("INFO", logger="grpoflow"):
+        record = chosen_record(trained, chosen, kv_blocks=6144)
+    assert record["num_kv_blocks"] == {"value": 6144, "source": "plan"}
+    lines = [r.getMessage() for r in caplog.records if "settings chosen from the plan" in r.getMessage()]
+    assert (
+        len(lines) == 1
+        and "per_device_train_batch_size=64" in lines[0]
+        and "KV cache 6144 blocks" in lines[0]
+    )
+    assert trained.generation_batch_size == config.generation_batch_size == 512
+    assert (trained.training.per_device_train_batch_size, trained.training.gradient_accumulation_steps) == (
+        64,
+        8,
+    )
+    assert trained.policy.gradient_checkpointing is False
+    assert trained.policy.torch_compile and trained.policy.compile_fallback  # chosen: may fall back
+    given = applied(
+        recipe(tmp_path, **STANDARD, torch_compile=True),
+        choose(recipe(tmp_path, **STANDARD, torch_compile=True), DeviceFacts("cuda", 80 * GIB)),
+    )
+    assert given.policy.torch_compile and not given.policy.compile_fallback
+
+
+def test_the_cpu_keeps_the_defaults_and_run_json_records_their_sources(tmp_path):
+    config = unset(recipe(tmp_path, gradient_checkpointing=False))
+    trained, chosen = choose_for_run(config)
+    assert trained.training.per_device_train_batch_size == 8 and trained.policy.torch_compile is False
+    assert trained.generation_batch_size == config.generation_batch_size
+    assert chosen.sources["gradient_checkpointing"] == "user"
+    build_trainer(config).close()
+    record = json.loads((tmp_path / "run" / "run.json").read_text())["chosen_settings"]
+    assert record["gradient_checkpointing"] == {"value": False, "source": "user"}
+    assert record["per_device_train_batch_size"] == {"value": 8, "source": "default"}
+    assert record["torch_compile"] == {"value": False, "source": "default"}
+
+
+def test_plan_prints_the_chosen_settings_and_the_predicted_step(capsys):
+    flags = [
+        f"--{key}={value}" for key, value in {**STANDARD, "dataset": "echo", "reward_funcs": "echo"}.items()
+    ]
+    code = main(["plan", *flags, "--gpu_memory_gib", "80", "--gpu_name", "H100"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "gradient_checkpointing=False (plan), per_device_train_batch_size=64 (plan)" in out
+    assert "predicted step" in out and "rollout" in out and "update" in out and "GPU: H100" in out
+    # The default recipe sets per_device_train_batch_size: 128, which the plan keeps.
+    code = main(["plan", "--config", "default", "--model", "random:qwen2-0.5b", "--gpu_memory_gib", "80"])
+    assert "per_device_train_batch_size=128 (user)" in capsys.readouterr().out
+
+
+def test_a_gpu_unknown_to_the_table_needs_its_measured_figures(tmp_path, capsys):
+    code = main(
+        [
+            "plan",
+            "--config",
+            "default",
+            "--model",
+            "random:qwen2-0.5b",
+            "--gpu_memory_gib",
+            "80",
+            "--gpu_name",
+            "T4",
+        ]
+    )
+    assert code == 2 and "gpu_name must be one of H100, H200, A100" in capsys.readouterr().err
+    config = recipe(tmp_path, **STANDARD, gpu_name="T4", gpu_memory_bandwidth_tbps=0.3, gpu_bf16_tflops=65)
+    spec = gpu_spec(config)
+    assert spec.bandwidth == 0.3e12 and spec.bf16_flops == 65e12
+    faster = gpu_spec(recipe(tmp_path, **STANDARD, gpu_name="H100", gpu_bf16_tflops=989))
+    assert predicted_step(config, spec).total > predicted_step(config, faster).total
