@@ -116,6 +116,12 @@ class Completion:
     mask: list[int] | None = None
     """Per token: 1 where the policy sampled it, 0 where an environment inserted it (a tool
     result, a user turn) in a multi-turn episode; such tokens get no loss. None: all sampled."""
+    routed_experts: torch.Tensor | None = None
+    """The experts a mixture-of-experts policy chose for each position, prompt then completion:
+    a CPU integer tensor (len(prompt ids) + len(token_ids), sparse layers, experts per token),
+    recorded when each position's token was fed through the model; -1 where a position was never
+    fed (the last sampled token). None unless the engine records routing (the native engine's
+    `record_routing`)."""
 
     @property
     def truncated(self) -> bool:

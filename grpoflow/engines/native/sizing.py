@@ -40,6 +40,10 @@ class NativeEngineConfig(EngineConfig):
     fewer than an eighth of max_num_seqs wait up to this many decode steps for others before they
     are prefilled, so requests that arrive one by one share prefill steps instead of taking one
     each; 0 prefills each as soon as rows are free. Prompts a call starts with never wait."""
+    record_routing: bool = False
+    """Return with each completion the experts a mixture-of-experts model chose at each of its
+    positions (`Completion.routed_experts`), prompt positions served from the prefix cache
+    included; family path only."""
     max_lora_rank: int = 64
     """The largest rank of an adapter sent as tensors (`grpoflow.transport.adapters`) the engine
     takes (vLLM's --max-lora-rank); a LoRA policy's own layers are not bounded by it."""
