@@ -156,5 +156,5 @@ def reference_experts(
         tokens, slots = torch.nonzero(chosen == expert, as_tuple=True)
         gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
         product = F.linear(silu_mul(gate, up), down[expert]) * weights[tokens, slots, None]
-        out.index_add_(0, tokens, product)
+        out[tokens] += product  # a token meets an expert once; `index_add_` crawls on busy CPUs
     return out
