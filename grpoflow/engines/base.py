@@ -119,6 +119,12 @@ class Completion:
     distributions: dict[int, torch.Tensor] | None = None
     """Position -> the engine's whole next-token distribution there, `log_softmax(logits / T)`
     float32 `(vocab,)`, at the few sampled positions it kept (`distribution_positions`)."""
+    routed_experts: torch.Tensor | None = None
+    """The experts a mixture-of-experts policy chose for each position, prompt then completion:
+    a CPU integer tensor (len(prompt ids) + len(token_ids), sparse layers, experts per token),
+    recorded when each position's token was fed through the model; -1 where a position was never
+    fed (the last sampled token). None unless the engine records routing (the native engine's
+    `record_routing`)."""
 
     @property
     def truncated(self) -> bool:

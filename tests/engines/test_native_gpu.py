@@ -10,8 +10,8 @@ from helpers.native_fixtures import FAMILIES, forward_logprobs, hf_greedy, tiny
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
-from grpoflow.engines.native.ops import DecodeBatch, TorchOps
 from grpoflow.engines.native.sampler import SamplingOptions, sample_reference
+from grpoflow.kernels.ops import DecodeBatch, TorchOps
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,7 +23,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 @pytest.fixture(scope="module")
 def kernels():
-    from grpoflow.engines.native import kernels
+    from grpoflow.kernels import decoder as kernels
 
     return kernels.TritonOps
 
@@ -128,7 +128,7 @@ def test_decode_layer_attention(kernels, dtype, window, group, qk_norm):
 
 @pytest.mark.parametrize(("greedy", "filters"), [(True, False), (False, False), (False, True)])
 def test_sample_kernel_matches_reference(greedy, filters):
-    from grpoflow.engines.native.kernels import sample_rows
+    from grpoflow.kernels.decoder import sample_rows
 
     logits = torch.randn(256, 151936, device="cuda", dtype=torch.bfloat16) * 3
     keys = torch.from_numpy(np.random.default_rng(0).integers(0, 2**32, 256)).cuda()

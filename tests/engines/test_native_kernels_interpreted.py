@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 SAMPLER = """
 import numpy as np, torch
 from grpoflow.engines.base import SamplingParams
-from grpoflow.engines.native.kernels import sample_rows
+from grpoflow.kernels.decoder import sample_rows
 from grpoflow.engines.native.sampler import SamplingOptions, sample_reference
 
 torch.manual_seed(0)
@@ -40,8 +40,8 @@ print("ok")
 
 ATTENTION = """
 import torch
-from grpoflow.engines.native.kernels import TritonOps
-from grpoflow.engines.native.ops import DecodeBatch, TorchOps
+from grpoflow.kernels.decoder import TritonOps
+from grpoflow.kernels.ops import DecodeBatch, TorchOps
 
 torch.manual_seed(0)
 rows, kv_heads, dim, block_size, blocks = 9, 2, 64, 16, 120

@@ -12,7 +12,7 @@ from helpers.native_fixtures import one_thread, tiny  # noqa: F401 (a fixture)
 from grpoflow.engines.base import PrefillStats, SamplingParams, prefix_cache_metrics
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.engines.native.block_pool import BlockPool, chain_keys
-from grpoflow.engines.native.ops import cached_prefill_attention, prefill_attention
+from grpoflow.kernels.ops import cached_prefill_attention, prefill_attention
 
 BLOCK = 4
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(2, 40)), [3] * 17]

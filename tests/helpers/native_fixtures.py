@@ -20,6 +20,36 @@ def tiny(model_type: str = "qwen2", device: str = "cpu", dtype=torch.float32, **
     return model.to(device).eval()
 
 
+def tiny_moe(norm_topk_prob: bool = True, seed: int = 0, device: str = "cpu", dtype=torch.float32):
+    """A tiny random Qwen3-MoE model in eval mode: 4 layers, the second dense (mlp_only_layers), 8
+    experts, top 2; routers scaled up so that the top two experts stand clear of the rest."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=[1],
+        max_position_embeddings=256,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.mul_(10)
+    return model.to(device=device, dtype=dtype).eval()
+
+
 def hf_greedy(model, prompt: list[int], num_tokens: int, repetition_penalty: float = 1.0) -> list[int]:
     """transformers' greedy continuation of one unpadded prompt, with no stop token."""
     device = next(model.parameters()).device

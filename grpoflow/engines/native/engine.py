@@ -18,20 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from grpoflow.engines.base import Completion, EngineCapabilities, EngineStats, PrefillStats, SamplingParams
 from grpoflow.engines.native.distributions import DistributionCapture
 from grpoflow.engines.native.generic import GenericRunner
-from grpoflow.engines.native.model import SUPPORTED_MODEL_TYPES, FamilyModel
+from grpoflow.engines.native.model import SUPPORTED_MODEL_TYPES, FamilyModel, refusal
 from grpoflow.engines.native.model_runner import STEPS_IN_FLIGHT, Launched, Runner, triton_available
 from grpoflow.engines.native.requests import Abandoned, RequestBook
+from grpoflow.engines.native.routing import RoutingRecord
 from grpoflow.engines.native.sampler import SamplingOptions
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep, Scheduler
 from grpoflow.engines.native.sizing import NativeEngineConfig
@@ -41,13 +44,15 @@ ON_ERROR = ("raise", "error_completion")
 Intake = Callable[[], Sequence[tuple[Sequence[Sequence[int]], Sequence[SamplingParams], Callable]]]
 """Requests that join a running call: prompts, one SamplingParams per prompt, what takes their completions."""
 UNIFORM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "draw")
+logger = logging.getLogger("grpoflow.engines.native")
 
 
 class NativeEngine:
     """Continuous-batching generation straight from `model`'s parameters (no copy, no sync).
 
-    Llama / Mistral / Qwen2 / Qwen3 models run the paged-KV family path (Triton kernels and CUDA
-    graphs on CUDA, torch reference ops on the CPU); any other causal LM runs the generic path.
+    Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE models run the paged-KV family path (Triton
+    kernels and CUDA graphs on CUDA, torch reference ops on the CPU); any other causal LM runs the
+    generic path, and the engine logs so once, with the reason when the model's type is a family's.
     """
 
     capabilities: EngineCapabilities
@@ -58,7 +63,16 @@ class NativeEngine:
         self.config = config = config if config is not None else NativeEngineConfig()
         self.policy_version = 0
         self.stats = EngineStats()
-        self.family = None if config.force_generic else FamilyModel.from_hf(model)
+        reason = "force_generic is set" if config.force_generic else refusal(model)
+        self.family = None if reason else FamilyModel(model)
+        if reason:
+            _log_generic(model, reason, named=config.force_generic)
+        if config.record_routing and (self.family is None or self.family.routing_shape is None):
+            why = f"this model runs on the generic path ({reason})" if reason else "this model has no experts"
+            raise ValueError(
+                f"record_routing needs a mixture-of-experts model on the family path (qwen3_moe); {why}: "
+                "unset record_routing"
+            )
         self.capabilities = EngineCapabilities(  # the family path adds adapters and caches prefixes
             name="native",
             accepts_adapters=self.family is not None,
@@ -138,6 +152,11 @@ class NativeEngine:
         if on_error == "raise" and any(errors):
             raise ValueError("; ".join(error for error in errors if error))
         book = self._book(prompts, requests, errors)
+        if self.runner is not None and self.runner.routing_shape is not None:
+            width = max(map(len, book.prompts), default=0) + book.tokens.shape[1]
+            book.routing = RoutingRecord(
+                self.runner.routing_shape, self.family.routing_dtype, book.num_sequences, width
+            )
         call = requests[0] if requests else params if isinstance(params, SamplingParams) else SamplingParams()
         options = SamplingOptions.from_params(call)
         joins = _Joins(self, book, intake, call)
@@ -251,6 +270,8 @@ class NativeEngine:
                     capture.record(
                         done.sequences[chosen], done.token_index[chosen], results.distributions, current
                     )
+                if book.routing is not None:
+                    _record_routing(book.routing, scheduler, done, results.routing.numpy())
                 scheduler.finish(done, tokens, logprobs)
         extra = {
             "prefill_steps": float(prefill_steps),
@@ -401,6 +422,31 @@ class _Joins:
             for prompts, sink in finished:
                 sink(book.completions(engine.policy_version, prompts))
             self.open = [entry for entry in self.open if entry not in finished]
+
+
+def _log_generic(model: nn.Module, reason: str, named: bool) -> None:
+    """The one line that says a model runs on the generic path, and why when its type is a family's."""
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    line = (
+        f"{model_type} runs on the native engine's generic path (no paged cache, CUDA graphs or "
+        f"prefix cache; slower): the family path covers {', '.join(SUPPORTED_MODEL_TYPES)}"
+    )
+    if named or model_type in SUPPORTED_MODEL_TYPES:
+        line += f"; the reason here: {reason}"
+    logger.info(line)
+
+
+def _record_routing(
+    record: RoutingRecord, scheduler: Scheduler, step: PrefillStep | DecodeStep, routed: np.ndarray
+) -> None:
+    """Keep a step's routing (`Launched.routing`) for its rows that have not changed hands since."""
+    current = scheduler.row_epoch[step.rows] == step.epochs
+    if isinstance(step, PrefillStep):
+        lengths = np.array([len(tokens) for tokens in step.tokens])
+        record.prefill(step.sequences[current], step.child_item[current], lengths, routed)
+    else:
+        rows = step.rows[current]
+        record.decode(step.sequences[current], step.positions[rows], routed.transpose(1, 0, 2)[rows])
 
 
 def _version_of(tensor: torch.Tensor) -> int:

@@ -10,10 +10,12 @@ from grpoflow.engines.native.model import Shape
 from grpoflow.engines.native.sizing import NativeEngineConfig
 
 
-def block_bytes(shape: Shape, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block over all layers, keys and values."""
+def block_bytes(shape: Shape, block_size: int, dtype: torch.dtype, record_routing: bool = False) -> int:
+    """Bytes of one block over all layers, keys and values (and the experts chosen for its tokens,
+    16 bits each, when routing is recorded)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return shape.num_layers * 2 * shape.num_kv_heads * block_size * shape.head_dim * element
+    routing = 2 * shape.routing_width * block_size if record_routing else 0
+    return shape.num_layers * 2 * shape.num_kv_heads * block_size * shape.head_dim * element + routing
 
 
 def workspace_bytes(shape: Shape, config: NativeEngineConfig, dtype: torch.dtype) -> int:
@@ -23,7 +25,7 @@ def workspace_bytes(shape: Shape, config: NativeEngineConfig, dtype: torch.dtype
     rows = config.max_num_seqs
     decode = rows * shape.vocab_size * (element + 16)
     tokens = config.max_prefill_tokens
-    prefill = tokens * (4 * shape.intermediate_size + 12 * shape.hidden_size) * element
+    prefill = tokens * (4 * shape.intermediate_size + 12 * shape.hidden_size + shape.sparse_width) * element
     return decode + prefill + (512 << 20)
 
 
@@ -41,7 +43,7 @@ def num_blocks_for(
     free, total = torch.cuda.mem_get_info(device)
     budget = total * config.gpu_memory_utilization - torch.cuda.memory_reserved(device)
     budget = min(budget, free) - workspace_bytes(shape, config, dtype)
-    per_block = block_bytes(shape, config.block_size, dtype)
+    per_block = block_bytes(shape, config.block_size, dtype, config.record_routing)
     if budget < per_block * blocks_per_sequence:
         raise ValueError(
             f"gpu_memory_utilization={config.gpu_memory_utilization} leaves "

@@ -4,8 +4,9 @@
 forward: no copy, the same storage the optimizer updates in place. A LoRA policy's adapters are
 applied in the same forward (`adapters`). Llama, Mistral, Qwen2 and Qwen3
 share one layout (pre-norm, rotary GQA attention with optional q/k/v bias and optional per-head
-q/k norm, SwiGLU MLP), so one forward serves them all; anything else returns None from `from_hf`
-and goes to the generic path.
+q/k norm, SwiGLU MLP), so one forward serves them all; Qwen3-MoE is Qwen3 with a router and
+experts in place of some layers' MLPs (`moe`). Anything else returns None from `from_hf`
+(`refusal` says why) and goes to the generic path.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from grpoflow.engines.native.adapters import (
     supported,
 )
 from grpoflow.engines.native.fusion import alias_rows, rows_view
-from grpoflow.engines.native.ops import TorchOps
+from grpoflow.engines.native.moe import grouped_mm_runs, is_sparse, sparse_mlps, sparse_refusal
+from grpoflow.engines.native.routing import routing_dtype
+from grpoflow.kernels.ops import TorchOps
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # attend(layer_index, q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D), qk_norm) -> (T, Hq, D): rotary,
@@ -65,22 +68,22 @@ class LayerAdapters:
 
     @staticmethod
     def of(layer: nn.Module, find: Callable[[nn.Module], Projection]) -> LayerAdapters:
+        """A sparse layer's MLP has no adapted projections: its adapters send the model to the
+        generic path (`moe.sparse_refusal`)."""
         attention, mlp = layer.self_attn, layer.mlp
+        sparse = is_sparse(mlp)
         return LayerAdapters(
             qkv=[find(m) for m in (attention.q_proj, attention.k_proj, attention.v_proj)],
             o=find(attention.o_proj),
-            gate_up=[find(mlp.gate_proj), find(mlp.up_proj)],
-            down=find(mlp.down_proj),
+            gate_up=[] if sparse else [find(mlp.gate_proj), find(mlp.up_proj)],
+            down=Projection() if sparse else find(mlp.down_proj),
         )
 
 
 def _projections(layer: nn.Module) -> list[nn.Module]:
     attention, mlp = layer.self_attn, layer.mlp
-    return [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj] + [
-        mlp.gate_proj,
-        mlp.up_proj,
-        mlp.down_proj,
-    ]
+    dense = [] if is_sparse(mlp) else [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj] + dense
 
 
 @dataclass(slots=True)
@@ -93,8 +96,13 @@ class Shape:
     head_dim: int
     hidden_size: int
     intermediate_size: int
+    """The widest MLP activation of a token: a dense MLP's, or top k experts' for a sparse one."""
     vocab_size: int
     max_position: int
+    sparse_width: int = 0
+    """Elements a token's sparse MLP holds at once (its k rows through the experts); 0 if dense."""
+    routing_width: int = 0
+    """Entries of a token's routing record: sparse layers times experts per token."""
 
 
 class FamilyModel:
@@ -111,15 +119,17 @@ class FamilyModel:
         attention = self.layers[0].self_attn
         num_heads = config.num_attention_heads
         head_dim = attention.q_proj.out_features // num_heads
+        self.sparse = sparse_mlps(self.layers, config, grouped_mm_runs(self.device, self.dtype))
         self.shape = Shape(
             num_layers=len(self.layers),
             num_heads=num_heads,
             num_kv_heads=attention.k_proj.out_features // head_dim,
             head_dim=head_dim,
             hidden_size=config.hidden_size,
-            intermediate_size=self.layers[0].mlp.gate_proj.out_features,
+            intermediate_size=max(_intermediate_size(layer.mlp, config) for layer in self.layers),
             vocab_size=self.lm_head.out_features,
             max_position=config.max_position_embeddings,
+            **_sparse_widths(self.sparse, config.hidden_size),
         )
         self.scale = float(getattr(attention, "scaling", head_dim**-0.5))
         self.windows = [_window(config, index) for index in range(len(self.layers))]
@@ -145,23 +155,25 @@ class FamilyModel:
     @staticmethod
     def from_hf(hf_model: nn.Module) -> FamilyModel | None:
         """The family forward for `hf_model`, or None when it is outside the supported layout."""
-        config = getattr(hf_model, "config", None)
-        if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return None if refusal(hf_model) else FamilyModel(hf_model)
+
+    @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        """(sparse layers, experts per token) of a mixture-of-experts model; None for a dense one."""
+        if not self.sparse:
             return None
-        rope = getattr(config, "rope_parameters", None) or {}
-        if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
-            return None
-        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
-            return None
-        inner = getattr(hf_model, "model", None)
-        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if inner is None or not all(hasattr(inner, name) for name in needed):
-            return None
-        if not hasattr(hf_model, "lm_head"):
-            return None
-        if is_lora_layer(inner.embed_tokens) or not all(supported(m) for m in hf_model.modules()):
-            return None  # adapters the family forward does not apply: PEFT's forward, generic path
-        return FamilyModel(hf_model)
+        return len(self.sparse), next(iter(self.sparse.values())).top_k
+
+    @property
+    def routing_dtype(self) -> torch.dtype:
+        """The integer type that records this model's expert indices (`routing`)."""
+        return routing_dtype(next(iter(self.sparse.values())).router.weight.shape[0])
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a decode step may be captured in a CUDA graph: every sparse MLP runs grouped
+        products (the reference loop reads the chosen experts on the host)."""
+        return all(mlp.grouped for mlp in self.sparse.values())
 
     def adapter_signature(self) -> tuple:
         """Which adapters apply (see `adapters.adapter_state`) and where loaded ones lie;
@@ -252,7 +264,8 @@ class FamilyModel:
                 weights, biases = qkv
                 if biases is None or alias_rows(biases):
                     alias_rows(weights)
-            alias_rows([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
+            if not is_sparse(layer.mlp):
+                alias_rows([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
         for adapters in self.adapters:
             alias_down(adapters.qkv)
             alias_down(adapters.gate_up)
@@ -264,8 +277,11 @@ class FamilyModel:
         self.refresh_adapters()
         for index, layer in enumerate(self.layers):
             adapters = self.adapters[index]
+            mlp = layer.mlp
             fused = Fused(
-                gate_up_weight=rows_view([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
+                gate_up_weight=None
+                if is_sparse(mlp)
+                else rows_view([mlp.gate_proj.weight, mlp.up_proj.weight]),
                 qkv_down=fused_down(adapters.qkv),
                 gate_up_down=fused_down(adapters.gate_up),
             )
@@ -303,18 +319,20 @@ class FamilyModel:
         ops: type[TorchOps],
         last_index: torch.Tensor | None = None,
         logits_out: torch.Tensor | None = None,
+        routing: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits of the tokens `input_ids` (T,); `attend` places them (rotary positions, KV cache).
 
         `last_index` (R,) picks the rows whose logits are returned; None returns all T.
         Returns (R or T, V) in the model dtype, written into `logits_out` when given (no extra copy).
+        `routing` (sparse layers, T, k), when given, receives the experts each sparse layer chose.
         """
         shape = self.shape
         num_tokens = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed.weight)
         residual = None
         for index, layer in enumerate(self.layers):
-            attention, mlp = layer.self_attn, layer.mlp
+            attention = layer.self_attn
             normed, residual = ops.rms_norm(
                 hidden, layer.input_layernorm.weight, _eps(layer.input_layernorm), residual
             )
@@ -329,14 +347,10 @@ class FamilyModel:
             normed, residual = ops.rms_norm(
                 hidden, layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm), residual
             )
-            if fused.gate_up_weight is not None:
-                gate, up = F.linear(normed, fused.gate_up_weight).split(shape.intermediate_size, dim=-1)
+            if index in self.sparse:
+                hidden = self.sparse[index](normed, ops.silu_mul, routing)
             else:
-                gate, up = _linear(normed, mlp.gate_proj), _linear(normed, mlp.up_proj)
-            add_low_rank([gate, up], normed, adapters.gate_up, fused.gate_up_down)
-            activated = ops.silu_mul(gate, up)
-            hidden = _linear(activated, mlp.down_proj)
-            add_low_rank([hidden], activated, [adapters.down])
+                hidden = _dense_mlp(normed, layer.mlp, fused, adapters, ops)
         normed, _ = ops.rms_norm(hidden, self.norm.weight, _eps(self.norm), residual)
         if last_index is not None:
             normed = normed[last_index]
@@ -367,6 +381,62 @@ class FamilyModel:
             k.view(num_tokens, shape.num_kv_heads, shape.head_dim),
             v.view(num_tokens, shape.num_kv_heads, shape.head_dim),
         )
+
+
+def _dense_mlp(
+    normed: torch.Tensor, mlp: nn.Module, fused: Fused, adapters: LayerAdapters, ops: type[TorchOps]
+) -> torch.Tensor:
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one product when their weights are fused."""
+    if fused.gate_up_weight is not None:
+        gate, up = F.linear(normed, fused.gate_up_weight).chunk(2, dim=-1)
+    else:
+        gate, up = _linear(normed, mlp.gate_proj), _linear(normed, mlp.up_proj)
+    add_low_rank([gate, up], normed, adapters.gate_up, fused.gate_up_down)
+    activated = ops.silu_mul(gate, up)
+    hidden = _linear(activated, mlp.down_proj)
+    add_low_rank([hidden], activated, [adapters.down])
+    return hidden
+
+
+def _sparse_widths(sparse: dict, hidden: int) -> dict[str, int]:
+    """`Shape`'s sparse_width and routing_width: the grouped products' rows of a token (its input,
+    gate/up products, activation, output, weighted output) and its routing record's entries."""
+    if not sparse:
+        return {}
+    mlp = next(iter(sparse.values()))
+    inter = mlp.experts.down_proj.shape[-1]
+    return {"sparse_width": mlp.top_k * (4 * hidden + 3 * inter), "routing_width": len(sparse) * mlp.top_k}
+
+
+def _intermediate_size(mlp: nn.Module, config) -> int:
+    if is_sparse(mlp):
+        return config.num_experts_per_tok * mlp.experts.down_proj.shape[-1]
+    return mlp.gate_proj.out_features
+
+
+def refusal(hf_model: nn.Module) -> str | None:
+    """Why the family forward cannot run `hf_model`; None when it can."""
+    config = getattr(hf_model, "config", None)
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return "not a model type of the family path"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
+        return f"rope_type {rope.get('rope_type')!r} (the family path has {', '.join(SUPPORTED_ROPE_TYPES)})"
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        return f"hidden_act {config.hidden_act!r} (the family path has silu)"
+    inner = getattr(hf_model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if inner is None or not all(hasattr(inner, name) for name in needed) or not hasattr(hf_model, "lm_head"):
+        return (
+            "a module layout other than transformers' (model.embed_tokens, layers, norm, rotary_emb; lm_head)"
+        )
+    for layer in inner.layers:
+        reason = sparse_refusal(layer.mlp, config) if is_sparse(layer.mlp) else None
+        if reason is not None:
+            return reason
+    if is_lora_layer(inner.embed_tokens) or not all(supported(m) for m in hf_model.modules()):
+        return "LoRA adapters the family forward does not apply (a variant, a bias, embeddings)"
+    return None
 
 
 def _qkv_parts(attention: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor] | None] | None:

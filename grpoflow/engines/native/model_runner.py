@@ -18,10 +18,11 @@ from grpoflow.engines.base import NonFiniteLogits
 from grpoflow.engines.native.block_pool import BlockPool
 from grpoflow.engines.native.kv_cache import allocate_cache, num_blocks_for
 from grpoflow.engines.native.model import FamilyModel
-from grpoflow.engines.native.ops import DecodeBatch, TorchOps, cached_prefill_attention, prefill_attention
+from grpoflow.engines.native.routing import SlotRouting
 from grpoflow.engines.native.sampler import SamplingOptions, sample
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep
 from grpoflow.engines.native.sizing import NativeEngineConfig
+from grpoflow.kernels.ops import DecodeBatch, TorchOps, cached_prefill_attention, prefill_attention
 
 IDLE_ROW = torch.tensor([[0], [-1], [0], [0]])
 """The step metadata (position, cache slot, context length, sampling key) of a row with no work:
@@ -60,6 +61,9 @@ class Launched:
     """The log-softmax rows of the step's kept positions (`distributions.DistributionCapture`)."""
     chosen: np.ndarray | None = None
     """Their indices into the step's rows."""
+    routing: torch.Tensor | None = None
+    """The experts chosen (`routing.SlotRouting`): a prefill's (items, longest, sparse layers, k),
+    a decode step's (sparse layers, rows, k); None unless routing is recorded."""
 
     def wait(self) -> tuple[np.ndarray, np.ndarray]:
         """Block until the step is done; copies of its tokens (int64) and log-probs. Raises
@@ -87,9 +91,11 @@ class Runner:
         self.max_blocks = math.ceil(max_model_len / config.block_size)
         cuda = self.device.type == "cuda"
         self.use_triton = cuda and config.use_triton and triton_available()
-        self.use_graphs = self.use_triton and config.use_cuda_graphs
+        self.use_graphs = self.use_triton and config.use_cuda_graphs and family.graph_safe
+        self.routing_shape = family.routing_shape if config.record_routing else None
+        self.routing: SlotRouting | None = None
         if self.use_triton:
-            from grpoflow.engines.native.kernels import TritonOps
+            from grpoflow.kernels.decoder import TritonOps
 
             self.ops = TritonOps
         else:
@@ -127,6 +133,16 @@ class Runner:
         self.tokens_host = torch.zeros(HOST_SLOTS, rows, dtype=torch.int64, pin_memory=pin)
         self.logprobs_host = torch.zeros(HOST_SLOTS, rows, dtype=torch.float32, pin_memory=pin)
         self.launches = 0
+        if self.routing_shape is not None:
+            self.routing = SlotRouting(
+                self.routing_shape,
+                self.family.routing_dtype,
+                self.num_blocks,
+                self.block_size,
+                rows,
+                HOST_SLOTS,
+                device,
+            )
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def release(self) -> None:
@@ -135,7 +151,7 @@ class Runner:
         self.graphs.clear()
         self.pool = None
         self.cache = self.input_ids = self.meta = self.block_table = self.logits = None
-        self.seen = self.graph_pool = None
+        self.seen = self.graph_pool = self.routing = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -201,10 +217,17 @@ class Runner:
                 out = prefill_attention(q, k, v, family.scale, family.windows[index])
             return out.reshape(num_items * length, shape.num_heads, shape.head_dim)
 
-        logits = family.forward(_to(ids.reshape(-1), device), attend, self.ops, last_index=_to(last, device))
+        routing = self.routing.buffer(ids.size) if self.routing is not None else None
+        logits = family.forward(
+            _to(ids.reshape(-1), device), attend, self.ops, last_index=_to(last, device), routing=routing
+        )
+        if routing is not None:
+            self.routing.store(slots_t, routing)
         if step.copies:
             source, destination = (_to(np.array(column), device) for column in zip(*step.copies))
             self.cache[:, :, destination] = self.cache[:, :, source]
+            if self.routing is not None:
+                self.routing.copy_blocks(source, destination)
         rows = _to(step.rows, device)
         self.block_table[rows] = _to(step.table, device)
         child_logits = logits[_to(step.child_item, device)]
@@ -219,7 +242,10 @@ class Runner:
         self.input_ids[rows] = tokens
         if self.seen is not None:
             self.seen[rows, tokens] = True
-        return self._send_back(tokens, logprobs)
+        routed = None
+        if self.routing is not None:
+            routed = self.routing.items_to_host(step.blocks, [len(item) for item in step.tokens])
+        return self._send_back(tokens, logprobs, routed)
 
     def _mark_prompts(self, step: PrefillStep) -> None:
         rows = _to(step.rows, self.device)
@@ -265,9 +291,14 @@ class Runner:
         )
         if self.seen is not None:
             self.seen[torch.arange(rows, device=self.device), tokens] = True
-        return self._send_back(tokens[: step.num_rows], logprobs[: step.num_rows])
+        routed = None
+        if self.routing is not None:
+            routed = self.routing.step_to_host(self.launches % HOST_SLOTS, step.num_rows)
+        return self._send_back(tokens[: step.num_rows], logprobs[: step.num_rows], routed)
 
-    def _send_back(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Launched:
+    def _send_back(
+        self, tokens: torch.Tensor, logprobs: torch.Tensor, routing: torch.Tensor | None = None
+    ) -> Launched:
         """Start the copy of a step's results to the host; `Launched.wait` gives them."""
         slot = self.launches % HOST_SLOTS
         self.launches += 1
@@ -278,7 +309,9 @@ class Runner:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return Launched(self.tokens_host[slot, :count], self.logprobs_host[slot, :count], event)
+        return Launched(
+            self.tokens_host[slot, :count], self.logprobs_host[slot, :count], event, routing=routing
+        )
 
     def _decode_forward(self, rows: int, max_context: int) -> None:
         cache, family, ops = self.cache, self.family, self.ops
@@ -297,7 +330,10 @@ class Runner:
                 q, k, v, cache[index, 0], cache[index, 1], batch, family.scale, family.windows[index], qk_norm
             )
 
-        family.forward(self.input_ids[:rows], attend, ops, logits_out=self.logits[:rows])
+        routing = self.routing.step[:, :rows] if self.routing is not None else None
+        family.forward(self.input_ids[:rows], attend, ops, logits_out=self.logits[:rows], routing=routing)
+        if routing is not None:
+            self.routing.store(batch.slots, routing)
 
     def _ensure_graph(self, rows: int) -> None:
         """Capture the decode forward for `rows` rows, run once first to compile the kernels.

@@ -14,6 +14,7 @@ import numpy as np
 
 from grpoflow.algo.draws import row_keys, sequence_seeds
 from grpoflow.engines.base import Completion, SamplingParams
+from grpoflow.engines.native.routing import RoutingRecord
 
 Abandoned = Callable[[], Collection[int]]
 """Indices of the prompts of a call whose completions nobody waits for any more."""
@@ -59,6 +60,7 @@ class RequestBook:
         self.stop_ids = self._stop_id_table()
         self.stop_strings = [tuple(request.stop) for request in self.params]
         self._converted: tuple[list, list, list[int]] | None = None  # see convert_ahead
+        self.routing: RoutingRecord | None = None  # the experts chosen, when they are recorded
         if any(self.stop_strings) and tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to NativeEngine")
 
@@ -212,10 +214,15 @@ class RequestBook:
             for string in self.stop_strings[self.prompt_of[sequence]]:
                 if string in text:
                     text = text[: text.index(string)]
+        routed = None
+        if self.routing is not None:
+            length = len(self.prompts[self.prompt_of[sequence]]) + len(token_ids)
+            routed = self.routing.of(sequence, length, len(token_ids))
         return Completion(
             token_ids=token_ids,
             logprobs=logprobs,
             finish_reason=self.finish_reason[sequence],
             policy_version=policy_version,
             text=text,
+            routed_experts=routed,
         )

@@ -105,7 +105,7 @@ def sample(
     if options.draw == "gumbel" and not options.greedy:
         tokens, logprobs = gumbel_draw(logits, keys, options.inverse_temperature, thresholds)
     elif use_triton:
-        from grpoflow.engines.native.kernels import sample_rows
+        from grpoflow.kernels.decoder import sample_rows
 
         return sample_rows(*args, tokens_out=tokens_out)
     else:

@@ -43,6 +43,10 @@ class NativeEngineConfig(EngineConfig):
     distribution_positions: int = 0
     """Sampled positions per call whose whole next-token distribution the completions carry
     (`Completion.distributions`; 0: none)."""
+    record_routing: bool = False
+    """Return with each completion the experts a mixture-of-experts model chose at each of its
+    positions (`Completion.routed_experts`), prompt positions served from the prefix cache
+    included; family path only."""
     max_lora_rank: int = 64
     """The largest rank of an adapter sent as tensors (`grpoflow.transport.adapters`) the engine
     takes (vLLM's --max-lora-rank); a LoRA policy's own layers are not bounded by it."""

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from grpoflow.algo.draw_kernels import hash32
-from grpoflow.engines.native.ops import TorchOps
+from grpoflow.kernels.ops import TorchOps
 
 
 @triton.jit
