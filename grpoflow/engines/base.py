@@ -116,6 +116,10 @@ class Completion:
     mask: list[int] | None = None
     """Per token: 1 where the policy sampled it, 0 where an environment inserted it (a tool
     result, a user turn) in a multi-turn episode; such tokens get no loss. None: all sampled."""
+    routed_experts: torch.Tensor | None = None
+    """Mixture-of-experts engines: a CPU integer tensor (len(prompt_ids) + len(token_ids),
+    num_moe_layers, top_k) of the experts each position fed through the model was routed to,
+    -1 where a position was not fed; None: not recorded."""
 
     @property
     def truncated(self) -> bool:
