@@ -11,7 +11,9 @@ its share of the batch's completions, bnpo averages over the micro-batches of ev
 summed gradient equals one process's on the whole batch split into the same micro-batches.
 
 Under `padding_free` every forward pass (policy, old policy, reference) runs on the micro-batch's
-sequences packed into one row (`learn.logprobs`).
+sequences packed into one row (`learn.logprobs`). A mixture-of-experts policy's routers are hooked
+for each pass (`learn.moe`): they replay the engine's recorded routing, and the router's
+load-balancing loss joins the policy loss.
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ from grpoflow.learn.accumulator import MetricsAccumulator
 from grpoflow.learn.distribution_check import DistributionTap
 from grpoflow.learn.logprobs import batch_logprobs, frozen_logprobs
 from grpoflow.learn.micro_batches import MicroBatch, PreparedBatch, micro_batches
+from grpoflow.learn.moe import MoeTraining
 from grpoflow.learn.objective import AlgorithmConfig
 from grpoflow.learn.update import ImportanceCorrection, UpdateSettings
 from grpoflow.phases import phase
 from grpoflow.policy.placement import Placement, clip_gradients
+from grpoflow.policy.routing_replay import RoutingRecord
 from grpoflow.rollout.batch import RolloutBatch
 
 
@@ -69,6 +73,8 @@ class Learner:
         self.distributed = distributed or DistributedContext()
         self.entropy_control: AdaptiveEntropy = settings.algorithm.entropy_control()
         self.loss_settings = settings.algorithm.loss_settings()
+        reference = ref_placement.module if ref_placement is not None else None
+        self.moe = MoeTraining(settings.algorithm.moe, placement.module, reference)
 
     def learn(
         self, batch: RolloutBatch, advantages: torch.Tensor, *, sampling_logprobs: bool = True
@@ -91,11 +97,17 @@ class Learner:
             window = EntropyWindow()
             for index, micro in enumerate(prepared.micro_batches):
                 last = index == len(prepared.micro_batches) - 1
-                metrics.add(
-                    self.forward_backward(
-                        prepared, micro, first_pass=iteration == 0, last=last, window=window
+                with self.moe.policy_pass(prepared.replay_routing) as routing:
+                    metrics.add(
+                        self.forward_backward(
+                            prepared,
+                            micro,
+                            first_pass=iteration == 0,
+                            last=last,
+                            window=window,
+                            routing=routing,
+                        )
                     )
-                )
             metrics.add(self.optimizer_step(window))
         metrics.add({"weights/nonfinite": nonfinite_weights(self.placement, self.distributed)})
         return metrics.result()
@@ -111,14 +123,15 @@ class Learner:
             order = batch.by_length()
             batch, advantages = batch.take(order), advantages[order.to(advantages.device)]
         parts = micro_batches(batch, settings, self.distributed)
+        replay = self.moe.replays(batch)
         old: list[torch.Tensor | None] = [None] * len(parts)
         ref: list[torch.Tensor | None] = [None] * len(parts)
         if settings.algorithm.num_iterations > 1:
             with phase("old_logprobs"):
-                old = frozen_logprobs(self.placement, parts, settings)
+                old = frozen_logprobs(self.placement, parts, settings, self.moe.routers, replay)
         if self.ref_placement is not None and not settings.algorithm.kl_in_reward:
             with self.ref_placement.in_use(), phase("reference"):
-                ref = frozen_logprobs(self.ref_placement, parts, settings)
+                ref = frozen_logprobs(self.ref_placement, parts, settings, self.moe.ref_routers, replay)
         world_size = self.distributed.world_size
         totals = BatchTotals(
             num_items_in_batch=self.distributed.all_reduce(batch.loss_mask.sum()).clamp(min=1),
@@ -131,6 +144,7 @@ class Learner:
             totals,
             num_micro_batches=len(parts) * world_size,
             settings=settings,
+            replay_routing=replay,
         )
 
     def forward_backward(
@@ -141,10 +155,12 @@ class Learner:
         first_pass: bool,
         last: bool,
         window: EntropyWindow,
+        routing: RoutingRecord | None = None,
     ) -> dict[str, torch.Tensor]:
         """One micro-batch's forward pass, loss and backward pass (its gradients add to those of
         the step's other micro-batches; `last` lets a sharded model reduce them); its metrics.
-        The entropy bonus's tokens and entropies go into `window`."""
+        The entropy bonus's tokens and entropies go into `window`; a MoE policy's routing into
+        `routing` (hooked by the caller over the backward pass too)."""
         settings, num_micro_batches = prepared.settings, prepared.num_micro_batches
         tap = None
         if first_pass:
@@ -153,7 +169,12 @@ class Learner:
             )
         with tap if tap is not None else contextlib.nullcontext():
             logps, entropy = batch_logprobs(
-                self.placement, micro.rows, settings, entropy=True, entropy_grad=self.entropy_control.enabled
+                self.placement,
+                micro.rows,
+                settings,
+                entropy=True,
+                entropy_grad=self.entropy_control.enabled,
+                routing=routing,
             )
         before_update = logps.detach() if micro.old_logps is None else micro.old_logps
         sampler_metrics = _compare_sampler(micro, before_update, settings) if first_pass else {}
@@ -186,6 +207,9 @@ class Learner:
             bonus = entropy_bonus(entropy, effective)
             total = total - self.entropy_control.applied_coef() * bonus / num_micro_batches
             metrics["policy_loss"] = loss.detach() * scale * num_micro_batches
+        total = total + self.moe.loss_term(
+            routing, metrics, num_micro_batches=num_micro_batches, first_pass=first_pass
+        )
         self.placement.sync_gradients(last=last)
         total.backward()
         # The whole batch's loss as this micro-batch estimates it; the mean over micro-batches
@@ -222,9 +246,10 @@ class Learner:
                 "reward_kl measures the KL to the reference model: give the Learner ref_placement"
             )
         parts = micro_batches(batch, self.settings, self.distributed)
-        logps = frozen_logprobs(self.placement, parts, self.settings)
+        replay = self.moe.replays(batch)
+        logps = frozen_logprobs(self.placement, parts, self.settings, self.moe.routers, replay)
         with self.ref_placement.in_use():
-            ref = frozen_logprobs(self.ref_placement, parts, self.settings)
+            ref = frozen_logprobs(self.ref_placement, parts, self.settings, self.moe.ref_routers, replay)
         estimator = self.settings.algorithm.kl_estimator
         return torch.cat(
             [

@@ -62,3 +62,5 @@ class PreparedBatch:
     """Micro-batches over every rank."""
     settings: UpdateSettings
     """This batch's settings (no sampler log-probs: no correction against them)."""
+    replay_routing: bool = False
+    """A MoE policy's passes replay the engine's recorded routing (`learn.moe`)."""

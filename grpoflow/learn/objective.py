@@ -28,6 +28,7 @@ from grpoflow.algo import (
 from grpoflow.algo.estimators import AdvantageEstimator
 from grpoflow.distributed import DistributedContext
 from grpoflow.imports import load_object
+from grpoflow.learn.moe import MoeSettings
 from grpoflow.options import choices, require
 from grpoflow.rollout.groups import ScoredGroups
 
@@ -95,6 +96,8 @@ class AlgorithmConfig:
     under the same filters replayed on the trainer's logits, renormalised over the kept tokens, as
     the engines report them; false: over the whole vocabulary (TRL), which biases the importance
     ratio by the kept mass (TRL #6789)."""
+    moe: MoeSettings = field(default_factory=MoeSettings)
+    """Mixture-of-experts policies: routing replay, the router's load-balancing loss."""
 
     def __post_init__(self) -> None:
         require(self.beta >= 0, "beta", ">= 0", self.beta)

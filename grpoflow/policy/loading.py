@@ -16,6 +16,7 @@ from grpoflow.policy import varlen_attention
 from grpoflow.policy.adapter_checkpoints import is_adapter_checkpoint, load_adapter_weights
 from grpoflow.policy.compiling import compile_layers
 from grpoflow.policy.lora import WithoutAdapters, is_peft_model
+from grpoflow.policy.routing_replay import is_moe_config
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,6 +51,11 @@ class PolicyConfig:
     compile_fallback: bool = field(default=False, metadata=NOT_AN_OPTION)
     """torch_compile was chosen, not given: a model torch.compile cannot take trains uncompiled,
     with one log line."""
+    experts_implementation: Literal["eager", "grouped_mm", "batched_mm"] | None = None
+    """Mixture-of-experts models: how the training forward runs the experts (transformers'
+    name): grouped_mm multiplies every expert's tokens in one grouped product, batched_mm gathers
+    each token's experts' weights, eager loops over the experts; unset: grouped_mm on CUDA,
+    eager on the CPU. Rollout engines keep their own."""
 
     def load_tokenizer(self):
         """The model's tokenizer, with a pad token."""
@@ -149,12 +155,36 @@ def load_model(
                 f"attn_implementation={config.attn_implementation!r} does not load for this model "
                 f"({error}); leave it unset for sdpa"
             ) from None
+    set_experts_implementation(model, config.experts_implementation, device)
     if config.torch_compile:
         compile_layers(model, fallback=config.compile_fallback)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
+
+
+def set_experts_implementation(model: torch.nn.Module, requested: str | None, device: torch.device) -> None:
+    """Run a MoE model's experts as `requested` (unset: grouped_mm on CUDA, eager on the CPU) and
+    log which; a dense model takes no setting."""
+    config = getattr(model, "config", None)
+    if config is None or not is_moe_config(config) or not hasattr(model, "set_experts_implementation"):
+        if requested is not None:
+            raise ValueError(
+                f"experts_implementation={requested!r} applies to mixture-of-experts models; this one "
+                "has no experts: leave it unset"
+            )
+        return
+    chosen = requested or ("grouped_mm" if device.type == "cuda" else "eager")
+    try:
+        model.set_experts_implementation(chosen)
+    except (ImportError, KeyError, RuntimeError, ValueError) as error:
+        raise ValueError(
+            f"experts_implementation={chosen!r} does not load for this model ({error}); "
+            "set experts_implementation: eager"
+        ) from None
+    origin = "as set" if requested else f"the default on {device.type}"
+    logger.info("mixture-of-experts layers run their experts with %s (%s)", chosen, origin)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

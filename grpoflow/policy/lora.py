@@ -27,6 +27,7 @@ from torch import nn
 from grpoflow.engines.base import RolloutEngine
 from grpoflow.options import require
 from grpoflow.phases import phase
+from grpoflow.policy.lora_moe import moe_lora_targets, refuse_expert_adapters
 from grpoflow.policy.lora_precision import compute_in_input_dtype
 from grpoflow.transport.adapters import DOWN, UP
 
@@ -83,6 +84,7 @@ def add_lora(model: nn.Module, config: AdapterConfig) -> nn.Module:
                 "give it alone or list module names"
             )
         targets = ALL_LINEAR
+    targets = moe_lora_targets(model, targets)
     lora = LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,
@@ -100,6 +102,7 @@ def add_lora(model: nn.Module, config: AdapterConfig) -> nn.Module:
             "module names of the model (q_proj, model.norm, ...) or all-linear"
         ) from None
     _refuse_tied(peft_model, tied)
+    refuse_expert_adapters(peft_model)
     compute_in_input_dtype(peft_model)
     return peft_model
 

@@ -20,6 +20,11 @@ made by the step's last reduce-scatter, layer by layer as the full ones go. Acti
 estimate (per token and layer, a Llama-family layer keeps about 6 hidden-size, 2 key/value-size
 and 4 intermediate-size vectors without gradient checkpointing; with it, the layer's input only,
 plus one layer recomputed); the allocator's fragmentation is not modelled.
+
+A mixture-of-experts model holds (and trains, and keeps optimizer moments for) every expert of its
+MoE layers, and a router per layer; a token's activations in a MoE layer are those of the `top_k`
+experts it is routed to (each: its copy of the hidden state in and out, 4 intermediate-size
+vectors) and the router's float32 logits and probabilities.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ GIB = 2**30
 LORA_DTYPE_BYTES = 4
 """PEFT keeps the adapters in float32 (autocast_adapter_dtype)."""
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_LINEAR = ("gate_proj", "up_proj", "down_proj")
+"""The dense MLP's layers: a MoE layer has experts (fused parameters) in their place."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,6 +61,18 @@ class ModelShape:
     """The output head is the embedding (one matrix)."""
     dtype_bytes: int = 2
     """Bytes per weight (2: bfloat16 or float16, 4: float32)."""
+    head_dim: int | None = None
+    """Width of one attention head; None: hidden_size // num_attention_heads."""
+    qk_norm: bool = False
+    """Each layer normalises its queries and keys per head (Qwen3): two head_dim weights."""
+    num_experts: int = 0
+    """Routed experts of each MoE layer (0: a dense model)."""
+    num_experts_per_tok: int = 0
+    """Experts a token is routed to (top_k)."""
+    moe_intermediate_size: int = 0
+    """Width of one expert's MLP."""
+    num_moe_layers: int = 0
+    """Decoder layers whose MLP is a MoE block (the others are dense)."""
 
     @classmethod
     def from_config(cls, config, dtype_bytes: int = 2) -> ModelShape:
@@ -67,45 +86,64 @@ class ModelShape:
             vocab_size=config.vocab_size,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             dtype_bytes=dtype_bytes,
+            head_dim=getattr(config, "head_dim", None),
+            qk_norm=config.model_type in ("qwen3", "qwen3_moe"),
+            **_moe_shape(config),
         )
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def query_size(self) -> int:
+        """Width of the queries of one token (all heads)."""
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def kv_size(self) -> int:
         """Width of the keys (and of the values) of one token."""
-        return self.num_key_value_heads * self.head_dim
+        return self.num_key_value_heads * self.attention_head_dim
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each linear layer of one decoder layer, by module name."""
-        h, kv, i = self.hidden_size, self.kv_size, self.intermediate_size
+        """(in, out) features of each linear layer of one (dense) decoder layer, by module name."""
+        h, q, kv, i = self.hidden_size, self.query_size, self.kv_size, self.intermediate_size
         return {
-            "q_proj": (h, h),
+            "q_proj": (h, q),
             "k_proj": (h, kv),
             "v_proj": (h, kv),
-            "o_proj": (h, h),
+            "o_proj": (q, h),
             "gate_proj": (h, i),
             "up_proj": (h, i),
             "down_proj": (i, h),
         }
 
     def num_parameters(self) -> int:
-        """Every weight (biases ignored): embeddings, layers, norms and an untied head."""
-        per_layer = sum(a * b for a, b in self.linear_shapes().values()) + 2 * self.hidden_size
-        heads = 1 if self.tie_word_embeddings else 2
-        return (
-            heads * self.vocab_size * self.hidden_size + self.num_hidden_layers * per_layer + self.hidden_size
+        """Every weight (biases ignored): embeddings, layers (a MoE layer's router and every
+        expert), norms and an untied head."""
+        shapes = self.linear_shapes()
+        attention = sum(a * b for name, (a, b) in shapes.items() if name not in MLP_LINEAR)
+        norms = 2 * self.hidden_size + (2 * self.attention_head_dim if self.qk_norm else 0)
+        dense_mlp = sum(a * b for name, (a, b) in shapes.items() if name in MLP_LINEAR)
+        moe_mlp = self.num_experts * (self.hidden_size + 3 * self.hidden_size * self.moe_intermediate_size)
+        dense_layers = self.num_hidden_layers - self.num_moe_layers
+        layers = (
+            self.num_hidden_layers * (attention + norms)
+            + dense_layers * dense_mlp
+            + self.num_moe_layers * moe_mlp
         )
+        heads = 1 if self.tie_word_embeddings else 2
+        return heads * self.vocab_size * self.hidden_size + layers + self.hidden_size
 
     def num_lora_parameters(self, rank: int, target_modules: list[str]) -> int:
         """Adapter parameters of LoRA rank `rank` on `target_modules` ("all-linear": every linear
         layer of the decoder): rank * (in + out) per adapted layer."""
         targets = ALL_LINEAR if "all-linear" in target_modules else target_modules
         shapes = self.linear_shapes()
-        per_layer = sum(rank * sum(shapes[name]) for name in targets if name in shapes)
-        return self.num_hidden_layers * per_layer
+        per_layer = {name: rank * sum(shapes[name]) for name in targets if name in shapes}
+        attention = sum(size for name, size in per_layer.items() if name not in MLP_LINEAR)
+        dense_layers = self.num_hidden_layers - self.num_moe_layers
+        return self.num_hidden_layers * attention + dense_layers * (sum(per_layer.values()) - attention)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,6 +232,23 @@ def resident_parts(shape: ModelShape, settings: PlanSettings) -> dict[str, int]:
     }
 
 
+def _moe_shape(config) -> dict[str, int]:
+    """A transformers config's MoE sizes (Qwen-MoE's names, Mixtral's num_local_experts); {} for a
+    dense model. Qwen-MoE's `mlp_only_layers` and `decoder_sparse_step` leave some layers dense."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    if not experts:
+        return {}
+    skipped = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    moe_layers = [i for i in range(config.num_hidden_layers) if i not in skipped and (i + 1) % step == 0]
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_intermediate_size": getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+        "num_moe_layers": len(moe_layers),
+    }
+
+
 def _trained_parameters(shape: ModelShape, settings: PlanSettings) -> int:
     if settings.lora_rank is None:
         return shape.num_parameters()
@@ -205,9 +260,14 @@ def activation_bytes(shape: ModelShape, settings: PlanSettings) -> int:
     h, kv, i, e = shape.hidden_size, shape.kv_size, shape.intermediate_size, shape.dtype_bytes
     tokens = settings.micro_batch_size * settings.sequence_length
     full_layer = (6 * h + 2 * kv + 4 * i) * e + 2 * h * 4  # plus the norms' float32 statistics
+    routed = shape.num_experts_per_tok * (2 * h + 4 * shape.moe_intermediate_size) * e
+    moe_layer = full_layer - 4 * i * e + routed + 2 * shape.num_experts * 4
+    dense_layers = shape.num_hidden_layers - shape.num_moe_layers
     if settings.gradient_checkpointing:
-        return tokens * (shape.num_hidden_layers * h * e + full_layer)
-    return tokens * shape.num_hidden_layers * full_layer
+        return tokens * (
+            shape.num_hidden_layers * h * e + (moe_layer if shape.num_moe_layers else full_layer)
+        )
+    return tokens * (dense_layers * full_layer + shape.num_moe_layers * moe_layer)
 
 
 def plan_memory(shape: ModelShape, settings: PlanSettings, capacity: int) -> MemoryPlan:

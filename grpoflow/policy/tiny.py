@@ -68,7 +68,7 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model(
+def tiny_config(
     vocab_size: int,
     *,
     model_type: str = "qwen2",
@@ -79,14 +79,13 @@ def build_tiny_model(
     intermediate_size: int = 128,
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = True,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
     eos_token_id: int = 1,
     pad_token_id: int = 0,
-    device: torch.device | str = "cpu",
-) -> PreTrainedModel:
-    """A randomly initialised causal LM (`model_type`: qwen2, llama, mistral, qwen3, ...)."""
-    config = AutoConfig.for_model(
+    **extra,
+):
+    """The config of a small causal LM (`model_type`: qwen2, llama, mistral, qwen3, qwen3_moe,
+    ...); `extra`: the model type's own fields (a MoE model's expert counts)."""
+    return AutoConfig.for_model(
         model_type,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -99,17 +98,41 @@ def build_tiny_model(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,
+        **extra,
     )
+
+
+def build_tiny_model(
+    vocab_size: int,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    **shape,
+) -> PreTrainedModel:
+    """A randomly initialised causal LM of `tiny_config(vocab_size, **shape)`'s shape."""
+    config = tiny_config(vocab_size, **shape)
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.generation_config.pad_token_id = pad_token_id
-    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
     return model
 
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "tiny-moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    ),
     "qwen2-0.5b": dict(
         vocab_size=151936,
         hidden_size=896,
@@ -130,16 +153,26 @@ PRESETS: dict[str, dict] = {
         tie_word_embeddings=False,
     ),
 }
-"""Shapes of randomly initialised models; `qwen2-0.5b` is Qwen2-0.5B's (and Qwen2.5-0.5B's) shape,
-`qwen2.5-7b` Qwen2.5-7B's (benchmarks)."""
+"""Shapes of randomly initialised models; `tiny-moe` a Qwen3-MoE of 8 experts, 2 per token;
+`qwen2-0.5b` is Qwen2-0.5B's (and Qwen2.5-0.5B's) shape, `qwen2.5-7b` Qwen2.5-7B's (benchmarks)."""
 
 
 def build_preset_model(name: str, tokenizer_size: int, **kwargs) -> PreTrainedModel:
     """A random model of a preset shape; the vocabulary is the tokenizer's unless the preset sets one."""
+    shape = {"vocab_size": tokenizer_size, **_preset(name), **kwargs}
+    return build_tiny_model(shape.pop("vocab_size"), **shape)
+
+
+def preset_config(name: str, tokenizer_size: int):
+    """The config of `build_preset_model(name, tokenizer_size)`, with no weights built."""
+    shape = {"vocab_size": tokenizer_size, **_preset(name)}
+    return tiny_config(shape.pop("vocab_size"), **shape)
+
+
+def _preset(name: str) -> dict:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
-    shape = {"vocab_size": tokenizer_size, **PRESETS[name], **kwargs}
-    return build_tiny_model(shape.pop("vocab_size"), **shape)
+    return PRESETS[name]
 
 
 def save_tiny_checkpoint(directory: str | Path, **model_kwargs) -> Path:

@@ -57,6 +57,11 @@ class RolloutBatch:
     """(batch, completion_len) bool: True on a completion token that begins another sequence of
     its row (the first token of that sequence's prompt; mask 0): positions restart there and no
     token attends across it. None: every row is its prompt then its completion, one sequence."""
+    routed_experts: torch.Tensor | None = None
+    """(batch, prompt_len + completion_len, num_moe_layers, top_k) int16 on the CPU: the experts
+    the engine routed each position of `model_inputs()` to (`Completion.routed_experts`), -1 on
+    padding and where nothing was recorded; moved to the device one micro-batch at a time. None:
+    no completion recorded its routing."""
 
     distribution_index: torch.Tensor | None = None
     """(batch, completion_len) long: the row of `engine_distributions` holding the engine's whole
@@ -92,7 +97,12 @@ class RolloutBatch:
         """The rows `rows` (indices), in that order."""
         tensors = {item.name: getattr(self, item.name) for item in fields(self)}
         return replace(
-            self, **{name: value[rows] for name, value in tensors.items() if isinstance(value, torch.Tensor)}
+            self,
+            **{
+                name: value[rows.to(value.device)]
+                for name, value in tensors.items()
+                if isinstance(value, torch.Tensor)
+            },
         )
 
     def rows(self, start: int, stop: int) -> RolloutBatch:
@@ -115,6 +125,9 @@ class RolloutBatch:
                 None if self.distribution_index is None else self.distribution_index[start:stop, :last]
             ),
             engine_distributions=self.engine_distributions,
+            routed_experts=None
+            if self.routed_experts is None
+            else self.routed_experts[start:stop, first : self.prompt_ids.shape[1] + last],
         )
 
 
@@ -176,6 +189,7 @@ def collate_pairs(
         left_padded=len({len(prompt) for prompt, _ in pairs}) > 1,
         loss_mask=loss_mask.to(device),
         sequence_starts=None if starts is None else starts.to(device),
+        routed_experts=_routed_experts(pairs, prompt_len, completion_len),
     )
 
 
@@ -221,6 +235,31 @@ def _distributions(
         index[row, position] = number
     rows = torch.stack([values.to(device, torch.float32) for _, _, values in kept])
     return index.to(device), EngineDistributions(rows)
+
+
+def _routed_experts(
+    pairs: Sequence[tuple[Sequence[int], Completion]], prompt_len: int, completion_len: int
+) -> torch.Tensor | None:
+    """The completions' recorded experts in the batch's layout (`RolloutBatch.routed_experts`):
+    prompts' positions on the left of column `prompt_len`, completions' from it; None when no
+    completion recorded them."""
+    recorded = [c.routed_experts for _, c in pairs if c.routed_experts is not None]
+    if not recorded:
+        return None
+    _, layers, top_k = recorded[0].shape
+    out = torch.full((len(pairs), prompt_len + completion_len, layers, top_k), -1, dtype=torch.int16)
+    for row, (prompt, completion) in enumerate(pairs):
+        experts = completion.routed_experts
+        if experts is None:
+            continue
+        length = len(prompt) + len(completion.token_ids)
+        if tuple(experts.shape) != (length, layers, top_k):
+            raise ValueError(
+                f"completion {row}'s routed_experts has shape {tuple(experts.shape)}; its prompt and "
+                f"completion need ({length}, {layers}, {top_k}): one row per position, as the batch's other completions"
+            )
+        out[row, prompt_len - len(prompt) : prompt_len + len(completion.token_ids)] = experts.to(torch.int16)
+    return out
 
 
 def _chain(lists: Iterable[Sequence]) -> list:

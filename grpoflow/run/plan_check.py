@@ -82,16 +82,11 @@ def model_shape(config, on_gpu: bool) -> ModelShape:
     dtype_bytes = 2 if dtype in ("bfloat16", "float16") or (dtype == "auto" and on_gpu) else 4
     preset = local_preset(policy.model)
     if preset is not None:
-        from grpoflow.policy.tiny import PRESETS, build_char_tokenizer
+        from grpoflow.policy.tiny import build_char_tokenizer, preset_config
 
-        values = {
-            "intermediate_size": 128,
-            "vocab_size": len(build_char_tokenizer()),
-            "tie_word_embeddings": True,
-            **PRESETS[preset],
-        }
-        values.pop("max_position_embeddings", None)
-        return ModelShape(**values, dtype_bytes=dtype_bytes)
+        return ModelShape.from_config(
+            preset_config(preset, len(build_char_tokenizer())), dtype_bytes=dtype_bytes
+        )
     from transformers import AutoConfig
 
     if not Path(policy.model).exists() and hub.unreachable():
@@ -139,7 +134,7 @@ def kv_cache_blocks(config, shape: ModelShape, capacity: int) -> tuple[int, int]
         num_layers=shape.num_hidden_layers,
         num_heads=shape.num_attention_heads,
         num_kv_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
+        head_dim=shape.attention_head_dim,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         vocab_size=shape.vocab_size,

@@ -1,4 +1,5 @@
-"""Building the policy from its config (CPU): the attention kernel it trains with."""
+"""Building the policy from its config (CPU): the attention kernel and a MoE model's experts
+implementation it trains with."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from grpoflow.run.build import run
 
 
 def build(**options):
-    return PolicyConfig(model="tiny", **options).build(vocab_size=52, seed=0, device=torch.device("cpu"))
+    return PolicyConfig(**{"model": "tiny", **options}).build(
+        vocab_size=52, seed=0, device=torch.device("cpu")
+    )
 
 
 def test_the_attention_kernel_is_the_models_default_unless_chosen():
@@ -24,6 +27,16 @@ def test_the_attention_kernel_is_the_models_default_unless_chosen():
 def test_a_kernel_that_does_not_load_is_named_with_the_fix():
     with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'.*leave it unset"):
         build(attn_implementation="flash_attention_2")  # no flash-attn package on this machine
+
+
+def test_a_moe_models_experts_run_eager_on_the_cpu_unless_chosen_and_a_dense_model_takes_no_choice(caplog):
+    with caplog.at_level("INFO", logger="grpoflow.policy.loading"):
+        assert build(model="random:tiny-moe").config._experts_implementation == "eager"
+    assert "run their experts with eager (the default on cpu)" in caplog.text
+    chosen = build(model="random:tiny-moe", experts_implementation="batched_mm")
+    assert chosen.config._experts_implementation == "batched_mm"
+    with pytest.raises(ValueError, match="experts_implementation='grouped_mm' applies to mixture-of-experts"):
+        build(experts_implementation="grouped_mm")
 
 
 @pytest.mark.gpu

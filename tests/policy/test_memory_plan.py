@@ -116,3 +116,27 @@ def test_the_optimizer_step_raises_the_peak_by_what_outlives_the_backward_pass()
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="micro_batch_size"):
         PlanSettings(micro_batch_size=0)
+
+
+def test_a_moe_models_parameters_are_every_expert_and_router_as_the_model_holds_them():
+    from helpers.moe import tiny_moe
+
+    for overrides in ({}, {"mlp_only_layers": [1], "intermediate_size": 48}):
+        model = tiny_moe(**overrides)
+        shape = ModelShape.from_config(model.config, dtype_bytes=4)
+        assert shape.num_moe_layers == (2 if not overrides else 1) and shape.num_experts == 8
+        assert shape.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+def test_a_moe_layers_activations_are_its_routed_experts():
+    dense = dataclasses.replace(SHAPE, num_hidden_layers=1)
+    moe = dataclasses.replace(
+        dense, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=4, num_moe_layers=1
+    )
+    settings = PlanSettings(micro_batch_size=1, sequence_length=1)
+    # The dense MLP's 4 * 16 intermediate values (bf16) give way to 2 routed experts' hidden copies
+    # in and out and their 4 * 4 intermediate values, and the router's float32 logits and probs.
+    routed = 2 * (2 * 8 + 4 * 4) * 2 + 2 * 8 * 4
+    assert activation_bytes(moe, settings) == activation_bytes(dense, settings) - 4 * 16 * 2 + routed
+    # LoRA on all-linear adapts a MoE layer's attention only: its experts are not linear layers.
+    assert moe.num_lora_parameters(2, ["all-linear"]) == 2 * (16 + 12 + 12 + 16)
