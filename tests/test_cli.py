@@ -139,6 +139,8 @@ def test_the_last_line_counts_reward_errors(tmp_path, capsys):
         "train",
         "--max_steps",
         "1",
+        "--per_device_train_batch_size",
+        "16",
         "--output_dir",
         str(tmp_path / "run"),
         "--report_to",
@@ -168,6 +170,8 @@ def test_a_reward_failing_on_every_sample_stops_the_run_with_a_checkpoint(tmp_pa
         "train",
         "--max_steps",
         "10",
+        "--per_device_train_batch_size",
+        "16",
         "--output_dir",
         str(output),
         "--report_to",
@@ -222,7 +226,8 @@ def test_the_embedded_default_trains_on_the_core_dependencies_alone(tmp_path):
         "from grpoflow.cli import main\n"
         "sys.exit(main())\n"
     )
-    flags = ["train", "--max_steps", "3", "--output_dir", str(tmp_path / "run"), "--disable_tqdm", "true"]
+    flags = ["train", "--max_steps", "1", "--per_device_train_batch_size", "16", "--disable_tqdm", "true"]
+    flags += ["--output_dir", str(tmp_path / "run")]
     done = subprocess.run(
         [sys.executable, "-c", blocker, *flags], capture_output=True, text=True, timeout=300
     )

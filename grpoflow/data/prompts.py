@@ -172,12 +172,19 @@ def build_prompt_items(
     max_prompt_length: int,
     truncation_strategy: str,
 ) -> list[PromptItem]:
-    """Tokenize every row's prompt, reporting (never silently dropping) the rows that fail."""
+    """Tokenize every row's prompt, reporting (never silently dropping) the rows that fail. A text
+    prompt that recurs is tokenized once."""
     items, problems, truncated = [], [], 0
+    encoded: dict[str, list[int]] = {}
     for index, row in enumerate(rows):
         try:
             prompt, columns = _split_row(row)
-            ids = encode_prompt(tokenizer, prompt, system)
+            if not isinstance(prompt, str):
+                ids = encode_prompt(tokenizer, prompt, system)
+            else:
+                if prompt not in encoded:
+                    encoded[prompt] = encode_prompt(tokenizer, prompt, system)
+                ids = list(encoded[prompt])
         except ValueError as error:
             problems.append(f"row {index}: {error}")
             continue

@@ -268,6 +268,22 @@ def test_chat_template_keeps_the_rows_own_system_message(chat_tokenizer):
     assert ids == ids_of(chat_tokenizer, "<system>own\n<user>hi\n<assistant>")
 
 
+def test_a_recurring_text_prompt_is_tokenized_once_and_each_item_has_its_own_ids(chat_tokenizer):
+    calls = []
+    render = chat_tokenizer.apply_chat_template
+    chat_tokenizer.apply_chat_template = lambda messages, **kwargs: (
+        calls.append(1) or render(messages, **kwargs)
+    )
+    rows = [{"prompt": "hi", "n": n} for n in range(50)] + [{"prompt": "yo"}]
+    items = items_of(rows, chat_tokenizer)
+    assert len(calls) == 2
+    assert [item.prompt_ids for item in items] == [ids_of(chat_tokenizer, "<user>hi\n<assistant>")] * 50 + [
+        ids_of(chat_tokenizer, "<user>yo\n<assistant>")
+    ]
+    assert items[0].prompt_ids is not items[1].prompt_ids
+    assert [item.columns for item in items[:2]] == [{"n": 0}, {"n": 1}]
+
+
 # build_prompt_items: over-long prompts
 
 

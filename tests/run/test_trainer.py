@@ -20,7 +20,8 @@ def read_jsonl(path):
 
 @pytest.mark.slow
 def test_reward_rises_on_the_embedded_default(tmp_path):
-    config = recipe(tmp_path, max_steps=100, per_device_train_batch_size=128, report_to=["tensorboard"])
+    # 70 steps: the mean reward of the last 10 is about twice the bound asserted (0.26 > 0.14).
+    config = recipe(tmp_path, max_steps=70, per_device_train_batch_size=128, report_to=["tensorboard"])
     history = run(config)
     rewards = [step["reward"] for step in history]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
@@ -29,7 +30,7 @@ def test_reward_rises_on_the_embedded_default(tmp_path):
     assert first < 0.1
     assert last > 2 * first + 0.1, (first, last)
     logged = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert [row["step"] for row in logged] == list(range(1, 101))
+    assert [row["step"] for row in logged] == list(range(1, 71))
     for key in (
         "reward",
         "reward_std",
@@ -51,7 +52,7 @@ def test_reward_rises_on_the_embedded_default(tmp_path):
     ):
         assert key in logged[-1], key
     assert list((tmp_path / "run" / "runs").glob("events.out.tfevents.*"))
-    assert [path.name for path in list_checkpoints(tmp_path / "run")] == ["checkpoint-100"]
+    assert [path.name for path in list_checkpoints(tmp_path / "run")] == ["checkpoint-70"]
 
 
 def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path):
