@@ -279,6 +279,9 @@ class EngineOptions:
     distribution_positions: int = 0
     """Sampled positions per call whose whole distribution the completions carry, where the
     engine can (`EngineCapabilities.distributions`); 0: none."""
+    record_routing: bool = False
+    """Completions carry the experts a mixture-of-experts policy routed each position to
+    (`Completion.routed_experts`), where the engine can: the native engine's family path."""
 
     @property
     def max_model_len(self) -> int:

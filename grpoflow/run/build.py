@@ -293,6 +293,7 @@ def build_rollout_engine(
         rank=distributed.rank,
         world_size=distributed.world_size,
         distribution_positions=config.generation.distribution_check_positions,
+        record_routing=config.algorithm.moe.routing_replay is not False,
     )
     try:
         built = build_engine(config.generation.engine_name, lora.generation_model(model), tokenizer, options)

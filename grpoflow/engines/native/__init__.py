@@ -6,15 +6,29 @@ from __future__ import annotations
 import dataclasses
 
 from grpoflow.engines.native.engine import NativeEngine
+from grpoflow.engines.native.model import refusal
 from grpoflow.engines.native.sizing import NativeEngineConfig
+
+MOE_MODEL_TYPES = ("qwen3_moe",)
+"""Mixture-of-experts families of the family path."""
 
 
 def build(model, tokenizer, options) -> NativeEngine:
     """Registry factory: a NativeEngine sized by the run's EngineConfig."""
+    config = NativeEngineConfig.sized_as(options.engine)
     config = dataclasses.replace(
-        NativeEngineConfig.sized_as(options.engine), distribution_positions=options.distribution_positions
+        config,
+        distribution_positions=options.distribution_positions,
+        record_routing=config.record_routing
+        or (options.record_routing and _routes_on_family_path(model, config)),
     )
     return NativeEngine(model, config=config, tokenizer=tokenizer)
+
+
+def _routes_on_family_path(model, config: NativeEngineConfig) -> bool:
+    """A mixture-of-experts model the family path runs (and records the routing of)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type in MOE_MODEL_TYPES and not config.force_generic and refusal(model) is None
 
 
 __all__ = ["NativeEngine", "NativeEngineConfig", "build"]
