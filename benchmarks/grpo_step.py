@@ -110,6 +110,7 @@ def write_inputs(
     num_prompts: int,
     float32_copy: bool = False,
     eos_mean_length: float | None = None,
+    preset: str = "qwen2-0.5b",
 ) -> tuple[Path, Path]:
     from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model, build_tiny_model
 
@@ -117,7 +118,7 @@ def write_inputs(
     if smoke:
         model = build_tiny_model(len(tokenizer), dtype=torch.bfloat16)
     else:
-        model = build_preset_model("qwen2-0.5b", len(tokenizer), dtype=torch.bfloat16)
+        model = build_preset_model(preset, len(tokenizer), dtype=torch.bfloat16)
     if eos_mean_length is not None:
         model.to("cuda" if torch.cuda.is_available() else "cpu")
         probability = raise_eos_probability(model, eos_mean_length)
@@ -314,6 +315,18 @@ def run_trl(args, model_dir: Path, prompts: Path) -> dict:
     return {"steps": timer.steps, "peak_gib": _peak_gib()}
 
 
+def active_parameters(model: torch.nn.Module) -> int:
+    """Parameters a token passes through: all of a dense model's; of a mixture-of-experts model's
+    expert weights, only the routed experts' share (num_experts_per_tok of num_experts)."""
+    config = model.config
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    total = 0
+    for name, parameter in model.named_parameters():
+        share = config.num_experts_per_tok / experts if experts and ".experts." in name else 1.0
+        total += int(parameter.numel() * share)
+    return total
+
+
 def _peak_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
@@ -338,7 +351,16 @@ def summarize(name: str, result: dict, warmup: int, num_params: int, tflops: flo
     row["per_step"] = [
         {
             key: step.get(key)
-            for key in ("time/wall", "time/rollout", "time/update", "completions/mean_length")
+            for key in (
+                "time/wall",
+                "time/rollout",
+                "time/update",
+                "completions/mean_length",
+                "sampling/sampling_logp_difference/mean",
+                "sampling/sampling_logp_difference/max",
+                "sampling/distribution_tv/max",
+                "routing/mismatch_fraction",
+            )
         }
         for step in result["steps"]
     ]
@@ -381,6 +403,9 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--systems", default="grpoflow,trl")
+    parser.add_argument(
+        "--preset", default="qwen2-0.5b", help="the random model's shape (grpoflow.policy.tiny.PRESETS)"
+    )
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--engine", default="auto", help="grpoflow's rollout_engine")
@@ -474,14 +499,12 @@ def main() -> None:
         num_prompts=64 * (args.steps + 1),
         float32_copy="trl-fp32" in systems,
         eos_mean_length=WORKLOADS[args.workload]["eos_mean_length"],
+        preset=args.preset,
     )
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     tflops = matmul_tflops(gpu)
-    num_params = sum(
-        p.numel()
-        for p in __import__("transformers")
-        .AutoModelForCausalLM.from_pretrained(workdir / "model")
-        .parameters()
+    num_params = active_parameters(
+        __import__("transformers").AutoModelForCausalLM.from_pretrained(workdir / "model")
     )
     rows = []
     deadline = time.monotonic() + args.time_limit if args.time_limit else None
