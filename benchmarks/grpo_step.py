@@ -118,7 +118,8 @@ def write_inputs(
     if smoke:
         model = build_tiny_model(len(tokenizer), dtype=torch.bfloat16)
     else:
-        model = build_preset_model(preset, len(tokenizer), dtype=torch.bfloat16)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init on the GPU: seconds
+            model = build_preset_model(preset, len(tokenizer), dtype=torch.bfloat16)
     if eos_mean_length is not None:
         model.to("cuda" if torch.cuda.is_available() else "cpu")
         probability = raise_eos_probability(model, eos_mean_length)

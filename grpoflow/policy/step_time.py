@@ -137,7 +137,7 @@ def rollout_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec) -> floa
     params = shape.num_parameters()
     weight_bytes = params * shape.dtype_bytes
     kv_per_token = 2 * shape.num_hidden_layers * shape.kv_size * shape.dtype_bytes
-    attention_per_context = 4 * shape.num_hidden_layers * shape.num_attention_heads * shape.head_dim
+    attention_per_context = 4 * shape.num_hidden_layers * shape.num_attention_heads * shape.attention_head_dim
     prefill = 2 * params * workload.prompts * workload.prompt_length / gpu.bf16_flops
     decode = 0.0
     for step in range(1, workload.completion_length + 1):
