@@ -504,9 +504,10 @@ def main() -> None:
     )
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     tflops = matmul_tflops(gpu)
-    num_params = active_parameters(
-        __import__("transformers").AutoModelForCausalLM.from_pretrained(workdir / "model")
-    )
+    transformers = __import__("transformers")
+    with torch.device("meta"):  # shapes only: no weights read
+        config = transformers.AutoConfig.from_pretrained(workdir / "model")
+        num_params = active_parameters(transformers.AutoModelForCausalLM.from_config(config))
     rows = []
     deadline = time.monotonic() + args.time_limit if args.time_limit else None
     for system in systems:
