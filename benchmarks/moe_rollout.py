@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import sys
@@ -32,9 +33,21 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-# Runs from a checkout with torch, transformers and triton alone: grpoflow and rollout.py by path.
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from rollout import Workload, copy_bandwidth, run_native, synchronize  # noqa: E402
+# Runs from a checkout with torch, transformers and triton alone: grpoflow and rollout.py by path
+# (loaded from its file, so that no other module named `rollout` stands in for it).
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+_spec = importlib.util.spec_from_file_location(
+    "rollout_benchmark", Path(__file__).resolve().with_name("rollout.py")
+)
+_rollout = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _rollout
+_spec.loader.exec_module(_rollout)
+Workload, copy_bandwidth, run_native, synchronize = (
+    _rollout.Workload,
+    _rollout.copy_bandwidth,
+    _rollout.run_native,
+    _rollout.synchronize,
+)
 
 from grpoflow.engines.base import SamplingParams  # noqa: E402
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig  # noqa: E402

@@ -355,7 +355,6 @@ REFUSED_TRL_FIELDS = frozenset(
         "do_eval",
         "do_predict",
         "local_rank",
-        "router_aux_loss_coef",
         "disable_dropout",
         "cast_lm_head_to_fp32",
         "ds3_gather_for_generation",

@@ -209,7 +209,8 @@ def test_hanging_plain_functions_hold_no_more_threads_than_agent_concurrency(eng
     finally:
         agent_programs.RELEASE.set()
         agent.close()
-    assert counts[0] == counts[-1] <= 2 + 1, counts  # two workers and the hosted server's thread
+    # two workers and the hosted server's thread, and no more after three rounds than after one
+    assert max(counts) <= 2 + 1 and counts[-1] <= counts[0], counts
 
 
 def test_the_hosted_server_serves_only_while_the_programs_run(engine, tokenizer):
