@@ -45,6 +45,9 @@ from transformers import TrainerCallback
 
 RESULTS = Path(__file__).parent / "results"
 MATMUL_TFLOPS = {"H100": 787.0, "H200": 790.0}
+RUN_STEPS = 500
+"""The run length grpoflow's settings are chosen for (`grpoflow.run.chosen_settings`)."""
+
 WORKLOADS = {
     "standard": {"new_tokens": 256, "micro_batch": 32, "eos_mean_length": None},
     "long-tail": {"new_tokens": 1024, "micro_batch": 16, "eos_mean_length": 300.0},
@@ -171,7 +174,9 @@ def grpoflow_overrides(args, model_dir: Path, prompts: Path) -> dict:
         "max_completion_length": args.new_tokens,
         "beta": 0.0,
         "learning_rate": 1e-6,
-        "max_steps": args.steps,
+        # the steady state of a long run: its settings chosen as for RUN_STEPS steps (a short run
+        # would leave torch_compile off), of which the first args.steps are timed
+        "max_steps": max(args.steps, RUN_STEPS),
         "rollout_engine": args.engine,
         "gpu_memory_utilization": 0.35,
         "output_dir": str(Path(args.workdir) / "grpoflow"),

@@ -14,7 +14,13 @@ import logging
 
 import torch
 
-from grpoflow.policy.auto_settings import ChosenSettings, DeviceFacts, UserSettings, choose_settings
+from grpoflow.policy.auto_settings import (
+    ChosenSettings,
+    DeviceFacts,
+    UserSettings,
+    choose_settings,
+    compile_skipped,
+)
 from grpoflow.policy.loading import resolve_device
 from grpoflow.policy.step_time import GpuSpec, StepTime, UpdatePasses, Workload, known_gpu, predict_step
 from grpoflow.run.config import GRPOConfig
@@ -67,7 +73,15 @@ def choose(config: GRPOConfig, device: DeviceFacts) -> ChosenSettings:
     if device.kind != "cuda" or device.memory_bytes is None:
         return choose_settings(None, None, device, user)  # nothing planned: no config is read
     shape = model_shape(config, on_gpu=True)
-    return choose_settings(shape, plan_settings(config, dtype_bytes=shape.dtype_bytes), device, user)
+    chosen = choose_settings(shape, plan_settings(config, dtype_bytes=shape.dtype_bytes), device, user)
+    gpu, steps = gpu_spec(config), config.training.max_steps
+    if chosen.torch_compile and chosen.sources["torch_compile"] == "plan" and gpu and steps > 0:
+        eager = predicted_step(applied(config, dataclasses.replace(chosen, torch_compile=False)), gpu)
+        skipped = compile_skipped(steps, eager.update, predicted_step(applied(config, chosen), gpu).update)
+        if skipped:
+            logger.info("%s", skipped)
+            return dataclasses.replace(chosen, torch_compile=False)
+    return chosen
 
 
 def applied(config: GRPOConfig, chosen: ChosenSettings) -> GRPOConfig:

@@ -111,3 +111,15 @@ def test_a_gpu_unknown_to_the_table_needs_its_measured_figures(tmp_path, capsys)
     assert spec.bandwidth == 0.3e12 and spec.bf16_flops == 65e12
     faster = gpu_spec(recipe(tmp_path, **STANDARD, gpu_name="H100", gpu_bf16_tflops=989))
     assert predicted_step(config, spec).total > predicted_step(config, faster).total
+
+
+def test_a_run_too_short_to_pay_for_compiling_is_left_eager(tmp_path, caplog):
+    gpu = DeviceFacts("cuda", 80 * GIB, compile_available=True)
+    short = unset(recipe(tmp_path, **STANDARD, gpu_name="H100", max_steps=5))
+    with caplog.at_level("INFO", logger="grpoflow"):
+        chosen = choose(short, gpu)
+    assert chosen.torch_compile is False and chosen.sources["torch_compile"] == "plan"
+    assert any("5 steps would save about" in r.getMessage() for r in caplog.records)
+    assert choose(unset(recipe(tmp_path, **STANDARD, gpu_name="H100", max_steps=500)), gpu).torch_compile
+    given = unset(recipe(tmp_path, **STANDARD, gpu_name="H100", max_steps=5, torch_compile=True))
+    assert choose(given, gpu).torch_compile  # a setting given is kept
