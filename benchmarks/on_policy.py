@@ -2,6 +2,7 @@
 
     python benchmarks/on_policy.py              # random Qwen2-0.5B shape, bf16, on the GPU
     python benchmarks/on_policy.py --smoke      # a tiny model on the CPU, to check the script
+    python benchmarks/on_policy.py --peaked-entropy 0.45   # distributions as sharp as a trained model's
 
 The workload is grpo_step.py's standard one (64 prompts x 8, prompt 128, 256 new tokens, micro-batch
 32, gradient checkpointing) through the native engine, once as it samples by default and once with
@@ -10,7 +11,11 @@ in its own subprocess; the first `--warmup` steps are left out. For each mode th
 step time, the rollout time (which includes the trainer's replay), the replay's own seconds, its
 rounds and replaced tokens, and the gap between the log-probs the batch carries for its sampled
 tokens and those the update's forward computes (`sampling/sampling_logp_difference`, nats per
-token). Results go to benchmarks/results/ as JSON.
+token), and the whole-distribution check's total variation. A random model's next-token
+distributions are nearly flat, a trained model's peaked: `--peaked-entropy E` scales the model's
+final norm until its mean next-token entropy over the prompts is E nats (found by bisection,
+written to the JSON), where the engine/trainer gap is larger and exact sampling replays more.
+Results go to benchmarks/results/ as JSON.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ KEYS = (
     "on_policy/unchecked_tokens",
     "sampling/sampling_logp_difference/mean",
     "sampling/sampling_logp_difference/max",
+    "sampling/distribution_tv/mean",
+    "sampling/distribution_tv/max",
     "completions/mean_length",
 )
 
@@ -45,21 +52,60 @@ def reward_length(completions, **kwargs):
     return [len(text) / 256 for text in completions]
 
 
-def write_inputs(directory: Path, smoke: bool, num_prompts: int) -> tuple[Path, Path]:
+def write_inputs(
+    directory: Path, smoke: bool, num_prompts: int, peaked_entropy: float = 0.0
+) -> tuple[Path, Path, dict]:
     from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model, build_tiny_model
 
     tokenizer = build_char_tokenizer()
-    if smoke:
-        model = build_tiny_model(len(tokenizer), dtype=torch.bfloat16)
-    else:
-        model = build_preset_model("qwen2-0.5b", len(tokenizer), dtype=torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        if smoke:
+            model = build_tiny_model(len(tokenizer), dtype=torch.bfloat16)
+        else:
+            model = build_preset_model("qwen2-0.5b", len(tokenizer), dtype=torch.bfloat16)
+    peaked = sharpen(model, tokenizer, peaked_entropy) if peaked_entropy > 0 else {}
     model.save_pretrained(directory / "model")
     tokenizer.save_pretrained(directory / "model")
     rng = random.Random(0)
     with open(directory / "prompts.jsonl", "w") as handle:
         for _ in range(num_prompts):
             handle.write(json.dumps({"prompt": "".join(rng.choice("abcdefghij") for _ in range(128))}) + "\n")
-    return directory / "model", directory / "prompts.jsonl"
+    return directory / "model", directory / "prompts.jsonl", peaked
+
+
+@torch.no_grad()
+def mean_entropy(model, ids: torch.Tensor) -> float:
+    """The model's mean next-token entropy (nats) over the positions of `ids`, in float32."""
+    logits = model(ids).logits.float()
+    logps = logits.log_softmax(-1)
+    return float(-(logps.exp() * logps).sum(-1).mean())
+
+
+@torch.no_grad()
+def sharpen(model, tokenizer, target: float, rounds: int = 30) -> dict:
+    """Scale the final norm's weight so that the mean next-token entropy over random prompts of
+    the benchmark's letters is `target` nats (bisection on the scale's logarithm); the scale and
+    the entropy before and after."""
+    rng = random.Random(1)
+    texts = ["".join(rng.choice("abcdefghij") for _ in range(128)) for _ in range(8)]
+    device = next(model.parameters()).device
+    ids = torch.tensor([tokenizer(text)["input_ids"] for text in texts], device=device)
+    norm = model.model.norm.weight
+    original = norm.detach().clone()
+    before = mean_entropy(model, ids)
+    low, high = 0.0, 8.0  # log of the scale: 1 to e^8
+    for _ in range(rounds):
+        middle = (low + high) / 2
+        norm.copy_(original * float(torch.tensor(middle).exp()))
+        low, high = (middle, high) if mean_entropy(model, ids) > target else (low, middle)
+    scale = float(torch.tensor((low + high) / 2).exp())
+    norm.copy_(original * scale)
+    return {
+        "target_entropy": target,
+        "entropy_before": before,
+        "entropy": mean_entropy(model, ids),
+        "norm_scale": scale,
+    }
 
 
 def config_values(args, mode: str, model_dir: Path, prompts: Path) -> dict:
@@ -125,6 +171,7 @@ def print_table(rows: list[dict]) -> None:
         ("replaced", "on_policy/replaced_tokens", "{:.1f}"),
         ("gap mean", "sampling/sampling_logp_difference/mean", "{:.2e}"),
         ("gap max", "sampling/sampling_logp_difference/max", "{:.2e}"),
+        ("TV max", "sampling/distribution_tv/max", "{:.2e}"),
         ("mean len", "completions/mean_length", "{:.0f}"),
     ]
     print(" | ".join(title for title, _, _ in columns))
@@ -143,6 +190,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--modes", default="default,on_policy", help="of default, on_policy, *_truncated")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument(
+        "--peaked-entropy",
+        type=float,
+        default=0.0,
+        help="scale the final norm to this mean next-token entropy in nats (0: the random model as built)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None)
@@ -155,7 +208,9 @@ def main() -> None:
     modes = args.modes.split(",")
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
-        write_inputs(Path(workdir), args.smoke, args.prompts * args.steps)
+        _, _, peaked = write_inputs(Path(workdir), args.smoke, args.prompts * args.steps, args.peaked_entropy)
+        if peaked:
+            print(f"peaked: {peaked}")
         for mode in modes:
             out = Path(workdir) / f"{mode}.json"
             command = [sys.executable, __file__, "--child", mode, "--workdir", workdir, "--out", str(out)]
@@ -165,8 +220,10 @@ def main() -> None:
             rows.append(summarize(mode, json.loads(out.read_text()), args.warmup))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     RESULTS.mkdir(exist_ok=True)
-    name = f"{datetime.date.today()}-on-policy-{'smoke' if args.smoke else device.replace(' ', '_')}.json"
-    (RESULTS / name).write_text(json.dumps({"device": device, "args": vars(args), "rows": rows}, indent=2))
+    kind = "smoke" if args.smoke else device.replace(" ", "_")
+    name = f"{datetime.date.today()}-on-policy-{'peaked-' if peaked else ''}{kind}.json"
+    record = {"device": device, "args": vars(args), "peaked": peaked or None, "rows": rows}
+    (RESULTS / name).write_text(json.dumps(record, indent=2))
     print(f"device: {device}; results: benchmarks/results/{name}")
     print_table(rows)
 
