@@ -1,0 +1,96 @@
+"""What benchmarks/grpo_step.py reports of each system's steps: the parameters a token passes
+through, the steady steps' means per phase, throughput and MFU, and the table it prints."""
+
+from __future__ import annotations
+
+import torch
+
+MATMUL_TFLOPS = {"H100": 787.0, "H200": 790.0}
+
+
+def matmul_tflops(gpu: str) -> float | None:
+    """The measured bf16 matrix-product peak of the GPU named `gpu` (MATMUL_TFLOPS), else None."""
+    return next((value for key, value in MATMUL_TFLOPS.items() if key in gpu), None)
+
+
+def active_parameters(model: torch.nn.Module) -> int:
+    """Parameters a token passes through: all of a dense model's; of a mixture-of-experts model's
+    expert weights, only the routed experts' share (num_experts_per_tok of num_experts)."""
+    config = model.config
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    total = 0
+    for name, parameter in model.named_parameters():
+        share = config.num_experts_per_tok / experts if experts and ".experts." in name else 1.0
+        total += int(parameter.numel() * share)
+    return total
+
+
+def peak_gib() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def summarize(name: str, result: dict, warmup: int, num_params: int, tflops: float | None) -> dict:
+    steady = result["steps"][warmup:] or result["steps"]
+
+    def mean(key: str) -> float | None:
+        values = [step[key] for step in steady if step.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    row = {"system": name, "seconds_per_step": mean("time/wall"), "peak_gib": result["peak_gib"]}
+    for key in ("predicted_seconds_per_step", "chosen_settings"):
+        if key in result:
+            row[key] = result[key]
+    for phase in ("rollout", "reward", "update", "sync"):
+        row[f"{phase}_s"] = mean(f"time/{phase}")
+    generated = mean("completions/mean_length")
+    row["mean_completion_len"] = generated
+    longest = [step["completions/max_length"] for step in steady if "completions/max_length" in step]
+    row["max_completion_len"] = max(longest) if longest else None
+    row["per_step"] = [
+        {
+            key: step.get(key)
+            for key in (
+                "time/wall",
+                "time/rollout",
+                "time/update",
+                "completions/mean_length",
+                "sampling/sampling_logp_difference/mean",
+                "sampling/sampling_logp_difference/max",
+                "sampling/distribution_tv/max",
+                "routing/mismatch_fraction",
+            )
+        }
+        for step in result["steps"]
+    ]
+    if generated is not None and row["rollout_s"]:
+        row["generated_tokens_per_s"] = 512 * generated / row["rollout_s"]
+        trained = 512 * (128 + generated)
+        row["trained_tokens_per_s"] = trained / row["update_s"]
+        if tflops:
+            row["update_mfu"] = 6 * num_params * trained / row["update_s"] / (tflops * 1e12)
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    keys = [
+        "system",
+        "seconds_per_step",
+        "rollout_s",
+        "reward_s",
+        "update_s",
+        "sync_s",
+        "generated_tokens_per_s",
+        "trained_tokens_per_s",
+        "update_mfu",
+        "mean_completion_len",
+        "max_completion_len",
+        "peak_gib",
+        "steps_done",
+    ]
+    print(" | ".join(keys))
+    for row in rows:
+        cells = []
+        for key in keys:
+            value = row.get(key)
+            cells.append("-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value))
+        print(" | ".join(cells))
