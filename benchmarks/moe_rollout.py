@@ -51,29 +51,20 @@ Workload, copy_bandwidth, run_native, synchronize = (
 
 from grpoflow.engines.base import SamplingParams  # noqa: E402
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig  # noqa: E402
+from grpoflow.policy.tiny import PRESETS  # noqa: E402
 
-FULL_SHAPE = dict(
-    hidden_size=2048,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    moe_intermediate_size=768,
-    intermediate_size=6144,
-    vocab_size=151936,
+BUILT_HERE = (
+    "model_type",
+    "num_hidden_layers",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "norm_topk_prob",
 )
-TINY_SHAPE = dict(
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    intermediate_size=96,
-    vocab_size=512,
-)
+"""Keys of a preset that `build_model` sets itself."""
+FULL_SHAPE = {key: value for key, value in PRESETS["qwen3-30b-a3b-8l"].items() if key not in BUILT_HERE}
+TINY_SHAPE = {key: value for key, value in PRESETS["tiny-moe"].items() if key not in BUILT_HERE} | {
+    "vocab_size": 512
+}
 
 
 def build_model(shape: dict, layers: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
