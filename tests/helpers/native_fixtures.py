@@ -50,6 +50,17 @@ def tiny_moe(norm_topk_prob: bool = True, seed: int = 0, device: str = "cpu", dt
     return model.to(device=device, dtype=dtype).eval()
 
 
+def perturbed(model, scale: float):
+    """A copy of `model` whose every parameter moved by `scale` of its own spread (a fixed draw):
+    another model that proposes tokens near the policy's."""
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale * parameter.std())
+    return other
+
+
 def hf_greedy(model, prompt: list[int], num_tokens: int, repetition_penalty: float = 1.0) -> list[int]:
     """transformers' greedy continuation of one unpadded prompt, with no stop token."""
     device = next(model.parameters()).device

@@ -3,12 +3,11 @@ trainer's only proposes; the completions come out as the trainer's own keyed dra
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
-from helpers.native_fixtures import tiny
+from helpers.native_fixtures import perturbed, tiny
 from helpers.support import recipe
 
 from grpoflow.algo import LogprobOptions, sequence_logprobs
@@ -46,15 +45,6 @@ def params(**overrides):
 
 def engine(model):
     return NativeEngine(model, config=NativeEngineConfig(max_num_seqs=16, block_size=4, num_kv_blocks=256))
-
-
-def perturbed(model, scale):
-    other = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for parameter in other.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale * parameter.std())
-    return other
 
 
 @pytest.mark.parametrize("sampling", [{}, {"top_p": 0.8, "top_k": 20}])

@@ -4,9 +4,8 @@ draws, and a run trains with no gap between the engine's log-probs and the updat
 
 from __future__ import annotations
 
-import copy
-
 import torch
+from helpers.native_fixtures import perturbed
 from helpers.support import recipe
 
 from grpoflow.agents.config import AgentConfig
@@ -32,15 +31,6 @@ class Greeting(RelayEnvironment):
         super().reset(letters)
         Greeting.count += 1
         return f" {'ab'[Greeting.count % 2]}"
-
-
-def perturbed(model, scale):
-    other = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for parameter in other.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale * parameter.std())
-    return other
 
 
 def play(tokenizer, model, policy, truncation=None):
