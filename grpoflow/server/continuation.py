@@ -7,9 +7,9 @@ tokens the answer hid come back as nothing), so the new prompt would not extend 
 turn's tokens: the episode would train as several sequences, each carrying its history again, and
 the engine's prefix cache would miss the turns just sampled.
 
-So each recorded turn leaves its episode a `Resume`: the text of its prompt and of its completion
-as the program received it (with the stop token's text, which the chat template writes back), and
-the token ids the engine saw for both. When the next turn's rendered prompt starts with that text,
+So each recorded turn leaves its episode the text of its prompt and of its completion as the
+program received it (with the stop token's text, which the chat template writes back): with the
+turn's token ids, the episode's `Resume`. When the next turn's rendered prompt starts with that text,
 its ids are those token ids followed by the rest of the text tokenised alone: the conversation
 the program sent, token for token the one the model sampled. A prompt that does not start with
 it (a template that drops earlier reasoning, a program that rewrote or truncated its history) is
@@ -27,24 +27,18 @@ from grpoflow.server.protocol import Limits, tokenize
 
 @dataclass(frozen=True, slots=True)
 class Resume:
-    """The text of an episode's last prompt and completion, and the token ids the engine saw."""
+    """The text of an episode's last prompt and completion, and the token ids the engine saw
+    (the episode recorder keeps the text beside the turn, whose ids these are)."""
 
     text: str
     ids: array  # int32
 
-    @classmethod
-    def of(
-        cls, prompt_text: str, prompt: list[int], completion: Completion, tokenizer, skip_special_tokens: bool
-    ) -> Resume:
-        ids = array("i", prompt)
-        ids.extend(completion.token_ids)
-        stopped = completion.finish_reason == "stop"
-        text = sampled_text(completion.token_ids, stopped, tokenizer, skip_special_tokens)
-        return cls(prompt_text + text, ids)
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.text) + self.ids.itemsize * len(self.ids)
+def resume_text(prompt_text: str, completion: Completion, tokenizer, skip_special_tokens: bool) -> str:
+    """What a turn leaves its episode's next prompt to extend: its rendered prompt, then its
+    completion's `sampled_text`."""
+    stopped = completion.finish_reason == "stop"
+    return prompt_text + sampled_text(completion.token_ids, stopped, tokenizer, skip_special_tokens)
 
 
 def sampled_text(token_ids: list[int], stopped: bool, tokenizer, skip_special_tokens: bool) -> str:

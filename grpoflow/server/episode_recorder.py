@@ -152,8 +152,8 @@ class RecordedTurn:
 class Episode:
     turns: list[RecordedTurn] = field(default_factory=list)
     nbytes: int = 0
-    resume: Resume | None = None
-    """What the next turn's prompt may build on (continuation.py); its size counts in `nbytes`."""
+    resume_text: str | None = None
+    """The text the next turn's prompt may extend (continuation.py); its size counts in `nbytes`."""
 
 
 class EpisodeRecorder:
@@ -192,19 +192,19 @@ class EpisodeRecorder:
                 "episode_id",
             )
 
-    def record(self, turn: RecordedTurn, resume: Resume | None = None) -> None:
+    def record(self, turn: RecordedTurn, resume_text: str | None = None) -> None:
         """Add `turn` to its episode (checked again: other turns may have landed meanwhile), with
-        the `resume` the next turn may build on, then drop the least recently recorded episodes
+        the `resume_text` the next turn may extend, then drop the least recently recorded episodes
         past max_episodes or max_total_bytes."""
         request = turn.request
         key = (request.owner, request.episode_id)
         previous = self._episodes.get(key)
-        replaced = previous.resume.nbytes if previous is not None and previous.resume is not None else 0
-        nbytes = turn.nbytes + (resume.nbytes if resume is not None else 0) - replaced
+        replaced = len(previous.resume_text or "") if previous is not None else 0
+        nbytes = turn.nbytes + len(resume_text or "") - replaced
         self.admit(request, nbytes)
         episode = self._episodes.setdefault(key, Episode())
         episode.turns.append(turn)
-        episode.resume = resume
+        episode.resume_text = resume_text
         episode.nbytes += nbytes
         self.nbytes += nbytes
         self._episodes.move_to_end(key)
@@ -224,9 +224,15 @@ class EpisodeRecorder:
             )
 
     def resume(self, owner: str, episode_id: str) -> Resume | None:
-        """What the episode's next turn may build on; None for an episode not recorded yet."""
+        """What the episode's next turn may build on: its last turn's text and ids; None for an
+        episode not recorded yet."""
         episode = self._episodes.get((owner, episode_id))
-        return None if episode is None else episode.resume
+        if episode is None or episode.resume_text is None:
+            return None
+        last = episode.turns[-1]
+        ids = array("i", last.prompt_ids)
+        ids.extend(last.completion_ids)
+        return Resume(episode.resume_text, ids)
 
     def turns(self, owner: str, episode_id: str) -> list[RecordedTurn]:
         """The episode's turns in the order they were answered; a 404 for an id `owner` has not

@@ -26,7 +26,7 @@ from starlette.responses import Response
 
 from grpoflow.engines.base import Completion
 from grpoflow.server.auth import owner_of
-from grpoflow.server.continuation import Resume
+from grpoflow.server.continuation import Resume, resume_text
 from grpoflow.server.episode_recorder import RecordedTurn, TurnRequest, to_json
 from grpoflow.server.pools import run_in
 from grpoflow.server.protocol import ChatCompletionRequest
@@ -86,9 +86,9 @@ def _recorded(
     completion: Completion,
     response: dict,
     tokenizer,
-) -> tuple[RecordedTurn, Resume]:
-    resume = Resume.of(text, ids, completion, tokenizer, body.skip_special_tokens)
-    return RecordedTurn.of(turn, ids, completion, response), resume
+) -> tuple[RecordedTurn, str]:
+    following = resume_text(text, completion, tokenizer, body.skip_special_tokens)
+    return RecordedTurn.of(turn, ids, completion, response), following
 
 
 def _turn_request(owner: str, episode_id: str, body: ChatCompletionRequest, tokenizer) -> TurnRequest:

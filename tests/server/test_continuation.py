@@ -5,12 +5,14 @@ tiny random model behind the hosted server, driven by the real `openai` client."
 
 from __future__ import annotations
 
+from array import array
+
 import httpx
 import pytest
 
 from grpoflow.engines import Completion, EngineConfig, EngineOptions, build_engine
 from grpoflow.policy.tiny import build_char_tokenizer, build_tiny_model
-from grpoflow.server.continuation import Resume, prompt_ids
+from grpoflow.server.continuation import Resume, prompt_ids, resume_text
 from grpoflow.server.protocol import Limits
 
 PAD, EOS, UNK = 0, 1, 2
@@ -36,7 +38,10 @@ def first_turn(tokenizer, sampled: list[int], finish_reason: str = "stop") -> tu
     messages = [{"role": "user", "content": "Define a word."}]
     text = render(tokenizer, messages)
     completion = Completion(sampled, [-1.0] * len(sampled), finish_reason)
-    resume = Resume.of(text, ids(tokenizer, text), completion, tokenizer, skip_special_tokens=True)
+    resume = Resume(
+        resume_text(text, completion, tokenizer, skip_special_tokens=True),
+        array("i", ids(tokenizer, text) + sampled),
+    )
     answer = tokenizer.decode(sampled, skip_special_tokens=True)
     later = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": "Go on."}]
     return later, resume, text
