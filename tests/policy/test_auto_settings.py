@@ -4,6 +4,8 @@ every given setting kept, and nothing planned on the CPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from grpoflow.policy.auto_settings import (
@@ -82,3 +84,13 @@ def test_padding_free_gets_a_token_budget_of_the_chosen_micro_batch(given_tokens
     chosen = choose_settings(QWEN_05B, BASE, h100(), user)
     assert chosen.max_tokens_per_micro_batch == (given_tokens or 64 * 384)
     assert chosen.sources["max_tokens_per_micro_batch"] == ("user" if given_tokens else "plan")
+
+
+def test_a_mixture_of_experts_model_stays_eager_unless_compile_is_asked_for():
+    moe = dataclasses.replace(
+        QWEN_05B, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, num_moe_layers=24
+    )
+    assert choose_settings(QWEN_05B, BASE, h100(), STANDARD).torch_compile
+    assert not choose_settings(moe, BASE, h100(), STANDARD).torch_compile
+    asked = UserSettings(generation_batch=512, torch_compile=True)
+    assert choose_settings(moe, BASE, h100(), asked).torch_compile
