@@ -102,14 +102,10 @@ def raise_eos_probability(model, mean_length: float, *, rows: int = 8, length: i
     return eos_probability(high)
 
 
-def write_inputs(
-    directory: Path,
-    smoke: bool,
-    num_prompts: int,
-    float32_copy: bool = False,
-    eos_mean_length: float | None = None,
-    preset: str = "qwen2-0.5b",
-) -> tuple[Path, Path]:
+def write_model(
+    directory: Path, smoke: bool, float32_copy: bool, eos_mean_length: float | None, preset: str
+) -> None:
+    """The random model and the tokenizer, in bfloat16 (and float32 when asked)."""
     from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model, build_tiny_model
 
     tokenizer = build_char_tokenizer()
@@ -131,6 +127,21 @@ def write_inputs(
         model.config.dtype = torch.float32  # from_pretrained's "auto" dtype reads it
         model.save_pretrained(directory / "model-fp32")
         tokenizer.save_pretrained(directory / "model-fp32")
+
+
+def write_inputs(
+    directory: Path,
+    smoke: bool,
+    num_prompts: int,
+    float32_copy: bool = False,
+    eos_mean_length: float | None = None,
+    preset: str = "qwen2-0.5b",
+    in_memory: bool = False,
+) -> tuple[Path, Path]:
+    """The random model (unless `in_memory`: grpoflow then builds `random:PRESET` on its own
+    device) and the prompts, written under `directory`."""
+    if not in_memory:
+        write_model(directory, smoke, float32_copy, eos_mean_length, preset)
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
     with open(directory / "prompts.jsonl", "w") as handle:
@@ -159,7 +170,7 @@ def grpoflow_overrides(args, model_dir: Path, prompts: Path) -> dict:
         "torch_compile": None if args.torch_compile is None else bool(args.torch_compile),
     }
     return {
-        "model": str(model_dir),
+        "model": f"random:{args.preset}" if args.in_memory else str(model_dir),
         "dataset": str(prompts),
         "reward_funcs": [f"{Path(__file__).resolve()}:reward_length"],
         "num_generations": 8,
@@ -350,6 +361,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], help="grpoflow config KEY=VALUE")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="grpoflow builds random:PRESET on its device, no weights written (shapes too large to "
+        "save, e.g. qwen3-30b-a3b); grpoflow only",
+    )
+    parser.add_argument(
         "--time-limit",
         type=float,
         default=0,
@@ -361,7 +378,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     args.new_tokens = args.new_tokens or WORKLOADS[args.workload]["new_tokens"]
+    if args.in_memory and not args.child and args.systems != "grpoflow":
+        parser.error("--in-memory runs grpoflow only (TRL reads its model from disk): add --systems grpoflow")
     return args
+
+
+def preset_shape(preset: str):
+    """The transformers config of a random preset model (grpoflow.policy.tiny.PRESETS)."""
+    from grpoflow.policy.tiny import build_char_tokenizer, preset_config
+
+    return preset_config(preset, len(build_char_tokenizer()))
 
 
 def child_command(args, system: str, workdir: Path) -> list[str]:
@@ -379,6 +405,7 @@ def child_command(args, system: str, workdir: Path) -> list[str]:
         "torch-compile": args.torch_compile,
     }
     command += [f"--{flag}={value}" for flag, value in given.items() if value is not None]
+    command += [f"--preset={args.preset}"] + (["--in-memory"] if args.in_memory else [])
     command += ["--smoke"] if args.smoke else []
     return command + [f"--set={item}" for item in args.set]
 
@@ -418,12 +445,17 @@ def main() -> None:
         float32_copy="trl-fp32" in systems,
         eos_mean_length=WORKLOADS[args.workload]["eos_mean_length"],
         preset=args.preset,
+        in_memory=args.in_memory,
     )
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     tflops = matmul_tflops(gpu)
     transformers = __import__("transformers")
     with torch.device("meta"):  # shapes only: no weights read
-        config = transformers.AutoConfig.from_pretrained(workdir / "model")
+        config = (
+            preset_shape(args.preset)
+            if args.in_memory
+            else transformers.AutoConfig.from_pretrained(workdir / "model")
+        )
         num_params = active_parameters(transformers.AutoModelForCausalLM.from_config(config))
     rows = []
     deadline = time.monotonic() + args.time_limit if args.time_limit else None

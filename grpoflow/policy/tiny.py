@@ -120,6 +120,22 @@ def build_tiny_model(
     return model
 
 
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+)
+
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     "tiny-moe": dict(
@@ -142,21 +158,8 @@ PRESETS: dict[str, dict] = {
         intermediate_size=4864,
         max_position_embeddings=32768,
     ),
-    "qwen3-30b-a3b-8l": dict(
-        model_type="qwen3_moe",
-        vocab_size=151936,
-        hidden_size=2048,
-        num_hidden_layers=8,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-        norm_topk_prob=True,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-    ),
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "qwen3-30b-a3b-8l": {**QWEN3_30B_A3B, "num_hidden_layers": 8},
     "qwen2.5-7b": dict(
         vocab_size=152064,
         hidden_size=3584,
@@ -170,7 +173,8 @@ PRESETS: dict[str, dict] = {
 }
 """Shapes of randomly initialised models; `tiny-moe` a Qwen3-MoE of 8 experts, 2 per token;
 `qwen2-0.5b` is Qwen2-0.5B's (and Qwen2.5-0.5B's) shape, `qwen2.5-7b` Qwen2.5-7B's,
-`qwen3-30b-a3b-8l` Qwen3-30B-A3B's cut to 8 of its 48 layers (benchmarks)."""
+`qwen3-30b-a3b` Qwen3-30B-A3B's (30.5B parameters, 61 GB in bfloat16), `qwen3-30b-a3b-8l` the same
+cut to 8 of its 48 layers (benchmarks)."""
 
 
 def build_preset_model(name: str, tokenizer_size: int, **kwargs) -> PreTrainedModel:
