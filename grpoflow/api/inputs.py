@@ -103,7 +103,7 @@ LORA_FIELDS_DEFAULTS = {
 
 def lora_options(peft_config: Any) -> dict[str, Any]:
     """The LoRA options of a PEFT `LoraConfig` (r, lora_alpha, lora_dropout, target_modules,
-    modules_to_save); a field set to something grpoflow's LoRA does not do is refused by name."""
+    target_parameters, modules_to_save); a field set to something grpoflow's LoRA does not do is refused by name."""
     if peft_config is None:
         return {}
     if type(peft_config).__name__ != "LoraConfig":
@@ -127,6 +127,7 @@ def lora_options(peft_config: Any) -> dict[str, Any]:
         "lora_alpha": peft_config.lora_alpha,
         "lora_dropout": dropout,
         "target_modules": ["all-linear"] if targets in (None, "all-linear") else sorted(targets),
+        "target_parameters": sorted(getattr(peft_config, "target_parameters", None) or []),
         "modules_to_save": list(peft_config.modules_to_save or []),
     }
 

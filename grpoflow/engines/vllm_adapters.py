@@ -9,7 +9,8 @@ adapters from a path only). Not `load_inplace` under the old id: vLLM's prefix c
 by the adapter's name and path, so they would outlive the version they were computed with.
 
 What a LoRA adapter cannot carry keeps the merged full sync (`adapter_obstacle` says why):
-`modules_to_save` (modules trained in full), DoRA, and adapters on embeddings.
+`modules_to_save` (modules trained in full), adapters on fused expert parameters, DoRA, and
+adapters on embeddings.
 
 PEFT and vLLM are imported only when a LoRA policy meets the vLLM engine.
 """
@@ -48,11 +49,24 @@ def adapter_obstacle(model: nn.Module) -> str | None:
 
     if any(isinstance(module, ModulesToSaveWrapper) for module in model.modules()):
         return "modules_to_save are trained in full, which a LoRA adapter cannot carry"
+    experts = expert_adapter_obstacle(model)
+    if experts is not None:
+        return experts
     for name, layer in lora_layers(model):
         if any(layer.use_dora.values()):
             return f"{name} uses DoRA, which vLLM does not load"
         if layer.lora_embedding_A:
             return f"{name} adapts an embedding, which vLLM's adapters from PEFT do not cover"
+    return None
+
+
+def expert_adapter_obstacle(model: nn.Module) -> str | None:
+    """Why `model`'s adapters cannot travel alone to any engine with its own copy of the base:
+    adapters on fused expert parameters (PEFT's `ParamWrapper`, `target_parameters`), which no
+    engine loads as an adapter, so they travel merged; None when there are none."""
+    for name, module in model.named_modules():
+        if type(module).__name__ == "ParamWrapper":
+            return f"{name} adapts fused expert parameters (target_parameters), which travel merged"
     return None
 
 

@@ -50,6 +50,7 @@ _ADAPTER_SETTINGS = {
     "r": "lora_rank",
     "lora_alpha": "lora_alpha",
     "target_modules": "target_modules",
+    "target_parameters": "target_parameters",
     "modules_to_save": "modules_to_save",
 }
 """PEFT's LoraConfig fields a resumed run must share with its checkpoint, by grpoflow key."""

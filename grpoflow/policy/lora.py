@@ -25,9 +25,15 @@ import torch
 from torch import nn
 
 from grpoflow.engines.base import RolloutEngine
+from grpoflow.engines.vllm_adapters import expert_adapter_obstacle
 from grpoflow.options import require
 from grpoflow.phases import phase
-from grpoflow.policy.lora_moe import moe_lora_targets, refuse_expert_adapters
+from grpoflow.policy.lora_moe import (
+    adapted_parameters,
+    check_target_parameters,
+    moe_lora_targets,
+    refuse_moved_targets,
+)
 from grpoflow.policy.lora_precision import compute_in_input_dtype
 from grpoflow.transport.adapters import DOWN, UP
 
@@ -45,7 +51,14 @@ class AdapterConfig:
     lora_dropout: float = 0.05
     """Dropout on the LoRA input."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """Module names that get adapters; all-linear targets every linear layer but the output head."""
+    """Module names that get adapters; all-linear targets every linear layer but the output head
+    (of a mixture-of-experts model: outside the experts)."""
+    target_parameters: list[str] = field(default_factory=list)
+    """Parameters that get adapters beside `target_modules` (PEFT's and ms-swift's name): a
+    mixture-of-experts model's fused experts, `experts.gate_up_proj` and `experts.down_proj`
+    (Qwen3-MoE and others of transformers), each expert with its own adapter of rank lora_rank.
+    Needs lora_dropout 0. The native engine adds them in its forward; other engines get the
+    merged weights at every sync."""
     modules_to_save: list[str] = field(default_factory=list)
     """Modules trained in full beside the adapters (e.g. embed_tokens)."""
 
@@ -54,6 +67,11 @@ class AdapterConfig:
         require(self.lora_alpha > 0, "lora_alpha", "> 0", self.lora_alpha)
         require(0 <= self.lora_dropout < 1, "lora_dropout", "in [0, 1)", self.lora_dropout)
         require(bool(self.target_modules), "target_modules", "at least one module name (or all-linear)", [])
+        if self.target_parameters and self.lora_dropout != 0:
+            raise ValueError(
+                f"target_parameters {list(self.target_parameters)} needs lora_dropout 0 (PEFT cannot apply "
+                f"dropout to the input of an adapted parameter), got {self.lora_dropout}: set lora_dropout: 0"
+            )
 
     def apply(self, model: nn.Module) -> nn.Module:
         """`model` with LoRA adapters (train_type lora), or as it is (full)."""
@@ -85,11 +103,13 @@ def add_lora(model: nn.Module, config: AdapterConfig) -> nn.Module:
             )
         targets = ALL_LINEAR
     targets = moe_lora_targets(model, targets)
+    check_target_parameters(model, list(config.target_parameters))
     lora = LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
         target_modules=targets,
+        target_parameters=list(config.target_parameters) or None,
         modules_to_save=list(config.modules_to_save) or None,
         task_type="CAUSAL_LM",
     )
@@ -102,7 +122,7 @@ def add_lora(model: nn.Module, config: AdapterConfig) -> nn.Module:
             "module names of the model (q_proj, model.norm, ...) or all-linear"
         ) from None
     _refuse_tied(peft_model, tied)
-    refuse_expert_adapters(peft_model)
+    refuse_moved_targets(peft_model, targets, list(config.target_parameters))
     compute_in_input_dtype(peft_model)
     return peft_model
 
@@ -206,8 +226,13 @@ class RolloutParts:
 
 def rollout_parts(model: nn.Module, engine: RolloutEngine) -> RolloutParts:
     """What `engine`, with its own copy of the weights, gets of `model`: the adapters (with the
-    base until it `holds_base`) when it `accepts_adapters` of a PEFT model, else merged weights."""
-    if is_peft_model(model) and engine.capabilities.accepts_adapters:
+    base until it `holds_base`) when it `accepts_adapters` of a PEFT model, else merged weights
+    (always for adapters on fused expert parameters: `lora_moe`)."""
+    if (
+        is_peft_model(model)
+        and engine.capabilities.accepts_adapters
+        and expert_adapter_obstacle(model) is None
+    ):
         return RolloutParts(adapters=True, with_base=not engine.holds_base)
     return RolloutParts()
 
@@ -349,15 +374,17 @@ def _refuse_tied(model: nn.Module, tied: dict[str, list[str]]) -> None:
 
 
 def _adapted_base_weights(model: nn.Module) -> list[torch.Tensor]:
-    """The base parameters a merge writes to: those of every LoRA layer's base layer."""
+    """The base parameters a merge writes to: those of every LoRA layer's base layer (once each:
+    nested `ParamWrapper`s share theirs)."""
     from peft.tuners.lora import LoraLayer
 
-    return [
-        parameter
+    found = {
+        id(parameter): parameter
         for module in model.modules()
         if isinstance(module, LoraLayer)
         for parameter in module.get_base_layer().parameters()
-    ]
+    }
+    return list(found.values())
 
 
 def has_adapters(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> bool:
@@ -408,12 +435,12 @@ def _plain_parameters(
     if any(module is other for other in skip):
         return
     if isinstance(module, LoraLayer):
-        base_layer = module.get_base_layer()
-        for name, parameter in base_layer.named_parameters(recurse=False):
+        adapted = adapted_parameters(module)
+        for name, parameter in module.get_base_layer().named_parameters(recurse=False):
             if id(parameter) not in seen:
                 seen.add(id(parameter))
-                merged = _merged_weight(module, parameter) if name == "weight" else parameter
-                yield prefix + name, merged
+                layer = adapted.get(name)
+                yield prefix + name, parameter if layer is None else _merged_weight(layer, parameter)
         return
     if isinstance(module, ModulesToSaveWrapper):
         active = [name for name in module.active_adapters if name in module.modules_to_save]

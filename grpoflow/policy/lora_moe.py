@@ -1,11 +1,18 @@
 """LoRA targets of a mixture-of-experts policy.
 
-transformers stores a MoE layer's experts as fused parameters (`experts.gate_up_proj`,
-`experts.down_proj`), not linear layers. PEFT can adapt them (its `ParamWrapper`), but grpoflow
-merges and sends only linear layers' adapters to rollout engines, so the engines would sample
-from weights without the experts' adapters. A MoE policy's adapters therefore go on its linear
-layers outside the experts: `all-linear` means those (attention, dense MLP layers), and a target
-that names no linear layer of the model is an error naming the ones it has.
+transformers stores a MoE layer's experts as fused parameters (`experts.gate_up_proj` (E, 2I, H),
+`experts.down_proj` (E, H, I)), not linear layers, so `target_modules` cannot reach them:
+`all-linear` means the linear layers outside the experts (attention, dense MLP layers), and a
+target that names no linear layer of the model is an error naming the ones it has.
+
+The experts take adapters through `target_parameters` (PEFT's name; its `ParamWrapper`, one per
+adapted parameter, nested when both are): each expert gets its own A (r, in) and B (out, r), all
+experts' A stacked in one `lora_A` (E r, in) and their B interleaved in one `lora_B` (out, r E).
+The trainer's forward multiplies by W_e + alpha / r B_e A_e. PEFT cannot apply dropout to a
+parameter's input, so expert adapters need `lora_dropout: 0`. Rollout engines: the native engine
+adds the experts' low-rank products in its own forward (`grpoflow.engines.native.moe_adapters`);
+every other engine gets the merged weights (`adapted_parameters` tells `merged_weights` which
+parameters to merge), never the adapters alone (`grpoflow.engines.vllm_adapters.expert_adapter_obstacle`).
 """
 
 from __future__ import annotations
@@ -44,17 +51,76 @@ def moe_lora_targets(model: nn.Module, targets: list[str] | str) -> list[str] | 
     if missing:
         raise ValueError(
             f"target_modules {missing} name no linear layer of this mixture-of-experts model: its experts "
-            f"are fused parameters (experts.gate_up_proj, experts.down_proj) that LoRA here does not adapt; "
-            f"target its linear layers ({', '.join(linear)}) or all-linear"
+            f"are fused parameters (experts.gate_up_proj, experts.down_proj), adapted through "
+            f"target_parameters; target its linear layers ({', '.join(linear)}) or all-linear"
         )
     return targets
 
 
-def refuse_expert_adapters(model: nn.Module) -> None:
-    """Raise when PEFT put adapters on fused expert parameters (module docstring)."""
-    wrapped = [name for name, module in model.named_modules() if type(module).__name__ == "ParamWrapper"]
-    if wrapped:
+def expert_parameters(model: nn.Module) -> list[str]:
+    """The model's fused expert parameters (3-D), named by their module's last name and their own
+    (`experts.gate_up_proj`), sorted."""
+    return sorted(
+        {
+            ".".join(name.split(".")[-2:])
+            for name, parameter in model.named_parameters()
+            if parameter.dim() == 3
+        }
+    )
+
+
+def check_target_parameters(model: nn.Module, targets: list[str]) -> None:
+    """Raise unless every name in `targets` names fused expert parameters of `model` (as PEFT
+    matches them: the parameter's full name, or its end after a dot)."""
+    full = [name for name, parameter in model.named_parameters() if parameter.dim() == 3]
+    missing = [
+        target
+        for target in targets
+        if not any(name == target or name.endswith(f".{target}") for name in full)
+    ]
+    if not missing:
+        return
+    if not full:
         raise ValueError(
-            f"LoRA adapters landed on fused expert parameters ({wrapped[0]}), which rollout engines would "
-            "not receive: target the model's linear layers (q_proj, k_proj, v_proj, o_proj) or all-linear"
+            f"target_parameters {missing}: this model has no fused expert parameters (it is not a "
+            "mixture-of-experts model); adapt its linear layers with target_modules"
         )
+    raise ValueError(
+        f"target_parameters {missing} name no fused expert parameter of this model: it has "
+        f"{', '.join(expert_parameters(model))}"
+    )
+
+
+def adapted_parameters(layer: nn.Module) -> dict[str, nn.Module]:
+    """The base parameters the PEFT LoRA layer `layer` adapts, by name, each with the layer holding
+    its adapters: a linear layer's `weight`; for nested `ParamWrapper`s (a module's fused
+    parameters), each wrapper's parameter."""
+    adapted: dict[str, nn.Module] = {}
+    while hasattr(layer, "lora_A"):
+        name = getattr(layer, "parameter_name", None)
+        adapted[name or "weight"] = layer
+        if name is None:
+            break
+        layer = layer.base_layer
+    return adapted
+
+
+def refuse_moved_targets(
+    peft_model: nn.Module, targets: list[str] | str, target_parameters: list[str]
+) -> None:
+    """Raise when PEFT moved module targets onto fused expert parameters: for MoE models whose
+    experts transformers v5 fused, it reads the linear names of a dense MLP (`gate_proj`, `up_proj`,
+    `down_proj`, also those of dense layers or shared experts) as the old names of the experts and
+    adapts the experts instead, at twice the rank for `gate_up_proj`."""
+    final = peft_model.peft_config[peft_model.active_adapter]
+    added = sorted(set(final.target_parameters or ()) - set(target_parameters))
+    if not added:
+        return
+    asked = [targets] if isinstance(targets, str) else targets
+    moved = sorted(set(asked) - set(final.target_modules or ()))
+    raise ValueError(
+        f"target_modules {moved}: on this mixture-of-experts model PEFT takes these names for its fused "
+        f"experts and would adapt {', '.join(added)} in place of those linear layers; leave them out of "
+        "target_modules (list the other modules instead of all-linear) and adapt the experts with "
+        "target_parameters"
+    )

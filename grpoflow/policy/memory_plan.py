@@ -24,7 +24,8 @@ plus one layer recomputed); the allocator's fragmentation is not modelled.
 A mixture-of-experts model holds (and trains, and keeps optimizer moments for) every expert of its
 MoE layers, and a router per layer; a token's activations in a MoE layer are those of the `top_k`
 experts it is routed to (each: its copy of the hidden state in and out, 4 intermediate-size
-vectors) and the router's float32 logits and probabilities.
+vectors) and the router's float32 logits and probabilities. LoRA on its experts
+(`target_parameters`) gives each expert of each MoE layer its own adapter.
 """
 
 from __future__ import annotations
@@ -135,15 +136,24 @@ class ModelShape:
         heads = 1 if self.tie_word_embeddings else 2
         return heads * self.vocab_size * self.hidden_size + layers + self.hidden_size
 
-    def num_lora_parameters(self, rank: int, target_modules: list[str]) -> int:
+    def num_lora_parameters(
+        self, rank: int, target_modules: list[str], target_parameters: list[str] | tuple[str, ...] = ()
+    ) -> int:
         """Adapter parameters of LoRA rank `rank` on `target_modules` ("all-linear": every linear
-        layer of the decoder): rank * (in + out) per adapted layer."""
+        layer of the decoder): rank * (in + out) per adapted layer; and on the fused expert
+        parameters `target_parameters` names of each MoE layer: rank * (in + out) per expert."""
         targets = ALL_LINEAR if "all-linear" in target_modules else target_modules
         shapes = self.linear_shapes()
         per_layer = {name: rank * sum(shapes[name]) for name in targets if name in shapes}
         attention = sum(size for name, size in per_layer.items() if name not in MLP_LINEAR)
         dense_layers = self.num_hidden_layers - self.num_moe_layers
-        return self.num_hidden_layers * attention + dense_layers * (sum(per_layer.values()) - attention)
+        linear = self.num_hidden_layers * attention + dense_layers * (sum(per_layer.values()) - attention)
+        h, i = self.hidden_size, self.moe_intermediate_size
+        experts = {"gate_up_proj": h + 2 * i, "down_proj": i + h}
+        per_expert = sum(
+            size for name, size in experts.items() if any(t.endswith(name) for t in target_parameters)
+        )
+        return linear + self.num_moe_layers * self.num_experts * rank * per_expert
 
 
 @dataclass(kw_only=True, slots=True)
@@ -154,6 +164,8 @@ class PlanSettings:
     """LoRA rank; None trains every parameter."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """LoRA's adapted modules."""
+    target_parameters: list[str] = field(default_factory=list)
+    """LoRA's adapted fused expert parameters (`experts.gate_up_proj`, `experts.down_proj`)."""
     gradient_checkpointing: bool = False
     """Keep only each layer's input for the backward pass and recompute the rest."""
     micro_batch_size: int = 1
@@ -252,7 +264,7 @@ def _moe_shape(config) -> dict[str, int]:
 def _trained_parameters(shape: ModelShape, settings: PlanSettings) -> int:
     if settings.lora_rank is None:
         return shape.num_parameters()
-    return shape.num_lora_parameters(settings.lora_rank, settings.target_modules)
+    return shape.num_lora_parameters(settings.lora_rank, settings.target_modules, settings.target_parameters)
 
 
 def activation_bytes(shape: ModelShape, settings: PlanSettings) -> int:

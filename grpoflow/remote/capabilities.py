@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from torch import nn
 
 from grpoflow.engines.vllm import LOGPROBS_MODE
-from grpoflow.engines.vllm_adapters import adapter_obstacle, adapter_rank, lora_layers
+from grpoflow.engines.vllm_adapters import (
+    adapter_obstacle,
+    adapter_rank,
+    expert_adapter_obstacle,
+    lora_layers,
+)
 from grpoflow.remote.runtime_adapters import runtime_lora_rank
 from grpoflow.transport import ServerError
 from grpoflow.transport.checkpoint_sender import READY_METHOD, RELOAD_METHOD, VLLM_RELOAD_METHOD
@@ -121,6 +126,9 @@ def adapters_alone(offers: Sequence[ServerOffer], model: nn.Module | None = None
 
 def _adapter_refusal(offers: Sequence[ServerOffer], model: nn.Module) -> str | None:
     """Why the servers, which all take adapters, cannot take `model`'s, or None."""
+    experts = expert_adapter_obstacle(model)
+    if experts is not None:
+        return experts
     rank = adapter_rank(model)
     small = [offer for offer in offers if offer.max_lora_rank is not None and rank > offer.max_lora_rank]
     if small:

@@ -105,6 +105,7 @@ def plan_settings(config, kv_cache_bytes: int = 0, dtype_bytes: int = 2) -> Plan
     return PlanSettings(
         lora_rank=config.adapter.lora_rank if lora else None,
         target_modules=list(config.adapter.target_modules),
+        target_parameters=list(config.adapter.target_parameters),
         gradient_checkpointing=bool(config.policy.gradient_checkpointing),
         micro_batch_size=config.training.micro_batch_size,
         sequence_length=config.max_model_len,

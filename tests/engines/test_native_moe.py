@@ -162,7 +162,7 @@ def test_other_architectures_log_the_generic_path_without_a_reason(caplog):
     assert line.startswith("gpt2 runs on") and line.endswith("qwen3, qwen3_moe")
 
 
-def test_adapters_on_attention_stay_on_the_family_path_and_on_experts_go_generic(caplog):
+def test_adapters_on_attention_stay_on_the_family_path_and_on_the_router_go_generic(caplog):
     peft = pytest.importorskip("peft")
     attention = peft.get_peft_model(tiny_moe(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     with torch.no_grad():
@@ -175,12 +175,14 @@ def test_adapters_on_attention_stay_on_the_family_path_and_on_experts_go_generic
     merged = attention.merge_and_unload().eval()
     for prompt, completions in zip(PROMPTS, outputs):
         assert completions[0].token_ids == hf_greedy(merged, prompt, 12)
-    experts = peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj"])
+    router = peft.LoraConfig(
+        r=4, lora_dropout=0.0, target_modules=["q_proj"], target_parameters=["gate.weight"]
+    )
     with caplog.at_level(logging.INFO, logger="grpoflow.engines.native"):
-        native = engine(peft.get_peft_model(tiny_moe(), experts).get_base_model())
+        native = engine(peft.get_peft_model(tiny_moe(), router).get_base_model())
     assert native.path == "generic"
     (line,) = [record.getMessage() for record in caplog.records if GENERIC_LINE in record.getMessage()]
-    assert "LoRA adapters on the router or the experts" in line
+    assert "LoRA adapters on the router" in line
 
 
 def test_record_routing_needs_experts_on_the_family_path():

@@ -50,6 +50,32 @@ def tiny_moe(norm_topk_prob: bool = True, seed: int = 0, device: str = "cpu", dt
     return model.to(device=device, dtype=dtype).eval()
 
 
+EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def expert_lora(model, rank: int = 4, std: float = 0.3, seed: int = 3):
+    """`model` (a MoE model) as a PeftModel in eval mode with LoRA on q_proj and on its fused
+    experts (`target_parameters`), every B drawn at `std` (PEFT starts them at zero) so that the
+    adapters change the output."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        lora_dropout=0.0,
+        target_modules=["q_proj"],
+        target_parameters=EXPERT_PARAMETERS,
+    )
+    policy = peft.get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                noise = torch.randn(parameter.shape, generator=generator) * std
+                parameter.copy_(noise.to(parameter.device, parameter.dtype))
+    return policy.eval()
+
+
 def perturbed(model, scale: float):
     """A copy of `model` whose every parameter moved by `scale` of its own spread (a fixed draw):
     another model that proposes tokens near the policy's."""

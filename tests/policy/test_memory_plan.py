@@ -140,3 +140,25 @@ def test_a_moe_layers_activations_are_its_routed_experts():
     assert activation_bytes(moe, settings) == activation_bytes(dense, settings) - 4 * 16 * 2 + routed
     # LoRA on all-linear adapts a MoE layer's attention only: its experts are not linear layers.
     assert moe.num_lora_parameters(2, ["all-linear"]) == 2 * (16 + 12 + 12 + 16)
+
+
+def test_lora_on_the_experts_counts_every_experts_adapter_as_peft_makes_them():
+    pytest.importorskip("peft")
+    from helpers.moe import tiny_moe
+
+    from grpoflow.policy.lora import AdapterConfig
+
+    experts = ["experts.gate_up_proj", "experts.down_proj"]
+    for modules, parameters in ((["all-linear"], experts), (["q_proj"], experts[:1]), (["q_proj"], [])):
+        model = tiny_moe()
+        shape = ModelShape.from_config(model.config, dtype_bytes=4)
+        config = AdapterConfig(
+            train_type="lora",
+            lora_rank=2,
+            lora_dropout=0.0,
+            target_modules=modules,
+            target_parameters=parameters,
+        )
+        policy = config.apply(model)
+        trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        assert shape.num_lora_parameters(2, modules, parameters) == trained

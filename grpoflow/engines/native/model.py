@@ -34,6 +34,7 @@ from grpoflow.engines.native.adapters import (
 )
 from grpoflow.engines.native.fusion import alias_rows, rows_view
 from grpoflow.engines.native.moe import grouped_mm_runs, is_sparse, sparse_mlps, sparse_refusal
+from grpoflow.engines.native.moe_adapters import base_experts
 from grpoflow.engines.native.routing import routing_dtype
 from grpoflow.kernels.ops import TorchOps
 
@@ -68,8 +69,8 @@ class LayerAdapters:
 
     @staticmethod
     def of(layer: nn.Module, find: Callable[[nn.Module], Projection]) -> LayerAdapters:
-        """A sparse layer's MLP has no adapted projections: its adapters send the model to the
-        generic path (`moe.sparse_refusal`)."""
+        """A sparse layer's MLP has no projections here: its experts' adapters are its own
+        (`moe.SparseMlp.adapters`)."""
         attention, mlp = layer.self_attn, layer.mlp
         sparse = is_sparse(mlp)
         return LayerAdapters(
@@ -249,11 +250,15 @@ class FamilyModel:
         self.adapter_groups = [g for a in self.adapters for g in (a.qkv, [a.o], a.gate_up, [a.down])]
         self.adapter_groups.append([self.head_adapters])
         self.copies = attach_copies(self.adapter_groups, self.dtype, self.copies)
+        for mlp in self.sparse.values():
+            mlp.find_adapters()
 
     def refresh_adapter_copies(self) -> None:
         """Write the adapters' current values into their copies in the base's dtype (see
         `adapters.attach_copies`); before a rollout, when the weights' values have changed."""
         refresh_copies([term for group in self.adapter_groups for p in group for term in p.terms])
+        for mlp in self.sparse.values():
+            mlp.adapters.refresh()
 
     def fuse_projections(self) -> None:
         """Lay each layer's q/k/v weights (and biases) and gate/up weights back to back in memory
@@ -410,7 +415,7 @@ def _sparse_widths(sparse: dict, hidden: int) -> dict[str, int]:
 
 def _intermediate_size(mlp: nn.Module, config) -> int:
     if is_sparse(mlp):
-        return config.num_experts_per_tok * mlp.experts.down_proj.shape[-1]
+        return config.num_experts_per_tok * base_experts(mlp.experts).down_proj.shape[-1]
     return mlp.gate_proj.out_features
 
 

@@ -11,19 +11,28 @@ projection runs as one grouped product over the sorted rows: `torch._grouped_mm`
 bfloat16, with each expert's end row as an int32 cumulative count. Nothing there waits on the
 host, so a decode step stays capturable in a CUDA graph. Elsewhere a loop over the experts that
 have tokens does the same products (the reference; its loop reads the chosen experts on the host,
-so a model on that path is decoded without graphs).
+so a model on that path is decoded without graphs). LoRA adapters on the experts (PEFT's
+`target_parameters`) add their low-rank products to each projection (`moe_adapters`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from grpoflow.engines.native.adapters import is_lora_layer
+from grpoflow.engines.native.moe_adapters import (
+    ExpertAdapters,
+    add_expert,
+    add_grouped,
+    base_experts,
+    expert_adapters,
+    expert_refusal,
+)
 
 SiluMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -35,9 +44,10 @@ def is_sparse(mlp: nn.Module) -> bool:
 
 def sparse_refusal(mlp: nn.Module, config) -> str | None:
     """Why the family forward cannot run the sparse MLP `mlp` as transformers does; None if it can."""
-    if any(is_lora_layer(module) for module in mlp.modules()):
-        return "LoRA adapters on the router or the experts (the family path adapts attention and dense MLPs)"
-    router, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+    router, wrapped = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+    experts = base_experts(wrapped)
+    if any(is_lora_layer(module) for module in [router, *experts.modules()]):
+        return "LoRA adapters on the router (the family path adapts attention, dense MLPs and experts)"
     weight = getattr(router, "weight", None)
     if weight is None or weight.dim() != 2 or getattr(router, "bias", None) is not None:
         return "a router other than one (num_experts, hidden_size) weight without bias"
@@ -54,7 +64,7 @@ def sparse_refusal(mlp: nn.Module, config) -> str | None:
     top_k = getattr(config, "num_experts_per_tok", 0)
     if not 1 <= top_k <= num_experts:
         return f"num_experts_per_tok={top_k} for {num_experts} experts"
-    return None
+    return expert_refusal(wrapped)
 
 
 _PLAIN_LAYOUT = {"is_transposed": False, "is_concatenated": True, "has_bias": False, "has_gate": True}
@@ -77,12 +87,21 @@ class SparseMlp:
 
     router: nn.Module
     experts: nn.Module
+    """The experts module itself (under PEFT's wrappers, if any: `wrapped`)."""
+    wrapped: nn.Module
+    """The layer's `mlp.experts`: the experts, or PEFT's wrapper of them."""
     top_k: int
     normalize: bool
     grouped: bool
     """Grouped products (`torch._grouped_mm`) rather than the reference loop."""
     index: int
     """The layer's place among the sparse layers: its row of a routing record."""
+    adapters: ExpertAdapters = field(default_factory=ExpertAdapters)
+    """The experts' LoRA adapters (`find_adapters`)."""
+
+    def find_adapters(self) -> None:
+        """Find the experts' adapters again, keeping the copies of those that stayed in place."""
+        self.adapters = expert_adapters(self.wrapped, self.adapters)
 
     def __call__(self, x: torch.Tensor, silu_mul: SiluMul, routing: torch.Tensor | None) -> torch.Tensor:
         """The MLP's output for x (T, H); the chosen experts (T, k) go to `routing[index]` when given."""
@@ -90,7 +109,8 @@ class SparseMlp:
         if routing is not None:
             routing[self.index].copy_(chosen)
         run = grouped_experts if self.grouped else reference_experts
-        return run(x, self.experts.gate_up_proj, self.experts.down_proj, chosen, weights, silu_mul)
+        experts = self.experts
+        return run(x, experts.gate_up_proj, experts.down_proj, chosen, weights, silu_mul, self.adapters)
 
 
 def sparse_mlps(layers: list[nn.Module], config, grouped: bool) -> dict[int, SparseMlp]:
@@ -99,7 +119,8 @@ def sparse_mlps(layers: list[nn.Module], config, grouped: bool) -> dict[int, Spa
     return {
         layer: SparseMlp(
             router=layers[layer].mlp.gate,
-            experts=layers[layer].mlp.experts,
+            experts=base_experts(layers[layer].mlp.experts),
+            wrapped=layers[layer].mlp.experts,
             top_k=config.num_experts_per_tok,
             normalize=bool(getattr(config, "norm_topk_prob", False)),
             grouped=grouped,
@@ -127,16 +148,23 @@ def grouped_experts(
     chosen: torch.Tensor,
     weights: torch.Tensor,
     silu_mul: SiluMul,
+    adapters: ExpertAdapters | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for each token as two grouped products over the (token, expert)
-    pairs sorted by expert; shapes stay those of x, so a CUDA graph can capture it."""
+    pairs sorted by expert (and two more per adapter); shapes stay those of x, so a CUDA graph can
+    capture it."""
     num_tokens, top_k = chosen.shape
+    adapters = adapters or ExpertAdapters()
     order = torch.argsort(chosen.reshape(-1), stable=True)
     ends = torch.arange(1, gate_up.shape[0] + 1, device=x.device, dtype=chosen.dtype)
     offsets = torch.searchsorted(chosen.reshape(-1)[order], ends, out_int32=True)
-    products = torch._grouped_mm(x[order // top_k], gate_up.transpose(1, 2), offs=offsets)
+    rows = x[order // top_k]
+    products = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)
+    add_grouped(products, rows, adapters.gate_up, offsets)
     gate, up = products.chunk(2, dim=-1)
-    out = torch._grouped_mm(silu_mul(gate, up), down.transpose(1, 2), offs=offsets)
+    activated = silu_mul(gate, up)
+    out = torch._grouped_mm(activated, down.transpose(1, 2), offs=offsets)
+    add_grouped(out, activated, adapters.down, offsets)
     by_token = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, -1)
     return (by_token * weights[..., None]).sum(dim=1)
 
@@ -148,13 +176,22 @@ def reference_experts(
     chosen: torch.Tensor,
     weights: torch.Tensor,
     silu_mul: SiluMul,
+    adapters: ExpertAdapters | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for each token, expert by expert as transformers' eager loop adds
-    them (the same products and sums, in the same order)."""
+    them (the same products and sums, in the same order; each adapter's product added to its
+    projection's)."""
+    adapters = adapters or ExpertAdapters()
     out = torch.zeros_like(x)
     for expert in torch.unique(chosen).tolist():
         tokens, slots = torch.nonzero(chosen == expert, as_tuple=True)
-        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
-        product = F.linear(silu_mul(gate, up), down[expert]) * weights[tokens, slots, None]
+        rows = x[tokens]
+        products = F.linear(rows, gate_up[expert])
+        add_expert(products, rows, expert, adapters.gate_up)
+        gate, up = products.chunk(2, dim=-1)
+        activated = silu_mul(gate, up)
+        projected = F.linear(activated, down[expert])
+        add_expert(projected, activated, expert, adapters.down)
+        product = projected * weights[tokens, slots, None]
         out[tokens] += product  # a token meets an expert once; `index_add_` crawls on busy CPUs
     return out
