@@ -10,8 +10,10 @@ turn, each with the seed and sampling the training process gave it; a worker pla
 `agent_concurrency / agent_workers` in flight (grpoflow.rollout.program_play) and sends back each
 episode's outcome with its recorded turns, which the training process groups as it does its own.
 
-A worker that dies (killed, out of memory) ends the episodes it had as errors naming it, and is
-started again for the next rollout; one that cannot start stops the run with its error.
+A worker that dies (killed, out of memory), or does not send its outcomes within agent_timeout for
+each round of its episodes plus SLACK_S (a program that blocks its event loop: it is killed), ends
+the episodes it had as errors naming it, and is started again for the next rollout; one that cannot
+start stops the run with its error.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -37,6 +40,9 @@ START_TIMEOUT_S = 300.0
 """Seconds a worker may take to start (import, build its app) before the run stops."""
 STOP_TIMEOUT_S = 10.0
 """Seconds a worker may take to stop before it is killed."""
+SLACK_S = 60.0
+"""Seconds a worker may take past agent_timeout for each round of its episodes before it is
+killed (a program that blocks its event loop, which no timeout inside the worker can end)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +68,10 @@ class Worker:
             name=f"grpoflow-agent-worker-{index}",
             daemon=True,
         )
+        self.deadline = 0.0
+        """When the episodes it plays must be back (ProgramWorkers._allowed_s)."""
+        self.overdue = False
+        """It was killed for missing its deadline."""
         self.process.start()
         work_end.close()
         calls_end.close()
@@ -87,6 +97,8 @@ class Worker:
     def exit_status(self) -> str:
         self.process.join(timeout=1.0)
         code = self.process.exitcode
+        if self.overdue:
+            return "did not answer within agent_timeout for each round of its episodes and was killed"
         if code is None:
             return "stopped answering"
         return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -135,6 +147,7 @@ class ProgramWorkers:
             for i in range(count)
         ]
         self.workers: list[Worker | None] = [None] * count
+        self.slack_s = SLACK_S
         try:
             self._start_missing()
         except BaseException:
@@ -157,10 +170,16 @@ class ProgramWorkers:
             share = list(range(worker.index, len(episodes), len(self.workers)))
             if share:
                 shares[worker] = share
+                worker.deadline = time.monotonic() + self._allowed_s(worker, len(share))
                 with contextlib.suppress(OSError, ValueError):  # it died: its sentinel tells below
                     worker.work.send(("play", [episodes[i] for i in share]))
         while shares:
-            ready = set(wait([w.work for w in shares] + [w.process.sentinel for w in shares]))
+            timeout = max(0.0, min(w.deadline for w in shares) - time.monotonic())
+            ready = set(wait([w.work for w in shares] + [w.process.sentinel for w in shares], timeout))
+            for worker in shares:
+                if worker.deadline < time.monotonic() and not ready & {worker.work, worker.process.sentinel}:
+                    worker.overdue = True
+                    worker.process.kill()
             for worker in [w for w in shares if w.work in ready or w.process.sentinel in ready]:
                 played = self._received(worker)
                 if played is None and worker.process.sentinel not in ready:
@@ -171,6 +190,13 @@ class ProgramWorkers:
                 for index, outcome in zip(share, played):
                     outcomes[index] = outcome
         return outcomes
+
+    def _allowed_s(self, worker: Worker, episodes: int) -> float:
+        """How long `episodes` may take in `worker`: agent_timeout for each round of its
+        agent_concurrency, one more for the turns' collection, and `slack_s`."""
+        config = self.setups[worker.index].config
+        rounds = -(-episodes // config.agent_concurrency) + 1
+        return rounds * config.agent_timeout + self.slack_s
 
     def stop(self) -> None:
         for worker in self.workers:

@@ -94,3 +94,15 @@ def test_a_worker_that_dies_ends_its_episodes_with_an_error_naming_it_and_starts
     assert "agent worker 1" in caplog.text
     again = in_workers(engine, items("ok", "ok"), params(2, n=1))
     assert [group.environments[0].ending for group in again] == ["stop", "stop"]
+
+
+def test_a_worker_whose_program_blocks_it_past_its_deadline_is_killed(engine, in_workers):
+    in_workers.worker_processes.slack_s = 0.5
+    try:
+        ok, blocked = in_workers(engine, items("ok", "block"), params(2, n=1))
+    finally:
+        in_workers.worker_processes.slack_s = 60.0
+    assert ok.environments[0].ending == "stop" and blocked.environments[0].ending == "error"
+    assert "agent worker 1" in blocked.environments[0].error
+    assert "did not answer within agent_timeout" in blocked.environments[0].error
+    assert in_workers.last_metrics["time/agent"] < 10
