@@ -4,6 +4,7 @@ in the training process (`environment_factory`) and an agent program on the `ope
 
     python benchmarks/agents.py                                   # Qwen2.5-0.5B-shaped, CUDA
     python benchmarks/agents.py --preset tiny --device cpu --prompts 4 --steps 3   # a quick look
+    python benchmarks/agents.py --agent-workers 4      # the programs in 4 worker processes
 
 The policy is a random model of the preset's shape over a character tokenizer (its vocabulary is
 the tokenizer's, so every sampled id is text) with a chat template in Qwen2.5's layout that
@@ -159,6 +160,8 @@ def train(mode: str, model_dir: Path, rows: Path, output: Path, args: argparse.N
         }
     else:
         options |= {"agent_program": f"{here}:program", "agent_concurrency": episodes}
+        if args.agent_workers is not None:
+            options["agent_workers"] = args.agent_workers
     command = [sys.executable, "-m", "grpoflow", "train"]
     for key, value in options.items():
         command += [f"--{key}", str(value)]
@@ -211,6 +214,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--modes", default="environment,agent_program")
+    parser.add_argument(
+        "--agent-workers",
+        type=int,
+        default=None,
+        help="agent_workers of the agent_program mode (default: the run's choice, 0 on the CPU)",
+    )
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/...)")
     args = parser.parse_args()
 

@@ -4,6 +4,7 @@ TRL's GRPOConfig and ms-swift)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from grpoflow import imports
@@ -65,6 +66,13 @@ class AgentConfig:
     wait for a free one within their own agent_timeout."""
     agent_timeout: float = 600.0
     """Seconds one agent_program episode may take; past it the episode ends with no reward."""
+    agent_workers: int | None = None
+    """Worker processes that run agent_program, each with its openai clients and its own copy of
+    the hosted policy server's app (request parsing, chat templates, tokenising, episode
+    recording), its engine calls sent to the training process, which keeps only the engine and its
+    batcher; agent_concurrency is split between them. 0: all in the training process. Unset:
+    min(4, CPU cores / 4) with an engine on a CUDA device, else 0 (`resolve_agent_workers`). Only
+    for a policy the run hosts itself (not with vllm_mode server)."""
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_tool_calling_iterations", "max_turn_tokens"):
@@ -100,6 +108,12 @@ class AgentConfig:
         require(self.agent_concurrency >= 1, "agent_concurrency", ">= 1", self.agent_concurrency)
         require(self.agent_timeout > 0, "agent_timeout", "> 0 (seconds)", self.agent_timeout)
         require(
+            self.agent_workers is None or self.agent_workers >= 0,
+            "agent_workers",
+            ">= 0 (0: the programs run in the training process; unset: chosen from the device)",
+            self.agent_workers,
+        )
+        require(
             self.agent_program is None or not (self.enabled or self.rollout_func),
             "agent_program",
             "unset with tools, environment_factory or rollout_func",
@@ -113,6 +127,13 @@ class AgentConfig:
         openai client, and the server that hosts the policy for it)."""
         if self.agent_program is not None:
             imports.require_extra(AGENT_PACKAGES, "agent", "agent_program")
+
+    def resolve_agent_workers(self, on_cuda: bool) -> int:
+        """The worker processes agent programs run in: agent_workers, or when unset
+        min(4, CPU cores / 4) (at least 1) beside an engine on a CUDA device, else 0."""
+        if self.agent_workers is not None:
+            return self.agent_workers
+        return min(4, max(1, (os.cpu_count() or 1) // 4)) if on_cuda else 0
 
     @property
     def enabled(self) -> bool:

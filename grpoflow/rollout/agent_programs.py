@@ -22,7 +22,9 @@ The client's transport imposes the run's sampling (`grpoflow.agents.program_clie
 
 Where the policy is served: an engine in the training process (native, hf, vLLM colocate) is hosted
 by `grpoflow serve`'s app on 127.0.0.1 (`grpoflow.server.hosted`), whose gate is open only while
-the programs run, so they never meet the trainer's weight updates or sleep; with `vllm_mode:
+the programs run, so they never meet the trainer's weight updates or sleep; with `agent_workers`,
+the programs and copies of that app run in worker processes, and only the engine and its batcher
+stay in the training process (`grpoflow.rollout.program_workers`); with `vllm_mode:
 server` the programs talk to the run's `grpoflow serve` servers themselves. Either way the server
 records every turn; once the program returns, the episode's turns are fetched (and deleted) and
 chained into training sequences (`grpoflow.chat.trajectory`): one per run of turns that extend each
@@ -36,37 +38,26 @@ truncated.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
-import math
-import numbers
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from grpoflow import imports
 from grpoflow.agents.config import AgentConfig
 from grpoflow.chat.trajectory import Trajectory, chain_turns
 from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, RolloutEngine, SamplingParams
 from grpoflow.rollout.groups import Group
-from grpoflow.rollout.program_turns import (
-    Endpoint,
-    common_prefix,
-    new_episode_id,
-    take_episode,
-    training_completion,
-)
-from grpoflow.threads import DaemonPool
+from grpoflow.rollout.program_play import EpisodePlayer, ProgramOutcome, load_agent_program
+from grpoflow.rollout.program_turns import Endpoint, common_prefix, episodes_of, training_completion
 
 if TYPE_CHECKING:
-    import httpx
+    from grpoflow.rollout.program_workers import ProgramWorkers
+    from grpoflow.server.hosted import HostedServer
 
-    from grpoflow.agents.program_client import EpisodeBudget, SharedConnections
-    from grpoflow.server.in_process import InProcessConnections
+__all__ = ["PROGRAM_REWARD", "AgentPrograms", "ProgramOutcome", "load_agent_program", "program_rewards"]
 
 logger = logging.getLogger("grpoflow.agents")
 
@@ -78,25 +69,6 @@ it); a request past max_completion_length was refused; agent_timeout; an error o
 turn."""
 
 
-@dataclass(slots=True)
-class ProgramOutcome:
-    """How one episode went; reward functions receive it as the episode's `environments` entry."""
-
-    row: dict[str, Any]
-    reward: float | None = None
-    error: str | None = None
-    ending: str = "stop"
-    turns: list[dict[str, Any]] = field(default_factory=list)
-    """The recorded turns, as GET /v1/episodes/ID returns them (emptied once trained on)."""
-    num_turns: int = 0
-    """Turns recorded."""
-    num_dropped: int = 0
-    """Recorded turns left out of the training sequences (past max_completion_length)."""
-    num_segments: int = 0
-    """Sequences the episode trains as: its runs of turns that extend each other
-    (grpoflow.chat.trajectory); 0 for an episode that failed."""
-
-
 def program_rewards() -> list[tuple[str, Callable[..., Any]]]:
     """The reward function reading what each episode's program returned."""
 
@@ -104,31 +76,6 @@ def program_rewards() -> list[tuple[str, Callable[..., Any]]]:
         return [outcome.reward if isinstance(outcome, ProgramOutcome) else None for outcome in environments]
 
     return [(PROGRAM_REWARD, agent_program)]
-
-
-def load_agent_program(spec: str) -> Callable[..., Any]:
-    """The function `agent_program` names, checked to take (client, model, row)."""
-    program = imports.load_object(spec, "Agent program")
-    if not callable(program):
-        raise ValueError(f"agent_program {spec!r} is a {type(program).__name__}, not a function")
-    try:
-        inspect.signature(program).bind(None, None, None)
-    except TypeError:
-        raise ValueError(
-            f"agent_program {spec!r} must take three arguments, (client, model, row): an "
-            "openai.AsyncOpenAI (an openai.OpenAI for a plain def), the served model's name and the "
-            "dataset row"
-        ) from None
-    except ValueError:  # no signature to read (a builtin): take it as it is
-        pass
-    return program
-
-
-def is_async(program: Callable[..., Any]) -> bool:
-    """Whether calling `program` gives a coroutine (an async function, or an object whose
-    `__call__` is one)."""
-    call = type(program).__call__ if not inspect.isroutine(program) else None
-    return inspect.iscoroutinefunction(program) or inspect.iscoroutinefunction(call)
 
 
 class AgentPrograms:
@@ -154,51 +101,50 @@ class AgentPrograms:
         server_api_key: str | None = None,
     ) -> None:
         self.config, self.tokenizer = config, tokenizer
-        self.program = load_agent_program(config.agent_program)
-        self.asynchronous = is_async(self.program)
+        self.player = EpisodePlayer(config)
+        """Plays the episodes in this process (agent_workers 0, or rollout servers)."""
         self.model_name, self.max_model_len = model_name, max_model_len
         self.tool_call_parser = tool_call_parser
         self.server_api_key = server_api_key or "EMPTY"
         self.last_metrics: dict[str, float] = {}
-        self.hosted = None
+        self.hosted: HostedServer | None = None
+        self.worker_processes: ProgramWorkers | None = None
+        """Play the episodes instead, beside the hosted engine's relay (agent_workers > 0)."""
         self._hosted_engine: RolloutEngine | None = None
         self._checked_urls: set[str] = set()
         self._warned_dropped = False
-        # One loop for the rollout's life; asyncio.run would wait at its end for threads that overran.
-        self._loop = asyncio.new_event_loop()
-        self.workers = DaemonPool(config.agent_concurrency, "grpoflow-agent")
-        """Where a plain (synchronous) program runs (one that hangs holds its thread)."""
-        self.connections: SharedConnections | InProcessConnections | None = None
-        """What every episode's client sends through (made on first use): the hosted server's app
-        called in-process, or connection pools to the rollout servers."""
 
     def __call__(
         self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
     ) -> list[Group]:
         per_item = params if isinstance(params, list) else [params] * len(items)
+        episodes = episodes_of(list(items), per_item)
         endpoints = self._endpoints(engine)
         started = time.perf_counter()
-        if self.hosted is not None:
-            self.hosted.open()
+        gate = self.worker_processes or self.hosted  # None: rollout servers
+        if gate is not None:
+            gate.open()
         try:
-            played = self._loop.run_until_complete(self._play_all(endpoints, items, per_item))
+            if self.worker_processes is not None:
+                outcomes = self.worker_processes.play(episodes)
+            else:
+                outcomes = self.player.play(endpoints, episodes)
         finally:
-            if self.hosted is not None:
-                self.hosted.close()
+            if gate is not None:
+                gate.close()
         seconds = time.perf_counter() - started
         max_length = per_item[0].max_tokens if per_item else 1
-        groups = [self._group(item, outcomes, max_length, engine.policy_version) for item, outcomes in played]
-        self.last_metrics = self._metrics([o for _, outcomes in played for o in outcomes], groups, seconds)
+        groups, start = [], 0
+        for item, item_params in zip(items, per_item):
+            played = outcomes[start : start + item_params.n]
+            groups.append(self._group(item, played, max_length, engine.policy_version))
+            start += item_params.n
+        self.last_metrics = self._metrics(outcomes, groups, seconds)
         return groups
 
     def close(self) -> None:
-        if self.hosted is not None:
-            self.hosted.stop()
-            self.hosted = None
-        self.workers.shutdown()
-        if self.connections is not None:
-            self._loop.run_until_complete(self.connections.aclose())
-        self._loop.close()
+        self._stop_hosting()
+        self.player.close()
 
     # -- where the policy is served -------------------------------------------------------------
 
@@ -209,21 +155,41 @@ class AgentPrograms:
                 self._check_records_episodes(url)
             return [Endpoint(url, self.server_api_key, name) for url, name in servers]
         if self._hosted_engine is not engine:
-            from grpoflow.server.hosted import host_engine
-
-            if self.hosted is not None:
-                self.hosted.stop()
-            self.connections = None
-            self.hosted = host_engine(
-                engine,
-                self.tokenizer,
-                model_name=self.model_name,
-                max_model_len=self.max_model_len,
-                tool_call_parser=self.tool_call_parser,
-                max_recorded_episodes=max(1024, 2 * self.config.agent_concurrency),
-            )
+            self._stop_hosting()
+            self._host(engine)
             self._hosted_engine = engine
+        if self.hosted is None:  # the workers' apps serve it
+            return []
         return [Endpoint(self.hosted.url, self.hosted.api_key, self.model_name)]
+
+    def _host(self, engine: RolloutEngine) -> None:
+        """Serve `engine` to the programs: in this process, or to agent_workers processes."""
+        from grpoflow.server.hosted import host_engine, on_cuda
+
+        options = dict(
+            model_name=self.model_name,
+            max_model_len=self.max_model_len,
+            tool_call_parser=self.tool_call_parser,
+            max_recorded_episodes=max(1024, 2 * self.config.agent_concurrency),
+        )
+        count = self.config.resolve_agent_workers(on_cuda(engine))
+        if count > 0:
+            from grpoflow.rollout.program_workers import ProgramWorkers
+
+            self.worker_processes = ProgramWorkers(engine, self.tokenizer, self.config, count, **options)
+        else:
+            self.hosted = host_engine(engine, self.tokenizer, **options)
+            self.player.host(self.hosted)
+
+    def _stop_hosting(self) -> None:
+        if self.hosted is not None:
+            self.hosted.stop()
+            self.hosted = None
+            self.player.host(None)
+        if self.worker_processes is not None:
+            self.worker_processes.stop()
+            self.worker_processes = None
+        self._hosted_engine = None
 
     def _check_records_episodes(self, url: str) -> None:
         if url in self._checked_urls:
@@ -238,115 +204,6 @@ class AgentPrograms:
                 f"GET /v1/episodes with {answer.status_code}: serve the policy with `grpoflow serve`"
             )
         self._checked_urls.add(url)
-
-    # -- playing ----------------------------------------------------------------------------------
-
-    async def _play_all(
-        self, endpoints: list[Endpoint], items: Sequence[PromptItem], per_item: list[SamplingParams]
-    ) -> list[tuple[PromptItem, list[ProgramOutcome]]]:
-        import httpx
-
-        gate = asyncio.Semaphore(self.config.agent_concurrency)
-        async with httpx.AsyncClient(timeout=60) as fetcher:
-            plays = []
-            for item, params in zip(items, per_item, strict=True):
-                for index in range(params.n):
-                    endpoint = endpoints[len(plays) % len(endpoints)]
-                    seed = None if params.seed is None else (params.seed * 1_000_003 + index * 7_919) % 2**62
-                    plays.append(self._play(gate, fetcher, endpoint, item, params, seed))
-            outcomes = list(await asyncio.gather(*plays))
-        played, start = [], 0
-        for item, params in zip(items, per_item):
-            played.append((item, outcomes[start : start + params.n]))
-            start += params.n
-        return played
-
-    async def _play(
-        self,
-        gate: asyncio.Semaphore,
-        fetcher: httpx.AsyncClient,
-        endpoint: Endpoint,
-        item: PromptItem,
-        params: SamplingParams,
-        seed: int | None,
-    ) -> ProgramOutcome:
-        from grpoflow.agents.program_client import EpisodeBudget, RunSampling
-
-        sampling = RunSampling(
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            min_p=params.min_p,
-            repetition_penalty=params.repetition_penalty,
-            max_completion_length=params.max_tokens,
-            max_turn_tokens=self.config.max_turn_tokens,
-        )
-        async with gate:
-            episode_id = new_episode_id()
-            budget = EpisodeBudget(sampling, seed=seed)
-            outcome = ProgramOutcome(row={**item.columns, "prompt": item.prompt})
-            try:
-                outcome.reward = reward_value(
-                    await self._run(endpoint, episode_id, budget, dict(outcome.row))
-                )
-            except TimeoutError:
-                outcome.ending = "timeout"
-                outcome.error = f"the program ran past agent_timeout={self.config.agent_timeout:g} s"
-            except Exception as error:
-                if not budget.exhausted:
-                    outcome.ending, outcome.error = "error", f"{type(error).__name__}: {error}"
-            finally:
-                budget.closed = True
-            if budget.exhausted and outcome.error is None:
-                outcome.ending = "budget"
-            try:
-                hosted = self.hosted
-                taken = (
-                    take_episode(fetcher, endpoint, episode_id)
-                    if hosted is None
-                    else hosted.take_episode(episode_id)
-                )
-                outcome.turns = await taken
-            except Exception as error:
-                outcome.ending, outcome.error = "error", f"its turns could not be fetched: {error}"
-            if not outcome.turns and outcome.error is None:
-                outcome.ending, outcome.error = "error", "the program made no chat completion request"
-            if outcome.error is not None:
-                outcome.reward = None  # a failed episode trains with advantage 0
-            return outcome
-
-    async def _run(
-        self, endpoint: Endpoint, episode_id: str, budget: EpisodeBudget, row: dict[str, Any]
-    ) -> Any:
-        from grpoflow.agents.program_client import SharedConnections, episode_client
-
-        if self.connections is None:
-            hosted = self.hosted
-            self.connections = (
-                hosted.connections()
-                if hosted is not None
-                else SharedConnections(self.config.agent_concurrency)
-            )
-        timeout = self.config.agent_timeout
-        client = episode_client(
-            f"{endpoint.url}/v1",
-            endpoint.api_key,
-            episode_id,
-            budget,
-            self.connections,
-            asynchronous=self.asynchronous,
-            timeout=timeout,
-        )
-        try:
-            if self.asynchronous:
-                return await asyncio.wait_for(self.program(client, endpoint.model, row), timeout)
-            running = asyncio.wrap_future(self.workers.submit(self.program, client, endpoint.model, row))
-            return await asyncio.wait_for(running, timeout)
-        finally:
-            if self.asynchronous:
-                await client.close()
-            else:
-                client.close()
 
     # -- groups -------------------------------------------------------------------------------
 
@@ -439,18 +296,6 @@ class AgentPrograms:
                 "them; warned once",
                 dropped,
             )
-
-
-def reward_value(value: Any) -> float | None:
-    """What a program returned as a reward: a number, or None for none."""
-    if value is None:
-        return None
-    if isinstance(value, numbers.Real):
-        value = float(value)
-        return None if math.isnan(value) else value
-    raise TypeError(
-        f"the program returned {type(value).__name__} {str(value)[:80]!r}: return a number or None"
-    )
 
 
 def short(row: dict[str, Any], limit: int = 200) -> str:

@@ -1,5 +1,5 @@
-"""An agent program's episode as the server recorded it: where the turns are read from, read and
-deleted once the program returns, and the chained turns as the completion a group trains on (with
+"""An agent program's episode: what is played (its prompt, sampling and seed), and as the server
+recorded it: where the turns are read from, read and deleted once the program returns, and the chained turns as the completion a group trains on (with
 where each of its later sequences starts)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from grpoflow.chat.trajectory import Trajectory
-from grpoflow.engines import Completion
+from grpoflow.data.prompts import PromptItem
+from grpoflow.engines import Completion, SamplingParams
 
 if TYPE_CHECKING:
     import httpx
@@ -22,6 +23,25 @@ class Endpoint:
     url: str
     api_key: str
     model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    """One episode to play: its prompt, the run's sampling for it, and its seed."""
+
+    item: PromptItem
+    params: SamplingParams
+    seed: int | None
+
+
+def episodes_of(items: list[PromptItem], per_item: list[SamplingParams]) -> list[Episode]:
+    """`params.n` episodes per item, in order, each seeded from its item's seed and its index."""
+    episodes = []
+    for item, params in zip(items, per_item, strict=True):
+        for index in range(params.n):
+            seed = None if params.seed is None else (params.seed * 1_000_003 + index * 7_919) % 2**62
+            episodes.append(Episode(item, params, seed))
+    return episodes
 
 
 def new_episode_id() -> str:

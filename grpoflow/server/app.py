@@ -68,8 +68,10 @@ ONE_PROMPT_EXTRA_BYTES = 8 * 2**20
 """Room a body of one prompt has beyond the prompt: tools, stop strings, a chat template."""
 
 
-def build_app(service: Service) -> FastAPI:
-    """The app serving `service`; its batcher starts and stops with the app."""
+def build_app(service: Service, *, engine_routes: bool = True) -> FastAPI:
+    """The app serving `service`; its batcher starts and stops with the app. Without
+    `engine_routes`, the control and weight endpoints are left out (an app whose engine another
+    process owns and updates: grpoflow.server.relay)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -97,8 +99,9 @@ def build_app(service: Service) -> FastAPI:
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/generate", generate, methods=["POST"])
-    app.include_router(control.router)
-    app.include_router(weights.router)
+    if engine_routes:
+        app.include_router(control.router)
+        app.include_router(weights.router)
     app.include_router(episode_routes.router)
     return app
 

@@ -68,22 +68,19 @@ class BorrowedEngine:
         """Nothing: the owner closes its engine."""
 
 
-@dataclass
-class HostedServer:
-    """A running hosted server: where it listens, its key, and its gate (module docstring)."""
+@dataclass(kw_only=True)
+class ServedApp:
+    """`grpoflow serve`'s app around a service, run on an event loop of its own thread, which
+    clients in the same process call with no socket (in_process.py)."""
 
     url: str
-    """http://127.0.0.1:PORT (the OpenAI base URL is `url + "/v1"`)."""
+    """The base URL its clients are given (the OpenAI base URL is `url + "/v1"`)."""
     api_key: str
     model_name: str
     service: Service
-    server: Any
-    """The uvicorn.Server."""
-    thread: threading.Thread
     loop: asyncio.AbstractEventLoop
     app: Any
-    """The ASGI app uvicorn serves (what in-process clients call directly)."""
-    is_open: bool = False
+    """The ASGI app (what in-process clients call directly)."""
 
     def connections(self) -> InProcessConnections:
         """Transports that hand requests to the app in its loop, with no socket (in_process.py)."""
@@ -103,6 +100,16 @@ class HostedServer:
         episodes.drop("", episode_id)
         return [json.loads(turn.to_json(index)) for index, turn in enumerate(turns)]
 
+
+@dataclass(kw_only=True)
+class HostedServer(ServedApp):
+    """A running hosted server: where it listens, its key, and its gate (module docstring)."""
+
+    server: Any
+    """The uvicorn.Server."""
+    thread: threading.Thread
+    is_open: bool = False
+
     def open(self) -> None:
         """Let requests reach the engine."""
         if not self.is_open:
@@ -121,6 +128,33 @@ class HostedServer:
 
     def _run(self, coroutine) -> None:
         asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+
+def hosted_config(
+    engine: RolloutEngine,
+    device: torch.device,
+    *,
+    model_name: str,
+    max_model_len: int,
+    tool_call_parser: str = "auto",
+    max_recorded_episodes: int = 1024,
+    port: int | None = None,
+) -> ServeConfig:
+    """The settings of the server hosting `engine` for a run's agent programs (`port`: where it
+    listens, if it does)."""
+    return ServeConfig(
+        model=model_name,
+        engine=engine.capabilities.name,
+        host="127.0.0.1",
+        **({} if port is None else {"port": port}),
+        api_key=secrets.token_urlsafe(24),
+        max_model_len=max_model_len,
+        device=device.type if device.type in ("cpu", "cuda") else "auto",
+        tool_call_parser=tool_call_parser,
+        max_recorded_episodes=max_recorded_episodes,
+        trust_request_chat_template=True,  # its only clients are programs the run already runs,
+        template_workers=0,  # so their templates render in-process, compiled once
+    )
 
 
 def host_engine(
@@ -143,18 +177,14 @@ def host_engine(
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = ServeConfig(
-        model=model_name,
-        engine=engine.capabilities.name,
-        host="127.0.0.1",
-        port=port,
-        api_key=secrets.token_urlsafe(24),
+    config = hosted_config(
+        engine,
+        device,
+        model_name=model_name,
         max_model_len=max_model_len,
-        device=device.type if device.type in ("cpu", "cuda") else "auto",
         tool_call_parser=tool_call_parser,
         max_recorded_episodes=max_recorded_episodes,
-        trust_request_chat_template=True,  # its only clients are programs the run already runs,
-        template_workers=0,  # so their templates render in-process, compiled once
+        port=port,
     )
     limits = served_limits(config, model, tokenizer, max_model_len)
     service = Service(
@@ -168,21 +198,21 @@ def host_engine(
     app = build_app(service)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     loop = asyncio.new_event_loop()
-    loop.set_default_executor(_engine_executor(device))
+    loop.set_default_executor(engine_executor(device))
     thread = threading.Thread(
         target=_serve, args=(loop, server, sock), name="grpoflow-hosted-server", daemon=True
     )
     thread.start()
     _wait_until_started(server, thread)
     hosted = HostedServer(
-        f"http://127.0.0.1:{port}",
-        config.api_key,
-        model_name,
-        service,
-        server,
-        thread,
-        loop,
-        app,
+        url=f"http://127.0.0.1:{port}",
+        api_key=config.api_key,
+        model_name=model_name,
+        service=service,
+        server=server,
+        thread=thread,
+        loop=loop,
+        app=app,
         is_open=True,
     )
     hosted.close()
@@ -195,7 +225,7 @@ def _serve(loop: asyncio.AbstractEventLoop, server, sock: socket.socket) -> None
     loop.run_until_complete(server.serve(sockets=[sock]))
 
 
-def _engine_executor(device: torch.device) -> concurrent.futures.ThreadPoolExecutor:
+def engine_executor(device: torch.device) -> concurrent.futures.ThreadPoolExecutor:
     """One worker thread for the batcher's engine calls, on the engine's CUDA device."""
 
     def on_device() -> None:
@@ -228,6 +258,15 @@ def served_module(engine: RolloutEngine) -> torch.nn.Module:
     from grpoflow.server.vllm_backend import meta_module
 
     return meta_module(str(capabilities.model_dir), trust_remote_code=False)
+
+
+def on_cuda(engine: RolloutEngine) -> bool:
+    """Whether `engine` generates on a CUDA device (an engine with weights of its own, vLLM's:
+    whether CUDA is available)."""
+    module = engine.capabilities.module
+    if module is None:
+        return torch.cuda.is_available()
+    return engine_device(module).type == "cuda"
 
 
 def engine_device(module: torch.nn.Module) -> torch.device:

@@ -75,6 +75,8 @@ class Service:
     layers (vllm: a fused layer loaded from part of its tensors would lose the rest)."""
     sleeping: bool = False
     batcher: Batcher | None = field(default=None)
+    """What turns requests into engine calls: made by `start`, or given (a worker process's app
+    relays its requests to the batcher of the process that owns the engine: relay.py)."""
     holds: Holds | None = field(default=None)
     """The open weight update and the pause, with their leases (holds.py)."""
     pools: Pools = field(init=False)
@@ -111,13 +113,14 @@ class Service:
         )
 
     def start(self) -> None:
-        """Create the batcher and the holds inside the running event loop."""
-        self.batcher = Batcher(
-            self.engine,
-            window_s=self.config.batch_window_ms / 1000,
-            executor=self.pools.engine,
-            call_sequences=CALL_SEQUENCES_PER_ROW * self.config.max_num_seqs,
-        )
+        """Create the batcher (unless one was given) and the holds inside the running event loop."""
+        if self.batcher is None:
+            self.batcher = Batcher(
+                self.engine,
+                window_s=self.config.batch_window_ms / 1000,
+                executor=self.pools.engine,
+                call_sequences=CALL_SEQUENCES_PER_ROW * self.config.max_num_seqs,
+            )
         self.holds = Holds(self.batcher, self.config.hold_lease_s, lambda: self.pending_weights.clear())
         self.batcher.start()
         batcher = self.batcher

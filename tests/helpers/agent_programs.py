@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
+import time
 
 import openai
 
@@ -92,12 +95,18 @@ async def tool_agent(client: openai.AsyncOpenAI, model: str, row: dict) -> float
 
 
 async def dispatch(client: openai.AsyncOpenAI, model: str, row: dict) -> float | None:
-    """Behaves as the row's `behaviour` says: ok, raise, hang, rewrite (history) or none (no turn)."""
+    """Behaves as the row's `behaviour` says: ok, raise, hang, rewrite (history), none (no turn),
+    block (blocks its event loop for 30 s) or die (kills its own process after one turn): the last
+    two only in an agent worker process."""
     behaviour = row["behaviour"]
     if behaviour == "none":
         return 0.5
     messages = [{"role": "user", "content": row["question"]}]
     first = await ask(client, model, row, messages)
+    if behaviour == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if behaviour == "block":
+        time.sleep(30)
     if behaviour == "raise":
         raise RuntimeError("the tool broke")
     if behaviour == "hang":
