@@ -17,7 +17,7 @@ from grpoflow.kernels.ops import TorchOps
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, num_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -30,9 +30,12 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * num_cols + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inverse = tl.rsqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
-    normed = (xf * inverse).to(dtype).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * num_cols + cols, (weight * normed).to(dtype), mask=mask)
+    if UNIT_OFFSET:  # Gemma: (1 + weight) times the float32 norm, then one rounding
+        out = (xf * inverse) * (1.0 + weight)
+    else:
+        out = weight * (xf * inverse).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * num_cols + cols, out.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -352,14 +355,20 @@ class TritonOps(TorchOps):
 
     @staticmethod
     def rms_norm(
-        x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+        unit_offset: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x and residual (T, H) contiguous."""
         rows, cols = x.shape
         out = torch.empty_like(x)
         residual_out = torch.empty_like(x) if residual is not None else x
         _rms_norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, residual_out, cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), num_warps=8,
+            HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=triton.next_power_of_2(cols),
+            num_warps=8,
         )  # fmt: skip
         return out, residual_out
 

@@ -14,11 +14,16 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm over the last dim: float32 statistics, weight applied in x's dtype."""
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+) -> torch.Tensor:
+    """transformers' RMSNorm over the last dim: float32 statistics, weight applied in x's dtype;
+    with `unit_offset` (Gemma), `1 + weight` applied in float32 and the product cast to x's dtype."""
     dtype = x.dtype
     hidden = x.float()
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (hidden * (1.0 + weight.float())).to(dtype)
     return weight * hidden.to(dtype)
 
 
@@ -50,12 +55,17 @@ class TorchOps:
 
     @staticmethod
     def rms_norm(
-        x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+        unit_offset: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fused residual add and RMSNorm. x, residual (T, H) -> (normed, x + residual)."""
+        """Fused residual add and RMSNorm. x, residual (T, H) -> (normed, x + residual);
+        `unit_offset`: Gemma's norm (see `rms_norm_reference`)."""
         if residual is not None:
             x = x + residual
-        return rms_norm_reference(x, weight, eps), x
+        return rms_norm_reference(x, weight, eps, unit_offset), x
 
     @staticmethod
     def rope_and_store(
@@ -89,6 +99,11 @@ class TorchOps:
     def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """SwiGLU's `silu(gate) * up`, each rounded to the dtype as transformers does."""
         return F.silu(gate) * up
+
+    @staticmethod
+    def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """Gemma's `gelu_pytorch_tanh(gate) * up`, each rounded to the dtype as transformers does."""
+        return F.gelu(gate, approximate="tanh") * up
 
     @classmethod
     def decode_layer_attention(

@@ -84,7 +84,7 @@ def tiny_config(
     **extra,
 ):
     """The config of a small causal LM (`model_type`: qwen2, llama, mistral, qwen3, qwen3_moe,
-    ...); `extra`: the model type's own fields (a MoE model's expert counts)."""
+    gemma3_text, ...); `extra`: the model type's own fields (a MoE model's expert counts)."""
     return AutoConfig.for_model(
         model_type,
         vocab_size=vocab_size,
@@ -149,6 +149,17 @@ PRESETS: dict[str, dict] = {
         num_experts_per_tok=2,
         moe_intermediate_size=32,
     ),
+    "tiny-gemma3": dict(
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+    ),
     "qwen2-0.5b": dict(
         vocab_size=151936,
         hidden_size=896,
@@ -172,6 +183,7 @@ PRESETS: dict[str, dict] = {
     ),
 }
 """Shapes of randomly initialised models; `tiny-moe` a Qwen3-MoE of 8 experts, 2 per token;
+`tiny-gemma3` a Gemma 3 text model of a sliding window layer (8 tokens) and a full attention one;
 `qwen2-0.5b` is Qwen2-0.5B's (and Qwen2.5-0.5B's) shape, `qwen2.5-7b` Qwen2.5-7B's,
 `qwen3-30b-a3b` Qwen3-30B-A3B's (30.5B parameters, 61 GB in bfloat16), `qwen3-30b-a3b-8l` the same
 cut to 8 of its 48 layers (benchmarks)."""

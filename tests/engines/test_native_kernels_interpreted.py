@@ -1,4 +1,4 @@
-"""The native engine's sampling and decode-attention Triton kernels, run by Triton's interpreter on
+"""The native engine's sampling, decode-attention and RMSNorm Triton kernels, run by Triton's interpreter on
 the CPU against their torch references (the GPU runs them compiled in test_native_gpu.py).
 
 The interpreter is chosen by an environment variable read when Triton is imported, so each check
@@ -74,6 +74,25 @@ for group in (1, 7):
 print("ok")
 """
 
+RMS_NORM = """
+import torch
+from grpoflow.kernels.decoder import TritonOps
+from grpoflow.kernels.ops import TorchOps
+
+torch.manual_seed(0)
+# The interpreter rounds to bfloat16 its own way: bfloat16 results agree within a few units.
+for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 5e-2)):
+    x, residual = torch.randn(2, 7, 96).to(dtype).unbind(0)
+    weight = torch.randn(96).to(dtype)
+    for unit_offset in (False, True):
+        for res in (None, residual):
+            out, summed = TritonOps.rms_norm(x, weight, 1e-6, res, unit_offset=unit_offset)
+            ref, ref_summed = TorchOps.rms_norm(x, weight, 1e-6, res, unit_offset=unit_offset)
+            torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
+            torch.testing.assert_close(summed, ref_summed, atol=tolerance, rtol=tolerance)
+print("ok")
+"""
+
 
 def _interpret(source: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -89,3 +108,8 @@ def test_sampling_kernel_matches_reference_interpreted():
 
 def test_decode_attention_kernel_matches_reference_interpreted():
     _interpret(ATTENTION)
+
+
+def test_rms_norm_kernel_matches_reference_interpreted():
+    """Llama's norm and Gemma's (`unit_offset`: 1 + weight in float32), with and without a residual."""
+    _interpret(RMS_NORM)

@@ -149,7 +149,7 @@ def test_an_unsupported_expert_layout_runs_generic_with_one_line(caplog):
     assert native.path == "generic" and len(lines) == 1
     assert (
         lines[0].startswith("qwen3_moe runs on")
-        and "qwen3_moe; the reason here: an expert layout" in lines[0]
+        and "gemma3_text; the reason here: an expert layout" in lines[0]
     )
     assert [completion.token_ids for completion in outputs[0]] == [reference, reference]
 
@@ -159,7 +159,7 @@ def test_other_architectures_log_the_generic_path_without_a_reason(caplog):
     with caplog.at_level(logging.INFO, logger="grpoflow.engines.native"):
         NativeEngine(model, config=NativeEngineConfig(max_num_seqs=2))
     (line,) = [record.getMessage() for record in caplog.records if GENERIC_LINE in record.getMessage()]
-    assert line.startswith("gpt2 runs on") and line.endswith("qwen3, qwen3_moe")
+    assert line.startswith("gpt2 runs on") and line.endswith("qwen3_moe, gemma3_text")
 
 
 def test_adapters_on_attention_stay_on_the_family_path_and_on_the_router_go_generic(caplog):

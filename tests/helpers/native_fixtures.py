@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpoflow.policy.tiny import build_tiny_model
+from grpoflow.policy.tiny import PRESETS, build_tiny_model
 
 VOCAB_SIZE = 52
 FAMILIES = ("qwen2", "llama", "qwen3", "mistral")
@@ -74,6 +74,36 @@ def expert_lora(model, rank: int = 4, std: float = 0.3, seed: int = 3):
                 noise = torch.randn(parameter.shape, generator=generator) * std
                 parameter.copy_(noise.to(parameter.device, parameter.dtype))
     return policy.eval()
+
+
+GEMMA3_WINDOW = 5
+"""The sliding window of `tiny_gemma3`'s sliding layers, shorter than the tests' sequences."""
+
+
+def tiny_gemma3(seed: int = 0, device: str = "cpu", dtype=torch.float32, **overrides):
+    """A tiny random Gemma 3 text model in eval mode: three layers (sliding, full, sliding), a
+    window of GEMMA3_WINDOW tokens, rotary tables of their own (linear scaling on the full
+    layers), final logit soft-capping, and norm weights drawn away from zero (so `1 + weight`
+    differs from weight and from 1)."""
+    shape = {
+        **PRESETS["tiny-gemma3"],
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "sliding_window": GEMMA3_WINDOW,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10_000.0},
+        },
+        "final_logit_softcapping": 3.0,
+        **overrides,
+    }
+    model = build_tiny_model(VOCAB_SIZE, seed=seed, **shape)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def perturbed(model, scale: float):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from grpoflow.engines.native.engine import NativeEngine
-from grpoflow.engines.native.model import refusal
+from grpoflow.engines.native.families import refusal
 from grpoflow.engines.native.sizing import NativeEngineConfig
 
 MOE_MODEL_TYPES = ("qwen3_moe",)

@@ -30,8 +30,8 @@ from torch import nn
 
 from grpoflow.engines.base import Completion, EngineCapabilities, EngineStats, PrefillStats, SamplingParams
 from grpoflow.engines.native.distributions import DistributionCapture
+from grpoflow.engines.native.families import SUPPORTED_MODEL_TYPES, family_model, refusal
 from grpoflow.engines.native.generic import GenericRunner
-from grpoflow.engines.native.model import SUPPORTED_MODEL_TYPES, FamilyModel, refusal
 from grpoflow.engines.native.model_runner import STEPS_IN_FLIGHT, Launched, Runner, triton_available
 from grpoflow.engines.native.requests import Abandoned, RequestBook
 from grpoflow.engines.native.routing import RoutingRecord
@@ -50,7 +50,7 @@ logger = logging.getLogger("grpoflow.engines.native")
 class NativeEngine:
     """Continuous-batching generation straight from `model`'s parameters (no copy, no sync).
 
-    Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE models run the paged-KV family path (Triton
+    Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 models run the paged-KV family path (Triton
     kernels and CUDA graphs on CUDA, torch reference ops on the CPU); any other causal LM runs the
     generic path, and the engine logs so once, with the reason when the model's type is a family's.
     """
@@ -64,7 +64,7 @@ class NativeEngine:
         self.policy_version = 0
         self.stats = EngineStats()
         reason = "force_generic is set" if config.force_generic else refusal(model)
-        self.family = None if reason else FamilyModel(model)
+        self.family = None if reason else family_model(model)
         if reason:
             _log_generic(model, reason, named=config.force_generic)
         if config.record_routing and (self.family is None or self.family.routing_shape is None):

@@ -5,8 +5,9 @@ forward: no copy, the same storage the optimizer updates in place. A LoRA policy
 applied in the same forward (`adapters`). Llama, Mistral, Qwen2 and Qwen3
 share one layout (pre-norm, rotary GQA attention with optional q/k/v bias and optional per-head
 q/k norm, SwiGLU MLP), so one forward serves them all; Qwen3-MoE is Qwen3 with a router and
-experts in place of some layers' MLPs (`moe`). Anything else returns None from `from_hf`
-(`refusal` says why) and goes to the generic path.
+experts in place of some layers' MLPs (`moe`); Gemma 3 adds its own norms and two rotary tables
+to the same parts (`gemma`). Anything else returns None from `from_hf` (`refusal` says why) and
+goes to the generic path (`families` picks the forward of a model type).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from grpoflow.engines.native.moe_adapters import base_experts
 from grpoflow.engines.native.routing import routing_dtype
 from grpoflow.kernels.ops import TorchOps
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+LLAMA_LAYOUT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # attend(layer_index, q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D), qk_norm) -> (T, Hq, D): rotary,
@@ -135,8 +136,10 @@ class FamilyModel:
         self.scale = float(getattr(attention, "scaling", head_dim**-0.5))
         self.windows = [_window(config, index) for index in range(len(self.layers))]
         self.has_qk_norm = hasattr(attention, "q_norm")
-        self.cos: torch.Tensor | None = None
-        self.sin: torch.Tensor | None = None
+        self.rotary: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Rotary tables (cos, sin), each (max_len, D) in the model dtype (`build_rotary_tables`)."""
+        self.rotary_of = [0] * len(self.layers)
+        """The rotary table of each layer."""
         self.fused = [Fused() for _ in self.layers]
         self.lora_layers = [
             module
@@ -307,15 +310,10 @@ class FamilyModel:
         return self.embed.weight.dtype
 
     def build_rotary_tables(self, max_len: int) -> None:
-        """cos and sin (max_len, D) in the model dtype, computed as transformers computes them."""
+        """The one rotary table every layer reads."""
         rotary = self.hf_model.model.rotary_emb
-        inv_freq = rotary.inv_freq.to(device=self.device, dtype=torch.float32)
-        positions = torch.arange(max_len, device=self.device, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
         scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self.cos = (angles.cos() * scaling).to(self.dtype)
-        self.sin = (angles.sin() * scaling).to(self.dtype)
+        self.rotary = [rotary_table(rotary.inv_freq, scaling, max_len, self.device, self.dtype)]
 
     def forward(
         self,
@@ -339,24 +337,33 @@ class FamilyModel:
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
             normed, residual = ops.rms_norm(
-                hidden, layer.input_layernorm.weight, _eps(layer.input_layernorm), residual
+                hidden, layer.input_layernorm.weight, eps_of(layer.input_layernorm), residual
             )
             fused, adapters = self.fused[index], self.adapters[index]
-            q, k, v = self._qkv(normed, attention, fused, adapters)
+            q, k, v = self.qkv(normed, attention, fused, adapters)
             qk_norm = None
             if self.has_qk_norm:
-                qk_norm = (attention.q_norm.weight, attention.k_norm.weight, _eps(attention.q_norm))
+                qk_norm = (attention.q_norm.weight, attention.k_norm.weight, eps_of(attention.q_norm))
             out = attend(index, q, k, v, qk_norm).reshape(num_tokens, shape.num_heads * shape.head_dim)
             hidden = _linear(out, attention.o_proj)
             add_low_rank([hidden], out, [adapters.o])
             normed, residual = ops.rms_norm(
-                hidden, layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm), residual
+                hidden,
+                layer.post_attention_layernorm.weight,
+                eps_of(layer.post_attention_layernorm),
+                residual,
             )
             if index in self.sparse:
                 hidden = self.sparse[index](normed, ops.silu_mul, routing)
             else:
-                hidden = _dense_mlp(normed, layer.mlp, fused, adapters, ops)
-        normed, _ = ops.rms_norm(hidden, self.norm.weight, _eps(self.norm), residual)
+                hidden = dense_mlp(normed, layer.mlp, fused, adapters, ops.silu_mul)
+        normed, _ = ops.rms_norm(hidden, self.norm.weight, eps_of(self.norm), residual)
+        return self.logits(normed, last_index, logits_out)
+
+    def logits(
+        self, normed: torch.Tensor, last_index: torch.Tensor | None, logits_out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The output head over the final norm's rows (those of `last_index` when given)."""
         if last_index is not None:
             normed = normed[last_index]
         weight, bias = self.lm_head.weight, self.lm_head.bias
@@ -369,7 +376,7 @@ class FamilyModel:
         add_low_rank([logits], normed, [self.head_adapters])
         return logits
 
-    def _qkv(
+    def qkv(
         self, normed: torch.Tensor, attention: nn.Module, fused: Fused, adapters: LayerAdapters
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (T, Hq, D), k and v (T, Hkv, D): views of one product when the weights are fused."""
@@ -388,19 +395,35 @@ class FamilyModel:
         )
 
 
-def _dense_mlp(
-    normed: torch.Tensor, mlp: nn.Module, fused: Fused, adapters: LayerAdapters, ops: type[TorchOps]
+def dense_mlp(
+    normed: torch.Tensor,
+    mlp: nn.Module,
+    fused: Fused,
+    adapters: LayerAdapters,
+    activate_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one product when their weights are fused."""
+    """down(act(gate(x)) * up(x)) (SwiGLU with `ops.silu_mul`), gate and up as one product when
+    their weights are fused."""
     if fused.gate_up_weight is not None:
         gate, up = F.linear(normed, fused.gate_up_weight).chunk(2, dim=-1)
     else:
         gate, up = _linear(normed, mlp.gate_proj), _linear(normed, mlp.up_proj)
     add_low_rank([gate, up], normed, adapters.gate_up, fused.gate_up_down)
-    activated = ops.silu_mul(gate, up)
+    activated = activate_mul(gate, up)
     hidden = _linear(activated, mlp.down_proj)
     add_low_rank([hidden], activated, [adapters.down])
     return hidden
+
+
+def rotary_table(
+    inv_freq: torch.Tensor, scaling: float, max_len: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (max_len, D) on `device` in `dtype`, computed as transformers computes them."""
+    inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+    positions = torch.arange(max_len, device=device, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
 
 
 def _sparse_widths(sparse: dict, hidden: int) -> dict[str, int]:
@@ -422,7 +445,7 @@ def _intermediate_size(mlp: nn.Module, config) -> int:
 def refusal(hf_model: nn.Module) -> str | None:
     """Why the family forward cannot run `hf_model`; None when it can."""
     config = getattr(hf_model, "config", None)
-    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+    if getattr(config, "model_type", None) not in LLAMA_LAYOUT_TYPES:
         return "not a model type of the family path"
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
@@ -458,7 +481,7 @@ def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
-def _eps(norm: nn.Module) -> float:
+def eps_of(norm: nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 

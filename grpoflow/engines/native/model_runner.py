@@ -196,9 +196,8 @@ class Runner:
 
         def attend(index, q, k, v, qk_norm):
             caches = self.cache[index]
-            self.ops.rope_and_store(
-                q, k, v, family.cos, family.sin, positions_t, slots_t, caches[0], caches[1], qk_norm
-            )
+            cos, sin = family.rotary[family.rotary_of[index]]
+            self.ops.rope_and_store(q, k, v, cos, sin, positions_t, slots_t, caches[0], caches[1], qk_norm)
             q = q.view(num_items, length, shape.num_heads, shape.head_dim)
             if pages is not None:
                 out = cached_prefill_attention(
@@ -315,25 +314,29 @@ class Runner:
 
     def _decode_forward(self, rows: int, max_context: int) -> None:
         cache, family, ops = self.cache, self.family, self.ops
-        batch = DecodeBatch(
-            cos=family.cos,
-            sin=family.sin,
-            positions=self.meta[0, :rows],
-            slots=self.meta[1, :rows],
-            block_table=self.block_table[:rows],
-            context_lens=self.meta[2, :rows],
-            max_context=max_context,
-        )
+        batches = [  # one per rotary table
+            DecodeBatch(
+                cos=cos,
+                sin=sin,
+                positions=self.meta[0, :rows],
+                slots=self.meta[1, :rows],
+                block_table=self.block_table[:rows],
+                context_lens=self.meta[2, :rows],
+                max_context=max_context,
+            )
+            for cos, sin in family.rotary
+        ]
 
         def attend(index, q, k, v, qk_norm):
+            batch, window = batches[family.rotary_of[index]], family.windows[index]
             return ops.decode_layer_attention(
-                q, k, v, cache[index, 0], cache[index, 1], batch, family.scale, family.windows[index], qk_norm
+                q, k, v, cache[index, 0], cache[index, 1], batch, family.scale, window, qk_norm
             )
 
         routing = self.routing.step[:, :rows] if self.routing is not None else None
         family.forward(self.input_ids[:rows], attend, ops, logits_out=self.logits[:rows], routing=routing)
         if routing is not None:
-            self.routing.store(batch.slots, routing)
+            self.routing.store(batches[0].slots, routing)
 
     def _ensure_graph(self, rows: int) -> None:
         """Capture the decode forward for `rows` rows, run once first to compile the kernels.
