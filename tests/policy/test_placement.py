@@ -264,3 +264,21 @@ def test_fsdp_needs_a_list_of_decoder_layers():
 def test_impossible_memory_layouts_are_refused(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, recipe_values(tmp_path, **overrides))
+
+
+def test_fsdp_shards_a_mixture_of_experts_model_and_trains_as_one_process_does(tmp_path):
+    # Each rank holds half of every layer's experts (the fused expert parameters are sharded on
+    # their first dimension, the experts); the routing the engine recorded is replayed on both.
+    moe = {"model": "random:tiny-moe", "max_steps": 2, "save_steps": 2, "learning_rate": 1e-2}
+    config_path, output_dir = write_config(tmp_path, "fsdp", fsdp=True, **moe)
+    finish(grpoflow_train(config_path, clean_env(), torchrun=True))
+    history = run(load_config(None, recipe_values(tmp_path / "one", gradient_accumulation_steps=2, **moe)))
+    logged = read_jsonl(output_dir / "metrics.jsonl")
+    for expected, got in zip(history, logged, strict=True):
+        assert got["reward"] == expected["reward"]
+        assert got["routing/mismatch_fraction"] == 0.0
+        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    single, sharded = weights(tmp_path / "one" / "checkpoint-2"), weights(output_dir / "checkpoint-2")
+    assert any(".experts." in name for name in single)
+    for name in single:
+        torch.testing.assert_close(sharded[name], single[name], atol=1e-5, rtol=0, msg=name)
