@@ -136,6 +136,16 @@ class ModelShape:
         heads = 1 if self.tie_word_embeddings else 2
         return heads * self.vocab_size * self.hidden_size + layers + self.hidden_size
 
+    def expert_parameters(self) -> int:
+        """The weights of one routed expert (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def num_active_parameters(self) -> int:
+        """The weights one token multiplies by: every parameter but the experts it is not routed
+        to (num_parameters for a dense model)."""
+        idle = self.num_experts - self.num_experts_per_tok
+        return self.num_parameters() - self.num_moe_layers * idle * self.expert_parameters()
+
     def num_lora_parameters(
         self, rank: int, target_modules: list[str], target_parameters: list[str] | tuple[str, ...] = ()
     ) -> int:

@@ -5,8 +5,10 @@ arithmetic, before anything is loaded.
 - rollout: the prefill's FLOPs at the bf16 peak, plus each decode step at the slower of reading
   the weights and every row's KV cache at the memory bandwidth and its FLOPs at the peak, over
   `ROLLOUT_EFFICIENCY` (what the engine reaches of that roofline: kernel launches, sampling,
-  scheduling);
-- update: 6 x parameters x trained tokens (4 x under LoRA: no gradients of the frozen weights),
+  scheduling); a mixture-of-experts step reads its dense weights and the experts its rows are
+  routed to (each of E experts is missed by all of R rows choosing k with probability
+  (1 - k/E)^R), and its FLOPs count the active parameters;
+- update: 6 x active parameters x trained tokens (4 x under LoRA: no gradients of the frozen weights),
   one forward more (2 x) with gradient checkpointing, 2 x per extra forward pass (reference
   log-probs, old-policy log-probs), at the bf16 peak times the model FLOPs utilisation measured
   eager or compiled;
@@ -134,8 +136,8 @@ class StepTime:
 def rollout_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec) -> float:
     """Prefill at the bf16 peak (each prompt once: a group's samples share its cached prompt),
     then every decode step at its roofline, over ROLLOUT_EFFICIENCY."""
-    params = shape.num_parameters()
-    weight_bytes = params * shape.dtype_bytes
+    params = shape.num_active_parameters()
+    weight_bytes = decode_weight_bytes(shape, workload.rows)
     kv_per_token = 2 * shape.num_hidden_layers * shape.kv_size * shape.dtype_bytes
     attention_per_context = 4 * shape.num_hidden_layers * shape.num_attention_heads * shape.attention_head_dim
     prefill = 2 * params * workload.prompts * workload.prompt_length / gpu.bf16_flops
@@ -148,13 +150,25 @@ def rollout_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec) -> floa
     return (prefill + decode) / ROLLOUT_EFFICIENCY
 
 
+def decode_weight_bytes(shape: ModelShape, rows: int) -> float:
+    """The weight bytes one decode step of `rows` rows reads: all of a dense model's; of a
+    mixture-of-experts model, the experts that some row is expected to be routed to."""
+    if not shape.num_experts:
+        return shape.num_parameters() * shape.dtype_bytes
+    missed = (1 - shape.num_experts_per_tok / shape.num_experts) ** rows
+    idle = shape.num_moe_layers * shape.num_experts * missed * shape.expert_parameters()
+    return (shape.num_parameters() - idle) * shape.dtype_bytes
+
+
 def update_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec, passes: UpdatePasses) -> float:
     """The update's FLOPs (see the module's docstring) at the bf16 peak times the measured MFU."""
     per_token = 4 if passes.lora else 6
     if passes.gradient_checkpointing:
         per_token += 2
     tokens = workload.trained_tokens
-    flops = shape.num_parameters() * tokens * (per_token * passes.iterations + 2 * passes.extra_forwards)
+    flops = (
+        shape.num_active_parameters() * tokens * (per_token * passes.iterations + 2 * passes.extra_forwards)
+    )
     return flops / (gpu.bf16_flops * (COMPILED_MFU if passes.torch_compile else EAGER_MFU))
 
 
