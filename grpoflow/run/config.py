@@ -397,6 +397,11 @@ class GRPOConfig:
                 "the trainer must draw from the truncated distribution the engine draws from",
             ),
             "fsdp": (self.placement.fsdp, "ranks would replay different numbers of rounds"),
+            "routing_replay: true": (
+                self.algorithm.moe.routing_replay is True,
+                "each token is then the trainer's own draw through its own routers, so no engine routing "
+                "is left to replay (routing_replay: auto leaves it off)",
+            ),
             "lora_dropout > 0": (
                 self.adapter.train_type == "lora" and self.adapter.lora_dropout > 0,
                 "dropout makes the update's forward random, so no draw can match it (lora_dropout: 0 keeps LoRA)",

@@ -123,6 +123,15 @@ def test_a_lora_policy_with_in_place_adapters_trains_with_no_gap(tmp_path):
     assert all(step["on_policy/unchecked_tokens"] == 0 for step in history)
 
 
+def test_a_mixture_of_experts_policy_trains_with_no_gap_through_its_own_routers(tmp_path):
+    # routing_replay auto: the completions are the trainer's draws, with nothing of the engine's
+    # routing to replay.
+    config = recipe(tmp_path, on_policy_sampling=True, model="random:tiny-moe", max_steps=2)
+    history = run(config)
+    assert [step["sampling/sampling_logp_difference/max"] for step in history] == [0.0] * 2
+    assert all("routing/mismatch_fraction" not in step for step in history)
+
+
 @pytest.mark.parametrize(
     "overrides, named",
     [
@@ -133,6 +142,7 @@ def test_a_lora_policy_with_in_place_adapters_trains_with_no_gap(tmp_path):
         ({"fsdp": True}, "fsdp"),
         ({"train_type": "lora", "lora_dropout": 0.05}, "lora_dropout"),
         ({"rollout_func": "grpoflow.tasks.echo:echo_reward"}, "rollout_func"),
+        ({"model": "random:tiny-moe", "routing_replay": True}, "routing_replay"),
     ],
 )
 def test_on_policy_sampling_refuses_what_it_cannot_replay(tmp_path, overrides, named):
