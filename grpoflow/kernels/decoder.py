@@ -12,6 +12,7 @@ import triton.language as tl
 
 from grpoflow.algo.draw_kernels import hash32
 from grpoflow.kernels.ops import TorchOps
+from grpoflow.kernels.prefill import paged_prefix_attention
 
 
 @triton.jit
@@ -352,6 +353,8 @@ class TritonOps(TorchOps):
     """The reference ops with the hot ones replaced by Triton kernels."""
 
     name = "triton"
+
+    cached_prefill_attention = staticmethod(paged_prefix_attention)
 
     @staticmethod
     def rms_norm(

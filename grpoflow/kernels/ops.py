@@ -8,7 +8,7 @@ float32 path reproduces transformers' greedy decoding token for token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +129,19 @@ class TorchOps:
         )
 
     @staticmethod
+    def cached_prefill_attention(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        prefix: CachedPrefix,
+        scale: float,
+        window: int,
+    ) -> torch.Tensor:
+        """A prefill's new tokens q (G, L, Hq, D) against their cached prefixes and themselves
+        (`attend_cached_prefix`)."""
+        return attend_cached_prefix(q, k_cache, v_cache, prefix, scale, window)
+
+    @staticmethod
     def decode_attention(
         q: torch.Tensor,
         k_cache: torch.Tensor,
@@ -187,6 +200,78 @@ def prefill_attention(
     return out.transpose(1, 2)
 
 
+@dataclass(slots=True)
+class CachedPrefix:
+    """What every layer of a prefill over cached prefixes shares: each item's pages, the positions
+    of its new tokens and its length in the cache, and (built at the first layer that needs them,
+    then kept) the torch reference's gather indices, stored-slot mask and one visibility mask per
+    distinct sliding window.
+
+    pages (G, P) each item's blocks in order, padded with any block; query_positions (G, L) the
+    positions of the new tokens (padding repeats the last); lengths (G,) tokens of each item in
+    the cache.
+    """
+
+    pages: torch.Tensor
+    query_positions: torch.Tensor
+    lengths: torch.Tensor
+    block_size: int
+    gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def indices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(blocks (G, K), offsets (K,), stored (G, K, 1, 1)): where each item's K = P * block_size
+        key slots lie in the cache, and which of them hold its tokens."""
+        if self.gather is None:
+            position = torch.arange(self.pages.shape[1] * self.block_size, device=self.pages.device)
+            blocks = self.pages[:, position // self.block_size]
+            stored = (position[None, :] < self.lengths[:, None])[:, :, None, None]
+            self.gather = blocks, position % self.block_size, stored
+        return self.gather
+
+    def visible(self, window: int) -> torch.Tensor:
+        """(G, 1, L, K) which key slots each new token attends to (window <= 0: no sliding window)."""
+        mask = self.masks.get(window)
+        if mask is None:
+            position = torch.arange(self.pages.shape[1] * self.block_size, device=self.pages.device)
+            queries = self.query_positions[:, :, None]
+            mask = position[None, None, :] <= queries  # (G, L, K)
+            if window > 0:
+                mask &= position[None, None, :] > queries - window
+            mask = self.masks[window] = mask[:, None]
+        return mask
+
+
+def attend_cached_prefix(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix: CachedPrefix,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """Causal attention of each item's new tokens over its keys and values in the paged cache: a
+    cached prefix and the new tokens themselves, stored before this is called.
+
+    q (G, L, Hq, D) at `prefix.query_positions`; caches (num_blocks, Hkv, block_size, D).
+    Returns (G, L, Hq, D).
+    """
+    blocks, offsets, stored = prefix.indices()
+    keys = k_cache[blocks, :, offsets]  # (G, K, Hkv, D)
+    values = v_cache[blocks, :, offsets]
+    # padding pages and stale slots may hold anything, NaN included
+    keys, values = keys.masked_fill(~stored, 0), values.masked_fill(~stored, 0)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=prefix.visible(window),
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)
+
+
 def cached_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -197,30 +282,7 @@ def cached_prefill_attention(
     scale: float,
     window: int,
 ) -> torch.Tensor:
-    """Causal attention of each item's new tokens over its keys and values in the paged cache: a
-    cached prefix and the new tokens themselves, stored before this is called.
-
-    q (G, L, Hq, D) at `query_positions` (G, L) (padding repeats the last position); caches
-    (num_blocks, Hkv, block_size, D); pages (G, P) each item's blocks in order, padded with any
-    block; lengths (G,) tokens of each item in the cache. Returns (G, L, Hq, D).
-    """
-    block_size = k_cache.shape[2]
-    position = torch.arange(pages.shape[1] * block_size, device=q.device)
-    blocks = pages[:, position // block_size]  # (G, K)
-    keys = k_cache[blocks, :, position % block_size]  # (G, K, Hkv, D)
-    values = v_cache[blocks, :, position % block_size]
-    stored = (position[None, :] < lengths[:, None])[:, :, None, None]
-    # padding pages and stale slots may hold anything, NaN included
-    keys, values = keys.masked_fill(~stored, 0), values.masked_fill(~stored, 0)
-    visible = position[None, None, :] <= query_positions[:, :, None]  # (G, L, K)
-    if window > 0:
-        visible &= position[None, None, :] > query_positions[:, :, None] - window
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=visible[:, None],
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(1, 2)
+    """`attend_cached_prefix` for one layer, its `CachedPrefix` built from the arguments: q
+    (G, L, Hq, D) at `query_positions` (G, L); pages (G, P); lengths (G,). Returns (G, L, Hq, D)."""
+    prefix = CachedPrefix(pages, query_positions, lengths, k_cache.shape[2])
+    return attend_cached_prefix(q, k_cache, v_cache, prefix, scale, window)

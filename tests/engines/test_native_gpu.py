@@ -126,6 +126,13 @@ def test_decode_layer_attention(kernels, dtype, window, group, qk_norm):
     assert relative_error(caches, ref_caches) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_prefix_attention(dtype):
+    from helpers.prefix_attention import check_paged_prefix_attention
+
+    check_paged_prefix_attention("cuda", dtype, TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize(("greedy", "filters"), [(True, False), (False, False), (False, True)])
 def test_sample_kernel_matches_reference(greedy, filters):
     from grpoflow.kernels.decoder import sample_rows

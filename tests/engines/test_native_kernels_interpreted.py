@@ -1,5 +1,6 @@
-"""The native engine's sampling, decode-attention and RMSNorm Triton kernels, run by Triton's interpreter on
-the CPU against their torch references (the GPU runs them compiled in test_native_gpu.py).
+"""The native engine's sampling, decode-attention, paged-prefix attention and RMSNorm Triton
+kernels, run by Triton's interpreter on the CPU against their torch references (the GPU runs them
+compiled in test_native_gpu.py).
 
 The interpreter is chosen by an environment variable read when Triton is imported, so each check
 runs in a fresh process.
@@ -94,8 +95,19 @@ print("ok")
 """
 
 
+PREFIX_ATTENTION = """
+import torch
+from helpers.prefix_attention import check_paged_prefix_attention
+
+check_paged_prefix_attention("cpu", torch.float32, 1e-5)
+print("ok")
+"""
+
+
 def _interpret(source: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(source)], env=env, capture_output=True, text=True, timeout=600
     )
@@ -113,3 +125,7 @@ def test_decode_attention_kernel_matches_reference_interpreted():
 def test_rms_norm_kernel_matches_reference_interpreted():
     """Llama's norm and Gemma's (`unit_offset`: 1 + weight in float32), with and without a residual."""
     _interpret(RMS_NORM)
+
+
+def test_paged_prefix_attention_kernel_matches_reference_interpreted():
+    _interpret(PREFIX_ATTENTION)

@@ -4,10 +4,13 @@ dropped when the weights change, on sleep and on request."""
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 import torch
 from helpers.native_fixtures import one_thread, tiny  # noqa: F401 (a fixture)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpoflow.engines.base import PrefillStats, SamplingParams, prefix_cache_metrics
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
@@ -170,6 +173,37 @@ def test_a_multi_turn_continuation_reuses_the_prompt_and_the_completion(model):
     assert counts(cached) == (2 * (len(following[0]) - written), 2 * written)
     assert_same(second, plain.generate(following, greedy(max_tokens=16)))
     assert all_blocks_free(cached)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_cached_prefill_builds_its_gather_and_masks_once_not_per_layer():
+    mask_ops = ("aten.arange.default", "aten.le.Tensor", "aten.lt.Tensor")
+    seen = {}
+    for layers in (2, 4):
+        native = engine(tiny("qwen2", num_hidden_layers=layers))
+        native.generate([list(range(3, 20))], greedy(max_tokens=3))
+        counter, prefill = OpCounter(), native.runner.prefill
+
+        def counted(*args, prefill=prefill, counter=counter):
+            with counter:
+                return prefill(*args)
+
+        native.runner.prefill = counted
+        native.generate([list(range(3, 23))], greedy(max_tokens=3))  # 16 tokens from the cache
+        assert counts(native)[1] == 16
+        seen[layers] = [counter.counts[op] for op in mask_ops]
+    assert seen[2] == seen[4], seen
 
 
 def test_sampled_outputs_equal_with_and_without_the_cache(model):

@@ -22,7 +22,7 @@ from grpoflow.engines.native.routing import SlotRouting
 from grpoflow.engines.native.sampler import SamplingOptions, sample
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep
 from grpoflow.engines.native.sizing import NativeEngineConfig
-from grpoflow.kernels.ops import DecodeBatch, TorchOps, cached_prefill_attention, prefill_attention
+from grpoflow.kernels.ops import CachedPrefix, DecodeBatch, TorchOps, prefill_attention
 
 IDLE_ROW = torch.tensor([[0], [-1], [0], [0]])
 """The step metadata (position, cache slot, context length, sampling key) of a row with no work:
@@ -187,28 +187,21 @@ class Runner:
         last = np.arange(num_items) * length + lengths - starts - 1
         shape, family = self.family.shape, self.family
         positions_t, slots_t = _to(positions.reshape(-1), device), _to(slots.reshape(-1), device)
-        pages = None
+        prefix = None
         if starts.any():  # some items read a cached prefix: attend over the cache
             pages = np.zeros((num_items, max(map(len, step.blocks))), dtype=np.int64)
             for item, blocks in enumerate(step.blocks):
                 pages[item, : len(blocks)] = blocks
-            pages, query_positions, lengths_t = (_to(a, device) for a in (pages, positions, lengths))
+            prefix = CachedPrefix(*(_to(a, device) for a in (pages, positions, lengths)), block_size)
 
         def attend(index, q, k, v, qk_norm):
             caches = self.cache[index]
             cos, sin = family.rotary[family.rotary_of[index]]
             self.ops.rope_and_store(q, k, v, cos, sin, positions_t, slots_t, caches[0], caches[1], qk_norm)
             q = q.view(num_items, length, shape.num_heads, shape.head_dim)
-            if pages is not None:
-                out = cached_prefill_attention(
-                    q,
-                    caches[0],
-                    caches[1],
-                    pages,
-                    query_positions,
-                    lengths_t,
-                    family.scale,
-                    family.windows[index],
+            if prefix is not None:
+                out = self.ops.cached_prefill_attention(
+                    q, caches[0], caches[1], prefix, family.scale, family.windows[index]
                 )
             else:
                 k = k.view(num_items, length, shape.num_kv_heads, shape.head_dim)
