@@ -280,7 +280,7 @@ def report(argv: list[str]) -> int:
         "--output", metavar="FILE", help="where the HTML goes (default: OUTPUT_DIR/report.html)"
     )
     args = parser.parse_args(argv)
-    from grpoflow.run.report import write_report
+    from grpoflow.report import write_report
 
     try:
         written = write_report(args.output_dir, args.output)

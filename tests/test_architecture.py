@@ -60,6 +60,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
         ("learn",),
         "the learner: the objective's options, advantages, log-probs, micro-batched updates",
     ),
+    ("report", ("report",), "the run report: a run's output directory read back and drawn as one HTML page"),
     (
         "assemblies",
         ("run",),

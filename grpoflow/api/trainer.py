@@ -30,10 +30,10 @@ from grpoflow.api.inputs import (
 from grpoflow.api.rewards import reward_options
 from grpoflow.imports import provided_for_now
 from grpoflow.policy.lora import is_peft_model
+from grpoflow.report.run_files import METRICS_FILE, read_metrics
 from grpoflow.rewards.registry import registered_for_now
 from grpoflow.run.build import build_trainer, eval_prompts, run
 from grpoflow.run.config import GRPOConfig as RunConfig
-from grpoflow.run.report.run_files import METRICS_FILE, read_metrics
 from grpoflow.run.trainer import GRPOTrainer as Loop
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from grpoflow import report
 from grpoflow.agents.setup import agent_environment
 from grpoflow.algo import check_packed_attention
 from grpoflow.data.prompts import PromptItem
@@ -25,7 +26,7 @@ from grpoflow.policy.offload import OptimizerOffload
 from grpoflow.rewards import RewardRunner
 from grpoflow.rollout.agent_programs import AgentPrograms
 from grpoflow.rollout.groups import Rollout
-from grpoflow.run import checkpoint, infer_workers, report
+from grpoflow.run import checkpoint, infer_workers
 from grpoflow.run.chosen_settings import choose_for_run, chosen_record
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.evaluation import Evaluator

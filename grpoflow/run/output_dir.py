@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpoflow.report.run_files import COMPLETIONS_FILE, METRICS_FILE, RUN_FILE
 from grpoflow.run.checkpoint import checkpoint_run_id, checkpoint_step, list_checkpoints, resolve_checkpoint
 
 logger = logging.getLogger("grpoflow")
 
-RUN_FILE = "run.json"
-LOG_FILES = ("metrics.jsonl", "completions.jsonl")
+LOG_FILES = (METRICS_FILE, COMPLETIONS_FILE)
 """Files of one row per logged step, each row with its `step`."""
 RUN_FILES = (RUN_FILE, *LOG_FILES, "runs", "report.html")
 """What a run writes into its output directory besides checkpoints (`runs` is TensorBoard's,

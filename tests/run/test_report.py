@@ -17,13 +17,13 @@ import pytest
 from helpers.support import recipe
 
 from grpoflow import cli
+from grpoflow.report import REPORT_FILE, write_at_end, write_report
+from grpoflow.report.plots import PLOTS
+from grpoflow.report.run_files import read_metrics, read_samples
+from grpoflow.report.writer import spread_steps
 from grpoflow.run.build import run
 from grpoflow.run.failures import RunStopped
 from grpoflow.run.output_dir import claim_output_dir
-from grpoflow.run.report import REPORT_FILE, write_at_end, write_report
-from grpoflow.run.report.plots import PLOTS
-from grpoflow.run.report.run_files import read_metrics, read_samples
-from grpoflow.run.report.writer import spread_steps
 
 ALL_PLOTS = [spec.name for spec in PLOTS]
 SINGLE_TURN_PLOTS = [name for name in ALL_PLOTS if not name.startswith("episode")]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from helpers.support import read_jsonl, recipe
 
+from grpoflow.report.plots import TIME_NOT_IN_STEP
 from grpoflow.run.build import run
-from grpoflow.run.report.plots import TIME_NOT_IN_STEP
 
 TOLERANCE = 0.02
 """The phases' sum may miss time/step by 2% of it..."""

@@ -4,6 +4,6 @@ rendered from its output directory (`grpoflow report OUTPUT_DIR`, and at the end
 `run_files` reads the directory, `plots` holds the table of plots and draws them (matplotlib,
 imported only to draw), `page` lays out the HTML, `writer` puts them together."""
 
-from grpoflow.run.report.writer import REPORT_FILE, Report, write_at_end, write_report
+from grpoflow.report.writer import REPORT_FILE, Report, write_at_end, write_report
 
 __all__ = ["REPORT_FILE", "Report", "write_at_end", "write_report"]

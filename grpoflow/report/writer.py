@@ -7,9 +7,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpoflow.run.report.page import RenderedPlot, render_page
-from grpoflow.run.report.plots import MATPLOTLIB_HINT, PLOTS, draw_png, select_series, total_series
-from grpoflow.run.report.run_files import read_run
+from grpoflow.report.page import RenderedPlot, render_page
+from grpoflow.report.plots import MATPLOTLIB_HINT, PLOTS, draw_png, select_series, total_series
+from grpoflow.report.run_files import read_run
 
 logger = logging.getLogger("grpoflow")
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grpoflow.run.report.plots import PlotSpec, Series
-from grpoflow.run.report.run_files import RunRecord, Sample
+from grpoflow.report.plots import PlotSpec, Series
+from grpoflow.report.run_files import RunRecord, Sample
 
 MAX_TEXT = 2000
 """Characters of a prompt or completion shown in the samples table (the rest is cut)."""

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpoflow.run.output_dir import RUN_FILE
-
+RUN_FILE = "run.json"
+"""The run's settings and what was chosen for it (written by `grpoflow.run.output_dir`)."""
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
 
