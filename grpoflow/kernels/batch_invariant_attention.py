@@ -1,0 +1,241 @@
+"""Causal grouped-query attention whose every query row is computed by the same arithmetic in a
+training forward over whole sequences and in a decode step against the paged KV cache.
+
+One kernel serves both. A program takes one query position and one KV head, and its tile's rows
+are that KV group's query heads (padded to `ATTENTION_ROWS`), so both calls issue the same
+tensor-core instructions on the same tile. It walks the query's keys in blocks of `BLOCK_N` from
+its sequence's first key to its own position, with the same online-softmax update, so the
+decode step's rows (one query per sequence, keys read through the block table) equal the full
+forward's rows at the same positions bit for bit. A full forward reads its keys as a paged cache
+of one page per sequence. Each query's sequence is given by its position: a query at index t with
+position p attends keys t - p .. t of its row, which covers left and right padding
+(padding's positions start over at 0) and sequences packed in one row.
+
+The backward recomputes attention with torch's `scaled_dot_product_attention` and runs its
+backward: flash or memory-efficient kernels, no (L, L) matrix kept; the gradients are those of a
+forward that rounds differently from this one, as ordinary training's are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+"""Keys per step of the online softmax, from each sequence's first key."""
+ATTENTION_ROWS = 16
+"""The least tile height: a group's query heads padded to it (or to the next power of two)."""
+ATTENTION_WARPS = 4
+
+
+@triton.jit(do_not_specialize=["page_size", "queries_per_row"])
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, starts_ptr, positions_ptr, out_ptr, scale, page_size,
+    queries_per_row, stride_qb, stride_qt, stride_qh, stride_kp, stride_kh, stride_ks,
+    stride_vp, stride_vh, stride_vs, stride_tb, stride_ob, stride_ot, stride_oh,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    # Program (query, KV head); query = row * queries_per_row + t. Keys of logical index j live at
+    # storage index starts[query] + j, in page table[row, index // page_size].
+    query = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    row = query // queries_per_row
+    t = query % queries_per_row
+    position = tl.load(positions_ptr + query).to(tl.int64)
+    start = tl.load(starts_ptr + query).to(tl.int64)
+    g = tl.arange(0, ROWS)
+    d = tl.arange(0, HEAD_DIM)
+    heads = (kv_head * GROUP + g).to(tl.int64)
+    q_mask = (g < GROUP)[:, None]
+    q = tl.load(
+        q_ptr + row * stride_qb + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    m = tl.full([ROWS], -1e30, tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for first in range(0, position + 1, BLOCK_N):
+        keys = first + tl.arange(0, BLOCK_N)
+        valid = keys <= position
+        stored = start + keys
+        page = tl.load(table_ptr + row * stride_tb + stored // page_size, mask=valid, other=0).to(tl.int64)
+        slot = stored % page_size
+        k = tl.load(
+            k_ptr + page[:, None] * stride_kp + kv_head * stride_kh + slot[:, None] * stride_ks + d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr + page[:, None] * stride_vp + kv_head * stride_vh + slot[:, None] * stride_vs + d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.maximum(total, 1e-30)[:, None]
+    tl.store(
+        out_ptr + row * stride_ob + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> int:
+    if k.shape != v.shape or q.dtype != k.dtype or k.dtype != v.dtype:
+        raise ValueError(
+            f"attention needs keys and values of one shape and one dtype with the queries; got q "
+            f"{q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}"
+        )
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_heads % num_kv_heads or head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(
+            f"attention needs query heads a multiple of KV heads ({num_heads} vs {num_kv_heads}) and a "
+            f"power-of-two head dim of at least 16 (got {head_dim})"
+        )
+    return num_heads // num_kv_heads
+
+
+def _launch(
+    q, k, v, table, starts, positions, out, scale, page_size, queries_per_row, q_strides, out_strides
+):
+    group = _check_heads(q, k, v, q.shape[-1])
+    num_queries = positions.numel()
+    if num_queries == 0:
+        return
+    _attention_kernel[(num_queries, k.shape[1])](
+        q, k, v, table, starts, positions, out, scale, page_size, queries_per_row, *q_strides,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), table.stride(0),
+        *out_strides,
+        GROUP=group, ROWS=max(ATTENTION_ROWS, triton.next_power_of_2(group)), HEAD_DIM=q.shape[-1],
+        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=ATTENTION_WARPS, num_stages=2,
+    )  # fmt: skip
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new query per row against its paged context, the new token's key and value already in
+    the cache (the native engine's layout).
+
+    q (B, Hq, D); caches (num_blocks, Hkv, block_size, D); block_table (B, max_blocks) int;
+    context_lens (B,) int, the new token included (0: an idle row, whose output is zeros).
+    Returns (B, Hq, D), each row bit-identical to `attention`'s row at position context - 1.
+    """
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("decode_attention needs a unit stride along the head dim of q and the caches")
+    if block_table.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
+        raise ValueError(
+            f"decode_attention needs a block table row and a context length per query row: q "
+            f"{tuple(q.shape)}, block_table {tuple(block_table.shape)}, context_lens {tuple(context_lens.shape)}"
+        )
+    positions = context_lens.to(torch.int64) - 1
+    starts = torch.zeros_like(positions)
+    out = torch.empty_like(q)
+    _launch(
+        q, k_cache, v_cache, block_table, starts, positions, out, scale, k_cache.shape[2], 1,
+        (q.stride(0), 0, q.stride(1)), (out.stride(0), 0, out.stride(1)),
+    )  # fmt: skip
+    return out
+
+
+def sequence_starts(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, L) positions -> (B, L) index of each query's first key: t - position[t]. A position past
+    its index (a key before the row's first) is refused."""
+    starts = torch.arange(length, device=positions.device) - positions
+    if bool((starts < 0).any()):
+        raise ValueError(
+            "attention positions must not exceed their index in the row (position t - p is the "
+            "sequence's first token); build them from the attention mask (padding counts from 0)"
+        )
+    return starts
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention over whole rows, no autograd (see `attention`). q (B, Hq, L, D), k and v
+    (B, Hkv, L, D), positions (B, L) or (1, L) int -> (B, L, Hq, D)."""
+    batch, _, length, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[2] != length:
+        raise ValueError(f"attention needs keys for every query: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    positions = positions.to(device=q.device, dtype=torch.int64).expand(batch, length).contiguous()
+    starts = sequence_starts(positions, length)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    table = torch.arange(batch, device=q.device, dtype=torch.int32)[:, None]
+    out = torch.empty((batch, length, q.shape[1], head_dim), dtype=q.dtype, device=q.device)
+    _launch(
+        q, k, v, table, starts, positions, out, scale, length, length,
+        (q.stride(0), q.stride(2), q.stride(1)), (out.stride(0), out.stride(1), out.stride(2)),
+    )  # fmt: skip
+    return out
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`attention` in torch's `scaled_dot_product_attention`, differentiable (its backward)."""
+    batch, num_heads, length, _ = q.shape
+    group = num_heads // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    index = torch.arange(length, device=q.device)
+    positions = positions.to(device=q.device, dtype=torch.int64).expand(batch, length)
+    if torch.equal(positions, index.expand(batch, length)):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        starts = (index - positions)[:, :, None]
+        mask = (index[None, None, :] <= index[None, :, None]) & (index[None, None, :] >= starts)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+    return out.transpose(1, 2)
+
+
+class _Attention(torch.autograd.Function):
+    """The batch-invariant forward; the backward of `attention_reference`, recomputed."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, scale):
+        ctx.save_for_backward(q, k, v, positions)
+        ctx.scale = scale
+        return attention_forward(q, k, v, positions, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, positions = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+            out = attention_reference(*inputs, positions, ctx.scale)
+            grads = torch.autograd.grad(out, inputs, grad)
+        return (*grads, None, None)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal grouped-query attention over whole rows whose every query row is bit-identical to
+    `decode_attention`'s row for the same sequence and position.
+
+    q (B, Hq, L, D), k and v (B, Hkv, L, D) (transformers' layout); positions (B, L) or (1, L):
+    each token's position in its sequence (from 0 at the sequence's first token; padding's count
+    from 0 too). Returns (B, L, Hq, D).
+    """
+    return _Attention.apply(q, k, v, positions, scale)
