@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from grpoflow.algo.draw_kernels import hash32
+from grpoflow.kernels.attention_block import attend_block
 from grpoflow.kernels.ops import TorchOps
 from grpoflow.kernels.prefill import paged_prefix_attention
 
@@ -185,20 +186,7 @@ def _decode_attention_kernel(
         offset += (offs % BLOCK_SIZE)[:, None] * stride_cs + d[None, :]
         k = tl.load(k_cache_ptr + offset, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offset, mask=valid[:, None], other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, total, acc = attend_block(q, k, v, valid[None, :], m, total, acc, scale, IEEE)
     m_new = tl.maximum(m, own)
     alpha = tl.exp(m - m_new)
     p = tl.exp(own - m_new)

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from grpoflow.kernels.attention_block import attend_block
 from grpoflow.kernels.ops import CachedPrefix
 
 TILE_ROWS = 64
@@ -60,22 +61,9 @@ def _prefix_attention_kernel(
         kv_mask = inside[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + offset, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offset, mask=kv_mask, other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
         visible = inside[None, :] & (offs[None, :] <= position[:, None])
         visible &= (window <= 0) | (offs[None, :] > position[:, None] - window)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, total, acc = attend_block(q, k, v, visible, m, total, acc, scale, IEEE)
     out = acc / tl.maximum(total, 1e-30)[:, None]
     out_offset = item * stride_og + token[:, None] * stride_ol + head[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + out_offset, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] & dmask[None, :])

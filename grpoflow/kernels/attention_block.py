@@ -1,0 +1,28 @@
+"""The step every attention kernel here takes per block of keys: scores, masking and the online
+softmax's running maximum, sum and weighted values, in float32. One function, inlined by Triton
+into each kernel, so the decode, paged-prefix and batch-invariant kernels round alike."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_block(q, k, v, visible, m, total, acc, scale, IEEE: tl.constexpr):
+    """Fold one block of keys `k` and values `v` into the running (m, total, acc) of the query
+    rows `q`; `visible` (rows, keys) masks the scores. IEEE: float32 products without TF32."""
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        scores = tl.dot(q, tl.trans(k)) * scale
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    total = total * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, total, acc
