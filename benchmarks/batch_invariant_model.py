@@ -1,9 +1,8 @@
 """A transformers Qwen2-style model run through the batch-invariant kernels, and a paged-cache
 decode of it, for benchmarks/batch_invariance.py.
 
-`use_kernels` swaps the forwards of the model's linear layers and RMSNorms for
-`grpoflow.kernels.batch_invariant`'s and sets its attention implementation to one that calls
-`batch_invariant_attention.attention` with the positions the forward is given. `decode_step` runs
+`use_kernels` installs or removes `grpoflow.policy.batch_invariant.BatchInvariantKernels` (the
+model's linear layers, RMSNorms, rotary tables and attention on the kernels). `decode_step` runs
 one token per row through the same modules with the keys and values in a paged cache (the native
 engine's layout); with the kernels it attends with `decode_attention`, stock with the native
 engine's decode-attention kernel (`TritonOps`; `TorchOps` on the CPU).
@@ -15,44 +14,24 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from grpoflow.kernels import batch_invariant as bi
 from grpoflow.kernels import batch_invariant_attention as ba
 from grpoflow.kernels.ops import DecodeBatch, TorchOps
+from grpoflow.policy.batch_invariant import BatchInvariantKernels
 
-NAME = "grpoflow_batch_invariant"
 BLOCK_SIZE = 32
-
-
-def attention_function(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None, **kwargs
-):
-    """transformers' attention interface over `batch_invariant_attention.attention`."""
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError(f"{NAME} has no sliding window; use a model without one")
-    length = query.shape[2]
-    positions = position_ids if position_ids is not None else torch.arange(length, device=query.device)[None]
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return ba.attention(query, key, value, positions, scale), None
+_INSTALLED: dict[int, BatchInvariantKernels] = {}
 
 
 def use_kernels(model: nn.Module, on: bool = True) -> None:
     """Run the model's linear layers, RMSNorms and attention through the kernels (on) or stock."""
-    AttentionInterface.register(NAME, attention_function)
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            if on:
-                module.forward = lambda x, m=module: bi.matmul(x, m.weight, m.bias)
-            else:
-                module.__dict__.pop("forward", None)
-        elif type(module).__name__.endswith("RMSNorm"):
-            if on:
-                module.forward = lambda x, m=module: bi.rms_norm(x, m.weight, m.variance_epsilon)
-            else:
-                module.__dict__.pop("forward", None)
-    model.set_attn_implementation(NAME if on else "sdpa")
+    installed = _INSTALLED.pop(id(model), None)
+    if installed is not None:
+        installed.remove()
+    if on:
+        _INSTALLED[id(model)] = BatchInvariantKernels.install(model)
 
 
 @dataclass

@@ -6,7 +6,9 @@
 
 The workload is grpo_step.py's standard one (64 prompts x 8, prompt 128, 256 new tokens, micro-batch
 32, gradient checkpointing) through the native engine, once as it samples by default and once with
-`on_policy_sampling` (modes ending in _truncated: with top_p 0.9, top_k 50). Each mode runs
+`on_policy_sampling`, replaying the stock forward (on_policy) or with both forwards on the
+batch-invariant kernels (on_policy_batch_invariant, `batch_invariant: true`); modes ending in
+_truncated sample with top_p 0.9, top_k 50. Each mode runs
 in its own subprocess; the first `--warmup` steps are left out. For each mode the table gives the
 step time, the rollout time (which includes the trainer's replay), the replay's own seconds, its
 rounds and replaced tokens, and the gap between the log-probs the batch carries for its sampled
@@ -129,6 +131,7 @@ def config_values(args, mode: str, model_dir: Path, prompts: Path) -> dict:
         "disable_tqdm": True,
         "dataset_shuffle": False,
         "on_policy_sampling": mode.startswith("on_policy"),
+        "batch_invariant": "batch_invariant" in mode,
     }
     if mode.endswith("truncated"):
         values.update(top_p=0.9, top_k=50)
@@ -188,7 +191,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--modes", default="default,on_policy", help="of default, on_policy, *_truncated")
+    parser.add_argument(
+        "--modes",
+        default="default,on_policy,on_policy_batch_invariant",
+        help="of default, on_policy, on_policy_batch_invariant, *_truncated",
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument(
         "--peaked-entropy",

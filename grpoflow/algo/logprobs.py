@@ -114,6 +114,12 @@ def _linear_parameters(lm_head: nn.Linear | Tensor, bias: Tensor | None) -> tupl
     return lm_head, bias
 
 
+def _plain_linear(lm_head: nn.Module | Tensor) -> bool:
+    """A weight tensor, or an `nn.Linear` that computes `F.linear` (no forward set on the instance,
+    as `grpoflow.policy.batch_invariant` sets one): its chunks may take the fused path."""
+    return isinstance(lm_head, Tensor) or (isinstance(lm_head, nn.Linear) and "forward" not in vars(lm_head))
+
+
 def projection(lm_head: nn.Module | Tensor, bias: Tensor | None):
     """A callable `hidden (tokens, hidden) -> logits (tokens, vocab)` and the weight it uses."""
     if isinstance(lm_head, nn.Module):
@@ -151,7 +157,7 @@ def token_logprobs_from_hidden(
     """
     _check_scoring(temperature, chunk_size)
     truncation = truncation if truncation is not None and truncation.active else None
-    if isinstance(lm_head, nn.Linear | Tensor) and truncation is None:
+    if _plain_linear(lm_head) and truncation is None:
         weight, bias = _linear_parameters(lm_head, bias)
         flat_hidden = hidden.reshape(-1, hidden.size(-1))
         pieces = [

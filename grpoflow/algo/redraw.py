@@ -52,11 +52,12 @@ def redraw_from_hidden(
     project, _ = projection(head, None)
     truncation = truncation if truncation is not None and truncation.active else None
     flat_hidden = hidden.reshape(-1, hidden.size(-1))
+    inverse_temperature = 1.0 / temperature  # the sampler's arithmetic on the logits
     pieces = []
     for hidden_chunk, key_chunk in zip(flat_hidden.split(chunk_size), keys.reshape(-1).split(chunk_size)):
         logits = project(hidden_chunk)  # (chunk, vocab), as the update projects
-        thresholds = truncation.thresholds(logits.float() / temperature) if truncation else None
-        pieces.append(gumbel_draw(logits, key_chunk, 1.0 / temperature, thresholds)[0])
+        thresholds = truncation.thresholds(logits.float() * inverse_temperature) if truncation else None
+        pieces.append(gumbel_draw(logits, key_chunk, inverse_temperature, thresholds)[0])
     tokens = torch.cat(pieces).view(keys.shape) if pieces else keys.new_zeros(keys.shape)
     log_probs, _ = token_logprobs_from_hidden(
         hidden, head, tokens, temperature, chunk_size, truncation=truncation

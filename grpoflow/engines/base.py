@@ -279,6 +279,9 @@ class EngineOptions:
     distribution_positions: int = 0
     """Sampled positions per call whose whole distribution the completions carry, where the
     engine can (`EngineCapabilities.distributions`); 0: none."""
+    batch_invariant: bool = False
+    """The native engine computes logits with the batch-invariant kernels (see
+    `NativeEngineConfig.batch_invariant`)."""
     record_routing: bool = False
     """Completions carry the experts a mixture-of-experts policy routed each position to
     (`Completion.routed_experts`), where the engine can: the native engine's family path."""

@@ -10,6 +10,7 @@ the same inputs bit for bit. Backward passes use ordinary torch ops: gradients n
 invariant. `batch_invariant_attention` gives attention the same property.
 
 CUDA compiles these kernels; Triton's interpreter (`TRITON_INTERPRET=1`) runs them on the CPU.
+Without it, CPU tensors go through `batch_invariant_cpu` (a torch call per row, also invariant).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from grpoflow.kernels import batch_invariant_cpu as cpu
 from grpoflow.kernels.ops import rms_norm_reference
 
 
@@ -95,6 +97,8 @@ def matmul_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         raise ValueError(
             f"matmul multiplies x (..., K) by weight (N, K); got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
         )
+    if not cpu.triton_runs(x):
+        return cpu.matmul_rows(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     num_rows, depth = rows.shape
     num_cols = weight.shape[0]
@@ -155,6 +159,8 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     """Qwen2RMSNorm / LlamaRMSNorm over the last dim, one program per row; no autograd."""
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm needs a weight of shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+    if not cpu.triton_runs(x):
+        return cpu.rms_norm_rows(x, weight, eps)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -227,6 +233,8 @@ def _log_softmax_kernel(logits_ptr, out_ptr, num_cols, stride_row, BLOCK: tl.con
 
 def log_softmax_forward(logits: torch.Tensor) -> torch.Tensor:
     """float32 log-softmax over the last dim, one program per row; no autograd."""
+    if not cpu.triton_runs(logits):
+        return cpu.log_softmax_rows(logits)
     rows = logits.reshape(-1, logits.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

@@ -14,6 +14,10 @@ position p attends keys t - p .. t of its row, which covers left and right paddi
 The backward recomputes attention with torch's `scaled_dot_product_attention` and runs its
 backward: flash or memory-efficient kernels, no (L, L) matrix kept; the gradients are those of a
 forward that rounds differently from this one, as ordinary training's are.
+
+`paged_attention` runs the kernel for several queries per sequence over a paged cache (a prefill,
+with or without a cached prefix). On the CPU without Triton's interpreter every entry point
+attends a query at a time in torch (`batch_invariant_cpu`), with the same property.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from grpoflow.kernels import batch_invariant_cpu as cpu
 
 BLOCK_N = 64
 """Keys per step of the online softmax, from each sequence's first key."""
@@ -96,13 +102,15 @@ def _attention_kernel(
     )
 
 
-def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> int:
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int) -> int:
+    """The query heads per KV head; k and v in either layout (B or pages, Hkv, ..., D)."""
+    head_dim = q.shape[-1]
     if k.shape != v.shape or q.dtype != k.dtype or k.dtype != v.dtype:
         raise ValueError(
             f"attention needs keys and values of one shape and one dtype with the queries; got q "
             f"{q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}"
         )
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    num_kv_heads = k.shape[1]
     if num_heads % num_kv_heads or head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(
             f"attention needs query heads a multiple of KV heads ({num_heads} vs {num_kv_heads}) and a "
@@ -112,9 +120,10 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: in
 
 
 def _launch(
-    q, k, v, table, starts, positions, out, scale, page_size, queries_per_row, q_strides, out_strides
-):
-    group = _check_heads(q, k, v, q.shape[-1])
+    q, k, v, table, starts, positions, out, scale, page_size, queries_per_row, q_strides, out_strides,
+    num_heads,
+):  # fmt: skip
+    group = _check_heads(q, k, v, num_heads)
     num_queries = positions.numel()
     if num_queries == 0:
         return
@@ -150,11 +159,49 @@ def decode_attention(
             f"{tuple(q.shape)}, block_table {tuple(block_table.shape)}, context_lens {tuple(context_lens.shape)}"
         )
     positions = context_lens.to(torch.int64) - 1
+    if not cpu.triton_runs(q):  # with the kernel's refusals
+        _check_heads(q, k_cache, v_cache, q.shape[1])
+        return cpu.paged_rows(q[:, None], k_cache, v_cache, block_table, positions[:, None], scale)[:, 0]
     starts = torch.zeros_like(positions)
     out = torch.empty_like(q)
     _launch(
         q, k_cache, v_cache, block_table, starts, positions, out, scale, k_cache.shape[2], 1,
-        (q.stride(0), 0, q.stride(1)), (out.stride(0), 0, out.stride(1)),
+        (q.stride(0), 0, q.stride(1)), (out.stride(0), 0, out.stride(1)), q.shape[1],
+    )  # fmt: skip
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Several queries per sequence against the sequence's keys in the paged cache, each query's
+    own key and those before it already written there (a prefill, its cached prefix included).
+
+    q (B, T, Hq, D); caches (num_blocks, Hkv, block_size, D); block_table (B, max_blocks) int;
+    positions (B, T) int, each query's position in its sequence: it attends keys 0..position.
+    Returns (B, T, Hq, D), each query bit-identical to `attention`'s row at its position.
+    """
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention needs a unit stride along the head dim of q and the caches")
+    if block_table.shape[0] != q.shape[0] or positions.shape != q.shape[:2]:
+        raise ValueError(
+            f"paged_attention needs a block table row per sequence and a position per query: q "
+            f"{tuple(q.shape)}, block_table {tuple(block_table.shape)}, positions {tuple(positions.shape)}"
+        )
+    positions = positions.to(torch.int64).contiguous()
+    if not cpu.triton_runs(q):  # with the kernel's refusals
+        _check_heads(q, k_cache, v_cache, q.shape[2])
+        return cpu.paged_rows(q, k_cache, v_cache, block_table, positions, scale)
+    out = torch.empty_like(q)
+    _launch(
+        q, k_cache, v_cache, block_table, torch.zeros_like(positions), positions, out, scale,
+        k_cache.shape[2], q.shape[1], (q.stride(0), q.stride(1), q.stride(2)),
+        (out.stride(0), out.stride(1), out.stride(2)), q.shape[2],
     )  # fmt: skip
     return out
 
@@ -181,12 +228,15 @@ def attention_forward(
         raise ValueError(f"attention needs keys for every query: q {tuple(q.shape)}, k {tuple(k.shape)}")
     positions = positions.to(device=q.device, dtype=torch.int64).expand(batch, length).contiguous()
     starts = sequence_starts(positions, length)
+    if not cpu.triton_runs(q):  # with the kernel's refusals
+        _check_heads(q, k, v, q.shape[1])
+        return cpu.attention_rows(q, k, v, positions, starts, scale)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     table = torch.arange(batch, device=q.device, dtype=torch.int32)[:, None]
     out = torch.empty((batch, length, q.shape[1], head_dim), dtype=q.dtype, device=q.device)
     _launch(
         q, k, v, table, starts, positions, out, scale, length, length,
-        (q.stride(0), q.stride(2), q.stride(1)), (out.stride(0), out.stride(1), out.stride(2)),
+        (q.stride(0), q.stride(2), q.stride(1)), (out.stride(0), out.stride(1), out.stride(2)), q.shape[1],
     )  # fmt: skip
     return out
 

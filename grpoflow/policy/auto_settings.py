@@ -62,6 +62,9 @@ class UserSettings:
     loss_reads_micro_batches: bool = False
     """The loss depends on how the batch is cut (bnpo, top_entropy_quantile < 1): the
     micro-batch keeps its default."""
+    batch_invariant: bool = False
+    """The forward is to run on the batch-invariant kernels, which compiling would change: the plan
+    leaves compile off."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +149,7 @@ def choose_settings(
         for size in micro_batch_candidates(user, base.sequence_length):
             if size > micro_batch and peak(checkpointing, size) <= budget:
                 micro_batch = size
-    compile_ = device.compile_available and not shape.num_experts
+    compile_ = device.compile_available and not shape.num_experts and not user.batch_invariant
     compile_ = compile_ if user.torch_compile is None else user.torch_compile
     tokens = user.max_tokens_per_micro_batch
     if tokens is None and user.padding_free and user.micro_batch_size is None:

@@ -16,6 +16,10 @@ last pass replays every completion in the rows and padding of the update's micro
 log-probs then are those the update computes from the same hidden states; a disagreement there
 (the forward's rounding depends on the batch's shape) starts another round. A completion still
 changing after `MAX_ROUNDS` keeps its unchecked tail (counted in `on_policy/unchecked_tokens`).
+
+With `batch_invariant` the engine's forward and the trainer's run on the same batch-invariant
+kernels (`grpoflow.policy.batch_invariant`), so the engine's logits are the trainer's and the first
+replay agrees with every draw: one round.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from grpoflow.distributed import DistributedContext, init_distributed
 from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
 from grpoflow.engines.colocate import ColocateLayout
 from grpoflow.learn.learner import Learner
-from grpoflow.policy import lora, placement
+from grpoflow.policy import batch_invariant, lora, placement
 from grpoflow.policy.loading import load_checkpoint_weights, reference_model, resolve_device
 from grpoflow.policy.offload import OptimizerOffload
 from grpoflow.rewards import RewardRunner
@@ -131,6 +131,10 @@ def build_models(
     if config.training.padding_free:
         check_packed_attention(model)
     ref_model = reference_model(model) if config.algorithm.beta != 0 else None
+    generation = config.generation
+    batch_invariant.install_if_wanted(
+        generation.batch_invariant, generation.on_policy_sampling, model, bool(config.policy.torch_compile)
+    )
     if resume is not None:
         load_checkpoint_weights(model, resume)
     distributed.broadcast_parameters(model)
@@ -295,6 +299,7 @@ def build_rollout_engine(
         world_size=distributed.world_size,
         distribution_positions=config.generation.distribution_check_positions,
         record_routing=config.algorithm.moe.routing_replay is not False,
+        batch_invariant=batch_invariant.installed(model),
     )
     try:
         built = build_engine(config.generation.engine_name, lora.generation_model(model), tokenizer, options)

@@ -21,6 +21,7 @@ from grpoflow.policy.auto_settings import (
     choose_settings,
     compile_skipped,
 )
+from grpoflow.policy.batch_invariant import wanted
 from grpoflow.policy.loading import resolve_device
 from grpoflow.policy.step_time import GpuSpec, StepTime, UpdatePasses, Workload, known_gpu, predict_step
 from grpoflow.run.config import GRPOConfig
@@ -58,6 +59,11 @@ def user_settings(config: GRPOConfig) -> UserSettings:
         gradient_checkpointing=config.policy.gradient_checkpointing,
         micro_batch_size=config.training.per_device_train_batch_size,
         torch_compile=config.policy.torch_compile,
+        batch_invariant=wanted(
+            config.generation.batch_invariant,
+            config.generation.on_policy_sampling,
+            resolve_device(config.policy.device),
+        ),
         max_tokens_per_micro_batch=config.training.max_tokens_per_micro_batch,
         padding_free=config.training.padding_free,
         generation_batch=config.generation_batch_size,

@@ -81,6 +81,10 @@ class GenerationConfig:
     first disagreement), so the sampled tokens' log-probs are the trainer's (grpoflow.rollout.on_policy);
     for single-turn completions and the turns of tool or environment episodes
     (grpoflow.rollout.on_policy_episodes)."""
+    batch_invariant: bool | Literal["auto"] = "auto"
+    """Run the training forward and the native engine's forward on the batch-invariant kernels,
+    whose logits agree bit for bit, so on_policy_sampling settles in one round (torch_compile off);
+    auto: on with on_policy_sampling on CUDA (grpoflow.policy.batch_invariant)."""
 
     def __post_init__(self) -> None:
         require_min("num_generations", self.num_generations, 2, " (group-relative advantages need a group)")
@@ -92,6 +96,9 @@ class GenerationConfig:
             self.sampling.temperature,
         )
         require_min("num_infer_workers", self.num_infer_workers, 0)
+        engine = self.engine_name
+        require(self.batch_invariant is not True or engine == "native", "batch_invariant",
+                f"auto or false with the {engine} engine", True, "use rollout_engine: native")  # fmt: skip
         if self.rollout_engine != "auto" and self.engine_name.startswith("vllm"):
             logger.warning("rollout_engine=%s is ignored: the run generates with vLLM", self.rollout_engine)
 

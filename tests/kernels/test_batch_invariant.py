@@ -112,14 +112,19 @@ for group in (1, 7):
         decoded = ba.decode_attention(query, caches[0], caches[1], table[rows], context, dim**-0.5)
         for row, b in enumerate(rows):
             assert torch.equal(decoded[row], out[b, first[b] + step]), (group, step, b)
+    for b in range(batch):  # a prefill after a cached prefix of 10 tokens: several queries per row
+        query = q[b, :, first[b] + 10 : first[b] + real[b]].transpose(0, 1)[None].contiguous()
+        where = torch.arange(10, real[b])[None]
+        prefilled = ba.paged_attention(query, caches[0], caches[1], table[b : b + 1], where, dim**-0.5)
+        assert torch.equal(prefilled[0], out[b, first[b] + 10 : first[b] + real[b]]), (group, b)
     idle = ba.decode_attention(q[:, :, 0].contiguous(), caches[0], caches[1], table, torch.tensor([0, 1, 2]), 0.25)
     assert (idle[0] == 0).all() and torch.isfinite(idle).all()
 print("ok")
 """
 
 
-def _interpret(source: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+def _interpret(source: str, interpreter: bool = True) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1" if interpreter else "0"}
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(source)], env=env, capture_output=True, text=True, timeout=600
     )
@@ -138,8 +143,16 @@ def test_backward_passes_give_torch_gradients_interpreted():
 
 def test_decode_attention_rows_equal_the_full_forward_interpreted():
     """Left and right padding, packed sequences, grouped heads (1 and 7 per KV head), keys in a
-    paged cache of shuffled blocks: each decoded row is the full forward's row bit for bit."""
+    paged cache of shuffled blocks: each decoded row, and each query of a prefill after a cached
+    prefix (`paged_attention`), is the full forward's row bit for bit."""
     _interpret(ATTENTION)
+
+
+def test_the_cpu_paths_keep_every_property_of_the_kernels():
+    """Without the interpreter CPU tensors take `batch_invariant_cpu`'s torch paths: the same
+    checks, rows and queries bit-identical across batch shapes, decode and prefill included."""
+    _interpret(ROW_WISE, interpreter=False)
+    _interpret(ATTENTION, interpreter=False)
 
 
 def test_bad_inputs_are_refused_with_the_fix():

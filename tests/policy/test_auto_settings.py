@@ -94,3 +94,9 @@ def test_a_mixture_of_experts_model_stays_eager_unless_compile_is_asked_for():
     assert not choose_settings(moe, BASE, h100(), STANDARD).torch_compile
     asked = UserSettings(generation_batch=512, torch_compile=True)
     assert choose_settings(moe, BASE, h100(), asked).torch_compile
+
+
+def test_the_batch_invariant_kernels_stay_eager():
+    """Compiling would fuse the elementwise steps between the kernels and change their rounding."""
+    kernels = UserSettings(generation_batch=512, batch_invariant=True)
+    assert not choose_settings(QWEN_05B, BASE, h100(), kernels).torch_compile

@@ -148,3 +148,23 @@ def test_a_mixture_of_experts_policy_trains_with_no_gap_through_its_own_routers(
 def test_on_policy_sampling_refuses_what_it_cannot_replay(tmp_path, overrides, named):
     with pytest.raises(ValueError, match=f"on_policy_sampling.*{named}"):
         recipe(tmp_path, on_policy_sampling=True, **overrides)
+
+
+def test_a_run_on_the_batch_invariant_kernels_settles_every_step_in_one_round(tmp_path):
+    """The engine's forward and the trainer's share the kernels: the replay agrees with every draw."""
+    config = recipe(
+        tmp_path, max_steps=2, on_policy_sampling=True, batch_invariant=True, torch_dtype="bfloat16",
+        top_p=0.9, max_completion_length=16,
+    )  # fmt: skip
+    for step in run(config):
+        assert step["on_policy/rounds"] == 1 and step["on_policy/replaced_tokens"] == 0
+        assert step["sampling/sampling_logp_difference/max"] == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [({"rollout_engine": "hf"}, "batch_invariant"), ({"torch_compile": True}, "torch_compile")],
+)
+def test_batch_invariant_refuses_what_would_break_its_match(tmp_path, overrides, named):
+    with pytest.raises(ValueError, match=named):
+        run(recipe(tmp_path, max_steps=1, on_policy_sampling=False, batch_invariant=True, **overrides))

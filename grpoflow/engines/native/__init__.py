@@ -19,6 +19,7 @@ def build(model, tokenizer, options) -> NativeEngine:
     config = dataclasses.replace(
         config,
         distribution_positions=options.distribution_positions,
+        batch_invariant=config.batch_invariant or options.batch_invariant,
         record_routing=config.record_routing
         or (options.record_routing and _routes_on_family_path(model, config)),
     )

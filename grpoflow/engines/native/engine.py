@@ -64,7 +64,12 @@ class NativeEngine:
         self.policy_version = 0
         self.stats = EngineStats()
         reason = "force_generic is set" if config.force_generic else refusal(model)
-        self.family = None if reason else family_model(model)
+        if config.batch_invariant:  # the kernels' forward (they need Triton), or a one-line refusal
+            from grpoflow.engines.native.batch_invariant import BatchInvariantFamily
+
+            reason, self.family = None, BatchInvariantFamily(model)
+        else:
+            self.family = None if reason else family_model(model)
         if reason:
             _log_generic(model, reason, named=config.force_generic)
         if config.record_routing and (self.family is None or self.family.routing_shape is None):

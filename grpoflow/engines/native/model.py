@@ -110,6 +110,8 @@ class Shape:
 class FamilyModel:
     """A forward over a live Llama-family transformers model, for paged-KV decoding."""
 
+    linear = staticmethod(F.linear)  # the projections' product (x, weight, bias)
+
     def __init__(self, hf_model: nn.Module) -> None:
         self.hf_model = hf_model
         self.config = config = hf_model.config
@@ -345,7 +347,7 @@ class FamilyModel:
             if self.has_qk_norm:
                 qk_norm = (attention.q_norm.weight, attention.k_norm.weight, eps_of(attention.q_norm))
             out = attend(index, q, k, v, qk_norm).reshape(num_tokens, shape.num_heads * shape.head_dim)
-            hidden = _linear(out, attention.o_proj)
+            hidden = self.linear(out, attention.o_proj.weight, attention.o_proj.bias)
             add_low_rank([hidden], out, [adapters.o])
             normed, residual = ops.rms_norm(
                 hidden,
@@ -356,7 +358,7 @@ class FamilyModel:
             if index in self.sparse:
                 hidden = self.sparse[index](normed, ops.silu_mul, routing)
             else:
-                hidden = dense_mlp(normed, layer.mlp, fused, adapters, ops.silu_mul)
+                hidden = dense_mlp(normed, layer.mlp, fused, adapters, ops.silu_mul, self.linear)
         normed, _ = ops.rms_norm(hidden, self.norm.weight, eps_of(self.norm), residual)
         return self.logits(normed, last_index, logits_out)
 
@@ -386,7 +388,10 @@ class FamilyModel:
         if fused.qkv_weight is not None:
             q, k, v = F.linear(normed, fused.qkv_weight, fused.qkv_bias).split([q_size, kv_size, kv_size], -1)
         else:
-            q, k, v = (_linear(normed, m) for m in (attention.q_proj, attention.k_proj, attention.v_proj))
+            q, k, v = (
+                self.linear(normed, m.weight, m.bias)
+                for m in (attention.q_proj, attention.k_proj, attention.v_proj)
+            )
         add_low_rank([q, k, v], normed, adapters.qkv, fused.qkv_down)
         return (
             q.view(num_tokens, shape.num_heads, shape.head_dim),
@@ -401,16 +406,17 @@ def dense_mlp(
     fused: Fused,
     adapters: LayerAdapters,
     activate_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    linear: Callable = F.linear,
 ) -> torch.Tensor:
-    """down(act(gate(x)) * up(x)) (SwiGLU with `ops.silu_mul`), gate and up as one product when
-    their weights are fused."""
+    """down(act(gate(x)) * up(x)) (SwiGLU with `ops.silu_mul`; `linear` multiplies), gate and up
+    as one product when their weights are fused."""
     if fused.gate_up_weight is not None:
         gate, up = F.linear(normed, fused.gate_up_weight).chunk(2, dim=-1)
     else:
-        gate, up = _linear(normed, mlp.gate_proj), _linear(normed, mlp.up_proj)
+        gate, up = (linear(normed, m.weight, m.bias) for m in (mlp.gate_proj, mlp.up_proj))
     add_low_rank([gate, up], normed, adapters.gate_up, fused.gate_up_down)
     activated = activate_mul(gate, up)
-    hidden = _linear(activated, mlp.down_proj)
+    hidden = linear(activated, mlp.down_proj.weight, mlp.down_proj.bias)
     add_low_rank([hidden], activated, [adapters.down])
     return hidden
 
@@ -475,10 +481,6 @@ def _qkv_parts(attention: nn.Module) -> tuple[list[torch.Tensor], list[torch.Ten
     if any(bias is None for bias in biases) and any(bias is not None for bias in biases):
         return None
     return [module.weight for module in projections], None if biases[0] is None else biases
-
-
-def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
-    return F.linear(x, module.weight, module.bias)
 
 
 def eps_of(norm: nn.Module) -> float:

@@ -94,7 +94,11 @@ class Runner:
         self.use_graphs = self.use_triton and config.use_cuda_graphs and family.graph_safe
         self.routing_shape = family.routing_shape if config.record_routing else None
         self.routing: SlotRouting | None = None
-        if self.use_triton:
+        if config.batch_invariant:
+            from grpoflow.kernels.batch_invariant_ops import BatchInvariantOps
+
+            self.ops = BatchInvariantOps
+        elif self.use_triton:
             from grpoflow.kernels.decoder import TritonOps
 
             self.ops = TritonOps
@@ -188,7 +192,7 @@ class Runner:
         shape, family = self.family.shape, self.family
         positions_t, slots_t = _to(positions.reshape(-1), device), _to(slots.reshape(-1), device)
         prefix = None
-        if starts.any():  # some items read a cached prefix: attend over the cache
+        if starts.any() or getattr(self.ops, "paged_prefill", False):  # attend over the cache
             pages = np.zeros((num_items, max(map(len, step.blocks))), dtype=np.int64)
             for item, blocks in enumerate(step.blocks):
                 pages[item, : len(blocks)] = blocks

@@ -47,6 +47,9 @@ class NativeEngineConfig(EngineConfig):
     """Return with each completion the experts a mixture-of-experts model chose at each of its
     positions (`Completion.routed_experts`), prompt positions served from the prefix cache
     included; family path only."""
+    batch_invariant: bool = False
+    """Run the family forward on the batch-invariant kernels (Qwen2 and Llama layouts), whose
+    logits equal the training forward's bit for bit under `grpoflow.policy.batch_invariant`."""
     max_lora_rank: int = 64
     """The largest rank of an adapter sent as tensors (`grpoflow.transport.adapters`) the engine
     takes (vLLM's --max-lora-rank); a LoRA policy's own layers are not bounded by it."""

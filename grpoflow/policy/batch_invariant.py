@@ -1,0 +1,159 @@
+"""The policy's training forward on the batch-invariant kernels (`batch_invariant`): its linear
+layers (the output head included), RMSNorms and attention computed by `grpoflow.kernels`' kernels,
+whose every row is bit-identical however many rows share the forward.
+
+With the native engine's batch-invariant forward (`NativeEngineConfig.batch_invariant`), which
+runs the same weights through the same kernels over its paged cache, the engine's logits for a
+token are the trainer's bit for bit. Under `on_policy_sampling` the trainer's replay then agrees
+with every keyed draw of the engine, so one round suffices.
+
+`BatchInvariantKernels.install` sets each module's forward on its instance (the class is left
+alone), the rotary module's to an index into one table of every position (`rotary_tables`), and
+the attention implementation to one registered with transformers; `remove` restores them all.
+Backward passes are the stock ones (gradients need not be invariant). torch.compile would fuse
+the elementwise operations between the kernels and change their rounding, so it is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+NAME = "grpoflow_batch_invariant"
+"""The attention implementation's name in transformers' registry."""
+
+logger = logging.getLogger("grpoflow")
+
+
+def wanted(setting: bool | str, on_policy_sampling: bool, device: torch.device) -> bool:
+    """Whether the kernels run: True, False, or 'auto' (on with on_policy_sampling on CUDA)."""
+    if setting == "auto":
+        return on_policy_sampling and torch.device(device).type == "cuda"
+    return setting is True
+
+
+def install_if_wanted(
+    setting: bool | str, on_policy_sampling: bool, model: nn.Module, torch_compile: bool
+) -> BatchInvariantKernels | None:
+    """The kernels on `model` when `setting` asks for them (`wanted`). True refuses a model or a
+    torch_compile they cannot serve; auto leaves them off then, with one log line."""
+    if not wanted(setting, on_policy_sampling, next(model.parameters()).device):
+        return None
+    if setting == "auto":
+        from grpoflow.engines.native.batch_invariant import refusal
+
+        reason = "torch_compile is on" if torch_compile else refusal(model)
+        if reason is not None:
+            logger.info("batch_invariant: auto leaves the batch-invariant kernels off (%s)", reason)
+            return None
+    return BatchInvariantKernels.install(model, torch_compile)
+
+
+def installed(model: nn.Module) -> bool:
+    """Whether `model` runs on the kernels (its attention implementation is theirs)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
+
+
+def attention_function(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over `batch_invariant_attention.attention`: each query
+    attends its own sequence, which its position gives (padding counts from 0, packed sequences
+    start over); the mask is not read."""
+    from grpoflow.kernels import batch_invariant_attention as ba
+
+    if kwargs.get("sliding_window") is not None or dropout:
+        raise ValueError(f"{NAME} has no sliding window or attention dropout; set batch_invariant: false")
+    length = query.shape[2]
+    positions = position_ids if position_ids is not None else torch.arange(length, device=query.device)[None]
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return ba.attention(query, key, value, positions, scale), None
+
+
+def register() -> None:
+    """Register `attention_function` (and the sdpa mask, which it ignores) under NAME."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, attention_function)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    from grpoflow.kernels.batch_invariant import matmul
+
+    return matmul(x, self.weight, self.bias)
+
+
+def _rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from grpoflow.kernels.batch_invariant import rms_norm
+
+    return rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def _rotary_forward(
+    tables: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, position_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = (table.to(position_ids.device)[position_ids] for table in tables)
+    return cos.to(x.dtype), sin.to(x.dtype)
+
+
+@dataclass
+class BatchInvariantKernels:
+    """The kernels installed on one model; `remove` puts its modules back as they were."""
+
+    model: nn.Module
+    attn_implementation: str | None
+    patched: list[nn.Module] = field(default_factory=list)
+
+    @classmethod
+    def install(cls, model: nn.Module, torch_compile: bool = False) -> BatchInvariantKernels:
+        """Put `model`'s linear layers, RMSNorms, rotary embedding and attention on the kernels.
+        Refuses what the native engine's batch-invariant forward cannot reproduce (one line)."""
+        from grpoflow.engines.native.batch_invariant import refusal
+        from grpoflow.kernels.batch_invariant_ops import rotary_tables
+
+        if torch_compile:
+            raise ValueError(
+                "batch_invariant needs torch_compile off: compiling fuses the operations between the "
+                "kernels and changes their rounding; set torch_compile: false (or batch_invariant: false)"
+            )
+        reason = refusal(model)
+        if reason is not None:
+            raise ValueError(f"batch_invariant cannot run this model: {reason}; set batch_invariant: false")
+        register()
+        installed = cls(model, getattr(model.config, "_attn_implementation", None))
+        rotary = model.model.rotary_emb
+        tables = rotary_tables(rotary, next(model.parameters()).device)
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.forward = types.MethodType(_linear_forward, module)
+            elif type(module).__name__.endswith("RMSNorm"):
+                module.forward = types.MethodType(_rms_norm_forward, module)
+            elif module is rotary:
+                module.forward = functools.partial(_rotary_forward, tables)
+            else:
+                continue
+            installed.patched.append(module)
+        model.set_attn_implementation(NAME)
+        return installed
+
+    def remove(self) -> None:
+        """The stock forwards and the attention implementation the model had before."""
+        for module in self.patched:
+            module.__dict__.pop("forward", None)
+        self.patched = []
+        self.model.set_attn_implementation(self.attn_implementation or "sdpa")

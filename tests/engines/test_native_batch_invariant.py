@@ -1,0 +1,115 @@
+"""The native engine's batch-invariant forward against the training forward with the kernels
+installed (CPU: `batch_invariant_cpu`'s torch paths, bfloat16): each keyed draw and its log-prob
+come from the same logits bit for bit, prompts served from the prefix cache included; what the
+kernels cannot reproduce is refused; removing them leaves the stock model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.native_fixtures import tiny
+
+from grpoflow.algo.draws import gumbel_draw, request_keys
+from grpoflow.algo.logprobs import completion_hidden
+from grpoflow.engines import SamplingParams, prefix_cache_metrics
+from grpoflow.engines.native import NativeEngine, NativeEngineConfig
+from grpoflow.policy.batch_invariant import NAME, BatchInvariantKernels, wanted
+
+pytest.importorskip("triton")
+
+PROMPTS = [[3, 4, 5, 6, 7, 8, 9], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [12, 13, 14, 15, 16]]
+SEED, SAMPLES, TOKENS = 7, 3, 12
+
+
+def engine(model, batch_invariant: bool = True) -> NativeEngine:
+    config = NativeEngineConfig(
+        max_num_seqs=8, block_size=4, num_kv_blocks=128, batch_invariant=batch_invariant
+    )
+    return NativeEngine(model, config=config)
+
+
+def trainer_draws(model, prompt: list[int], completions: list[list[int]]) -> list[tuple]:
+    """The trainer's keyed draws and log-probs of each completion from one left-padded batch."""
+    length = len(prompt) + max(map(len, completions))
+    ids = torch.zeros(len(completions), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, completion in enumerate(completions):
+        sequence = prompt + completion
+        ids[row, length - len(sequence) :] = torch.tensor(sequence)
+        mask[row, length - len(sequence) :] = 1
+    with torch.no_grad():
+        hidden = completion_hidden(model.get_decoder(), ids, mask, length - len(prompt))
+        logits = model.get_output_embeddings()(hidden)
+    draws = []
+    for row, completion in enumerate(completions):
+        keys = torch.from_numpy(request_keys(SEED, row, len(completion)))
+        start = logits.shape[1] - len(completion)
+        draws.append(gumbel_draw(logits[row, start:], keys, 1.0, None))
+    return draws
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_each_draw_and_log_prob_is_the_training_forwards_bit_for_bit(model_type):
+    model = tiny(model_type, dtype=torch.bfloat16)
+    BatchInvariantKernels.install(model)
+    rollout = engine(model)
+    params = SamplingParams(n=SAMPLES, max_tokens=TOKENS, temperature=1.0, seed=SEED, draw="gumbel")
+    first = rollout.generate(PROMPTS, params)
+    again = rollout.generate(PROMPTS, params)  # the prompts' full blocks now come from the cache
+    assert prefix_cache_metrics(rollout.stats.prefill)["rollout/prefix_cache_hit_tokens"] > 0
+    for prompt, completions, repeated in zip(PROMPTS, first, again):
+        assert [c.token_ids for c in repeated] == [c.token_ids for c in completions]
+        assert [c.logprobs for c in repeated] == [c.logprobs for c in completions]
+        draws = trainer_draws(model, prompt, [c.token_ids for c in completions])
+        for completion, (tokens, logprobs) in zip(completions, draws):
+            assert tokens.tolist() == completion.token_ids
+            assert torch.equal(logprobs, torch.tensor(completion.logprobs))
+
+
+def test_what_the_kernels_cannot_reproduce_is_refused():
+    with pytest.raises(ValueError, match="qwen3"):
+        engine(tiny("qwen3"))
+    with pytest.raises(ValueError, match="qwen3"):
+        BatchInvariantKernels.install(tiny("qwen3"))
+    with pytest.raises(ValueError, match="torch_compile"):
+        BatchInvariantKernels.install(tiny(), torch_compile=True)
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(tiny(), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="LoRA"):
+        BatchInvariantKernels.install(adapted.base_model.model)
+
+
+def test_removing_the_kernels_leaves_the_stock_model():
+    model = tiny()
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+        kernels = BatchInvariantKernels.install(model)
+        assert model.config._attn_implementation == NAME
+        torch.testing.assert_close(model(input_ids=ids).logits, stock, atol=1e-5, rtol=1e-5)
+        kernels.remove()
+        assert torch.equal(model(input_ids=ids).logits, stock)
+    assert not any("forward" in vars(module) for module in model.modules())
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_auto_is_on_with_on_policy_sampling_on_cuda_only():
+    assert wanted("auto", True, torch.device("cuda"))
+    assert not wanted("auto", True, torch.device("cpu"))
+    assert not wanted("auto", False, torch.device("cuda"))
+    assert wanted(True, False, torch.device("cpu")) and not wanted(False, True, torch.device("cuda"))
+
+
+def test_auto_leaves_the_kernels_off_where_they_cannot_serve(monkeypatch):
+    import grpoflow.policy.batch_invariant as policy_side
+
+    monkeypatch.setattr(policy_side, "wanted", lambda *args: True)  # as on CUDA with on_policy_sampling
+    model = tiny("qwen3")
+    assert policy_side.install_if_wanted("auto", True, model, torch_compile=False) is None
+    assert not policy_side.installed(model)
+    assert policy_side.install_if_wanted("auto", True, tiny(), torch_compile=True) is None
+    kernels = policy_side.install_if_wanted("auto", True, model := tiny(), torch_compile=False)
+    assert kernels is not None and policy_side.installed(model)
+    with pytest.raises(ValueError, match="qwen3"):
+        policy_side.install_if_wanted(True, True, tiny("qwen3"), torch_compile=False)
