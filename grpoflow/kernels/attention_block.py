@@ -1,6 +1,6 @@
 """The step every attention kernel here takes per block of keys: scores, masking and the online
 softmax's running maximum, sum and weighted values, in float32. One function, inlined by Triton
-into each kernel, so the decode, paged-prefix and batch-invariant kernels round alike."""
+into each kernel: the decode, paged-prefix and batch-invariant attention kernels."""
 
 from __future__ import annotations
 

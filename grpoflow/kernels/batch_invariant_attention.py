@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from grpoflow.kernels import batch_invariant_cpu as cpu
+from grpoflow.kernels.attention_block import attend_block
 
 BLOCK_N = 64
 """Keys per step of the online softmax, from each sequence's first key."""
@@ -80,20 +81,7 @@ def _attention_kernel(
             mask=valid[:, None],
             other=0.0,
         )
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, total, acc = attend_block(q, k, v, valid[None, :], m, total, acc, scale, IEEE)
     out = acc / tl.maximum(total, 1e-30)[:, None]
     tl.store(
         out_ptr + row * stride_ob + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
