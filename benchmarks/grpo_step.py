@@ -170,7 +170,7 @@ def grpoflow_overrides(args, model_dir: Path, prompts: Path) -> dict:
         "torch_compile": None if args.torch_compile is None else bool(args.torch_compile),
     }
     return {
-        "model": f"random:{args.preset}" if args.in_memory else str(model_dir),
+        "model": f"random:{args.preset}" if getattr(args, "in_memory", False) else str(model_dir),
         "dataset": str(prompts),
         "reward_funcs": [f"{Path(__file__).resolve()}:reward_length"],
         "num_generations": 8,

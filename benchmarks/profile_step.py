@@ -31,7 +31,7 @@ KERNEL_KINDS = (
     ("nccl", r"nccl"),
     ("logprob", r"logprob|logsumexp|_log_prob"),
     ("attention", r"flash|fmha|attention|attn|varlen"),
-    ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm80_|splitk"),
+    ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm80_|splitk|_matmul_kernel"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("triton", r"^triton_|_kernel$"),
     ("copy", r"copy|cat|split|fill|memcpy|memset|Memcpy|Memset"),

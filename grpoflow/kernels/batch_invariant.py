@@ -85,9 +85,11 @@ def _matmul_kernel(
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=out_mask)
 
 
-def matmul_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile: MatmulTile = MATMUL_TILE
+) -> torch.Tensor:
     """x (..., K) @ weight (N, K).T (+ bias (N,)) -> (..., N) in x's dtype, float32 accumulation;
-    no autograd (see `matmul`)."""
+    no autograd (see `matmul`). `tile` is for benchmarks comparing configurations."""
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(
             f"matmul needs one dtype for x ({x.dtype}), weight ({weight.dtype}) and bias "
@@ -103,7 +105,6 @@ def matmul_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     num_rows, depth = rows.shape
     num_cols = weight.shape[0]
     out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
-    tile = MATMUL_TILE
     grid = (triton.cdiv(num_rows, tile.block_m) * triton.cdiv(num_cols, tile.block_n),)
     if num_rows > 0:
         _matmul_kernel[grid](
