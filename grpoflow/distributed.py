@@ -24,12 +24,17 @@ import torch
 import torch.distributed as torch_dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+ON_POLICY_TOKENS = tuple(
+    f"on_policy/{name}_tokens" for name in ("replaced", "continued", "unchecked", "unconfirmed")
+)
+"""The token counts of `on_policy_sampling`, summed over ranks (its rounds and seconds: the
+slowest rank's)."""
 BUCKET_NUMEL = 2**25
 """Gradient elements per all-reduce call (128 MiB in float32)."""
-SUM_METRICS = ("rewards/num_errors", "episodes/num_errors", "tokens_per_second/")
+SUM_METRICS = ("rewards/num_errors", "episodes/num_errors", "tokens_per_second/", *ON_POLICY_TOKENS)
 """Metric names (or prefixes) summed over ranks; `MAX_METRICS` and names ending in /max take the
 largest, names ending in /min the smallest; others the mean."""
-MAX_METRICS = ("time/", "memory/")
+MAX_METRICS = ("time/", "memory/", "on_policy/rounds", "on_policy/seconds")
 
 
 @dataclass(frozen=True, slots=True)

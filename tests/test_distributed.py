@@ -142,6 +142,8 @@ def _reduce_on_rank(rank: int, init_file: str, results) -> None:
             "tokens_per_second/rollout": [10.0, 20.0][rank],
             "sampling/importance_sampling_ratio/max": [1.5, 1.2][rank],
             "sampling/importance_sampling_ratio/min": [0.7, 0.9][rank],
+            "on_policy/rounds": [1.0, 3.0][rank],
+            "on_policy/replaced_tokens": [2.0, 5.0][rank],
         }
         results[rank] = context.reduce_metrics(metrics)
     finally:
@@ -159,5 +161,7 @@ def test_metrics_are_averaged_summed_or_take_their_extremes_over_ranks(tmp_path)
         "tokens_per_second/rollout": 30.0,
         "sampling/importance_sampling_ratio/max": 1.5,
         "sampling/importance_sampling_ratio/min": 0.7,
+        "on_policy/rounds": 3.0,
+        "on_policy/replaced_tokens": 7.0,
     }
     assert results[0] == pytest.approx(expected) and results[1] == pytest.approx(expected)

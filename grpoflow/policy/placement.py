@@ -132,6 +132,8 @@ class Placement:
     """Where its computations run."""
     root: ShardedRoot | None = field(default=None, repr=False)
     """The FSDP root when sharded (a LoRA reference model shares the policy's)."""
+    mesh: Any = field(default=None, repr=False)
+    """Sharded: the device mesh the units are sharded over."""
     offload_model: bool = False
     """Weights on the CPU while the module is not in use (replicated models only)."""
     gc_collect: bool = False
@@ -152,6 +154,21 @@ class Placement:
     @property
     def is_sharded(self) -> bool:
         return self.root is not None
+
+    @property
+    def forward_is_collective(self) -> bool:
+        """Whether a forward pass all-gathers parameters over the ranks (sharded, outside
+        `full_parameters`), so that every rank must run as many forward passes."""
+        return self.root is not None and not self.gathered
+
+    def max_over_ranks(self, value: int) -> int:
+        """The largest `value` over the ranks the module is sharded over (a collective: every rank
+        calls it); `value` itself when replicated."""
+        if self.mesh is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.long, device=self.mesh.device_type)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=self.mesh.get_group())
+        return int(tensor.item())
 
     @property
     def units(self) -> list[nn.Module]:
@@ -329,8 +346,9 @@ def shard_model(
 
     layers = decoder_layers(model)
     weights_dtype = next(model.parameters()).dtype
+    mesh = init_device_mesh(device.type, (world_size,))
     options = {
-        "mesh": init_device_mesh(device.type, (world_size,)),
+        "mesh": mesh,
         "mp_policy": mixed_precision(precision, weights_dtype, device),
         "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")
         if offload_params
@@ -355,6 +373,7 @@ def shard_model(
         module=model,
         device=device,
         root=root,
+        mesh=mesh,
         reduce_every_micro_batch=reduce_every_micro_batch,
         reshard_after_forward=reshard_after_forward,
     )

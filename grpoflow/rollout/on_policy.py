@@ -20,11 +20,19 @@ changing after `MAX_ROUNDS` keeps its unchecked tail (counted in `on_policy/unch
 With `batch_invariant` the engine's forward and the trainer's run on the same batch-invariant
 kernels (`grpoflow.policy.batch_invariant`), so the engine's logits are the trainer's and the first
 replay agrees with every draw: one round.
+
+Under `fsdp` the native engine generates from the gathered policy (`Placement.rollout_context`),
+and the replay's forward passes inside it are each rank's own: every rank settles its own
+completions. Where a replay forward all-gathers parameters (a sharded policy outside
+`full_parameters`), the ranks agree each round on whether any of them still replays and on the
+most micro-batches any replays (`Replay.agreed_forwards`); a rank with fewer runs the others on a
+row of padding, so that every rank runs the same forward passes and rounds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -106,11 +114,27 @@ class Replay:
                 )
             )
 
+    def agreed_forwards(self, drafts: int) -> int | None:
+        """Where a forward pass is a collective (`Placement.forward_is_collective`), the most
+        micro-batches any rank replays this round, this one replaying `drafts` completions (a
+        collective itself); None where each rank's forward passes are its own."""
+        if not self.placement.forward_is_collective:
+            return None
+        return self.placement.max_over_ranks(math.ceil(drafts / self.micro_batch_size))
+
+    def run_idle(self, agreed: int | None, drafts: int) -> None:
+        """The forward passes that a rank which replayed `drafts` completions lacks of the `agreed`
+        number (`agreed_forwards`), each on one row of padding whose draws nothing reads."""
+        for _ in range((agreed or 0) - math.ceil(drafts / self.micro_batch_size)):
+            padding = Completion([self.pad_id], [0.0], "stop")
+            self.redraw([([self.pad_id], padding)], np.zeros((1, 1), dtype=np.int64))
+
 
 @dataclass(slots=True)
 class OnPolicyDraws:
     """Completions of the engine's that the trainer's forward redraws until every token is its
-    own draw (see the module docstring); `counts` sums the work over calls."""
+    own draw (see the module docstring); `counts` sums the work over calls. Where the replay's
+    forward passes are collectives, every rank calls `generate` as often as the others."""
 
     tokenizer: object
     replay: Replay
@@ -151,10 +175,16 @@ class OnPolicyDraws:
         counts = {"rounds": 0, "replaced_tokens": 0, "continued_tokens": 0, "unchecked_tokens": 0}
         pending, full_pass = everyone, True
         while counts["rounds"] < MAX_ROUNDS:
-            counts["rounds"] += 1
-            changed = self._replay(pending)
-            if not changed and full_pass:
+            forwards = self.replay.agreed_forwards(len(pending))
+            if forwards == 0:  # every rank has settled
                 return counts
+            counts["rounds"] += 1
+            changed = self._replay(pending, forwards)
+            if not changed and full_pass:
+                if forwards is None:
+                    return counts
+                pending = []  # settled: padding forward passes while another rank replays
+                continue
             counts["replaced_tokens"] += len(changed)
             self._continue(engine, [draft for draft in changed if draft.finish_reason == CONTINUE], counts)
             pending = [draft for draft in everyone if not draft.done]
@@ -166,10 +196,10 @@ class OnPolicyDraws:
         counts["unchecked_tokens"] = sum(len(draft.tokens) - draft.checked for draft in everyone)
         return counts
 
-    def _replay(self, drafts: list[_Draft]) -> list[_Draft]:
+    def _replay(self, drafts: list[_Draft], forwards: int | None = None) -> list[_Draft]:
         """Replay the drafts' draws on the trainer's forward, micro-batch by micro-batch in their
-        order; cut each at its first disagreement and put the trainer's token there. Returns the
-        drafts that changed."""
+        order (then padding ones up to the ranks' agreed `forwards`); cut each at its first
+        disagreement and put the trainer's token there. Returns the drafts that changed."""
         changed = []
         for start in range(0, len(drafts), self.replay.micro_batch_size):
             part = drafts[start : start + self.replay.micro_batch_size]
@@ -194,6 +224,7 @@ class OnPolicyDraws:
                 draft.checked = first + 1
                 draft.finish_reason = self._finish(draft)
                 changed.append(draft)
+        self.replay.run_idle(forwards, len(drafts))
         return changed
 
     def _finish(self, draft: _Draft) -> str:

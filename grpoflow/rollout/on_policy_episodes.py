@@ -8,7 +8,9 @@ and the engine continues from the first disagreement, before the environment see
 the episodes end, a last pass replays every episode whole, in the rows and padding of the
 update's micro-batches, and gives each sampled token the log-prob of that forward. A token that
 pass draws differently (the forward's rounding depends on the batch's shape) cannot be redrawn,
-since the environment has answered it: it is counted in `on_policy/unconfirmed_tokens`.
+since the environment has answered it: it is counted in `on_policy/unconfirmed_tokens`. Where
+the replay's forward passes are collectives, that pass runs as many on every rank
+(`Replay.agreed_forwards`).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class OnPolicyEpisodes:
             if completion.finish_reason != "error"
         ]
         unconfirmed, size = 0, self.replay.micro_batch_size
+        forwards = self.replay.agreed_forwards(len(rows))
         for start in range(0, len(rows), size):
             part = rows[start : start + size]
             keys = np.zeros((len(part), max(len(c.token_ids) for _, c, _ in part)), dtype=np.int64)
@@ -95,4 +98,5 @@ class OnPolicyEpisodes:
                 unconfirmed += sum(ours[index] != completion.token_ids[index] for index in sampled)
                 for index in sampled:
                     completion.logprobs[index] = scores[index]
+        self.replay.run_idle(forwards, len(rows))
         return unconfirmed

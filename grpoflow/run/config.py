@@ -403,7 +403,6 @@ class GRPOConfig:
                 not self.algorithm.replay_sampling_truncation,
                 "the trainer must draw from the truncated distribution the engine draws from",
             ),
-            "fsdp": (self.placement.fsdp, "ranks would replay different numbers of rounds"),
             "routing_replay: true": (
                 self.algorithm.moe.routing_replay is True,
                 "each token is then the trainer's own draw through its own routers, so no engine routing "

@@ -139,7 +139,6 @@ def test_a_mixture_of_experts_policy_trains_with_no_gap_through_its_own_routers(
         ({"rollout_engine": "hf"}, "hf"),
         ({"repetition_penalty": 1.1}, "repetition_penalty"),
         ({"replay_sampling_truncation": False}, "replay_sampling_truncation"),
-        ({"fsdp": True}, "fsdp"),
         ({"train_type": "lora", "lora_dropout": 0.05}, "lora_dropout"),
         ({"rollout_func": "grpoflow.tasks.echo:echo_reward"}, "rollout_func"),
         ({"model": "random:tiny-moe", "routing_replay": True}, "routing_replay"),
