@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.native_fixtures import tiny
+from helpers.native_fixtures import one_thread, tiny  # noqa: F401 (a fixture)
 
 from grpoflow.algo.draws import gumbel_draw, request_keys
 from grpoflow.algo.logprobs import completion_hidden
