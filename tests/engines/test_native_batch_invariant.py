@@ -1,7 +1,8 @@
 """The native engine's batch-invariant forward against the training forward with the kernels
 installed (CPU: `batch_invariant_cpu`'s torch paths, bfloat16): each keyed draw and its log-prob
-come from the same logits bit for bit, prompts served from the prefix cache included; what the
-kernels cannot reproduce is refused; removing them leaves the stock model."""
+come from the same logits bit for bit (Qwen2, Llama, Qwen3, LoRA policies), prompts served from
+the prefix cache included; what the kernels cannot reproduce is refused; removing them leaves the
+stock model."""
 
 from __future__ import annotations
 
