@@ -3,7 +3,8 @@ and decode steps over the paged cache compute every token's logits bit for bit a
 forward does with `grpoflow.policy.batch_invariant` installed.
 
 `BatchInvariantOps` keeps the rotary and cache writes (transformers' arithmetic, element by
-element: `TritonOps`' kernel on CUDA, `TorchOps`' elsewhere) and `TorchOps`' SwiGLU, and takes its products (`linear`), RMSNorms and attention from
+element: `TritonOps`' kernel on CUDA, `TorchOps`' elsewhere) and `TorchOps`' SwiGLU, and takes
+its products (`linear`), RMSNorms (Qwen3's per-head q/k norms included) and attention from
 `batch_invariant` and `batch_invariant_attention`. A prefill always attends through the paged
 cache (`paged_prefill`), its cached prefix included. `rotary_tables` is the one computation of
 the rotary tables both sides index.
@@ -57,10 +58,14 @@ class BatchInvariantOps(TorchOps):
         v_cache: torch.Tensor,
         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> None:
-        """Rotary as transformers rounds it, then the cache writes: `TritonOps`' kernel on CUDA (no
-        host synchronisation, so a decode step can be captured in a graph), `TorchOps`' elsewhere."""
+        """Qwen3's per-head q/k norms by `batch_invariant.rms_norm_forward` (a row per head, as
+        the training forward normalises them before rotary), then rotary as transformers rounds it
+        and the cache writes: `TritonOps`' kernel on CUDA (no host synchronisation, so a decode
+        step can be captured in a graph), `TorchOps`' elsewhere."""
         if qk_norm is not None:
-            raise ValueError("batch_invariant has no per-head q/k norm")
+            q_weight, k_weight, eps = qk_norm
+            q.copy_(bi.rms_norm_forward(q, q_weight, eps))
+            k.copy_(bi.rms_norm_forward(k, k_weight, eps))
         ops = TorchOps
         if q.is_cuda:
             from grpoflow.kernels.decoder import TritonOps

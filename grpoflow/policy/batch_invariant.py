@@ -1,6 +1,8 @@
 """The policy's training forward on the batch-invariant kernels (`batch_invariant`): its linear
-layers (the output head included), RMSNorms and attention computed by `grpoflow.kernels`' kernels,
-whose every row is bit-identical however many rows share the forward.
+layers (the output head and a LoRA policy's adapter matrices included), RMSNorms (Qwen3's per-head
+q/k norms too) and attention computed by `grpoflow.kernels`' kernels, whose every row is
+bit-identical however many rows share the forward. A LoRA policy's PEFT layers keep their own
+forward, which then runs its products on the kernels.
 
 With the native engine's batch-invariant forward (`NativeEngineConfig.batch_invariant`), which
 runs the same weights through the same kernels over its paged cache, the engine's logits for a
@@ -24,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from grpoflow.policy.lora_precision import InputDtypeLinear
+
 NAME = "grpoflow_batch_invariant"
 """The attention implementation's name in transformers' registry."""
 
@@ -46,8 +50,9 @@ def install_if_wanted(
         return None
     if setting == "auto":
         from grpoflow.engines.native.batch_invariant import refusal
+        from grpoflow.policy.lora import generation_model
 
-        reason = "torch_compile is on" if torch_compile else refusal(model)
+        reason = "torch_compile is on" if torch_compile else refusal(generation_model(model))
         if reason is not None:
             logger.info("batch_invariant: auto leaves the batch-invariant kernels off (%s)", reason)
             return None
@@ -98,6 +103,14 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return matmul(x, self.weight, self.bias)
 
 
+def _input_dtype_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`lora_precision.InputDtypeLinear`'s forward: the weight cast to the input's dtype."""
+    from grpoflow.kernels.batch_invariant import matmul
+
+    bias = None if self.bias is None else self.bias.to(x.dtype)
+    return matmul(x, self.weight.to(x.dtype), bias)
+
+
 def _rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     from grpoflow.kernels.batch_invariant import rms_norm
 
@@ -121,16 +134,19 @@ class BatchInvariantKernels:
 
     @classmethod
     def install(cls, model: nn.Module, torch_compile: bool = False) -> BatchInvariantKernels:
-        """Put `model`'s linear layers, RMSNorms, rotary embedding and attention on the kernels.
-        Refuses what the native engine's batch-invariant forward cannot reproduce (one line)."""
+        """Put `model`'s linear layers (a LoRA policy's adapters included), RMSNorms, rotary
+        embedding and attention on the kernels. Refuses what the native engine's batch-invariant
+        forward cannot reproduce (one line)."""
         from grpoflow.engines.native.batch_invariant import refusal
         from grpoflow.kernels.batch_invariant_ops import rotary_tables
+        from grpoflow.policy.lora import generation_model
 
         if torch_compile:
             raise ValueError(
                 "batch_invariant needs torch_compile off: compiling fuses the operations between the "
                 "kernels and changes their rounding; set torch_compile: false (or batch_invariant: false)"
             )
+        model = generation_model(model)  # a PEFT model's transformers model, its LoRA layers in place
         reason = refusal(model)
         if reason is not None:
             raise ValueError(f"batch_invariant cannot run this model: {reason}; set batch_invariant: false")
@@ -139,7 +155,9 @@ class BatchInvariantKernels:
         rotary = model.model.rotary_emb
         tables = rotary_tables(rotary, next(model.parameters()).device)
         for module in model.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, InputDtypeLinear):
+                module.forward = types.MethodType(_input_dtype_linear_forward, module)
+            elif isinstance(module, nn.Linear):
                 module.forward = types.MethodType(_linear_forward, module)
             elif type(module).__name__.endswith("RMSNorm"):
                 module.forward = types.MethodType(_rms_norm_forward, module)

@@ -1,13 +1,15 @@
 """The native engine's batch-invariant forward against the training forward with the kernels
 installed (CPU: `batch_invariant_cpu`'s torch paths, bfloat16): each keyed draw and its log-prob
-come from the same logits bit for bit, prompts served from the prefix cache included; what the
-kernels cannot reproduce is refused; removing them leaves the stock model."""
+come from the same logits bit for bit (Qwen2, Llama, Qwen3, LoRA policies), prompts served from
+the prefix cache included; what the kernels cannot reproduce is refused; removing them leaves the
+stock model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers.native_fixtures import tiny
+from helpers.native_fixtures import one_thread, tiny  # noqa: F401 (a fixture)
+from torch import nn
 
 from grpoflow.algo.draws import gumbel_draw, request_keys
 from grpoflow.algo.logprobs import completion_hidden
@@ -16,9 +18,15 @@ from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.policy.batch_invariant import NAME, BatchInvariantKernels, wanted
 
 pytest.importorskip("triton")
+pytest.importorskip("peft")
+
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+from grpoflow.policy.lora import AdapterConfig, add_lora, generation_model  # noqa: E402
 
 PROMPTS = [[3, 4, 5, 6, 7, 8, 9], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [12, 13, 14, 15, 16]]
 SEED, SAMPLES, TOKENS = 7, 3, 12
+LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def engine(model, batch_invariant: bool = True) -> NativeEngine:
@@ -48,10 +56,38 @@ def trainer_draws(model, prompt: list[int], completions: list[list[int]]) -> lis
     return draws
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
-def test_each_draw_and_log_prob_is_the_training_forwards_bit_for_bit(model_type):
-    model = tiny(model_type, dtype=torch.bfloat16)
-    BatchInvariantKernels.install(model)
+def lora_policy(peft_casting: bool) -> nn.Module:
+    """A tiny bfloat16 policy with LoRA adapters (float32, B drawn nonzero) on every linear layer:
+    grpoflow's (`add_lora`: the products in bfloat16), or PEFT's own (the branch in float32, the
+    output head adapted too). Returns the PeftModel."""
+    if peft_casting:
+        config = LoraConfig(r=4, lora_alpha=5, lora_dropout=0.0, target_modules=[*LINEAR, "lm_head"])
+        policy = get_peft_model(tiny(dtype=torch.bfloat16, tie_word_embeddings=False), config)
+    else:
+        adapters = AdapterConfig(
+            train_type="lora", lora_rank=4, lora_alpha=5, lora_dropout=0.0, target_modules=LINEAR
+        )
+        policy = add_lora(tiny(dtype=torch.bfloat16), adapters)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return policy.eval()
+
+
+def policy_of(case: str) -> nn.Module:
+    """The case's policy in bfloat16: a model type, or `lora` / `peft-lora` (`lora_policy`)."""
+    if case.endswith("lora"):
+        return lora_policy(peft_casting=case == "peft-lora")
+    return tiny(case, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", ["qwen2", "llama", "qwen3", "lora", "peft-lora"])
+def test_each_draw_and_log_prob_is_the_training_forwards_bit_for_bit(case):
+    policy = policy_of(case)
+    BatchInvariantKernels.install(policy)
+    model = generation_model(policy)
     rollout = engine(model)
     params = SamplingParams(n=SAMPLES, max_tokens=TOKENS, temperature=1.0, seed=SEED, draw="gumbel")
     first = rollout.generate(PROMPTS, params)
@@ -67,17 +103,22 @@ def test_each_draw_and_log_prob_is_the_training_forwards_bit_for_bit(model_type)
 
 
 def test_what_the_kernels_cannot_reproduce_is_refused():
-    with pytest.raises(ValueError, match="qwen3"):
-        engine(tiny("qwen3"))
-    with pytest.raises(ValueError, match="qwen3"):
-        BatchInvariantKernels.install(tiny("qwen3"))
+    with pytest.raises(ValueError, match="mistral"):
+        engine(tiny("mistral"))
+    with pytest.raises(ValueError, match="mistral"):
+        BatchInvariantKernels.install(tiny("mistral"))
     with pytest.raises(ValueError, match="torch_compile"):
         BatchInvariantKernels.install(tiny(), torch_compile=True)
-    from peft import LoraConfig, get_peft_model
-
-    adapted = get_peft_model(tiny(), LoraConfig(r=4, target_modules=["q_proj"]))
-    with pytest.raises(ValueError, match="LoRA"):
-        BatchInvariantKernels.install(adapted.base_model.model)
+    dropout = get_peft_model(tiny(), LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="lora_dropout: 0"):
+        BatchInvariantKernels.install(dropout)
+    dora = get_peft_model(tiny(), LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="LoRA adapters the family forward does not apply"):
+        BatchInvariantKernels.install(dora)
+    name = "model.layers.0.self_attn.q_proj"
+    sent = [(f"{name}.lora_A.weight", torch.zeros(4, 64)), (f"{name}.lora_B.weight", torch.zeros(64, 4))]
+    with pytest.raises(ValueError, match="no adapters sent as tensors"):
+        engine(tiny()).update_weights(sent, version=1)
 
 
 def test_removing_the_kernels_leaves_the_stock_model():
@@ -105,11 +146,11 @@ def test_auto_leaves_the_kernels_off_where_they_cannot_serve(monkeypatch):
     import grpoflow.policy.batch_invariant as policy_side
 
     monkeypatch.setattr(policy_side, "wanted", lambda *args: True)  # as on CUDA with on_policy_sampling
-    model = tiny("qwen3")
+    model = tiny("mistral")
     assert policy_side.install_if_wanted("auto", True, model, torch_compile=False) is None
     assert not policy_side.installed(model)
     assert policy_side.install_if_wanted("auto", True, tiny(), torch_compile=True) is None
     kernels = policy_side.install_if_wanted("auto", True, model := tiny(), torch_compile=False)
     assert kernels is not None and policy_side.installed(model)
-    with pytest.raises(ValueError, match="qwen3"):
-        policy_side.install_if_wanted(True, True, tiny("qwen3"), torch_compile=False)
+    with pytest.raises(ValueError, match="mistral"):
+        policy_side.install_if_wanted(True, True, tiny("mistral"), torch_compile=False)

@@ -1,7 +1,9 @@
-"""On a GPU: a random Qwen2-0.5B-shaped model in bfloat16, the native engine's batch-invariant
-forward (paged cache, CUDA graphs) and the trainer's replay on the training forward with the
-kernels installed. 64 prompts x 4 samples x 64 tokens: the replay agrees with every draw in one
-round, and prompts served from the prefix cache give the same completions bit for bit.
+"""On a GPU: a random Qwen2-0.5B-shaped model in bfloat16 (as it is, in the Qwen3 layout with
+per-head q/k norms, or with LoRA adapters on every linear layer), the native engine's
+batch-invariant forward (paged cache, CUDA graphs) and the trainer's replay on the training
+forward with the kernels installed. 64 prompts x 4 samples x 64 tokens: the replay agrees with
+every draw in one round, and prompts served from the prefix cache give the same completions bit
+for bit.
 
     pytest -m gpu tests/engines/test_native_batch_invariant_gpu.py
 """
@@ -16,6 +18,7 @@ import torch
 from grpoflow.engines import SamplingParams, prefix_cache_metrics
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.policy.batch_invariant import BatchInvariantKernels
+from grpoflow.policy.lora import generation_model
 from grpoflow.policy.placement import Placement
 from grpoflow.policy.tiny import build_preset_model
 from grpoflow.rollout.on_policy import OnPolicyDraws, Replay
@@ -46,14 +49,37 @@ def prompts_and_params() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def test_the_replay_agrees_with_every_draw_in_one_round_gpu():
-    model = build_preset_model("qwen2-0.5b", VOCAB_SIZE, dtype=torch.bfloat16, device="cuda").eval()
-    BatchInvariantKernels.install(model)
+def policy_of(case: str) -> torch.nn.Module:
+    """`qwen2`: the preset; `qwen3`: its shape in the Qwen3 layout (head_dim 128, q/k norms);
+    `lora`: the preset with grpoflow's LoRA adapters (float32, multiplied in bfloat16) on every
+    linear layer, every B drawn nonzero."""
+    shape = {"model_type": "qwen3", "head_dim": 128} if case == "qwen3" else {}
+    model = build_preset_model("qwen2-0.5b", VOCAB_SIZE, dtype=torch.bfloat16, device="cuda", **shape)
+    if case != "lora":
+        return model.eval()
+    from grpoflow.policy.lora import AdapterConfig, add_lora
+
+    adapters = AdapterConfig(train_type="lora", lora_rank=16, lora_alpha=24, lora_dropout=0.0)
+    policy = add_lora(model, adapters)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, device="cuda") * 0.02)
+    return policy.eval()
+
+
+@pytest.mark.parametrize("case", ["qwen2", "qwen3", "lora"])
+def test_the_replay_agrees_with_every_draw_in_one_round_gpu(case):
+    policy = policy_of(case)
+    BatchInvariantKernels.install(policy)
     config = NativeEngineConfig(max_num_seqs=256, batch_invariant=True, gpu_memory_utilization=0.5)
-    engine = NativeEngine(model, config=config)
+    engine = NativeEngine(generation_model(policy), config=config)
     assert engine.runner.use_graphs and engine.runner.ops.name == "batch_invariant"
+    assert engine.family.has_qk_norm == (case == "qwen3")
+    assert any(adapters.o.terms for adapters in engine.family.adapters) == (case == "lora")
     prompts, params = prompts_and_params()
-    draws = OnPolicyDraws(Tokens(), Replay(Placement(module=model, device=torch.device("cuda")), 32, 1.0))
+    draws = OnPolicyDraws(Tokens(), Replay(Placement(module=policy, device=torch.device("cuda")), 32, 1.0))
     completions = draws.generate(engine, prompts, params)
     metrics = draws.metrics()
     assert sum(len(c.token_ids) for group in completions for c in group) == PROMPTS * SAMPLES * TOKENS

@@ -166,3 +166,21 @@ def test_float32_adapters_on_a_bfloat16_base_follow_the_trainer(device):
             for name, parameter in policy.named_parameters():
                 if "lora_B" in name:
                     parameter.neg_()  # in place, as an optimizer step writes
+
+
+def test_a_fused_optimizer_step_reaches_the_next_rollouts_adapter_copies():
+    """A fused AdamW step writes the float32 adapters without moving their version counters; the
+    sync's `update_weights` marks the values new, so the next rollout's bfloat16 copies are the
+    stepped adapters."""
+    policy = add_lora(tiny("qwen2", dtype=torch.bfloat16), AdapterConfig(lora_rank=4, lora_dropout=0.0))
+    model = generation_model(policy)
+    native = engine(model)
+    native.generate(PROMPTS, GREEDY)
+    adapters = [parameter for name, parameter in policy.named_parameters() if "lora_" in name]
+    for parameter in adapters:
+        parameter.grad = torch.ones_like(parameter)
+    torch.optim.AdamW(adapters, lr=0.01, fused=True).step()
+    native.update_weights(model.named_parameters(), version=1)
+    native.generate(PROMPTS, GREEDY)
+    terms = [term for layer in native.family.adapters for term in layer.o.terms]
+    assert terms and all(torch.equal(term.copies[1], term.up.weight.bfloat16()) for term in terms)

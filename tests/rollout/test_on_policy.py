@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers.native_fixtures import perturbed, tiny
+from helpers.native_fixtures import one_thread, perturbed, tiny  # noqa: F401 (a fixture)
 from helpers.support import recipe
 
 from grpoflow.algo import LogprobOptions, sequence_logprobs
@@ -154,6 +154,19 @@ def test_a_run_on_the_batch_invariant_kernels_settles_every_step_in_one_round(tm
     config = recipe(
         tmp_path, max_steps=2, on_policy_sampling=True, batch_invariant=True, torch_dtype="bfloat16",
         top_p=0.9, max_completion_length=16,
+    )  # fmt: skip
+    for step in run(config):
+        assert step["on_policy/rounds"] == 1 and step["on_policy/replaced_tokens"] == 0
+        assert step["sampling/sampling_logp_difference/max"] == 0
+
+
+def test_a_lora_run_on_the_batch_invariant_kernels_settles_every_step_in_one_round(tmp_path):
+    """The engine applies the PEFT layers' adapters as their forward does, on the same kernels;
+    the adapters move every step."""
+    config = recipe(
+        tmp_path, max_steps=2, on_policy_sampling=True, batch_invariant=True, torch_dtype="bfloat16",
+        train_type="lora", lora_rank=4, lora_alpha=6, lora_dropout=0.0, learning_rate=0.01,
+        max_completion_length=16,
     )  # fmt: skip
     for step in run(config):
         assert step["on_policy/rounds"] == 1 and step["on_policy/replaced_tokens"] == 0

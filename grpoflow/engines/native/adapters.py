@@ -56,6 +56,8 @@ class Term:
     up: nn.Module | Matrix
     scale: float
     copies: tuple[torch.Tensor, torch.Tensor] | None = None
+    cast_input: bool = False
+    """The layer casts its input to A's dtype first (PEFT's default; `lora_precision` turns it off)."""
 
     @property
     def down_weight(self) -> torch.Tensor:
@@ -122,9 +124,10 @@ def projection_of(module: nn.Module, loaded: Term | None = None) -> Projection:
         return Projection([loaded] if loaded is not None else [])
     if module.merged or module.disable_adapters:
         return Projection()
+    casts = getattr(module, "cast_input_dtype_enabled", True)
     return Projection(
         terms=[
-            Term(module.lora_A[name], module.lora_B[name], float(module.scaling[name]))
+            Term(module.lora_A[name], module.lora_B[name], float(module.scaling[name]), cast_input=casts)
             for name in _active(module)
         ]
     )

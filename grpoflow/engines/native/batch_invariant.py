@@ -2,21 +2,23 @@
 policy's own modules' weights multiplied, normalised and attended by
 `grpoflow.kernels.batch_invariant_ops.BatchInvariantOps` over the paged cache, so that every
 token's logits are bit for bit those of the training forward with
-`grpoflow.policy.batch_invariant` installed. Qwen2 and Llama layouts without sliding windows,
-per-head norms, experts or LoRA layers; the projections run apart (never fused)."""
+`grpoflow.policy.batch_invariant` installed. Qwen2, Llama and Qwen3 layouts without sliding
+windows or experts, with plain LoRA layers but no LoRA dropout; the projections run apart."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from grpoflow.engines.native.adapters import is_lora_layer
+from grpoflow.engines.native.adapters import Projection, is_lora_layer
 from grpoflow.engines.native.model import FamilyModel, Fused, _window
 from grpoflow.engines.native.model import refusal as family_refusal
 from grpoflow.kernels.batch_invariant import matmul_forward
 from grpoflow.kernels.batch_invariant_ops import rotary_tables
 
-MODEL_TYPES = ("qwen2", "llama")
+MODEL_TYPES = ("qwen2", "llama", "qwen3")
 """The model types whose forward the kernels have been checked to reproduce."""
 
 
@@ -29,20 +31,41 @@ def refusal(hf_model: nn.Module) -> str | None:
     reason = family_refusal(hf_model)
     if reason is not None:
         return reason
-    layers = hf_model.model.layers
-    if any(_window(config, index) for index in range(len(layers))):
+    if any(_window(config, index) for index in range(len(hf_model.model.layers))):
         return "sliding-window attention"
-    if hasattr(layers[0].self_attn, "q_norm"):
-        return "per-head q/k norms"
-    if any(is_lora_layer(module) for module in hf_model.modules()):
-        return "LoRA layers (merge the adapters, or train without batch_invariant)"
+    for module in filter(is_lora_layer, hf_model.modules()):
+        if type(module).__name__ != "Linear":
+            return f"LoRA layers of kind {type(module).__name__} (batch_invariant covers PEFT's LoRA Linear)"
+        if not all(isinstance(dropout, nn.Identity) for dropout in module.lora_dropout.values()):
+            return "LoRA dropout (set lora_dropout: 0)"
     return None
 
 
+def add_low_rank(
+    outputs: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    projections: Sequence[Projection],
+    down: torch.Tensor | None = None,
+) -> None:
+    """PEFT's LoRA forward on the kernels, op for op: each output (the base product) plus every
+    adapter's `B(A(x)) * scale` in turn, x cast to A's dtype first where the layer casts it, A and
+    B cast to their input's dtype and multiplied by `matmul_forward`, the sum rounded to the
+    output's dtype once. `down` is unused: the projections run apart."""
+    for out, projection in zip(outputs, projections):
+        result, inputs = out, x
+        for term in projection.terms:
+            inputs = inputs.to(term.down.weight.dtype) if term.cast_input else inputs
+            part = matmul_forward(inputs, term.down.weight.to(inputs.dtype))
+            result = result + matmul_forward(part, term.up.weight.to(part.dtype)) * term.scale
+        if result is not out:
+            out.copy_(result)
+
+
 class BatchInvariantFamily(FamilyModel):
-    """`FamilyModel` whose products, rotary tables and logits are the kernels'."""
+    """`FamilyModel` whose products, adapters, rotary tables and logits are the kernels'."""
 
     linear = staticmethod(matmul_forward)
+    low_rank = staticmethod(add_low_rank)
 
     def __init__(self, hf_model: nn.Module) -> None:
         reason = refusal(hf_model)
@@ -56,6 +79,15 @@ class BatchInvariantFamily(FamilyModel):
     def refresh_fused(self) -> None:
         self.refresh_adapters()
         self.fused = [Fused() for _ in self.layers]
+
+    def load_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], **kwargs) -> None:
+        """Weights alone: adapters sent as tensors come with B scaled, unlike the training forward."""
+        if adapters:
+            raise ValueError(
+                "batch_invariant takes no adapters sent as tensors: send merged weights, or set "
+                "batch_invariant: false"
+            )
+        super().load_adapters(adapters, **kwargs)
 
     def build_rotary_tables(self, max_len: int) -> None:
         """The rows 0..max_len of the table the training forward indexes (`rotary_tables`)."""
@@ -72,4 +104,5 @@ class BatchInvariantFamily(FamilyModel):
         if last_index is not None:
             normed = normed[last_index]
         logits = matmul_forward(normed, self.lm_head.weight, self.lm_head.bias)
+        add_low_rank([logits], normed, [self.head_adapters])
         return logits if logits_out is None else logits_out.copy_(logits)

@@ -364,6 +364,7 @@ class NativeEngine:
                 if target.data_ptr() != tensor.data_ptr():
                     target.copy_(tensor)
         self.policy_version = version
+        self.weights_versions = ()  # new values, whatever the version counters say (see `_versions`)
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
@@ -392,8 +393,9 @@ class NativeEngine:
         return addresses + (self.family.adapter_signature() if self.family else ())
 
     def _versions(self) -> tuple[int, ...]:
-        """The parameters' version counters: any in-place write (an optimizer step, `copy_`)
-        moves them."""
+        """The parameters' version counters: an in-place write (`copy_`, a foreach optimizer
+        step) moves them. A fused optimizer step does not, so `update_weights` marks the values
+        new itself: the adapters' copies are then written again before the next call."""
         return tuple(_version_of(parameter) for parameter in self.model.parameters())
 
 

@@ -111,6 +111,7 @@ class FamilyModel:
     """A forward over a live Llama-family transformers model, for paged-KV decoding."""
 
     linear = staticmethod(F.linear)  # the projections' product (x, weight, bias)
+    low_rank = staticmethod(add_low_rank)  # the adapters' products added into the projections' outputs
 
     def __init__(self, hf_model: nn.Module) -> None:
         self.hf_model = hf_model
@@ -335,7 +336,7 @@ class FamilyModel:
         shape = self.shape
         num_tokens = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed.weight)
-        residual = None
+        residual, products = None, (self.linear, self.low_rank)
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
             normed, residual = ops.rms_norm(
@@ -348,7 +349,7 @@ class FamilyModel:
                 qk_norm = (attention.q_norm.weight, attention.k_norm.weight, eps_of(attention.q_norm))
             out = attend(index, q, k, v, qk_norm).reshape(num_tokens, shape.num_heads * shape.head_dim)
             hidden = self.linear(out, attention.o_proj.weight, attention.o_proj.bias)
-            add_low_rank([hidden], out, [adapters.o])
+            self.low_rank([hidden], out, [adapters.o])
             normed, residual = ops.rms_norm(
                 hidden,
                 layer.post_attention_layernorm.weight,
@@ -358,7 +359,7 @@ class FamilyModel:
             if index in self.sparse:
                 hidden = self.sparse[index](normed, ops.silu_mul, routing)
             else:
-                hidden = dense_mlp(normed, layer.mlp, fused, adapters, ops.silu_mul, self.linear)
+                hidden = dense_mlp(normed, layer.mlp, fused, adapters, ops.silu_mul, *products)
         normed, _ = ops.rms_norm(hidden, self.norm.weight, eps_of(self.norm), residual)
         return self.logits(normed, last_index, logits_out)
 
@@ -392,7 +393,7 @@ class FamilyModel:
                 self.linear(normed, m.weight, m.bias)
                 for m in (attention.q_proj, attention.k_proj, attention.v_proj)
             )
-        add_low_rank([q, k, v], normed, adapters.qkv, fused.qkv_down)
+        self.low_rank([q, k, v], normed, adapters.qkv, fused.qkv_down)
         return (
             q.view(num_tokens, shape.num_heads, shape.head_dim),
             k.view(num_tokens, shape.num_kv_heads, shape.head_dim),
@@ -407,17 +408,18 @@ def dense_mlp(
     adapters: LayerAdapters,
     activate_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     linear: Callable = F.linear,
+    low_rank: Callable = add_low_rank,
 ) -> torch.Tensor:
-    """down(act(gate(x)) * up(x)) (SwiGLU with `ops.silu_mul`; `linear` multiplies), gate and up
-    as one product when their weights are fused."""
+    """down(act(gate(x)) * up(x)) (SwiGLU with `ops.silu_mul`; `linear` multiplies, `low_rank` adds
+    the adapters' products), gate and up as one product when their weights are fused."""
     if fused.gate_up_weight is not None:
         gate, up = F.linear(normed, fused.gate_up_weight).chunk(2, dim=-1)
     else:
         gate, up = (linear(normed, m.weight, m.bias) for m in (mlp.gate_proj, mlp.up_proj))
-    add_low_rank([gate, up], normed, adapters.gate_up, fused.gate_up_down)
+    low_rank([gate, up], normed, adapters.gate_up, fused.gate_up_down)
     activated = activate_mul(gate, up)
     hidden = linear(activated, mlp.down_proj.weight, mlp.down_proj.bias)
-    add_low_rank([hidden], activated, [adapters.down])
+    low_rank([hidden], activated, [adapters.down])
     return hidden
 
 

@@ -48,8 +48,9 @@ class NativeEngineConfig(EngineConfig):
     positions (`Completion.routed_experts`), prompt positions served from the prefix cache
     included; family path only."""
     batch_invariant: bool = False
-    """Run the family forward on the batch-invariant kernels (Qwen2 and Llama layouts), whose
-    logits equal the training forward's bit for bit under `grpoflow.policy.batch_invariant`."""
+    """Run the family forward on the batch-invariant kernels (Qwen2, Llama and Qwen3 layouts, LoRA
+    layers included), whose logits equal the training forward's bit for bit under
+    `grpoflow.policy.batch_invariant`."""
     max_lora_rank: int = 64
     """The largest rank of an adapter sent as tensors (`grpoflow.transport.adapters`) the engine
     takes (vLLM's --max-lora-rank); a LoRA policy's own layers are not bounded by it."""
