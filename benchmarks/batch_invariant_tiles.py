@@ -33,15 +33,16 @@ SHAPES = (  # (name, rows, out features, in features)
     ("down decode", 512, 896, 4864),
     ("head decode", 512, 151936, 896),
 )
-TILES = (
+TILES = (  # block m, n, k, group m, warps, stages
     MATMUL_TILE,
-    MatmulTile(128, 128, 64, 8, 8, 3),
-    MatmulTile(128, 256, 64, 8, 8, 3),
-    MatmulTile(128, 128, 64, 8, 4, 4),
-    MatmulTile(64, 256, 64, 8, 4, 4),
-    MatmulTile(64, 128, 64, 8, 4, 3),
+    MatmulTile(64, 128, 64, 8, 4, 4),
+    MatmulTile(128, 128, 64, 8, 8, 4),
+    MatmulTile(256, 128, 64, 8, 8, 3),
+    MatmulTile(128, 256, 64, 8, 8, 4),
+    MatmulTile(128, 128, 128, 8, 8, 3),
+    MatmulTile(128, 128, 32, 8, 8, 4),
     MatmulTile(128, 64, 64, 8, 4, 4),
-    MatmulTile(64, 64, 64, 8, 4, 4),
+    MatmulTile(64, 64, 128, 8, 4, 3),
 )
 
 
@@ -58,12 +59,17 @@ def timed(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     torch.manual_seed(0)
     inputs = {
-        name: (torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5)
+        name: (
+            torch.randn(rows, k, device="cuda", dtype=torch.bfloat16),
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5,
+        )
         for name, rows, n, k in SHAPES
     }
     reference = {name: matmul_forward(x, w) for name, (x, w) in inputs.items()}
@@ -78,13 +84,15 @@ def main() -> None:
                 times[name], same = f"{type(error).__name__}", False
                 continue
             same &= torch.equal(out, reference[name])
-            times[name] = timed(lambda x=x, w=w: matmul_forward(x, w, tile=tile), args.repeats)
+            times[name] = timed(lambda x=x, w=w, t=tile: matmul_forward(x, w, tile=t), args.repeats)
         rows.append({"tile": tile.__dict__, "identical": bool(same), "ms": times})
     print("tile (m,n,k,group,warps,stages) | identical | " + " | ".join(name for name, *_ in SHAPES))
     print("cuBLAS | - | " + " | ".join(f"{stock[name]:.3f}" for name, *_ in SHAPES))
     for row in rows:
         t = row["tile"]
-        label = f"{t['block_m']},{t['block_n']},{t['block_k']},{t['group_m']},{t['num_warps']},{t['num_stages']}"
+        label = (
+            f"{t['block_m']},{t['block_n']},{t['block_k']},{t['group_m']},{t['num_warps']},{t['num_stages']}"
+        )
         cells = [f"{v:.3f}" if isinstance(v, float) else v for v in row["ms"].values()]
         print(f"{label} | {row['identical']} | " + " | ".join(cells))
     device = torch.cuda.get_device_name()

@@ -17,6 +17,7 @@ tokens from a padding-free row (`packing.py`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -114,10 +115,18 @@ def _linear_parameters(lm_head: nn.Linear | Tensor, bias: Tensor | None) -> tupl
     return lm_head, bias
 
 
-def _plain_linear(lm_head: nn.Module | Tensor) -> bool:
-    """A weight tensor, or an `nn.Linear` that computes `F.linear` (no forward set on the instance,
-    as `grpoflow.policy.batch_invariant` sets one): its chunks may take the fused path."""
-    return isinstance(lm_head, Tensor) or (isinstance(lm_head, nn.Linear) and "forward" not in vars(lm_head))
+def head_product(lm_head: nn.Module | Tensor) -> Callable[..., Tensor] | None:
+    """The product `(hidden, weight, bias) -> logits` the fused path may compute a head's logits
+    with: `F.linear` for a weight tensor or an `nn.Linear` computing it, the head's own
+    `linear_product` when its forward was set on the instance with one (as
+    `grpoflow.policy.batch_invariant` does), else None (the module's forward, chunk by chunk)."""
+    if isinstance(lm_head, Tensor):
+        return F.linear
+    if not isinstance(lm_head, nn.Linear):
+        return None
+    if "forward" not in vars(lm_head):
+        return F.linear
+    return vars(lm_head).get("linear_product")
 
 
 def projection(lm_head: nn.Module | Tensor, bias: Tensor | None):
@@ -157,12 +166,13 @@ def token_logprobs_from_hidden(
     """
     _check_scoring(temperature, chunk_size)
     truncation = truncation if truncation is not None and truncation.active else None
-    if _plain_linear(lm_head) and truncation is None:
+    product = head_product(lm_head)
+    if product is not None and truncation is None:
         weight, bias = _linear_parameters(lm_head, bias)
         flat_hidden = hidden.reshape(-1, hidden.size(-1))
         pieces = [
             _LinearLogProb.apply(
-                hidden_chunk, weight, bias, target_chunk, temperature, compute_entropy, entropy_grad
+                hidden_chunk, weight, bias, target_chunk, temperature, compute_entropy, entropy_grad, product
             )
             for hidden_chunk, target_chunk in zip(
                 flat_hidden.split(chunk_size), targets.reshape(-1).split(chunk_size)
@@ -210,9 +220,11 @@ class _LinearLogProb(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy, entropy_grad=False):
+    def forward(
+        ctx, hidden, weight, bias, targets, temperature, compute_entropy, entropy_grad=False, product=F.linear
+    ):
         ctx.set_materialize_grads(False)
-        logits = F.linear(hidden, weight, bias)  # (chunk, vocab)
+        logits = product(hidden, weight, bias)  # (chunk, vocab)
         kernels = _fused_kernels(logits)
         if kernels is not None:
             log_probs, logsumexp, entropy = kernels.fused_log_softmax_forward(
@@ -231,13 +243,14 @@ class _LinearLogProb(torch.autograd.Function):
             ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(hidden, weight, bias, targets, logsumexp, entropy if entropy_grad else None)
         ctx.temperature = temperature
+        ctx.product = product
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, bias, targets, logsumexp, entropy = ctx.saved_tensors
         temperature = ctx.temperature
-        grad = F.linear(hidden, weight, bias)
+        grad = ctx.product(hidden, weight, bias)  # the forward's logits again
         if grad_log_probs is None:
             grad_log_probs = logsumexp.new_zeros(logsumexp.shape)
         kernels = _fused_kernels(grad) if grad_entropy is None else None
@@ -257,7 +270,7 @@ class _LinearLogProb(torch.autograd.Function):
         grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 FUSED_LOG_SOFTMAX = True

@@ -29,12 +29,12 @@ from grpoflow.kernels.ops import rms_norm_reference
 class MatmulTile:
     """The one tile configuration of `matmul`, for every number of rows."""
 
-    block_m: int = 64
+    block_m: int = 128
     block_n: int = 128
     block_k: int = 64
     group_m: int = 8  # row tiles sharing columns in launch order (cache reuse; no effect on values)
-    num_warps: int = 4
-    num_stages: int = 4
+    num_warps: int = 8
+    num_stages: int = 3
 
 
 MATMUL_TILE = MatmulTile()

@@ -138,6 +138,7 @@ class BatchInvariantKernels:
         embedding and attention on the kernels. Refuses what the native engine's batch-invariant
         forward cannot reproduce (one line)."""
         from grpoflow.engines.native.batch_invariant import refusal
+        from grpoflow.kernels.batch_invariant import matmul_forward
         from grpoflow.kernels.batch_invariant_ops import rotary_tables
         from grpoflow.policy.lora import generation_model
 
@@ -159,6 +160,7 @@ class BatchInvariantKernels:
                 module.forward = types.MethodType(_input_dtype_linear_forward, module)
             elif isinstance(module, nn.Linear):
                 module.forward = types.MethodType(_linear_forward, module)
+                module.linear_product = matmul_forward  # the head's product on the fused log-prob path
             elif type(module).__name__.endswith("RMSNorm"):
                 module.forward = types.MethodType(_rms_norm_forward, module)
             elif module is rotary:
@@ -173,5 +175,6 @@ class BatchInvariantKernels:
         """The stock forwards and the attention implementation the model had before."""
         for module in self.patched:
             module.__dict__.pop("forward", None)
+            module.__dict__.pop("linear_product", None)
         self.patched = []
         self.model.set_attn_implementation(self.attn_implementation or "sdpa")

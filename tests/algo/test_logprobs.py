@@ -223,3 +223,33 @@ def test_entropy_gradient_matches_full_logits(head_kind):
         hidden, head, targets, temperature, chunk_size=3, compute_entropy=True
     )
     assert _ is not None and not _.requires_grad
+
+
+def test_a_batch_invariant_head_takes_the_fused_path_with_the_kernels_product():
+    from grpoflow.algo.logprobs import head_product
+    from grpoflow.kernels.batch_invariant import matmul_forward
+    from grpoflow.policy.batch_invariant import BatchInvariantKernels
+
+    torch.manual_seed(0)
+    model = build_tiny_model(vocab_size=40)
+    head = model.lm_head
+    assert head_product(head) is torch.nn.functional.linear
+    kernels = BatchInvariantKernels.install(model)
+    assert head_product(head) is matmul_forward
+    hidden = torch.randn(2, 5, head.in_features, requires_grad=True)
+    targets = torch.randint(0, 40, (2, 5))
+
+    def saved(tensor):
+        assert tensor.shape[-1] != 40, "the fused path keeps no logits for backward"
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(saved, lambda tensor: tensor):
+        log_probs, _ = token_logprobs_from_hidden(hidden, head, targets, 0.7, chunk_size=4)
+    log_probs.sum().backward()
+    reference = hidden.detach().clone().requires_grad_()
+    expected = naive_logprobs(torch.nn.functional.linear(reference, head.weight.detach()), targets, 0.7)
+    expected.sum().backward()
+    torch.testing.assert_close(log_probs, expected)
+    torch.testing.assert_close(hidden.grad, reference.grad)
+    kernels.remove()
+    assert head_product(head) is torch.nn.functional.linear
