@@ -11,6 +11,7 @@ for bit.
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -89,3 +90,11 @@ def test_the_replay_agrees_with_every_draw_in_one_round_gpu(case):
     assert prefix_cache_metrics(engine.stats.prefill)["rollout/prefix_cache_hit_tokens"] > 0
     for ours, theirs in zip(completions, again):
         assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+
+
+@pytest.fixture(autouse=True)
+def free_gpu_memory():
+    """Each case's engine reserves half the GPU: the next case needs it back."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
