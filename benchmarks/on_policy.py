@@ -7,8 +7,10 @@
 The workload is grpo_step.py's standard one (64 prompts x 8, prompt 128, 256 new tokens, micro-batch
 32, gradient checkpointing) through the native engine, once as it samples by default and once with
 `on_policy_sampling`, replaying the stock forward (on_policy) or with both forwards on the
-batch-invariant kernels (on_policy_batch_invariant, `batch_invariant: true`); modes ending in
-_truncated sample with top_p 0.9, top_k 50. Each mode runs
+batch-invariant kernels (on_policy_batch_invariant, `batch_invariant: true`), whose draws the
+update checks bit for bit (`on_policy_check: auto`, which is update there) or the trainer replays
+first (on_policy_batch_invariant_replay, `on_policy_check: replay`); modes with _truncated sample
+with top_p 0.9, top_k 50 (which the update's check does not take: they replay). Each mode runs
 in its own subprocess; the first `--warmup` steps are left out. For each mode the table gives the
 step time, the rollout time (which includes the trainer's replay), the replay's own seconds, its
 rounds and replaced tokens, and the gap between the log-probs the batch carries for its sampled
@@ -42,6 +44,7 @@ KEYS = (
     "on_policy/replaced_tokens",
     "on_policy/continued_tokens",
     "on_policy/unchecked_tokens",
+    "on_policy/unverified_fraction",
     "sampling/sampling_logp_difference/mean",
     "sampling/sampling_logp_difference/max",
     "sampling/distribution_tv/mean",
@@ -133,6 +136,8 @@ def config_values(args, mode: str, model_dir: Path, prompts: Path) -> dict:
         "on_policy_sampling": mode.startswith("on_policy"),
         "batch_invariant": "batch_invariant" in mode,
     }
+    if "_replay" in mode:
+        values["on_policy_check"] = "replay"
     if mode.endswith("truncated"):
         values.update(top_p=0.9, top_k=50)
     return values
@@ -172,6 +177,7 @@ def print_table(rows: list[dict]) -> None:
         ("replay s", "on_policy/seconds", "{:.3f}"),
         ("rounds", "on_policy/rounds", "{:.1f}"),
         ("replaced", "on_policy/replaced_tokens", "{:.1f}"),
+        ("unverified", "on_policy/unverified_fraction", "{:.3f}"),
         ("gap mean", "sampling/sampling_logp_difference/mean", "{:.2e}"),
         ("gap max", "sampling/sampling_logp_difference/max", "{:.2e}"),
         ("TV max", "sampling/distribution_tv/max", "{:.2e}"),
@@ -194,7 +200,7 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="default,on_policy,on_policy_batch_invariant",
-        help="of default, on_policy, on_policy_batch_invariant, *_truncated",
+        help="of default, on_policy, on_policy_batch_invariant, on_policy_batch_invariant_replay, *_truncated",
     )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument(

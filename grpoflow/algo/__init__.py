@@ -10,7 +10,12 @@ from grpoflow.algo.advantages import (
 from grpoflow.algo.entropy import AdaptiveEntropy, entropy_bonus, high_entropy_mask
 from grpoflow.algo.estimators import ADV_ESTIMATORS, adv_estimator, register_adv_estimator
 from grpoflow.algo.filters import off_policy_mask, overlong_mask, select_groups, zero_std_groups
-from grpoflow.algo.importance import SAMPLING_CORRECTION_MODES, sampling_correction, sampling_logp_gap
+from grpoflow.algo.importance import (
+    SAMPLING_CORRECTION_MODES,
+    exact_draw_weights,
+    sampling_correction,
+    sampling_logp_gap,
+)
 from grpoflow.algo.kl import KL_ESTIMATORS, k3_kl, kl_estimate, sequence_kl
 from grpoflow.algo.logprobs import (
     LogprobOptions,
@@ -76,6 +81,7 @@ __all__ = [
     "position_ids_from_mask",
     "register_adv_estimator",
     "register_loss",
+    "exact_draw_weights",
     "sampling_correction",
     "sampling_logp_gap",
     "select_groups",

@@ -72,6 +72,33 @@ def sampling_correction(
     return weights, metrics
 
 
+def exact_draw_weights(
+    trainer_logps: Tensor, sampling_logps: Tensor, mask: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Weights that keep a completion in the loss only when the engine's log-prob of every one of
+    its tokens equals the trainer's bit for bit (an engine on the trainer's batch-invariant
+    kernels draws from the trainer's own distribution; a difference means it did not).
+
+    Args: as `sampling_correction`'s; a NaN (no engine log-prob) counts as a difference.
+
+    Returns:
+        weights: `(batch, 1)` 1.0 or 0.0, no grad.
+        metrics: `on_policy/unverified_fraction` (of the completions with loss tokens, those left
+            out) and the gap's `sampling/sampling_logp_difference/{mean,max}`.
+    """
+    with torch.no_grad():
+        tokens = mask.bool()
+        differs = tokens & (trainer_logps.float() != sampling_logps.float())  # NaN differs too
+        kept = ~differs.any(-1, keepdim=True)
+        valid = tokens & ~sampling_logps.isnan()
+        scored = tokens.any(-1, keepdim=True)
+        metrics = {
+            "on_policy/unverified_fraction": _reduce((~kept)[scored].float(), torch.mean),
+            **_gap_metrics((trainer_logps.float() - sampling_logps.float())[valid].abs()),
+        }
+    return kept.float(), metrics
+
+
 def sampling_logp_gap(trainer_logps: Tensor, sampling_logps: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """How far the engine's log-probs of the sampled tokens are from the trainer's, uncorrected:
     `sampling/sampling_logp_difference/{mean,max}` of |trainer - sampler| over the tokens of

@@ -232,7 +232,8 @@ class _LinearLogProb(torch.autograd.Function):
             )
         else:
             logits = logits.float().div_(temperature)
-            logsumexp = torch.logsumexp(logits, dim=-1)
+            invariant = product is not F.linear  # a batch-invariant head's rows, one at a time
+            logsumexp = _row_logsumexp(logits) if invariant else torch.logsumexp(logits, dim=-1)
             log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logsumexp
             entropy = None
             if compute_entropy:
@@ -271,6 +272,27 @@ class _LinearLogProb(torch.autograd.Function):
         grad_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def invariant_token_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    """`(rows, vocab)` logits and `(rows,)` targets -> `(rows,)` float32 log-probs of the targets
+    under softmax(logits / temperature), bit for bit those the fused path gives a head that
+    brings its own product (a batch-invariant head, `head_product`) for the same logits: the
+    Triton kernel on CUDA, torch a row at a time elsewhere, so that each row's value is the same
+    whatever other rows share the call. The native engine's batch-invariant forward scores its
+    draws with it."""
+    kernels = _fused_kernels(logits)
+    if kernels is not None:
+        return kernels.fused_log_softmax_forward(logits, targets, temperature, False)[0]
+    scaled = logits.float() / temperature
+    return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - _row_logsumexp(scaled)
+
+
+def _row_logsumexp(logits: Tensor) -> Tensor:
+    """`torch.logsumexp` of each row on its own (a reduction over many rows may split a row)."""
+    if not logits.shape[0]:
+        return logits.new_zeros(0)
+    return torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
 
 
 FUSED_LOG_SOFTMAX = True

@@ -27,6 +27,7 @@ from grpoflow.algo import (
     AdaptiveEntropy,
     BatchTotals,
     entropy_bonus,
+    exact_draw_weights,
     high_entropy_mask,
     micro_batch_scale,
     off_policy_mask,
@@ -298,6 +299,10 @@ def _compare_sampler(
 ) -> dict[str, torch.Tensor]:
     """On a batch's first pass: the importance weights against the engine's log-probs, kept on
     `micro` for every pass; without a correction, the log-prob gap to the engine; their metrics."""
+    if settings.exact_draws:
+        rows = micro.rows
+        micro.is_weights, metrics = exact_draw_weights(before_update, rows.sampling_logps, rows.loss_mask)
+        return metrics
     correction = settings.sampling_correction
     if correction is not None:
         micro.is_weights, metrics = _correction_weights(before_update, micro.rows, correction)

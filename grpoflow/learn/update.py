@@ -56,6 +56,10 @@ class UpdateSettings:
     """Importance-sampling correction against the engine's log-probs; None trusts them."""
     sampling_logprobs: bool = True
     """The batch carries the engine's log-probs (their gap to the trainer's is logged)."""
+    exact_draws: bool = False
+    """The engine drew from the trainer's own logits (batch-invariant kernels, `on_policy_check:
+    update`): a completion stays in the loss only when every token's engine log-prob equals the
+    trainer's bit for bit (`algo.exact_draw_weights`)."""
     truncation: Truncation | None = None
     """top-k/top-p/min-p replayed on the trainer's logits (`replay_sampling_truncation`)."""
     padding_free: bool = False

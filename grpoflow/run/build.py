@@ -35,7 +35,7 @@ from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import ListenerRelay, MetricsLogger, StepListener, StepLog
 from grpoflow.run.output_dir import claim_output_dir
 from grpoflow.run.plan_check import check_plan
-from grpoflow.run.sources import build_group_source, build_rollout, rollout_rewards
+from grpoflow.run.sources import build_group_source, build_rollout, on_policy_check, rollout_rewards
 from grpoflow.run.trainer import GRPOTrainer
 
 logger = logging.getLogger("grpoflow")
@@ -82,8 +82,9 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         engine_shares_weights=engine.shares_policy_weights,
     )
     vocab_size = model.get_input_embeddings().num_embeddings
+    check = on_policy_check(config, model)
     rollout = build_rollout(
-        config, tokenizer, environment_factory, placement=policy_placement, vocab_size=vocab_size
+        config, tokenizer, environment_factory, placement=policy_placement, vocab_size=vocab_size, check=check
     )
     source = build_group_source(
         config,
@@ -104,7 +105,15 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         advantages=config.algorithm.step_advantages(
             source.reward_weights, config.generation.num_generations, distributed
         ),
-        learner=build_learner(config, policy_placement, ref_placement, engine, distributed, total_steps),
+        learner=build_learner(
+            config,
+            policy_placement,
+            ref_placement,
+            engine,
+            distributed,
+            total_steps,
+            exact_draws=check == "update",
+        ),
         engine=engine,
         weight_sync=config.sync.build(engine, policy_placement, items, tokenizer),
         checkpoints=training.checkpointer(policy_placement, tokenizer, distributed, claim.run_id),
@@ -148,16 +157,20 @@ def build_learner(
     engine: RolloutEngine,
     distributed: DistributedContext,
     total_steps: int,
+    exact_draws: bool = False,
 ) -> Learner:
     """The learner of the algorithm and training sections, with its optimizer over every
-    optimizer step of the run."""
+    optimizer step of the run; `exact_draws`: the update checks the engine's draws bit for bit
+    (`on_policy_check: update`)."""
     optimizer, scheduler = build_optimizer(
         policy_placement.module,
         config,
         total_steps * config.algorithm.num_iterations,
         sharded=policy_placement.is_sharded,
     )
-    settings = config.update_settings(copies_weights=not engine.shares_policy_weights)
+    settings = config.update_settings(
+        copies_weights=not engine.shares_policy_weights, exact_draws=exact_draws
+    )
     return Learner(
         policy_placement, optimizer, scheduler, settings, ref_placement=ref_placement, distributed=distributed
     )

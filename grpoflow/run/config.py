@@ -85,6 +85,13 @@ class GenerationConfig:
     """Run the training forward and the native engine's forward on the batch-invariant kernels,
     whose logits agree bit for bit, so on_policy_sampling settles in one round (torch_compile off);
     auto: on with on_policy_sampling on CUDA (grpoflow.policy.batch_invariant)."""
+    on_policy_check: Literal["auto", "replay", "update"] = "auto"
+    """How on_policy_sampling makes each token the trainer's own draw. replay: the trainer redraws
+    every token on its forward before the update, rounds until all agree. update: the engine's
+    draws stand, its forward on the trainer's batch-invariant kernels giving the trainer's logits
+    bit for bit, and the update leaves out of the loss a completion with any token whose engine
+    log-prob differs from the trainer's (`on_policy/unverified_fraction`); no top-k/top-p/min-p.
+    auto: update where the batch-invariant kernels run and nothing truncates, else replay."""
 
     def __post_init__(self) -> None:
         require_min("num_generations", self.num_generations, 2, " (group-relative advantages need a group)")
@@ -97,6 +104,16 @@ class GenerationConfig:
         )
         require_min("num_infer_workers", self.num_infer_workers, 0)
         engine = self.engine_name
+        require(self.on_policy_check in ("auto", "replay", "update"), "on_policy_check",
+                "auto, replay or update", self.on_policy_check)  # fmt: skip
+        require(self.on_policy_check == "auto" or self.on_policy_sampling, "on_policy_check",
+                "auto without on_policy_sampling", self.on_policy_check,
+                "set on_policy_sampling: true, or leave on_policy_check unset")  # fmt: skip
+        require(self.on_policy_check != "update" or (self.batch_invariant is not False
+                and not self.sampling.truncation.active), "on_policy_check",
+                "replay or auto with batch_invariant: false or top-k/top-p/min-p", "update",
+                "the update's check needs the engine on the batch-invariant kernels and the "
+                "untruncated distribution")  # fmt: skip
         require(self.batch_invariant is not True or engine == "native", "batch_invariant",
                 f"auto or false with the {engine} engine", True, "use rollout_engine: native")  # fmt: skip
         if self.rollout_engine != "auto" and self.engine_name.startswith("vllm"):
@@ -196,9 +213,10 @@ class GRPOConfig:
             self.generation.sampling, n=self.generation.num_generations, stop_token_ids=stop
         )
 
-    def update_settings(self, copies_weights: bool) -> UpdateSettings:
+    def update_settings(self, copies_weights: bool, exact_draws: bool = False) -> UpdateSettings:
         """What the update phase reads; `copies_weights`: the engine keeps its own copy of the
-        weights, so the importance-sampling correction is on unless set off."""
+        weights, so the importance-sampling correction is on unless set off; `exact_draws`: the
+        update checks the engine's draws bit for bit (`on_policy_check: update`)."""
         correction = self.off_policy.correction
         corrects = correction.vllm_importance_sampling_correction
         return UpdateSettings(
@@ -208,6 +226,7 @@ class GRPOConfig:
             max_completion_length=self.generation.max_completion_length,
             max_grad_norm=self.training.max_grad_norm,
             sampling_correction=correction if (copies_weights if corrects is None else corrects) else None,
+            exact_draws=exact_draws,
             truncation=replayed_truncation(self.generation.sampling, self.algorithm),
             padding_free=self.training.padding_free,
             max_tokens_per_micro_batch=self.training.max_tokens_per_micro_batch,

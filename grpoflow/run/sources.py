@@ -9,12 +9,15 @@ from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
+from torch import nn
+
 from grpoflow import imports
 from grpoflow.agents.atropos_client import AtroposClient
 from grpoflow.agents.setup import build_episode_runner, environment_rewards
 from grpoflow.distributed import DistributedContext
 from grpoflow.engines import RolloutEngine
 from grpoflow.learn.update import replayed_truncation
+from grpoflow.policy import batch_invariant
 from grpoflow.policy.placement import Placement
 from grpoflow.rewards import RewardRunner
 from grpoflow.rollout.agent_programs import AgentPrograms, program_rewards
@@ -38,12 +41,14 @@ def build_rollout(
     *,
     placement: Placement | None = None,
     vocab_size: int | None = None,
+    check: str | None = None,
 ) -> Rollout:
     """What turns a step's prompts into groups: the user's rollout_func when one is named, an agent
     program's episodes, episodes of tools or an environment (their turns redrawn by the trainer
-    under on_policy_sampling, given the placed policy), completions the trainer redraws
-    (on_policy_sampling), else one sampled completion per group member.
-    `vocab_size`: the policy's embedding rows, which a rollout function's ids may use."""
+    when `check` is "replay", given the placed policy), completions the trainer redraws
+    (likewise), else one sampled completion per group member.
+    `vocab_size`: the policy's embedding rows, which a rollout function's ids may use;
+    `check`: the run's `on_policy_check` as `on_policy_check` resolves it."""
     agent, native = config.agent, config.generation.engine_name == "native"
     if agent.rollout_func is not None:
         return RolloutFunction(
@@ -71,9 +76,8 @@ def build_rollout(
         system=config.data.system,
         per_prompt_params=native,
     )
-    on_policy = config.generation.on_policy_sampling and placement is not None
     replay = None
-    if on_policy:
+    if check == "replay" and placement is not None:
         replay = Replay(
             placement,
             micro_batch_size=config.training.micro_batch_size,
@@ -87,6 +91,24 @@ def build_rollout(
     if replay is not None:
         return OnPolicySingleTurn(tokenizer, replay)
     return SingleTurn(tokenizer)
+
+
+def on_policy_check(config: GRPOConfig, model: nn.Module) -> str | None:
+    """How the run checks on_policy_sampling's draws: None (not on), "replay" or "update"; auto
+    is update where the batch-invariant kernels run on `model` and nothing truncates. update
+    without the kernels is refused."""
+    generation = config.generation
+    if not generation.on_policy_sampling:
+        return None
+    invariant = batch_invariant.installed(model)
+    if generation.on_policy_check == "auto":
+        return "update" if invariant and not generation.sampling.truncation.active else "replay"
+    if generation.on_policy_check == "update" and not invariant:
+        raise ValueError(
+            "on_policy_check: update needs the batch-invariant kernels, which this run leaves off "
+            "(see the batch_invariant line above): set batch_invariant: true, or on_policy_check: replay"
+        )
+    return generation.on_policy_check
 
 
 def rollout_rewards(

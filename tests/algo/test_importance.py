@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpoflow.algo import SAMPLING_CORRECTION_MODES, sampling_correction
+from grpoflow.algo import SAMPLING_CORRECTION_MODES, exact_draw_weights, sampling_correction
 
 TRAINER = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.0, -1.0, -1.0, -1.0]])
 SAMPLER = torch.tensor([[-1.5, -1.0, -0.5, 9.0], [-1.0, -3.0, float("nan"), -1.0]])
@@ -61,3 +61,16 @@ def test_bad_mode_and_bounds_are_refused():
         sampling_correction(TRAINER, SAMPLER, MASK, "token")
     with pytest.raises(ValueError, match="clip_min"):
         sampling_correction(TRAINER, SAMPLER, MASK, "token_mask", 2.0, 1.0)
+
+
+def test_exact_draws_keep_only_completions_whose_every_log_prob_is_the_trainers():
+    trainer = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0], [-1.0, 0.0, 0.0]])
+    sampler = trainer.clone()
+    sampler[1, 2] = torch.nextafter(sampler[1, 2], torch.tensor(0.0))  # one bit off
+    sampler[2, 1] = math.nan  # no engine log-prob: unverified
+    sampler[3, 1] = -7.0  # padding after the completion: not read
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    weights, metrics = exact_draw_weights(trainer, sampler, mask)
+    assert weights.tolist() == [[1.0], [0.0], [0.0], [1.0]]
+    assert metrics["on_policy/unverified_fraction"].item() == 0.5
+    assert 0 < metrics["sampling/sampling_logp_difference/max"].item() < 1e-6

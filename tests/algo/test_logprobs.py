@@ -253,3 +253,20 @@ def test_a_batch_invariant_head_takes_the_fused_path_with_the_kernels_product():
     torch.testing.assert_close(hidden.grad, reference.grad)
     kernels.remove()
     assert head_product(head) is torch.nn.functional.linear
+
+
+def test_invariant_token_logprobs_are_the_batch_invariant_heads_and_keep_each_row():
+    from grpoflow.algo.logprobs import invariant_token_logprobs
+    from grpoflow.kernels.batch_invariant import matmul_forward
+    from grpoflow.policy.batch_invariant import BatchInvariantKernels
+
+    torch.manual_seed(0)
+    model = build_tiny_model(vocab_size=40, dtype=torch.bfloat16)
+    BatchInvariantKernels.install(model)
+    hidden = torch.randn(3, 5, model.lm_head.in_features, dtype=torch.bfloat16)
+    targets = torch.randint(0, 40, (3, 5))
+    trained, _ = token_logprobs_from_hidden(hidden, model.lm_head, targets, 0.7, chunk_size=4)
+    logits = matmul_forward(hidden.reshape(15, -1), model.lm_head.weight)
+    scored = invariant_token_logprobs(logits, targets.reshape(-1), 0.7)
+    assert torch.equal(scored.view(3, 5), trained)
+    assert torch.equal(invariant_token_logprobs(logits[4:6], targets.reshape(-1)[4:6], 0.7), scored[4:6])
