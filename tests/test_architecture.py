@@ -30,6 +30,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
         "pure tensor maths; config loading that knows no particular config; the model hub; user code by import path and in daemon threads; seconds per phase of a step; the processes of a run and their collectives",
     ),
     ("kernels", ("kernels",), "the decoder layer's operations: torch reference ops and their Triton kernels"),
+    (
+        "models",
+        ("models",),
+        "the decoder families the native engine runs: their forwards over a paged cache, on the kernels' operations",
+    ),
     ("transport", ("transport",), "moving weights to rollout engines, sender and receiver sides"),
     ("engines", ("engines",), "rollout engines, their interface and the one definition of sampling settings"),
     (

@@ -49,7 +49,7 @@ def install_if_wanted(
     if not wanted(setting, on_policy_sampling, next(model.parameters()).device):
         return None
     if setting == "auto":
-        from grpoflow.engines.native.batch_invariant import refusal
+        from grpoflow.models.batch_invariant import refusal
         from grpoflow.policy.lora import generation_model
 
         reason = "torch_compile is on" if torch_compile else refusal(generation_model(model))
@@ -137,9 +137,9 @@ class BatchInvariantKernels:
         """Put `model`'s linear layers (a LoRA policy's adapters included), RMSNorms, rotary
         embedding and attention on the kernels. Refuses what the native engine's batch-invariant
         forward cannot reproduce (one line)."""
-        from grpoflow.engines.native.batch_invariant import refusal
         from grpoflow.kernels.batch_invariant import matmul_forward
         from grpoflow.kernels.batch_invariant_ops import rotary_tables
+        from grpoflow.models.batch_invariant import refusal
         from grpoflow.policy.lora import generation_model
 
         if torch_compile:

@@ -10,7 +10,7 @@ adapted parameter, nested when both are): each expert gets its own A (r, in) and
 experts' A stacked in one `lora_A` (E r, in) and their B interleaved in one `lora_B` (out, r E).
 The trainer's forward multiplies by W_e + alpha / r B_e A_e. PEFT cannot apply dropout to a
 parameter's input, so expert adapters need `lora_dropout: 0`. Rollout engines: the native engine
-adds the experts' low-rank products in its own forward (`grpoflow.engines.native.moe_adapters`);
+adds the experts' low-rank products in its own forward (`grpoflow.models.moe_adapters`);
 every other engine gets the merged weights (`adapted_parameters` tells `merged_weights` which
 parameters to merge), never the adapters alone (`grpoflow.engines.vllm_adapters.expert_adapter_obstacle`).
 """

@@ -127,8 +127,8 @@ def kv_cache_blocks(config, shape: ModelShape, capacity: int) -> tuple[int, int]
     the workspace this run's calls use (`engine_in_use`); the per-block and workspace sizes are
     the engine's own (`kv_cache`)."""
     from grpoflow.engines.native.kv_cache import block_bytes, workspace_bytes
-    from grpoflow.engines.native.model import Shape
     from grpoflow.engines.native.sizing import NativeEngineConfig
+    from grpoflow.models.model import Shape
 
     engine = NativeEngineConfig.sized_as(config.generation.engine)
     native = Shape(

@@ -10,7 +10,7 @@ from helpers.native_fixtures import FAMILIES, hf_greedy, tiny
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
-from grpoflow.engines.native.fusion import alias_rows, rows_view
+from grpoflow.models.fusion import alias_rows, rows_view
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(2, 30))]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

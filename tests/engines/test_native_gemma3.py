@@ -21,7 +21,7 @@ from helpers.native_fixtures import (
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
-from grpoflow.engines.native.gemma import GemmaModel
+from grpoflow.models.gemma import GemmaModel
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(2, 30))]
 GENERIC_LINE = "runs on the native engine's generic path"

@@ -20,8 +20,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
-from grpoflow.engines.native.moe import grouped_experts, reference_experts, route
 from grpoflow.kernels.ops import TorchOps
+from grpoflow.models.moe import grouped_experts, reference_experts, route
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(2, 30))]
 GENERIC_LINE = "runs on the native engine's generic path"

@@ -18,9 +18,9 @@ from helpers.native_fixtures import (
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
-from grpoflow.engines.native.moe import grouped_experts, reference_experts, route
-from grpoflow.engines.native.moe_adapters import expert_adapters
 from grpoflow.kernels.ops import TorchOps
+from grpoflow.models.moe import grouped_experts, reference_experts, route
+from grpoflow.models.moe_adapters import expert_adapters
 
 pytest.importorskip("peft")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from grpoflow.engines.native.engine import NativeEngine
-from grpoflow.engines.native.families import refusal
 from grpoflow.engines.native.sizing import NativeEngineConfig
+from grpoflow.models.families import refusal
 
 MOE_MODEL_TYPES = ("qwen3_moe",)
 """Mixture-of-experts families of the family path."""

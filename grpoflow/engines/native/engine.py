@@ -11,7 +11,8 @@ with a new address (graphs are captured again, the prefix cache is dropped) or a
 counter (an optimizer step, a LoRA merge, a copy in `update_weights`: the prefix cache is
 dropped). `update_weights` drops the prefix cache in any case, for weights changed where no
 counter sees it (a sharded policy gathered into the same storage). A LoRA policy's adapters are
-applied in the forward, unmerged (`adapters`): the policy is generated from without a merge.
+applied in the forward, unmerged (`grpoflow.models.adapters`): the policy is generated from
+without a merge.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from torch import nn
 
 from grpoflow.engines.base import Completion, EngineCapabilities, EngineStats, PrefillStats, SamplingParams
 from grpoflow.engines.native.distributions import DistributionCapture
-from grpoflow.engines.native.families import SUPPORTED_MODEL_TYPES, family_model, refusal
 from grpoflow.engines.native.generic import GenericRunner
 from grpoflow.engines.native.model_runner import STEPS_IN_FLIGHT, Launched, Runner, triton_available
 from grpoflow.engines.native.requests import Abandoned, RequestBook
@@ -38,6 +38,7 @@ from grpoflow.engines.native.routing import RoutingRecord
 from grpoflow.engines.native.sampler import SamplingOptions
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep, Scheduler
 from grpoflow.engines.native.sizing import NativeEngineConfig
+from grpoflow.models.families import SUPPORTED_MODEL_TYPES, family_model, refusal
 from grpoflow.transport.adapters import split_adapters
 
 ON_ERROR = ("raise", "error_completion")
@@ -65,7 +66,7 @@ class NativeEngine:
         self.stats = EngineStats()
         reason = "force_generic is set" if config.force_generic else refusal(model)
         if config.batch_invariant:  # the kernels' forward (they need Triton), or a one-line refusal
-            from grpoflow.engines.native.batch_invariant import BatchInvariantFamily
+            from grpoflow.models.batch_invariant import BatchInvariantFamily
 
             reason, self.family = None, BatchInvariantFamily(model)
         else:

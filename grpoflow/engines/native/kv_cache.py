@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from grpoflow.engines.native.model import Shape
 from grpoflow.engines.native.sizing import NativeEngineConfig
+from grpoflow.models.model import Shape
 
 
 def block_bytes(shape: Shape, block_size: int, dtype: torch.dtype, record_routing: bool = False) -> int:

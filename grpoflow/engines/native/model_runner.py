@@ -17,12 +17,12 @@ import torch
 from grpoflow.engines.base import NonFiniteLogits
 from grpoflow.engines.native.block_pool import BlockPool
 from grpoflow.engines.native.kv_cache import allocate_cache, num_blocks_for
-from grpoflow.engines.native.model import FamilyModel
 from grpoflow.engines.native.routing import SlotRouting
 from grpoflow.engines.native.sampler import SamplingOptions, sample
 from grpoflow.engines.native.scheduler import DecodeStep, PrefillStep
 from grpoflow.engines.native.sizing import NativeEngineConfig
 from grpoflow.kernels.ops import CachedPrefix, DecodeBatch, TorchOps, prefill_attention
+from grpoflow.models.model import FamilyModel
 
 IDLE_ROW = torch.tensor([[0], [-1], [0], [0]])
 """The step metadata (position, cache slot, context length, sampling key) of a row with no work:

@@ -16,11 +16,6 @@ import numpy as np
 import torch
 
 
-def routing_dtype(num_experts: int) -> torch.dtype:
-    """The smallest integer type that holds every expert index and -1."""
-    return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
-
-
 class RoutingRecord:
     """(sequence, position, sparse layer, k) chosen experts, -1 where nothing was recorded."""
 

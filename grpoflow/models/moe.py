@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpoflow.engines.native.adapters import is_lora_layer
-from grpoflow.engines.native.moe_adapters import (
+from grpoflow.models.adapters import is_lora_layer
+from grpoflow.models.moe_adapters import (
     ExpertAdapters,
     add_expert,
     add_grouped,
@@ -35,6 +35,11 @@ from grpoflow.engines.native.moe_adapters import (
 )
 
 SiluMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer type that holds every expert index and -1."""
+    return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
 
 
 def is_sparse(mlp: nn.Module) -> bool:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from grpoflow.engines.native.gemma import GEMMA_MODEL_TYPES, GemmaModel, gemma_refusal
-from grpoflow.engines.native.model import LLAMA_LAYOUT_TYPES, FamilyModel
-from grpoflow.engines.native.model import refusal as llama_refusal
+from grpoflow.models.gemma import GEMMA_MODEL_TYPES, GemmaModel, gemma_refusal
+from grpoflow.models.model import LLAMA_LAYOUT_TYPES, FamilyModel
+from grpoflow.models.model import refusal as llama_refusal
 
 SUPPORTED_MODEL_TYPES = LLAMA_LAYOUT_TYPES + GEMMA_MODEL_TYPES
 

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpoflow.engines.native.adapters import add_low_rank, is_lora_layer, supported
-from grpoflow.engines.native.model import (
+from grpoflow.kernels.ops import TorchOps
+from grpoflow.models.adapters import add_low_rank, is_lora_layer, supported
+from grpoflow.models.model import (
     SUPPORTED_ROPE_TYPES,
     Attend,
     FamilyModel,
@@ -28,7 +29,6 @@ from grpoflow.engines.native.model import (
     eps_of,
     rotary_table,
 )
-from grpoflow.kernels.ops import TorchOps
 
 GEMMA_MODEL_TYPES = ("gemma3_text",)
 LAYER_TYPES = ("sliding_attention", "full_attention")

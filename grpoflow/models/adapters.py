@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpoflow.engines.native.fusion import alias_rows, rows_view
+from grpoflow.models.fusion import alias_rows, rows_view
 
 
 @dataclass(slots=True)

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from grpoflow.engines.native.adapters import Projection, is_lora_layer
-from grpoflow.engines.native.model import FamilyModel, Fused, _window
-from grpoflow.engines.native.model import refusal as family_refusal
 from grpoflow.kernels.batch_invariant import matmul_forward
 from grpoflow.kernels.batch_invariant_ops import rotary_tables
+from grpoflow.models.adapters import Projection, is_lora_layer
+from grpoflow.models.model import FamilyModel, Fused, _window
+from grpoflow.models.model import refusal as family_refusal
 
 MODEL_TYPES = ("qwen2", "llama", "qwen3")
 """The model types whose forward the kernels have been checked to reproduce."""

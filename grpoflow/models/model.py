@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpoflow.engines.native.adapters import (
+from grpoflow.kernels.ops import TorchOps
+from grpoflow.models.adapters import (
     Projection,
     Term,
     adapter_state,
@@ -33,11 +34,9 @@ from grpoflow.engines.native.adapters import (
     refresh_copies,
     supported,
 )
-from grpoflow.engines.native.fusion import alias_rows, rows_view
-from grpoflow.engines.native.moe import grouped_mm_runs, is_sparse, sparse_mlps, sparse_refusal
-from grpoflow.engines.native.moe_adapters import base_experts
-from grpoflow.engines.native.routing import routing_dtype
-from grpoflow.kernels.ops import TorchOps
+from grpoflow.models.fusion import alias_rows, rows_view
+from grpoflow.models.moe import grouped_mm_runs, is_sparse, routing_dtype, sparse_mlps, sparse_refusal
+from grpoflow.models.moe_adapters import base_experts
 
 LLAMA_LAYOUT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from grpoflow.engines.native.adapters import is_lora_layer
+from grpoflow.models.adapters import is_lora_layer
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 """The fused expert parameters whose adapters the family forward adds."""
