@@ -160,7 +160,19 @@ def test_a_run_on_the_batch_invariant_kernels_settles_every_step_in_one_round(tm
         assert step["sampling/sampling_logp_difference/max"] == 0
 
 
-def test_a_lora_run_on_the_batch_invariant_kernels_settles_every_step_in_one_round(tmp_path):
+def test_the_update_checks_a_batch_invariant_engines_draws_and_nothing_is_replayed(tmp_path):
+    """on_policy_check auto is update where the kernels run and nothing truncates: the engine's
+    draws stand, scored as the trainer scores them, and the update finds every log-prob equal."""
+    config = recipe(
+        tmp_path, max_steps=2, on_policy_sampling=True, batch_invariant=True, torch_dtype="bfloat16",
+        max_completion_length=16,
+    )  # fmt: skip
+    for step in run(config):
+        assert "on_policy/rounds" not in step and step["on_policy/unverified_fraction"] == 0
+        assert step["sampling/sampling_logp_difference/max"] == 0
+
+
+def test_a_lora_run_on_the_batch_invariant_kernels_passes_the_updates_check(tmp_path):
     """The engine applies the PEFT layers' adapters as their forward does, on the same kernels;
     the adapters move every step."""
     config = recipe(
@@ -169,8 +181,28 @@ def test_a_lora_run_on_the_batch_invariant_kernels_settles_every_step_in_one_rou
         max_completion_length=16,
     )  # fmt: skip
     for step in run(config):
-        assert step["on_policy/rounds"] == 1 and step["on_policy/replaced_tokens"] == 0
+        assert step["on_policy/unverified_fraction"] == 0
         assert step["sampling/sampling_logp_difference/max"] == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"on_policy_sampling": False}, "on_policy_sampling: true"),
+        ({"top_p": 0.9}, "untruncated"),
+        ({"batch_invariant": False}, "batch-invariant"),
+    ],
+)
+def test_the_updates_check_is_refused_where_it_cannot_hold(tmp_path, overrides, named):
+    values = {"on_policy_sampling": True, "on_policy_check": "update", **overrides}
+    with pytest.raises(ValueError, match=f"on_policy_check.*{named}"):
+        recipe(tmp_path, **values)
+
+
+def test_the_updates_check_without_the_kernels_is_refused_when_the_run_is_built(tmp_path):
+    # batch_invariant auto leaves the kernels off on the CPU
+    with pytest.raises(ValueError, match="on_policy_check: update needs the batch-invariant kernels"):
+        run(recipe(tmp_path, max_steps=1, on_policy_sampling=True, on_policy_check="update"))
 
 
 @pytest.mark.parametrize(

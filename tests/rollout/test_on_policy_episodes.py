@@ -95,3 +95,17 @@ def test_a_run_of_environment_episodes_with_on_policy_sampling_trains_with_no_ga
         assert step["episodes/turns_mean"] > 1
         assert step["on_policy/unconfirmed_tokens"] == 0 and step["on_policy/unchecked_tokens"] == 0
         assert step["sampling/sampling_logp_difference/max"] == 0
+
+
+def test_environment_episodes_on_the_batch_invariant_kernels_pass_the_updates_check(tmp_path):
+    """Each turn is decoded after the episode so far (the prefix cache's pages), the update's
+    forward runs the whole episode at once: the same logits, every token's log-prob equal."""
+    config = recipe(
+        tmp_path, max_steps=2, on_policy_sampling=True, batch_invariant=True, torch_dtype="bfloat16",
+        dataset="relay", environment_factory="grpoflow.tasks.relay:RelayEnvironment", max_turns=3,
+        max_turn_tokens=4, max_prompt_length=16, max_completion_length=24,
+    )  # fmt: skip
+    for step in run(config):
+        assert step["episodes/turns_mean"] > 1 and "on_policy/unconfirmed_tokens" not in step
+        assert step["on_policy/unverified_fraction"] == 0
+        assert step["sampling/sampling_logp_difference/max"] == 0

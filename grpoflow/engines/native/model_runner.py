@@ -233,7 +233,12 @@ class Runner:
             self._mark_prompts(step)
             seen = self.seen[rows]
         tokens, logprobs = sample(
-            child_logits, _to(keys, device), options, seen=seen, use_triton=self.use_triton
+            child_logits,
+            _to(keys, device),
+            options,
+            seen=seen,
+            use_triton=self.use_triton,
+            invariant_scores=self.config.batch_invariant,
         )
         self.input_ids[rows] = tokens
         if self.seen is not None:
@@ -284,6 +289,7 @@ class Runner:
             seen=seen,
             use_triton=self.use_triton,
             tokens_out=self.input_ids[:rows],  # the next step's input, with no copy
+            invariant_scores=self.config.batch_invariant,
         )
         if self.seen is not None:
             self.seen[torch.arange(rows, device=self.device), tokens] = True

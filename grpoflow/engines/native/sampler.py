@@ -27,6 +27,7 @@ import torch
 
 from grpoflow.algo.draws import gumbel_draw, row_keys, sequence_seeds
 from grpoflow.algo.draws import keyed_draw as sample_reference
+from grpoflow.algo.logprobs import invariant_token_logprobs
 from grpoflow.algo.truncation import Truncation
 from grpoflow.engines.base import SamplingParams
 
@@ -90,8 +91,11 @@ def sample(
     seen: torch.Tensor | None = None,
     use_triton: bool = False,
     tokens_out: torch.Tensor | None = None,
+    invariant_scores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. logits (B, V); keys (B,) int64; seen (B, V) bool or None.
+    `invariant_scores` (a batch-invariant engine): the log-probs of a draw from the whole
+    distribution are `invariant_token_logprobs`', bit for bit the trainer's on the same logits.
 
     Returns tokens (B,) int64 (written into `tokens_out` when given) and log-probs (B,) float32,
     both on the logits' device.
@@ -107,9 +111,11 @@ def sample(
     elif use_triton:
         from grpoflow.kernels.decoder import sample_rows
 
-        return sample_rows(*args, tokens_out=tokens_out)
+        tokens, logprobs = sample_rows(*args, tokens_out=tokens_out)
     else:
         tokens, logprobs = sample_reference(*args)
-    if tokens_out is None:
+    if invariant_scores and not (options.greedy or thresholds is not None or options.repetition_penalty != 1):
+        logprobs = invariant_token_logprobs(logits, tokens, options.temperature)
+    if tokens_out is None or tokens is tokens_out:
         return tokens, logprobs
     return tokens_out.copy_(tokens), logprobs
