@@ -1,12 +1,16 @@
 """Causal grouped-query attention whose every query row is computed by the same arithmetic in a
 training forward over whole sequences and in a decode step against the paged KV cache.
 
-One kernel serves both. A program takes one query position and one KV head, and its tile's rows
-are that KV group's query heads (padded to `ATTENTION_ROWS`), so both calls issue the same
-tensor-core instructions on the same tile. It walks the query's keys in blocks of `BLOCK_N` from
-its sequence's first key to its own position, with the same online-softmax update, so the
-decode step's rows (one query per sequence, keys read through the block table) equal the full
-forward's rows at the same positions bit for bit. A full forward reads its keys as a paged cache
+One kernel serves both. A program takes one KV head and as many consecutive queries of a row as
+their query heads fit the tile's `ATTENTION_ROWS` rows (one query in a decode step; two for
+Qwen2-0.5B's seven heads a KV head), so every call issues the same tensor-core instructions on
+the same tile, each tile row computed from its own query alone. It walks the keys in blocks of
+`BLOCK_N` from the sequence's first key, with the same online-softmax update; a block past a
+query's own position is masked whole for its rows, which leaves their running maximum, sum and
+values exactly as they were (a factor exp(0) = 1, weights exp(-inf) = 0). So the decode step's
+rows (one query per sequence, keys read through the block table) equal the full forward's rows
+at the same positions bit for bit. Queries of one sequence share each block of keys; queries of
+different sequences in one program (packed rows, padding) take their keys one query at a time. A full forward reads its keys as a paged cache
 of one page per sequence. Each query's sequence is given by its position: a query at index t with
 position p attends keys t - p .. t of its row, which covers left and right padding
 (padding's positions start over at 0) and sequences packed in one row.
@@ -42,52 +46,83 @@ def _attention_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, starts_ptr, positions_ptr, out_ptr, scale, page_size,
     queries_per_row, stride_qb, stride_qt, stride_qh, stride_kp, stride_kh, stride_ks,
     stride_vp, stride_vh, stride_vs, stride_tb, stride_ob, stride_ot, stride_oh,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr,
+    GROUP: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    # Program (query, KV head); query = row * queries_per_row + t. Keys of logical index j live at
-    # storage index starts[query] + j, in page table[row, index // page_size].
-    query = tl.program_id(0).to(tl.int64)
+    # Program (SLOTS consecutive queries of one row, KV head); tile row r holds query head
+    # r % GROUP of query r // GROUP. Keys of logical index j live at storage index starts[query]
+    # + j, in page table[row, index // page_size].
+    per_row = tl.cdiv(queries_per_row, SLOTS)
+    row = (tl.program_id(0) // per_row).to(tl.int64)
+    first_t = (tl.program_id(0) % per_row) * SLOTS
     kv_head = tl.program_id(1)
-    row = query // queries_per_row
-    t = query % queries_per_row
-    position = tl.load(positions_ptr + query).to(tl.int64)
-    start = tl.load(starts_ptr + query).to(tl.int64)
-    g = tl.arange(0, ROWS)
+    r = tl.arange(0, ROWS)
+    slot = r // GROUP
+    t = first_t + slot
+    live = (slot < SLOTS) & (t < queries_per_row)
+    query = row * queries_per_row + t
+    position = tl.load(positions_ptr + query, mask=live, other=0).to(tl.int64)
+    start = tl.load(starts_ptr + query, mask=live, other=0).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
-    heads = (kv_head * GROUP + g).to(tl.int64)
-    q_mask = (g < GROUP)[:, None]
+    heads = (kv_head * GROUP + r % GROUP).to(tl.int64)
     q = tl.load(
-        q_ptr + row * stride_qb + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=q_mask,
+        q_ptr + row * stride_qb + t[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=live[:, None],
         other=0.0,
     )
     m = tl.full([ROWS], -1e30, tl.float32)
     total = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    for first in range(0, position + 1, BLOCK_N):
-        keys = first + tl.arange(0, BLOCK_N)
-        valid = keys <= position
-        stored = start + keys
-        page = tl.load(table_ptr + row * stride_tb + stored // page_size, mask=valid, other=0).to(tl.int64)
-        slot = stored % page_size
-        k = tl.load(
-            k_ptr + page[:, None] * stride_kp + kv_head * stride_kh + slot[:, None] * stride_ks + d[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + page[:, None] * stride_vp + kv_head * stride_vh + slot[:, None] * stride_vs + d[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
-        m, total, acc = attend_block(q, k, v, valid[None, :], m, total, acc, scale, IEEE)
+    first_start = tl.min(tl.where(live, start, 1 << 60))
+    if first_start == tl.max(tl.where(live, start, -1)):  # one sequence: its keys read once
+        last = tl.max(tl.where(live, position, -1))
+        for first in range(0, last + 1, BLOCK_N):
+            keys = first + tl.arange(0, BLOCK_N)
+            k, v = _key_block(k_ptr, v_ptr, table_ptr, row, kv_head, first_start + keys, keys <= last,
+                              page_size, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+                              stride_tb, HEAD_DIM)  # fmt: skip
+            visible = live[:, None] & (keys[None, :] <= position[:, None])
+            m, total, acc = attend_block(q, k, v, visible, m, total, acc, scale, IEEE)
+    else:  # queries of several sequences (packed, or padding): one at a time
+        for s in tl.static_range(SLOTS):
+            own = live & (slot == s)
+            own_start = tl.max(tl.where(own, start, -1))
+            own_last = tl.max(tl.where(own, position, -1))
+            for first in range(0, own_last + 1, BLOCK_N):
+                keys = first + tl.arange(0, BLOCK_N)
+                k, v = _key_block(k_ptr, v_ptr, table_ptr, row, kv_head, own_start + keys, keys <= own_last,
+                                  page_size, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh,
+                                  stride_vs, stride_tb, HEAD_DIM)  # fmt: skip
+                visible = own[:, None] & (keys[None, :] <= position[:, None])
+                m, total, acc = attend_block(q, k, v, visible, m, total, acc, scale, IEEE)
     out = acc / tl.maximum(total, 1e-30)[:, None]
     tl.store(
-        out_ptr + row * stride_ob + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        out_ptr + row * stride_ob + t[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=q_mask,
+        mask=live[:, None],
     )
+
+
+@triton.jit
+def _key_block(
+    k_ptr, v_ptr, table_ptr, row, kv_head, stored, valid, page_size, stride_kp, stride_kh, stride_ks,
+    stride_vp, stride_vh, stride_vs, stride_tb, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """The keys and values at storage indices `stored` of `row`'s pages (zeros where not `valid`)."""
+    d = tl.arange(0, HEAD_DIM)
+    page = tl.load(table_ptr + row * stride_tb + stored // page_size, mask=valid, other=0).to(tl.int64)
+    slot = stored % page_size
+    k = tl.load(
+        k_ptr + page[:, None] * stride_kp + kv_head * stride_kh + slot[:, None] * stride_ks + d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        v_ptr + page[:, None] * stride_vp + kv_head * stride_vh + slot[:, None] * stride_vs + d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    return k, v
 
 
 def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int) -> int:
@@ -115,12 +150,15 @@ def _launch(
     num_queries = positions.numel()
     if num_queries == 0:
         return
-    _attention_kernel[(num_queries, k.shape[1])](
+    rows = max(ATTENTION_ROWS, triton.next_power_of_2(group))
+    slots = min(rows // group, triton.next_power_of_2(queries_per_row))  # queries sharing a tile
+    programs = num_queries // queries_per_row * triton.cdiv(queries_per_row, slots)
+    _attention_kernel[(programs, k.shape[1])](
         q, k, v, table, starts, positions, out, scale, page_size, queries_per_row, *q_strides,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), table.stride(0),
         *out_strides,
-        GROUP=group, ROWS=max(ATTENTION_ROWS, triton.next_power_of_2(group)), HEAD_DIM=q.shape[-1],
-        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=ATTENTION_WARPS, num_stages=2,
+        GROUP=group, SLOTS=slots, ROWS=rows, HEAD_DIM=q.shape[-1], BLOCK_N=BLOCK_N,
+        IEEE=q.dtype == torch.float32, num_warps=ATTENTION_WARPS, num_stages=2,
     )  # fmt: skip
 
 

@@ -3,7 +3,7 @@ per-head q/k norms, or with LoRA adapters on every linear layer), the native eng
 batch-invariant forward (paged cache, CUDA graphs) and the trainer's replay on the training
 forward with the kernels installed. 64 prompts x 4 samples x 64 tokens: the replay agrees with
 every draw in one round, and prompts served from the prefix cache give the same completions bit
-for bit.
+for bit, each token scored by the engine as the trainer scores it.
 
     pytest -m gpu tests/engines/test_native_batch_invariant_gpu.py
 """
@@ -90,6 +90,8 @@ def test_the_replay_agrees_with_every_draw_in_one_round_gpu(case):
     assert prefix_cache_metrics(engine.stats.prefill)["rollout/prefix_cache_hit_tokens"] > 0
     for ours, theirs in zip(completions, again):
         assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+        # the engine's own scores are the trainer's (on_policy_check: update rests on it)
+        assert [c.logprobs for c in ours] == [c.logprobs for c in theirs]
 
 
 @pytest.fixture(autouse=True)
