@@ -64,6 +64,19 @@ def installed(model: nn.Module) -> bool:
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
 
 
+def scores_match(model: nn.Module) -> bool:
+    """The native engine's scores of its draws are the update's bit for bit: the kernels run on
+    `model` and its output head is a plain linear layer on them, which the update scores on the
+    fused path as the engine does (`algo.logprobs.invariant_token_logprobs`); an adapted head is
+    scored by its own forward."""
+    from grpoflow.algo.logprobs import head_product
+    from grpoflow.kernels.batch_invariant import matmul_forward
+    from grpoflow.policy.lora import generation_model
+
+    model = generation_model(model)
+    return installed(model) and head_product(model.get_output_embeddings()) is matmul_forward
+
+
 def attention_function(
     module: nn.Module,
     query: torch.Tensor,

@@ -95,18 +95,20 @@ def build_rollout(
 
 def on_policy_check(config: GRPOConfig, model: nn.Module) -> str | None:
     """How the run checks on_policy_sampling's draws: None (not on), "replay" or "update"; auto
-    is update where the batch-invariant kernels run on `model` and nothing truncates. update
-    without the kernels is refused."""
+    is update where the batch-invariant kernels run on `model`, the engine scores its draws as
+    the update does (`batch_invariant.scores_match`) and nothing truncates. update without them is
+    refused."""
     generation = config.generation
     if not generation.on_policy_sampling:
         return None
-    invariant = batch_invariant.installed(model)
+    invariant = batch_invariant.scores_match(model)
     if generation.on_policy_check == "auto":
         return "update" if invariant and not generation.sampling.truncation.active else "replay"
     if generation.on_policy_check == "update" and not invariant:
         raise ValueError(
-            "on_policy_check: update needs the batch-invariant kernels, which this run leaves off "
-            "(see the batch_invariant line above): set batch_invariant: true, or on_policy_check: replay"
+            "on_policy_check: update needs the batch-invariant kernels and an output head without an "
+            "adapter (the batch_invariant line above says whether the kernels run): set "
+            "batch_invariant: true and leave lm_head out of target_modules, or on_policy_check: replay"
         )
     return generation.on_policy_check
 

@@ -1,7 +1,7 @@
 """The native engine's batch-invariant forward against the training forward with the kernels
 installed (CPU: `batch_invariant_cpu`'s torch paths, bfloat16): each keyed draw and its log-prob
 come from the same logits bit for bit (Qwen2, Llama, Qwen3, LoRA policies), prompts served from
-the prefix cache included; what the kernels cannot reproduce is refused; removing them leaves the
+the prefix cache included, the engine's scores the update's where the head is a plain one; what the kernels cannot reproduce is refused; removing them leaves the
 stock model."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from helpers.native_fixtures import one_thread, tiny  # noqa: F401 (a fixture)
 from torch import nn
 
 from grpoflow.algo.draws import gumbel_draw, request_keys
-from grpoflow.algo.logprobs import completion_hidden
+from grpoflow.algo.logprobs import completion_hidden, token_logprobs_from_hidden
 from grpoflow.engines import SamplingParams, prefix_cache_metrics
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
-from grpoflow.policy.batch_invariant import NAME, BatchInvariantKernels, wanted
+from grpoflow.policy.batch_invariant import NAME, BatchInvariantKernels, scores_match, wanted
 
 pytest.importorskip("triton")
 pytest.importorskip("peft")
@@ -37,7 +37,8 @@ def engine(model, batch_invariant: bool = True) -> NativeEngine:
 
 
 def trainer_draws(model, prompt: list[int], completions: list[list[int]]) -> list[tuple]:
-    """The trainer's keyed draws and log-probs of each completion from one left-padded batch."""
+    """The trainer's keyed draws of each completion from one left-padded batch, and their log-probs
+    as the update scores them."""
     length = len(prompt) + max(map(len, completions))
     ids = torch.zeros(len(completions), length, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -52,7 +53,10 @@ def trainer_draws(model, prompt: list[int], completions: list[list[int]]) -> lis
     for row, completion in enumerate(completions):
         keys = torch.from_numpy(request_keys(SEED, row, len(completion)))
         start = logits.shape[1] - len(completion)
-        draws.append(gumbel_draw(logits[row, start:], keys, 1.0, None))
+        tokens, _ = gumbel_draw(logits[row, start:], keys, 1.0, None)
+        head = model.get_output_embeddings()
+        scores, _ = token_logprobs_from_hidden(hidden[row : row + 1, start:], head, tokens[None], 1.0)
+        draws.append((tokens, scores[0]))
     return draws
 
 
@@ -99,7 +103,9 @@ def test_each_draw_and_log_prob_is_the_training_forwards_bit_for_bit(case):
         draws = trainer_draws(model, prompt, [c.token_ids for c in completions])
         for completion, (tokens, logprobs) in zip(completions, draws):
             assert tokens.tolist() == completion.token_ids
-            assert torch.equal(logprobs, torch.tensor(completion.logprobs))
+            if scores_match(policy):  # else the head is an adapter's, which the update scores itself
+                assert torch.equal(logprobs, torch.tensor(completion.logprobs))
+    assert scores_match(policy) == (case != "peft-lora")
 
 
 def test_what_the_kernels_cannot_reproduce_is_refused():
