@@ -19,7 +19,8 @@ changing after `MAX_ROUNDS` keeps its unchecked tail (counted in `on_policy/unch
 
 With `batch_invariant` the engine's forward and the trainer's run on the same batch-invariant
 kernels (`grpoflow.policy.batch_invariant`), so the engine's logits are the trainer's and the first
-replay agrees with every draw: one round.
+replay agrees with every draw: one round. `on_policy_check: update` then skips the replay and
+checks every token's log-prob in the update instead (`grpoflow.algo.exact_draw_weights`).
 
 Under `fsdp` the native engine generates from the gathered policy (`Placement.rollout_context`),
 and the replay's forward passes inside it are each rank's own: every rank settles its own

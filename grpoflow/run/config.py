@@ -83,7 +83,8 @@ class GenerationConfig:
     (grpoflow.rollout.on_policy_episodes)."""
     batch_invariant: bool | Literal["auto"] = "auto"
     """Run the training forward and the native engine's forward on the batch-invariant kernels,
-    whose logits agree bit for bit, so on_policy_sampling settles in one round (torch_compile off);
+    whose logits agree bit for bit, so on_policy_sampling needs no replay (on_policy_check) or one
+    round of it (torch_compile off);
     auto: on with on_policy_sampling on CUDA (grpoflow.policy.batch_invariant)."""
     on_policy_check: Literal["auto", "replay", "update"] = "auto"
     """How on_policy_sampling makes each token the trainer's own draw. replay: the trainer redraws
