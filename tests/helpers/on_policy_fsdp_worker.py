@@ -12,6 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as torch_dist
+from native_fixtures import perturbed  # this script's own folder, tests/helpers
 
 from grpoflow.engines import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
@@ -37,16 +38,6 @@ class Tokens:
 
 def tiny_model() -> torch.nn.Module:
     return build_preset_model("tiny", len(build_char_tokenizer()), seed=3, dtype=torch.float32, device=CPU)
-
-
-def perturbed(model: torch.nn.Module, scale: float) -> torch.nn.Module:
-    """A copy of `model` whose every parameter moved by `scale` of its own spread."""
-    other = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for parameter in other.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale * parameter.std())
-    return other
 
 
 def engine(model: torch.nn.Module) -> NativeEngine:

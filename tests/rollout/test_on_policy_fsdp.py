@@ -36,13 +36,18 @@ def test_sharded_replay_agrees_across_ranks_and_a_run_trains_with_no_gap(tmp_pat
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_a_run_with_fsdp_on_the_batch_invariant_kernels_settles_every_step_in_one_round_gpu(tmp_path):
-    """`pytest -m gpu tests/rollout/test_on_policy_fsdp.py` on a machine with 2 GPUs (NCCL)."""
+@pytest.mark.parametrize("check", ["update", "replay"])
+def test_a_run_with_fsdp_on_the_batch_invariant_kernels_trains_with_no_gap_gpu(tmp_path, check):
+    """`pytest -m gpu tests/rollout/test_on_policy_fsdp.py` on a machine with 2 GPUs (NCCL): the
+    update's check finds every log-prob equal, or the replay settles in one round."""
     config_path, output_dir = write_config(
-        tmp_path, "run", fsdp=True, on_policy_sampling=True, batch_invariant=True, torch_dtype="bfloat16",
-        max_steps=2, beta=0.0, num_iterations=1, log_completions=False,
+        tmp_path, "run", fsdp=True, on_policy_sampling=True, batch_invariant=True, on_policy_check=check,
+        torch_dtype="bfloat16", max_steps=2, beta=0.0, num_iterations=1, log_completions=False,
     )  # fmt: skip
     finish(grpoflow_train(config_path, clean_env(), torchrun=True))
     for step in read_jsonl(output_dir / "metrics.jsonl"):
-        assert step["on_policy/rounds"] == 1 and step["on_policy/replaced_tokens"] == 0, step
         assert step["sampling/sampling_logp_difference/max"] == 0, step
+        if check == "update":
+            assert step["on_policy/unverified_fraction"] == 0 and "on_policy/rounds" not in step, step
+        else:
+            assert step["on_policy/rounds"] == 1 and step["on_policy/replaced_tokens"] == 0, step
