@@ -281,3 +281,16 @@ def test_attention_backward_matches_sdpa_gpu():
         results.append([leaf.grad for leaf in leaves])
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("rows", [512, 12288])
+def test_a_fused_products_columns_are_the_separate_products_gpu(rows):
+    """The native engine multiplies q/k/v (and gate/up) as one product; the trainer apart."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
+    parts = [torch.randn(n, 896, device="cuda", dtype=torch.bfloat16) * 896**-0.5 for n in (896, 128, 128)]
+    biases = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in (896, 128, 128)]
+    fused = bi.matmul(x, torch.cat(parts), torch.cat(biases))
+    assert torch.equal(fused, torch.cat([bi.matmul(x, w, b) for w, b in zip(parts, biases)], -1))
