@@ -181,7 +181,7 @@ def test_bad_inputs_are_refused_with_the_fix():
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 ROW_COUNTS = (1, 7, 512, 4096, 24576)
-QWEN2_LINEARS = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
+QWEN2_LINEARS = {"qkv": (1152, 896), "k/v": (128, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
 
 
 @pytest.mark.gpu
