@@ -56,12 +56,19 @@ TILES = (  # block m, n, k, group m, warps, stages
 
 
 def timed(fn, repeats: int) -> float:
+    """Milliseconds per call, the calls replayed from one CUDA graph (a decode step's products
+    run in one; launched one by one from Python they would time the launches)."""
     fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(repeats):
-        fn()
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats

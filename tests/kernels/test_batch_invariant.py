@@ -165,6 +165,21 @@ def test_the_cpu_paths_keep_every_property_of_the_kernels():
     _interpret(ATTENTION, interpreter=False)
 
 
+def test_a_forwards_layers_check_its_positions_once(monkeypatch):
+    """Every layer passes the same positions: checked (a device sync on the GPU) for the first, the
+    check reused while the tensor is unchanged, done again once it changes in place."""
+    checks = []
+    monkeypatch.setattr(ba, "sequence_starts", lambda p, n: checks.append(n) or torch.zeros_like(p))
+    q, kv = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    positions = torch.arange(5)[None]
+    first = ba.attention_forward(q, kv, kv, positions, 0.25)
+    assert torch.equal(ba.attention_forward(q, kv, kv, positions, 0.25), first) and len(checks) == 1
+    positions.add_(0)
+    ba.attention_forward(q, kv, kv, positions, 0.25)
+    ba.attention_forward(q, kv, kv, positions.clone(), 0.25)
+    assert len(checks) == 3
+
+
 def test_bad_inputs_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="one dtype"):
         bi.matmul(torch.randn(2, 8), torch.randn(4, 8).to(torch.bfloat16))
@@ -181,7 +196,13 @@ def test_bad_inputs_are_refused_with_the_fix():
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 ROW_COUNTS = (1, 7, 512, 4096, 24576)
-QWEN2_LINEARS = {"qkv": (1152, 896), "k/v": (128, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
+QWEN2_LINEARS = {
+    "qkv": (1152, 896),
+    "k/v": (128, 896),
+    "o": (896, 896),
+    "gate_up": (9728, 896),
+    "down": (896, 4864),
+}
 
 
 @pytest.mark.gpu
