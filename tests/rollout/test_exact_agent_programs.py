@@ -9,6 +9,7 @@ import logging
 import math
 
 import pytest
+import torch
 
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -76,6 +77,7 @@ def test_an_agent_program_is_refused_a_check_that_would_redraw(tmp_path, overrid
         recipe(tmp_path, **values)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="batch_invariant auto runs the kernels on CUDA")
 def test_an_agent_program_is_refused_when_auto_chooses_replay(tmp_path):
     # batch_invariant auto leaves the kernels off on the CPU
     values = {**EXACT, "agent_program": "helpers.agent_programs:choosy_relay", "batch_invariant": "auto"}
