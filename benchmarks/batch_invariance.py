@@ -182,7 +182,7 @@ def kernel_rows(args, device, dtype) -> list[dict]:
         "attention, full rows",
         args.trainer_batch * args.trainer_length,
         lambda: ba.attention_forward(q, k, v, positions, dim**-0.5),
-        lambda: ba.attention_reference(q, k, v, positions, dim**-0.5),
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=dim**-0.5, enable_gqa=True),
     )
     decode_attention_row(args, device, dtype, heads, kv_heads, dim, add)
     return rows_out
