@@ -28,6 +28,7 @@ import argparse
 import datetime
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -161,7 +162,13 @@ def run_child(args) -> None:
 
 def summarize(mode: str, result: dict, warmup: int) -> dict:
     steps = result["steps"][warmup:] or result["steps"]
-    row = {"mode": mode, "peak_gib": result["peak_gib"], "step_seconds": [s["time/step"] for s in steps]}
+    seconds = [s["time/step"] for s in steps]
+    row = {
+        "mode": mode,
+        "peak_gib": result["peak_gib"],
+        "step_seconds": seconds,
+        "median_step_seconds": statistics.median(seconds),
+    }
     for key in KEYS:
         values = [step[key] for step in steps if key in step]
         if values:
@@ -173,6 +180,7 @@ def print_table(rows: list[dict]) -> None:
     columns = [
         ("mode", "mode", "{}"),
         ("step s", "time/step", "{:.3f}"),
+        ("median", "median_step_seconds", "{:.3f}"),
         ("rollout s", "time/rollout", "{:.3f}"),
         ("replay s", "on_policy/seconds", "{:.3f}"),
         ("rounds", "on_policy/rounds", "{:.1f}"),
