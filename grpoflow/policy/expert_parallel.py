@@ -27,6 +27,10 @@ some expert or receives none at all. The other parameters stay whole on each ran
 gradients are reduced over the group as under plain data parallelism (or by FSDP with
 `expert_parameters` left out of its units).
 
+The experts compute in the dtype of the hidden states they receive: under FSDP's bfloat16 mixed
+precision with float32 weights (the experts left out of its units), their float32 shard is cast
+for each forward, as FSDP casts the parameters it gathers, and their gradients stay float32.
+
 Expert-parallel experts keep only their shard: saving a checkpoint or syncing weights to a
 rollout engine needs the full experts gathered first, which this module does not do.
 """
@@ -90,8 +94,9 @@ class ExpertParallelExperts(nn.Module):
         return torch.zeros_like(hidden_states).index_add(0, order // top_k, weighted.to(hidden_states.dtype))
 
     def local_products(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
-        """Each row (sorted by local expert, `per_expert` rows each) through its expert's MLP."""
-        gate_up, down = self.gate_up_proj, self.down_proj
+        """Each row (sorted by local expert, `per_expert` rows each) through its expert's MLP, the
+        weights cast to the rows' dtype (as FSDP's mixed precision casts the other parameters)."""
+        gate_up, down = self.gate_up_proj.to(rows.dtype), self.down_proj.to(rows.dtype)
         grouped = self.grouped if self.grouped is not None else grouped_mm_runs(rows.device, rows.dtype)
         if grouped:
             offsets = per_expert.cumsum(dim=0).to(torch.int32)

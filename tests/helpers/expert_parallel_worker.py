@@ -102,6 +102,23 @@ def check_case(name: str, routing, grouped: bool, checkpointing: bool = False) -
         check_close(grad.to(reference.dtype), reference, f"{name}: {parameter_name}")
 
 
+def check_mixed_precision() -> None:
+    """Float32 experts under bfloat16 hidden states (FSDP's bf16 mixed precision) compute in
+    bfloat16, as the float32 products rounded, and keep float32 gradients."""
+    model = build_preset_model("tiny-moe", len(build_char_tokenizer()), seed=7, device=DEVICE)
+    shard_experts(model, torch_dist.group.WORLD, grouped=False)
+    experts = model.model.layers[0].mlp.experts
+    hidden = torch.randn(12, 64, generator=torch.Generator().manual_seed(torch_dist.get_rank())).to(DEVICE)
+    chosen = torch.arange(24, device=DEVICE).view(12, 2) % NUM_EXPERTS
+    weights = torch.full((12, 2), 0.5, device=DEVICE)
+    want = experts(hidden, chosen, weights)
+    got = experts(hidden.bfloat16(), chosen, weights.bfloat16())
+    assert got.dtype == torch.bfloat16, got.dtype
+    check_close(got, want.bfloat16(), "bf16 hidden states: output")
+    got.float().sum().backward()
+    assert experts.gate_up_proj.grad.dtype == torch.float32
+
+
 def on_one_rank(layer_owners: tuple[int, int]) -> torch.Tensor:
     """Routing where every token of layer l goes to two experts of rank `layer_owners[l]`, the
     token's own pair varying along the batch."""
@@ -141,6 +158,7 @@ def main() -> None:
     check_case("own routing, gradient checkpointing", None, grouped=False, checkpointing=True)
     # Layer 0 sends every token to rank 0's experts (rank 1 receives none), layer 1 to rank 1's.
     check_case("all on one rank", on_one_rank((0, 1)), grouped=False)
+    check_mixed_precision()
     if grouped_products_run():
         check_case("own routing, grouped products", own, grouped=True)
         check_case("all on one rank, grouped products", on_one_rank((1, 0)), grouped=True)
