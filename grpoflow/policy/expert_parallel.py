@@ -98,7 +98,7 @@ class ExpertParallelExperts(nn.Module):
         weights cast to the rows' dtype (as FSDP's mixed precision casts the other parameters)."""
         gate_up, down = self.gate_up_proj.to(rows.dtype), self.down_proj.to(rows.dtype)
         grouped = self.grouped if self.grouped is not None else grouped_mm_runs(rows.device, rows.dtype)
-        if grouped:
+        if grouped and len(rows):  # nothing arrived: the loop's empty products still reach every expert
             offsets = per_expert.cumsum(dim=0).to(torch.int32)
             gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
             return torch._grouped_mm(self.act_fn(gate) * up, down.transpose(1, 2), offs=offsets)
