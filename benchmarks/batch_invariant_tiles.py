@@ -20,7 +20,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from grpoflow.kernels.batch_invariant import MATMUL_TILE, MatmulTile, matmul_forward
+from grpoflow.kernels.batch_invariant import (
+    LARGE_TILE,
+    MATMUL_TILE,
+    SMALL_TILE,
+    MatmulTile,
+    matmul_forward,
+)
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = (  # (name, rows, out features, in features)
@@ -29,30 +35,40 @@ SHAPES = (  # (name, rows, out features, in features)
     ("gate_up train", 12288, 9728, 896),
     ("down train", 12288, 896, 4864),
     ("head train", 4096, 151936, 896),
+    ("qkv decode", 512, 1152, 896),
+    ("o decode", 512, 896, 896),
     ("gate_up decode", 512, 9728, 896),
     ("down decode", 512, 896, 4864),
     ("head decode", 512, 151936, 896),
 )
 TILES = (  # block m, n, k, group m, warps, stages
     MATMUL_TILE,
+    LARGE_TILE,
+    SMALL_TILE,
     MatmulTile(64, 128, 64, 8, 4, 4),
-    MatmulTile(128, 128, 64, 8, 8, 4),
-    MatmulTile(256, 128, 64, 8, 8, 3),
-    MatmulTile(128, 256, 64, 8, 8, 4),
-    MatmulTile(128, 128, 128, 8, 8, 3),
-    MatmulTile(128, 128, 32, 8, 8, 4),
     MatmulTile(128, 64, 64, 8, 4, 4),
     MatmulTile(64, 64, 128, 8, 4, 3),
+    MatmulTile(64, 32, 64, 8, 4, 4),
+    MatmulTile(32, 64, 64, 8, 4, 4),
+    MatmulTile(32, 32, 64, 8, 2, 4),
+    MatmulTile(16, 64, 64, 8, 4, 4),
 )
 
 
 def timed(fn, repeats: int) -> float:
+    """Milliseconds per call, the calls replayed from one CUDA graph (a decode step's products
+    run in one; launched one by one from Python they would time the launches)."""
     fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(repeats):
-        fn()
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
@@ -72,7 +88,7 @@ def main() -> None:
         )
         for name, rows, n, k in SHAPES
     }
-    reference = {name: matmul_forward(x, w) for name, (x, w) in inputs.items()}
+    reference = {name: matmul_forward(x, w, tile=MATMUL_TILE) for name, (x, w) in inputs.items()}
     stock = {name: timed(lambda x=x, w=w: F.linear(x, w), args.repeats) for name, (x, w) in inputs.items()}
     rows = []
     for tile in TILES:

@@ -161,7 +161,7 @@ def run_child(args) -> None:
 
 def summarize(mode: str, result: dict, warmup: int) -> dict:
     steps = result["steps"][warmup:] or result["steps"]
-    row = {"mode": mode, "peak_gib": result["peak_gib"]}
+    row = {"mode": mode, "peak_gib": result["peak_gib"], "step_seconds": [s["time/step"] for s in steps]}
     for key in KEYS:
         values = [step[key] for step in steps if key in step]
         if values:

@@ -90,11 +90,10 @@ def exact_draw_weights(
         tokens = mask.bool()
         differs = tokens & (trainer_logps.float() != sampling_logps.float())  # NaN differs too
         kept = ~differs.any(-1, keepdim=True)
-        valid = tokens & ~sampling_logps.isnan()
         scored = tokens.any(-1, keepdim=True)
         metrics = {
             "on_policy/unverified_fraction": _reduce((~kept)[scored].float(), torch.mean),
-            **_gap_metrics((trainer_logps.float() - sampling_logps.float())[valid].abs()),
+            **sampling_logp_gap(trainer_logps, sampling_logps, mask),
         }
     return kept.float(), metrics
 

@@ -232,9 +232,8 @@ class _LinearLogProb(torch.autograd.Function):
             )
         else:
             logits = logits.float().div_(temperature)
-            invariant = product is not F.linear  # a batch-invariant head's rows, one at a time
-            logsumexp = _row_logsumexp(logits) if invariant else torch.logsumexp(logits, dim=-1)
-            log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logsumexp
+            # a batch-invariant head's rows one at a time, as `invariant_token_logprobs` scores them
+            log_probs, logsumexp = _eager_log_probs(logits, targets, row_wise=product is not F.linear)
             entropy = None
             if compute_entropy:
                 # H = logsumexp - sum(p * logits), p = exp(logits - logsumexp)
@@ -284,15 +283,20 @@ def invariant_token_logprobs(logits: Tensor, targets: Tensor, temperature: float
     kernels = _fused_kernels(logits)
     if kernels is not None:
         return kernels.fused_log_softmax_forward(logits, targets, temperature, False)[0]
-    scaled = logits.float() / temperature
-    return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - _row_logsumexp(scaled)
+    return _eager_log_probs(logits.float() / temperature, targets, row_wise=True)[0]
 
 
-def _row_logsumexp(logits: Tensor) -> Tensor:
-    """`torch.logsumexp` of each row on its own (a reduction over many rows may split a row)."""
-    if not logits.shape[0]:
-        return logits.new_zeros(0)
-    return torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+def _eager_log_probs(scaled: Tensor, targets: Tensor, row_wise: bool) -> tuple[Tensor, Tensor]:
+    """`(rows, vocab)` float32 logits already divided by the temperature -> the targets' log-probs
+    and each row's logsumexp; `row_wise`: `torch.logsumexp` of each row on its own (a reduction
+    over many rows may split a row), so that a row's values do not depend on the others."""
+    if not row_wise:
+        logsumexp = torch.logsumexp(scaled, dim=-1)
+    elif scaled.shape[0]:
+        logsumexp = torch.stack([torch.logsumexp(row, dim=-1) for row in scaled])
+    else:
+        logsumexp = scaled.new_zeros(0)
+    return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logsumexp, logsumexp
 
 
 FUSED_LOG_SOFTMAX = True

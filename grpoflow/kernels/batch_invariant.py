@@ -2,9 +2,10 @@
 the other rows are and however many there are.
 
 cuBLAS picks its tiles, split-K and reduction order by the problem's shape, so a token's logits
-depend on how many other tokens share its forward. Here one fixed tile configuration serves every
-number of rows (`MATMUL_TILE`, no split-K: each output element sums its products in the same
-order), and RMSNorm and log-softmax reduce one row per program in a fixed order. A decode step of
+depend on how many other tokens share its forward. Here every element sums its products over
+the input in blocks of 64, in order, with no split-K, whatever the number of rows (the tile is
+chosen by the product's shape, `tile_for`: tiles of one K step compute the same bits), and
+RMSNorm and log-softmax reduce one row per program in a fixed order. A decode step of
 one token per sequence and a training forward over whole sequences then compute the same row from
 the same inputs bit for bit. Backward passes use ordinary torch ops: gradients need not be
 invariant. `batch_invariant_attention` gives attention the same property.
@@ -27,7 +28,7 @@ from grpoflow.kernels.ops import rms_norm_reference
 
 @dataclass(frozen=True)
 class MatmulTile:
-    """The one tile configuration of `matmul`, for every number of rows."""
+    """A tile configuration of `matmul`'s kernel."""
 
     block_m: int = 128
     block_n: int = 128
@@ -38,6 +39,21 @@ class MatmulTile:
 
 
 MATMUL_TILE = MatmulTile()
+"""The tile of products with fewer than LARGE_ROWS rows (a decode step's)."""
+LARGE_TILE = MatmulTile(block_m=256)
+"""The tile of products with LARGE_ROWS rows or more (a training forward's). Tiles that step
+through the sum in blocks of 64 compute every element bit for bit alike (each element's products
+accumulate in the same order into the same float32 accumulator, whatever the tile's extent over
+rows and columns; on an H200 nine such tiles gave identical outputs at every shape tried,
+`benchmarks/batch_invariant_tiles.py`), so choosing the tile by the row count keeps each row the
+same; the larger one is ~8% faster at the trainer's shapes."""
+LARGE_ROWS = 4096
+SMALL_TILE = MatmulTile(block_m=64, block_n=64, num_warps=4, num_stages=4)
+"""The tile of products too small to give MATMUL_TILE's tiles one per multiprocessor (a decode
+step's narrow q/k/v, o and down products: 28 to 36 tiles of 128 x 128 at 512 rows); the same bits
+as the other tiles, four times the programs."""
+FEW_TILES = 128
+"""Fewer MATMUL_TILE tiles than this (about an H100's or H200's multiprocessors) take SMALL_TILE."""
 LOG_SOFTMAX_BLOCK = 1024
 """Lanes of a log-softmax row program: each lane folds every LOG_SOFTMAX_BLOCK-th logit."""
 
@@ -85,11 +101,19 @@ def _matmul_kernel(
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=out_mask)
 
 
+def tile_for(num_rows: int, num_cols: int) -> MatmulTile:
+    """`matmul`'s tile for a product of this many rows and output columns."""
+    if num_rows >= LARGE_ROWS:
+        return LARGE_TILE
+    tiles = triton.cdiv(num_rows, MATMUL_TILE.block_m) * triton.cdiv(num_cols, MATMUL_TILE.block_n)
+    return SMALL_TILE if tiles < FEW_TILES else MATMUL_TILE
+
+
 def matmul_forward(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile: MatmulTile = MATMUL_TILE
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile: MatmulTile | None = None
 ) -> torch.Tensor:
     """x (..., K) @ weight (N, K).T (+ bias (N,)) -> (..., N) in x's dtype, float32 accumulation;
-    no autograd (see `matmul`). `tile` is for benchmarks comparing configurations."""
+    no autograd (see `matmul`). `tile`: by the row count unless given (benchmarks compare them)."""
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(
             f"matmul needs one dtype for x ({x.dtype}), weight ({weight.dtype}) and bias "
@@ -105,6 +129,7 @@ def matmul_forward(
     num_rows, depth = rows.shape
     num_cols = weight.shape[0]
     out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    tile = tile or tile_for(num_rows, num_cols)
     grid = (triton.cdiv(num_rows, tile.block_m) * triton.cdiv(num_cols, tile.block_n),)
     if num_rows > 0:
         _matmul_kernel[grid](

@@ -244,6 +244,25 @@ def sequence_starts(positions: torch.Tensor, length: int) -> torch.Tensor:
     return starts
 
 
+_last_rows: list = []
+"""[the positions tensor a call was given, its version and (B, L), its rows' (positions, starts)]:
+every layer of one forward passes the same positions, which are checked (a device sync) once."""
+
+
+def _rows_of(
+    positions: torch.Tensor, batch: int, length: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) int64 positions on `device` and each query's first key (`sequence_starts`); the last
+    call's, where it was given this very tensor unchanged."""
+    key = (positions._version, batch, length, device)
+    if _last_rows and _last_rows[0] is positions and _last_rows[1] == key:
+        return _last_rows[2]
+    expanded = positions.to(device=device, dtype=torch.int64).expand(batch, length).contiguous()
+    rows = expanded, sequence_starts(expanded, length)
+    _last_rows[:] = [positions, key, rows]
+    return rows
+
+
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -252,8 +271,7 @@ def attention_forward(
     batch, _, length, head_dim = q.shape
     if k.shape[0] != batch or k.shape[2] != length:
         raise ValueError(f"attention needs keys for every query: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    positions = positions.to(device=q.device, dtype=torch.int64).expand(batch, length).contiguous()
-    starts = sequence_starts(positions, length)
+    positions, starts = _rows_of(positions, batch, length, q.device)
     if not cpu.triton_runs(q):  # with the kernel's refusals
         _check_heads(q, k, v, q.shape[1])
         return cpu.attention_rows(q, k, v, positions, starts, scale)

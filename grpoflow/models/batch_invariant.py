@@ -3,7 +3,11 @@ policy's own modules' weights multiplied, normalised and attended by
 `grpoflow.kernels.batch_invariant_ops.BatchInvariantOps` over the paged cache, so that every
 token's logits are bit for bit those of the training forward with
 `grpoflow.policy.batch_invariant` installed. Qwen2, Llama and Qwen3 layouts without sliding
-windows or experts, with plain LoRA layers but no LoRA dropout; the projections run apart."""
+windows or experts, with plain LoRA layers but no LoRA dropout. q/k/v and gate/up run as one
+product each where their weights lie back to back (`grpoflow.models.fusion`): the kernel sums each
+output column over the same blocks of the input whatever other columns share the product, so a
+fused product's columns are the separate products' bit for bit (a decode step's narrow k and v
+products otherwise fill a few of the GPU's processors)."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from torch import nn
 from grpoflow.kernels.batch_invariant import matmul_forward
 from grpoflow.kernels.batch_invariant_ops import rotary_tables
 from grpoflow.models.adapters import Projection, is_lora_layer
-from grpoflow.models.model import FamilyModel, Fused, _window
+from grpoflow.models.model import FamilyModel, _window
 from grpoflow.models.model import refusal as family_refusal
 
 MODEL_TYPES = ("qwen2", "llama", "qwen3")
@@ -50,7 +54,7 @@ def add_low_rank(
     """PEFT's LoRA forward on the kernels, op for op: each output (the base product) plus every
     adapter's `B(A(x)) * scale` in turn, x cast to A's dtype first where the layer casts it, A and
     B cast to their input's dtype and multiplied by `matmul_forward`, the sum rounded to the
-    output's dtype once. `down` is unused: the projections run apart."""
+    output's dtype once. `down` is unused: each adapter's A multiplies on its own."""
     for out, projection in zip(outputs, projections):
         result, inputs = out, x
         for term in projection.terms:
@@ -72,13 +76,6 @@ class BatchInvariantFamily(FamilyModel):
         if reason is not None:
             raise ValueError(f"batch_invariant cannot run this model: {reason}; set batch_invariant: false")
         super().__init__(hf_model)
-
-    def fuse_projections(self) -> None:
-        """Nothing to lay out: the projections run apart."""
-
-    def refresh_fused(self) -> None:
-        self.refresh_adapters()
-        self.fused = [Fused() for _ in self.layers]
 
     def load_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], **kwargs) -> None:
         """Weights alone: adapters sent as tensors come with B scaled, unlike the training forward."""

@@ -383,10 +383,9 @@ class FamilyModel:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (T, Hq, D), k and v (T, Hkv, D): views of one product when the weights are fused."""
         shape, num_tokens = self.shape, normed.shape[0]
-        q_size = shape.num_heads * shape.head_dim
-        kv_size = shape.num_kv_heads * shape.head_dim
+        sizes = [shape.num_heads * shape.head_dim] + [shape.num_kv_heads * shape.head_dim] * 2
         if fused.qkv_weight is not None:
-            q, k, v = F.linear(normed, fused.qkv_weight, fused.qkv_bias).split([q_size, kv_size, kv_size], -1)
+            q, k, v = self.linear(normed, fused.qkv_weight, fused.qkv_bias).split(sizes, -1)
         else:
             q, k, v = (
                 self.linear(normed, m.weight, m.bias)
@@ -412,7 +411,7 @@ def dense_mlp(
     """down(act(gate(x)) * up(x)) (SwiGLU with `ops.silu_mul`; `linear` multiplies, `low_rank` adds
     the adapters' products), gate and up as one product when their weights are fused."""
     if fused.gate_up_weight is not None:
-        gate, up = F.linear(normed, fused.gate_up_weight).chunk(2, dim=-1)
+        gate, up = linear(normed, fused.gate_up_weight).chunk(2, dim=-1)
     else:
         gate, up = (linear(normed, m.weight, m.bias) for m in (mlp.gate_proj, mlp.up_proj))
     low_rank([gate, up], normed, adapters.gate_up, fused.gate_up_down)

@@ -26,6 +26,7 @@ from grpoflow.policy.offload import OptimizerOffload
 from grpoflow.rewards import RewardRunner
 from grpoflow.rollout.agent_programs import AgentPrograms
 from grpoflow.rollout.groups import Rollout
+from grpoflow.rollout.source import GroupSource
 from grpoflow.run import checkpoint, infer_workers
 from grpoflow.run.chosen_settings import choose_for_run, chosen_record
 from grpoflow.run.config import GRPOConfig
@@ -57,10 +58,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     settings_record = chosen_record(config, chosen, kv_blocks)
     distributed, device = init_distributed(resolve_device(config.policy.device))
     check_world(config, distributed)
-    if device.type == "cuda":
-        # cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch
-        # 2.11), which makes training CPU-bound; flash and memory-efficient attention do not.
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    tune_device(device)
     environment_factory = agent_environment(config.agent)
     rewards = None
     if not config.atropos.enabled:  # first: a missing package stops here
@@ -81,21 +79,18 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         world_size=distributed.world_size,
         engine_shares_weights=engine.shares_policy_weights,
     )
-    vocab_size = model.get_input_embeddings().num_embeddings
     check = on_policy_check(config, model)
-    rollout = build_rollout(
-        config, tokenizer, environment_factory, placement=policy_placement, vocab_size=vocab_size, check=check
-    )
-    source = build_group_source(
+    rollout, source = build_sources(
         config,
-        rollout=rollout,
-        engine=engine,
-        placement=policy_placement,
-        rewards=rewards,
-        items=items,
-        tokenizer=tokenizer,
-        distributed=distributed,
-        vocab_size=vocab_size,
+        tokenizer,
+        environment_factory,
+        model,
+        policy_placement,
+        engine,
+        rewards,
+        items,
+        distributed,
+        check,
     )
     total_steps = config.total_steps(len(items), distributed.world_size)
     steps_per_epoch = config.steps_per_epoch(len(items), distributed.world_size) if items else None
@@ -127,6 +122,45 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     )
     start(trainer, config, claim, workers, settings_record)
     return trainer
+
+
+def tune_device(device: torch.device) -> None:
+    """cuDNN's SDPA spends ~1 ms of CPU per call planning (measured on an H100 with torch 2.11),
+    which makes training CPU-bound; flash and memory-efficient attention do not: off on CUDA."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def build_sources(
+    config: GRPOConfig,
+    tokenizer,
+    environment_factory,
+    model: torch.nn.Module,
+    policy_placement: placement.Placement,
+    engine: RolloutEngine,
+    rewards: RewardRunner | None,
+    items: list[PromptItem],
+    distributed: DistributedContext,
+    check: str | None,
+) -> tuple[Rollout, GroupSource]:
+    """The rollout that plays a step's prompts (`check`: how on_policy_sampling's draws are
+    checked, `on_policy_check`) and the source of groups around it."""
+    vocab_size = model.get_input_embeddings().num_embeddings
+    rollout = build_rollout(
+        config, tokenizer, environment_factory, placement=policy_placement, vocab_size=vocab_size, check=check
+    )
+    source = build_group_source(
+        config,
+        rollout=rollout,
+        engine=engine,
+        placement=policy_placement,
+        rewards=rewards,
+        items=items,
+        tokenizer=tokenizer,
+        distributed=distributed,
+        vocab_size=vocab_size,
+    )
+    return rollout, source
 
 
 def build_models(

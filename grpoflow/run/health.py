@@ -8,7 +8,8 @@ Checks (`CHECKS`), each with an action `health_NAME`: warn, stop or off:
 - `kl_spike`: the KL jumps above `kl_spike_factor` times its median over the previous
   `health_window` steps (and above `kl_spike_min`);
 - `logprob_gap`: the engine's log-probs of its samples differ from the trainer's by more than
-  `logprob_gap_max` nats per token on average;
+  `logprob_gap_max` nats per token on average, or, under `on_policy_check: update`, by any bit in
+  some completion (`on_policy/unverified_fraction` above 0);
 - `distribution_gap`: at some checked position the engine's whole next-token distribution is
   more than `distribution_tv_max` in total variation from the trainer's
   (`sampling/distribution_tv/max`);
@@ -176,6 +177,14 @@ def _kl_spike(metrics: Mapping[str, float], history: History, config: HealthConf
 
 
 def _logprob_gap(metrics: Mapping[str, float], history: History, config: HealthConfig) -> str | None:
+    unverified = metrics.get("on_policy/unverified_fraction")
+    if _finite(unverified) and unverified > 0:
+        return (
+            f"{unverified:.1%} of the completions had a token whose engine log-prob differs from the "
+            "trainer's and were left out of the loss: the engine no longer computes the trainer's "
+            "logits (weights not synced, or kernels outside the batch-invariant set); set "
+            "on_policy_check: replay to redraw instead"
+        )
     gap = metrics.get("sampling/sampling_logp_difference/mean")
     if _finite(gap) and gap > config.logprob_gap_max:
         return (

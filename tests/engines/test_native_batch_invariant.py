@@ -93,6 +93,7 @@ def test_each_draw_and_log_prob_is_the_training_forwards_bit_for_bit(case):
     BatchInvariantKernels.install(policy)
     model = generation_model(policy)
     rollout = engine(model)
+    assert rollout.family.fused[0].qkv_weight is not None  # one product for q/k/v, apart in training
     params = SamplingParams(n=SAMPLES, max_tokens=TOKENS, temperature=1.0, seed=SEED, draw="gumbel")
     first = rollout.generate(PROMPTS, params)
     again = rollout.generate(PROMPTS, params)  # the prompts' full blocks now come from the cache

@@ -165,6 +165,21 @@ def test_the_cpu_paths_keep_every_property_of_the_kernels():
     _interpret(ATTENTION, interpreter=False)
 
 
+def test_a_forwards_layers_check_its_positions_once(monkeypatch):
+    """Every layer passes the same positions: checked (a device sync on the GPU) for the first, the
+    check reused while the tensor is unchanged, done again once it changes in place."""
+    checks = []
+    monkeypatch.setattr(ba, "sequence_starts", lambda p, n: checks.append(n) or torch.zeros_like(p))
+    q, kv = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    positions = torch.arange(5)[None]
+    first = ba.attention_forward(q, kv, kv, positions, 0.25)
+    assert torch.equal(ba.attention_forward(q, kv, kv, positions, 0.25), first) and len(checks) == 1
+    positions.add_(0)
+    ba.attention_forward(q, kv, kv, positions, 0.25)
+    ba.attention_forward(q, kv, kv, positions.clone(), 0.25)
+    assert len(checks) == 3
+
+
 def test_bad_inputs_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="one dtype"):
         bi.matmul(torch.randn(2, 8), torch.randn(4, 8).to(torch.bfloat16))
@@ -181,7 +196,13 @@ def test_bad_inputs_are_refused_with_the_fix():
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 ROW_COUNTS = (1, 7, 512, 4096, 24576)
-QWEN2_LINEARS = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
+QWEN2_LINEARS = {
+    "qkv": (1152, 896),
+    "k/v": (128, 896),
+    "o": (896, 896),
+    "gate_up": (9728, 896),
+    "down": (896, 4864),
+}
 
 
 @pytest.mark.gpu
@@ -281,3 +302,16 @@ def test_attention_backward_matches_sdpa_gpu():
         results.append([leaf.grad for leaf in leaves])
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("rows", [512, 12288])
+def test_a_fused_products_columns_are_the_separate_products_gpu(rows):
+    """The native engine multiplies q/k/v (and gate/up) as one product; the trainer apart."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
+    parts = [torch.randn(n, 896, device="cuda", dtype=torch.bfloat16) * 896**-0.5 for n in (896, 128, 128)]
+    biases = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in (896, 128, 128)]
+    fused = bi.matmul(x, torch.cat(parts), torch.cat(biases))
+    assert torch.equal(fused, torch.cat([bi.matmul(x, w, b) for w, b in zip(parts, biases)], -1))

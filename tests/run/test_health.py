@@ -91,6 +91,13 @@ def test_each_check_fires_on_the_run_built_to_trip_it_and_once(trip):
     assert fired == [(step, check)], fired
 
 
+def test_completions_the_updates_check_left_out_trip_the_logprob_gap_check():
+    def stream(step):
+        return {**healthy(step), "on_policy/unverified_fraction": 0.25} if step >= 8 else healthy(step)
+
+    assert play(stream, 20) == [(8 + WINDOW - 1, "logprob_gap")]
+
+
 def test_no_check_fires_on_a_learning_run_or_a_stalled_healthy_one():
     assert play(healthy, 60) == []
     assert play(stalled, 60) == []
