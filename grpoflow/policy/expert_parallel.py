@@ -2,10 +2,10 @@
 parallel (EP) group keeps only its share of every MoE layer's experts, and tokens travel to the
 experts that score them.
 
-`shard_experts(model, group)` replaces each sparse block's `experts` module (transformers'
+`shard_experts(model, group)` makes each sparse block's `experts` module (transformers'
 Qwen3-MoE layout: fused `gate_up_proj` (E, 2I, H), gate rows first, and `down_proj` (E, H, I))
-with an `ExpertParallelExperts` holding the contiguous experts `rank * E / size` up to
-`(rank + 1) * E / size` of the group's `size` ranks. The block still runs its router (so routing
+an `ExpertParallelExperts` in place, holding the contiguous experts `rank * E / size` up to
+`(rank + 1) * E / size` of the group's `size` ranks under the same parameter names. The block still runs its router (so routing
 replay, the mismatch count and the load-balancing loss see it as before, `routing_replay`) and
 hands the chosen experts and their weights to the experts module, which then:
 
@@ -45,31 +45,39 @@ from torch import nn
 from grpoflow.models.moe import grouped_mm_runs, is_sparse, sparse_refusal
 from grpoflow.models.moe_adapters import base_experts
 
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+"""The fused expert parameters each rank keeps a share of (first dimension: the experts)."""
+
 
 class ExpertParallelExperts(nn.Module):
     """One MoE layer's experts under expert parallelism: this rank's contiguous share of the
     fused expert weights, called as transformers' experts module is
-    (`hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)`)."""
+    (`hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)`).
 
-    def __init__(
-        self, experts: nn.Module, group: torch_dist.ProcessGroup, grouped: bool | None = None
-    ) -> None:
-        super().__init__()
-        num_experts = experts.gate_up_proj.shape[0]
+    `shard_experts` makes a model's experts modules into this class in place (as FSDP2's
+    `fully_shard` does with the modules it shards): each keeps its identity, its attributes and
+    its parameters' names, so whatever holds the module (a rollout engine built before) sees the
+    shards, or the full weights inside `gathered_experts`."""
+
+    group: torch_dist.ProcessGroup
+    size: int
+    num_experts: int
+    local_experts: int
+    first_expert: int
+    """The global index of this rank's first expert."""
+    grouped: bool | None
+    """Grouped products (`torch._grouped_mm`); None: where `grouped_mm_runs` says they run."""
+
+    def _keep_share(self, group: torch_dist.ProcessGroup, grouped: bool | None) -> None:
+        """Replace the full fused weights by this rank's share of them."""
+        num_experts = self.gate_up_proj.shape[0]
         size, rank = torch_dist.get_world_size(group), torch_dist.get_rank(group)
         local = num_experts // size
-        self.group = group
-        self.size = size
-        self.num_experts = num_experts
-        self.local_experts = local
-        self.first_expert = rank * local
-        """The global index of this rank's first expert."""
-        self.grouped = grouped
-        """Grouped products (`torch._grouped_mm`); None: where `grouped_mm_runs` says they run."""
-        self.act_fn = experts.act_fn
+        self.group, self.size, self.num_experts = group, size, num_experts
+        self.local_experts, self.first_expert, self.grouped = local, rank * local, grouped
         share = slice(self.first_expert, self.first_expert + local)
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(experts, name)
+        for name in EXPERT_WEIGHTS:
+            full = getattr(self, name)
             setattr(self, name, nn.Parameter(full.detach()[share].clone(), requires_grad=full.requires_grad))
 
     def forward(
@@ -165,11 +173,28 @@ def shard_experts(model: nn.Module, group: torch_dist.ProcessGroup, grouped: boo
     size = torch_dist.get_world_size(group)
     reason = expert_parallel_refusal(model, size)
     if reason is not None:
-        raise ValueError(f"expert parallelism over {size} ranks cannot split this model: {reason}")
+        raise ValueError(
+            f"expert parallelism over {size} ranks cannot split this model: {reason}; "
+            "set expert_model_parallel_size: 1"
+        )
     blocks = sparse_blocks(model)
     for _, block in blocks:
-        block.experts = ExpertParallelExperts(block.experts, group, grouped)
+        experts = block.experts
+        experts.__class__ = _expert_parallel_class(type(experts))
+        experts._keep_share(group, grouped)
     return len(blocks)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _expert_parallel_class(base: type) -> type:
+    """The `ExpertParallelExperts` subclass of the experts class `base` (one per class)."""
+    if issubclass(base, ExpertParallelExperts):
+        return base
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"ExpertParallel{base.__name__}", (ExpertParallelExperts, base), {})
+    return _CLASSES[base]
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -331,6 +331,18 @@ class GRPOConfig:
             self._validate_async()
         if self.generation.on_policy_sampling:
             self._validate_on_policy()
+        self._validate_parallelism()
+        require(
+            self.eval.metric_for_best_model is None or self.eval.during_training,
+            "metric_for_best_model",
+            "unset unless the run evaluates",
+            self.eval.metric_for_best_model,
+            "set eval_dataset and eval_strategy: steps (the best checkpoint is chosen at each evaluation)",
+        )
+
+    def _validate_parallelism(self) -> None:
+        """Ranks sharing a colocated vLLM engine generate together; expert parallelism needs an
+        engine that reads the gathered experts in place."""
         require(
             not (
                 self.agent.agent_program
@@ -343,12 +355,15 @@ class GRPOConfig:
             "ranks sharing a colocated vLLM engine must generate together, which an agent program's "
             "requests cannot: use one GPU per engine, or vllm_mode: server",
         )
+        engine, experts_over = self.generation.engine_name, self.placement.expert_model_parallel_size
         require(
-            self.eval.metric_for_best_model is None or self.eval.during_training,
-            "metric_for_best_model",
-            "unset unless the run evaluates",
-            self.eval.metric_for_best_model,
-            "set eval_dataset and eval_strategy: steps (the best checkpoint is chosen at each evaluation)",
+            experts_over == 1
+            or (engine == "native" and not getattr(self.generation.engine, "force_generic", False)),
+            "expert_model_parallel_size",
+            f"1 with the {engine} engine{' under force_generic' if engine == 'native' else ''}",
+            experts_over,
+            "expert parallelism needs the native engine's family path, which reads the gathered experts "
+            "in place: set rollout_engine: native (without force_generic), or expert_model_parallel_size: 1",
         )
 
     def _validate_atropos(self) -> None:

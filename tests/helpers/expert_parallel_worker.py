@@ -14,7 +14,10 @@ import sys
 import torch
 import torch.distributed as torch_dist
 
-from grpoflow.policy.expert_parallel import expert_parameters, shard_experts
+from grpoflow.engines.base import SamplingParams
+from grpoflow.engines.native.engine import NativeEngine
+from grpoflow.policy import placement
+from grpoflow.policy.expert_parallel import ExpertParallelExperts, expert_parameters, shard_experts
 from grpoflow.policy.routing_replay import RoutingRecord, moe_routers
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
 
@@ -119,6 +122,56 @@ def check_mixed_precision() -> None:
     assert experts.gate_up_proj.grad.dtype == torch.float32
 
 
+def check_engine_reads_every_expert() -> None:
+    """A native engine built on the policy before its placement (as a run builds it) generates,
+    inside the rollout context of the policy's experts split beside FSDP, from every expert's
+    current weights: the same tokens as an engine on the whole model with the same weights. Out of
+    the context the experts hold their shares again, and a checkpoint's state dict all of them."""
+    rank, size = torch_dist.get_rank(), torch_dist.get_world_size()
+    whole = build_preset_model("tiny-moe", len(build_char_tokenizer()), seed=7, device=DEVICE)
+    split = copy.deepcopy(whole)
+    engine = NativeEngine(split)
+    assert engine.path == "family"
+    where = placement.shard_model(split, DEVICE, world_size=size, expert_parallel=True)
+    local = NUM_EXPERTS // size
+    with torch.no_grad():  # each rank moves its own experts, and the whole model's copies of them
+        for module in split.modules():
+            if isinstance(module, ExpertParallelExperts):
+                assert module.gate_up_proj.shape[0] == local and not hasattr(
+                    module.gate_up_proj, "full_tensor"
+                )
+        whole_modules = dict(whole.named_modules())
+        for name, module in split.named_modules():
+            if isinstance(module, ExpertParallelExperts):
+                for weight in ("gate_up_proj", "down_proj"):
+                    full = getattr(whole_modules[name], weight)
+                    for owner in range(size):
+                        delta = torch.randn(
+                            full[:local].shape, generator=torch.Generator().manual_seed(owner)
+                        )
+                        full[owner * local : (owner + 1) * local] += delta.to(DEVICE) * 0.5
+                    getattr(module, weight).copy_(full[rank * local : (rank + 1) * local])
+    prompts = [[5, 9, 14, 3], [7, 7, 21]]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+    want = NativeEngine(whole).generate(prompts, params)
+    with where.rollout_context(engine):
+        for name, module in split.named_modules():
+            if isinstance(module, ExpertParallelExperts):
+                for weight in ("gate_up_proj", "down_proj"):
+                    got = getattr(module, weight)
+                    torch.testing.assert_close(got, getattr(whole_modules[name], weight), atol=0, rtol=0)
+        got = engine.generate(prompts, params)
+    for mine, theirs in zip(got, want, strict=True):
+        assert [c.token_ids for c in mine] == [c.token_ids for c in theirs], (mine, theirs)
+    assert all(p.shape[0] == local for p in expert_parameters(split)), "the shares are back"
+    state = where.full_state_dict()  # what rank 0 writes
+    if rank == 0:
+        want_state = whole.state_dict()
+        assert state.keys() == want_state.keys() - {"lm_head.weight"}  # tied: saved once
+        for name, tensor in state.items():
+            torch.testing.assert_close(tensor, want_state[name].cpu(), atol=0, rtol=0, msg=name)
+
+
 def on_one_rank(layer_owners: tuple[int, int]) -> torch.Tensor:
     """Routing where every token of layer l goes to two experts of rank `layer_owners[l]`, the
     token's own pair varying along the batch."""
@@ -159,6 +212,7 @@ def main() -> None:
     # Layer 0 sends every token to rank 0's experts (rank 1 receives none), layer 1 to rank 1's.
     check_case("all on one rank", on_one_rank((0, 1)), grouped=False)
     check_mixed_precision()
+    check_engine_reads_every_expert()
     if grouped_products_run():
         check_case("own routing, grouped products", own, grouped=True)
         check_case("all on one rank, grouped products", on_one_rank((1, 0)), grouped=True)
