@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from grpoflow.engines.base import RolloutEngine
-from grpoflow.options import require
+from grpoflow.options import require, require_min
 from grpoflow.phases import phase
 from grpoflow.policy import expert_shards, lora, offload, sharded_weights
 from grpoflow.policy.expert_parallel import expert_parameters, shard_experts
@@ -107,8 +107,9 @@ class PlacementConfig:
             True,
             "fsdp_offload_params needs fsdp=true (it offloads FSDP's shards)",
         )
+        require_min("expert_model_parallel_size", self.expert_model_parallel_size, 1, " (1: off)")
         require(
-            self.expert_model_parallel_size == 1 or (self.expert_model_parallel_size > 1 and self.fsdp),
+            self.expert_model_parallel_size == 1 or self.fsdp,
             "expert_model_parallel_size",
             "1 without fsdp",
             self.expert_model_parallel_size,

@@ -363,6 +363,12 @@ def build_rollout_engine(
             workers.check_alive()  # a server that died says why
             workers.close()
         raise
+    if config.placement.expert_model_parallel_size > 1 and getattr(built, "path", None) != "family":
+        raise ValueError(
+            "expert_model_parallel_size needs the native engine's family path (the generic path would run "
+            "the split experts' exchanges while generating), but this model runs on the generic path "
+            "(the log says why): set expert_model_parallel_size: 1"
+        )
     if options.distribution_positions and not built.capabilities.distributions:
         logger.info(
             "distribution_check_positions: the %s engine does not return whole next-token distributions, so "

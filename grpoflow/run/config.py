@@ -357,13 +357,12 @@ class GRPOConfig:
         )
         engine, experts_over = self.generation.engine_name, self.placement.expert_model_parallel_size
         require(
-            experts_over == 1
-            or (engine == "native" and not getattr(self.generation.engine, "force_generic", False)),
+            experts_over == 1 or engine == "native",
             "expert_model_parallel_size",
-            f"1 with the {engine} engine{' under force_generic' if engine == 'native' else ''}",
+            f"1 with the {engine} engine",
             experts_over,
-            "expert parallelism needs the native engine's family path, which reads the gathered experts "
-            "in place: set rollout_engine: native (without force_generic), or expert_model_parallel_size: 1",
+            "expert parallelism needs the native engine, which reads the gathered experts in place: "
+            "set rollout_engine: native, or expert_model_parallel_size: 1",
         )
 
     def _validate_atropos(self) -> None:

@@ -21,10 +21,11 @@ from helpers.support import (
     write_config,
 )
 
+from grpoflow.distributed import DistributedContext
 from grpoflow.policy.expert_parallel import expert_parallel_refusal
 from grpoflow.policy.lora import AdapterConfig
 from grpoflow.policy.tiny import build_tiny_model
-from grpoflow.run.build import run
+from grpoflow.run.build import check_world, run
 from grpoflow.run.config import load_config
 
 MOE_RUN = {"model": "random:tiny-moe", "max_steps": 2, "save_steps": 1, "learning_rate": 1e-2}
@@ -118,3 +119,32 @@ def test_a_run_with_experts_split_over_two_ranks_trains_saves_and_resumes_as_one
     assert resumed[0]["loss"] == pytest.approx(logged[1]["loss"], abs=1e-7)
     for name, tensor in weights(resumed_dir / "checkpoint-2").items():
         torch.testing.assert_close(tensor, split[name], atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"expert_model_parallel_size": 2},
+            "expert_model_parallel_size must be 1 without fsdp.*set fsdp: true",
+        ),
+        ({"fsdp": True, "expert_model_parallel_size": 0}, "expert_model_parallel_size must be >= 1"),
+        (
+            {"fsdp": True, "expert_model_parallel_size": 2, "rollout_engine": "hf"},
+            "must be 1 with the hf engine",
+        ),
+        ({"fsdp": True, "expert_model_parallel_size": 2, "use_vllm": True}, "must be 1 with the vllm engine"),
+    ],
+)
+def test_expert_parallelism_is_refused_where_it_cannot_run(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, recipe_values(tmp_path, model="random:tiny-moe", **overrides))
+
+
+def test_expert_parallelism_splits_the_experts_over_every_rank_or_none():
+    config = load_config(
+        None, recipe_values("out", model="random:tiny-moe", fsdp=True, expert_model_parallel_size=4)
+    )
+    with pytest.raises(ValueError, match=r"must be 1 or the number of processes \(2\), got 4"):
+        check_world(config, DistributedContext(world_size=2))
+    check_world(config, DistributedContext(world_size=4))
