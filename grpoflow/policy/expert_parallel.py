@@ -19,6 +19,10 @@ hands the chosen experts and their weights to the experts module, which then:
    results to their tokens weighted by the routing weights in ascending expert order, as
    transformers' eager loop does.
 
+While the module holds every expert (inside `expert_shards.gathered_experts`, around a rollout)
+it runs the same products on this rank alone, with no exchange: a forward there is the rank's own
+(as a forward of FSDP's gathered units is), such as the on-policy replay's.
+
 Both exchanges are differentiable: the backward pass of each sends the gradients back along the
 reverse exchange, so every rank's expert gradients are summed over all the group's tokens, as a
 single process on the whole batch would have them. Every rank of the group must run the same
@@ -87,6 +91,12 @@ class ExpertParallelExperts(nn.Module):
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
+        if self.gate_up_proj.shape[0] == self.num_experts:  # gathered: this rank's own pass
+            results = self.local_products(hidden_states[order // top_k], counts)
+            weighted = results * top_k_weights.reshape(-1)[order, None]
+            return torch.zeros_like(hidden_states).index_add(
+                0, order // top_k, weighted.to(hidden_states.dtype)
+            )
         received = torch.empty_like(counts)
         torch_dist.all_to_all_single(received, counts, group=self.group)
         sent = counts.view(self.size, self.local_experts).sum(dim=1).tolist()

@@ -45,11 +45,12 @@ def expert_modules(model: nn.Module) -> list[tuple[str, ExpertParallelExperts]]:
 
 
 @contextmanager
-def gathered_experts(model: nn.Module) -> Iterator[None]:
+def gathered_experts(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[None]:
     """Within the block every expert-parallel experts module of `model` holds every expert: its
-    full weights, gathered layer by layer, registered in place of the shares as parameters
-    without gradients (so that an engine reading the module sees them, and notices new tensors);
-    leaving, the shares again. A collective every rank enters in step."""
+    full weights, gathered layer by layer (in `dtype`, as FSDP's mixed precision gathers the other
+    parameters; None: their own), registered in place of the shares as parameters without
+    gradients (so that an engine reading the module sees them, and notices new tensors); leaving,
+    the shares again. A collective every rank enters in step."""
     kept: list[tuple[ExpertParallelExperts, dict[str, nn.Parameter]]] = []
     try:
         with torch.no_grad():
@@ -57,9 +58,8 @@ def gathered_experts(model: nn.Module) -> Iterator[None]:
                 shares = {name: getattr(module, name) for name in EXPERT_WEIGHTS}
                 kept.append((module, shares))
                 for name, share in shares.items():
-                    setattr(
-                        module, name, nn.Parameter(gather_share(share, module.group), requires_grad=False)
-                    )
+                    full = gather_share(share.to(dtype or share.dtype), module.group)
+                    setattr(module, name, nn.Parameter(full, requires_grad=False))
         yield
     finally:
         for module, shares in kept:
@@ -91,7 +91,8 @@ def clip_gradients(
     squares = torch.zeros((), dtype=torch.float32, device=device)
     if own:
         squares = torch.stack([norm.float() for norm in torch._foreach_norm(own)]).square().sum()
-    torch_dist.all_reduce(squares, group=group)
+    if own:  # every rank holds experts with gradients, or none does
+        torch_dist.all_reduce(squares, group=group)
     if sharded:
         squares = squares + whole(torch.nn.utils.get_total_norm(sharded)).float().to(device).square()
     total = squares.sqrt()

@@ -164,6 +164,9 @@ class Placement:
     """Sharded: whether a decoder layer frees its gathered weights after its forward pass."""
     expert_group: Any = field(default=None, repr=False)
     """Under expert parallelism: the process group the experts are split over, else None."""
+    experts_dtype: torch.dtype | None = None
+    """Under expert parallelism: the dtype a rollout gathers the experts in (FSDP's mixed
+    precision's; None: their own)."""
     gathered: bool = field(default=False, init=False, repr=False)
     """Inside `full_parameters`: every unit holds its full parameters until the block ends."""
 
@@ -254,7 +257,9 @@ class Placement:
                 nullcontext() if engine.capabilities.applies_adapters else lora.merged_adapters(self.module)
             )
             experts = (
-                nullcontext() if self.expert_group is None else expert_shards.gathered_experts(self.module)
+                nullcontext()
+                if self.expert_group is None
+                else expert_shards.gathered_experts(self.module, self.experts_dtype)
             )
             with self.full_parameters(), merge, experts:
                 yield
@@ -379,9 +384,10 @@ def shard_model(
     expert_group = mesh.get_group() if expert_parallel else None
     if expert_group is not None:
         shard_experts(model, expert_group)
+    policy = mixed_precision(precision, weights_dtype, device)
     options = {
         "mesh": mesh,
-        "mp_policy": mixed_precision(precision, weights_dtype, device),
+        "mp_policy": policy,
         "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")
         if offload_params
         else OffloadPolicy(),
@@ -410,6 +416,7 @@ def shard_model(
         reduce_every_micro_batch=reduce_every_micro_batch,
         reshard_after_forward=reshard_after_forward,
         expert_group=expert_group,
+        experts_dtype=policy.param_dtype,
     )
 
 

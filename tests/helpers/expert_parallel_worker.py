@@ -126,13 +126,14 @@ def check_engine_reads_every_expert() -> None:
     """A native engine built on the policy before its placement (as a run builds it) generates,
     inside the rollout context of the policy's experts split beside FSDP, from every expert's
     current weights: the same tokens as an engine on the whole model with the same weights. Out of
-    the context the experts hold their shares again, and a checkpoint's state dict all of them."""
+    the context the experts hold their shares again, and a checkpoint's state dict all of them.
+    FSDP's mixed precision off: the policy computes in float32 as the whole model does."""
     rank, size = torch_dist.get_rank(), torch_dist.get_world_size()
     whole = build_preset_model("tiny-moe", len(build_char_tokenizer()), seed=7, device=DEVICE)
     split = copy.deepcopy(whole)
     engine = NativeEngine(split)
     assert engine.path == "family"
-    where = placement.shard_model(split, DEVICE, world_size=size, expert_parallel=True)
+    where = placement.shard_model(split, DEVICE, world_size=size, precision="no", expert_parallel=True)
     local = NUM_EXPERTS // size
     with torch.no_grad():  # each rank moves its own experts, and the whole model's copies of them
         for module in split.modules():
@@ -161,6 +162,11 @@ def check_engine_reads_every_expert() -> None:
                     got = getattr(module, weight)
                     torch.testing.assert_close(got, getattr(whole_modules[name], weight), atol=0, rtol=0)
         got = engine.generate(prompts, params)
+        # A forward there is this rank's own (no exchange): ranks may run different ones.
+        ids = torch.arange(3, 3 + 5 * (rank + 1), device=DEVICE).view(1, -1)
+        with torch.no_grad():
+            own = split(input_ids=ids).logits
+        torch.testing.assert_close(own, whole(input_ids=ids).logits.detach(), atol=1e-5, rtol=1e-5)
     for mine, theirs in zip(got, want, strict=True):
         assert [c.token_ids for c in mine] == [c.token_ids for c in theirs], (mine, theirs)
     assert all(p.shape[0] == local for p in expert_parameters(split)), "the shares are back"
