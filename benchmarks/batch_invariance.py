@@ -8,7 +8,8 @@ logits its full forward computes.
 Three parts, written to one JSON (benchmarks/results/ by default) and printed as tables:
 
 - kernels: `grpoflow.kernels.batch_invariant` / `batch_invariant_attention` against cuBLAS
-  (`F.linear`), transformers' RMSNorm, torch's log-softmax and SDPA, in ms, at the engine's decode
+  (`F.linear`), transformers' RMSNorm, torch's log-softmax and SDPA, in GPU ms (calls replayed
+  from a CUDA graph) and the host's microseconds to launch a call, at the engine's decode
   shapes (`--decode-rows` rows, Qwen2-0.5B's q/k/v/o/gate_up/down/lm_head) and the trainer's
   (`--trainer-batch` x `--trainer-length` rows);
 - identity: the model with its linear layers, RMSNorms and attention swapped for the kernels
@@ -75,7 +76,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def timed(fn, repeats: int, device) -> float:
-    """Milliseconds per call of fn, after one warm-up call."""
+    """Milliseconds per call of fn, after one warm-up call: on CUDA replayed from one CUDA graph
+    (the GPU's time, as in the engine's decode graphs and without the host's launches)."""
+    import torch
+
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(repeats):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    if device.type == "cuda":
+        graph.replay()
+        torch.cuda.synchronize()
+    else:
+        for _ in range(repeats):
+            fn()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def host_us(fn, repeats: int, device) -> float:
+    """Microseconds of the host's own work per call (launching, not waiting: fewer calls than the
+    launch queue holds, timed before the device is waited on)."""
     import torch
 
     fn()
@@ -84,9 +110,10 @@ def timed(fn, repeats: int, device) -> float:
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
+    elapsed = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats * 1e3
+    return elapsed / repeats * 1e6
 
 
 def kernel_rows(args, device, dtype) -> list[dict]:
@@ -105,7 +132,15 @@ def kernel_rows(args, device, dtype) -> list[dict]:
     def add(name, rows, kernel, stock):
         kernel_ms, stock_ms = timed(kernel, args.repeats, device), timed(stock, args.repeats, device)
         rows_out.append(
-            dict(op=name, rows=rows, kernel_ms=kernel_ms, stock_ms=stock_ms, ratio=kernel_ms / stock_ms)
+            dict(
+                op=name,
+                rows=rows,
+                kernel_ms=kernel_ms,
+                stock_ms=stock_ms,
+                ratio=kernel_ms / stock_ms,
+                kernel_host_us=host_us(kernel, args.repeats, device),
+                stock_host_us=host_us(stock, args.repeats, device),
+            )
         )
 
     for rows in (args.decode_rows, args.trainer_batch * args.trainer_length):
@@ -147,7 +182,7 @@ def kernel_rows(args, device, dtype) -> list[dict]:
         "attention, full rows",
         args.trainer_batch * args.trainer_length,
         lambda: ba.attention_forward(q, k, v, positions, dim**-0.5),
-        lambda: ba.attention_reference(q, k, v, positions, dim**-0.5),
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=dim**-0.5, enable_gqa=True),
     )
     decode_attention_row(args, device, dtype, heads, kv_heads, dim, add)
     return rows_out
@@ -225,10 +260,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_tables(result: dict) -> None:
     print(f"\n{result['device']}, {result['dtype']}")
-    print(f"{'op':<34}{'rows':>8}{'kernel ms':>11}{'stock ms':>10}{'ratio':>9}")
+    print(f"{'op':<34}{'rows':>8}{'kernel ms':>11}{'stock ms':>10}{'ratio':>9}{'host us':>9}{'stock':>7}")
     for row in result["kernels"]:
         print(
-            f"{row['op']:<34}{row['rows']:>8}{row['kernel_ms']:>11.3f}{row['stock_ms']:>10.3f}{row['ratio']:>9.2f}"
+            f"{row['op']:<34}{row['rows']:>8}{row['kernel_ms']:>11.3f}{row['stock_ms']:>10.3f}"
+            f"{row['ratio']:>9.2f}{row['kernel_host_us']:>9.1f}{row['stock_host_us']:>7.1f}"
         )
     print(f"\n{'full forward vs paged decode':<40}{'positions':>10}{'identical':>10}{'max |diff|':>12}")
     for name, row in result["identity"].items():

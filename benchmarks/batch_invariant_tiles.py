@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from batch_invariance import timed
 
 from grpoflow.kernels.batch_invariant import (
     LARGE_TILE,
@@ -29,6 +30,7 @@ from grpoflow.kernels.batch_invariant import (
 )
 
 RESULTS = Path(__file__).parent / "results"
+CUDA = torch.device("cuda")
 SHAPES = (  # (name, rows, out features, in features)
     ("qkv train", 12288, 1152, 896),
     ("o train", 12288, 896, 896),
@@ -55,25 +57,6 @@ TILES = (  # block m, n, k, group m, warps, stages
 )
 
 
-def timed(fn, repeats: int) -> float:
-    """Milliseconds per call, the calls replayed from one CUDA graph (a decode step's products
-    run in one; launched one by one from Python they would time the launches)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -89,7 +72,9 @@ def main() -> None:
         for name, rows, n, k in SHAPES
     }
     reference = {name: matmul_forward(x, w, tile=MATMUL_TILE) for name, (x, w) in inputs.items()}
-    stock = {name: timed(lambda x=x, w=w: F.linear(x, w), args.repeats) for name, (x, w) in inputs.items()}
+    stock = {
+        name: timed(lambda x=x, w=w: F.linear(x, w), args.repeats, CUDA) for name, (x, w) in inputs.items()
+    }
     rows = []
     for tile in TILES:
         times, same = {}, True
@@ -100,7 +85,7 @@ def main() -> None:
                 times[name], same = f"{type(error).__name__}", False
                 continue
             same &= torch.equal(out, reference[name])
-            times[name] = timed(lambda x=x, w=w, t=tile: matmul_forward(x, w, tile=t), args.repeats)
+            times[name] = timed(lambda x=x, w=w, t=tile: matmul_forward(x, w, tile=t), args.repeats, CUDA)
         rows.append({"tile": tile.__dict__, "identical": bool(same), "ms": times})
     print("tile (m,n,k,group,warps,stages) | identical | " + " | ".join(name for name, *_ in SHAPES))
     print("cuBLAS | - | " + " | ".join(f"{stock[name]:.3f}" for name, *_ in SHAPES))

@@ -16,7 +16,9 @@ With no grpoflow option (--micro-batch, --gradient-checkpointing, --torch-compil
 --set) grpoflow runs as `grpoflow train` does by default: the settings it leaves unset are chosen
 from the memory plan for the GPU (`grpoflow.run.chosen_settings`), and the JSON says
 `"defaults": true`; TRL takes micro-batch 32 with gradient checkpointing. Each grpoflow row also
-gives the step time `grpoflow plan` predicts (`predicted_seconds_per_step`). Prompts are 128 random characters, which the character
+gives the step time `grpoflow plan` predicts (`predicted_seconds_per_step`); `chosen_settings`
+says whether Liger's kernels ran and why (`use_liger_kernel`: auto leaves them off where compile
+is chosen; `--torch-compile 0` runs them, `--set use_liger_kernel=false` compares without). Prompts are 128 random characters, which the character
 tokenizer maps to exactly 128 tokens. Each system runs in its own subprocess (clean GPU memory);
 the first `--warmup` steps are left out of the means. Results go to benchmarks/results/ as JSON.
 

@@ -10,7 +10,9 @@ completion, less the first turn's prompt), and a seed per turn derived from the 
 seeded run reproducible. Messages, tools, `tool_choice`, stops and the chat template stay the
 program's. A request past the budget, or after the episode has ended (its timeout, the end of the
 rollout), is answered here with a 400 and never reaches the server; one the server refuses for
-its context (`max_tokens` past max_model_len) spends the budget as well.
+its context (`max_tokens` past max_model_len) spends the budget as well. A request sent past this
+transport keeps its own sampling; the server records it with the turn, and under the update's
+exact check such a turn is never counted as the policy's draw (`grpoflow.rollout.program_turns`).
 
 Needs `openai` (and its `httpx`): import this module only when an agent program runs.
 """

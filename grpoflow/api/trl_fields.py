@@ -197,10 +197,10 @@ REASONS = {
         "log_on_each_node",
         "save_on_each_node",
     ),
-    "grpoflow's kernels are set by torch_dtype, attn_implementation, torch_compile and padding_free": (
+    "grpoflow's kernels are set by torch_dtype, attn_implementation, torch_compile, use_liger_kernel "
+    "(Liger's RMSNorm, MLP and rotary kernels) and padding_free": (
         "torch_compile_backend",
         "torch_compile_mode",
-        "use_liger_kernel",
         "liger_kernel_config",
         "use_cache",
         "cast_lm_head_to_fp32",

@@ -78,6 +78,18 @@ class SamplingParams:
         """The top_k/top_p/min_p filters as one object (`grpoflow.algo.truncation`)."""
         return Truncation(top_k=max(self.top_k, 0), top_p=self.top_p, min_p=self.min_p)
 
+    def distribution(self) -> dict[str, float | int]:
+        """The fields that shape the distribution each token is drawn from and scored under
+        (temperature, top_p, top_k, min_p, repetition_penalty), top_k -1 for all tokens: two
+        requests with equal ones draw from the same distribution."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k if self.top_k > 0 else -1,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+
 
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:

@@ -2,9 +2,11 @@
 training forward over whole sequences and in a decode step against the paged KV cache.
 
 One kernel serves both. A program takes one KV head and as many consecutive queries of a row as
-their query heads fit the tile's `ATTENTION_ROWS` rows (one query in a decode step; two for
-Qwen2-0.5B's seven heads a KV head), so every call issues the same tensor-core instructions on
-the same tile, each tile row computed from its own query alone. It walks the keys in blocks of
+their query heads fit its tile's rows (`DECODE_ROWS` for one query a row, a decode step;
+`FORWARD_ROWS` for several: nine of Qwen2-0.5B's seven heads a KV head), each tile row computed
+from its own query alone by products, whose every element sums along the product's depth in one
+order whatever the tile's height; each row's sum of weights is such a product too (a row
+reduction's order would follow the tile's layout across threads). It walks the keys in blocks of
 `BLOCK_N` from the sequence's first key, with the same online-softmax update; a block past a
 query's own position is masked whole for its rows, which leaves their running maximum, sum and
 values exactly as they were (a factor exp(0) = 1, weights exp(-inf) = 0). So the decode step's
@@ -36,8 +38,12 @@ from grpoflow.kernels.attention_block import attend_block
 
 BLOCK_N = 64
 """Keys per step of the online softmax, from each sequence's first key."""
-ATTENTION_ROWS = 16
-"""The least tile height: a group's query heads padded to it (or to the next power of two)."""
+DECODE_ROWS = 16
+"""The least tile height of one query a row: its query heads padded to it (or to the next power
+of two)."""
+FORWARD_ROWS = 64
+"""The least tile height of several queries a row (a full forward, a prefill): as many queries as
+their heads fill it share each block of keys."""
 ATTENTION_WARPS = 4
 
 
@@ -82,9 +88,9 @@ def _attention_kernel(
                               page_size, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
                               stride_tb, HEAD_DIM)  # fmt: skip
             visible = live[:, None] & (keys[None, :] <= position[:, None])
-            m, total, acc = attend_block(q, k, v, visible, m, total, acc, scale, IEEE)
+            m, total, acc = attend_block(q, k, v, visible, m, total, acc, scale, IEEE, True)
     else:  # queries of several sequences (packed, or padding): one at a time
-        for s in tl.static_range(SLOTS):
+        for s in range(SLOTS):
             own = live & (slot == s)
             own_start = tl.max(tl.where(own, start, -1))
             own_last = tl.max(tl.where(own, position, -1))
@@ -94,7 +100,7 @@ def _attention_kernel(
                                   page_size, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh,
                                   stride_vs, stride_tb, HEAD_DIM)  # fmt: skip
                 visible = own[:, None] & (keys[None, :] <= position[:, None])
-                m, total, acc = attend_block(q, k, v, visible, m, total, acc, scale, IEEE)
+                m, total, acc = attend_block(q, k, v, visible, m, total, acc, scale, IEEE, True)
     out = acc / tl.maximum(total, 1e-30)[:, None]
     tl.store(
         out_ptr + row * stride_ob + t[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -150,7 +156,7 @@ def _launch(
     num_queries = positions.numel()
     if num_queries == 0:
         return
-    rows = max(ATTENTION_ROWS, triton.next_power_of_2(group))
+    rows = max(DECODE_ROWS if queries_per_row == 1 else FORWARD_ROWS, triton.next_power_of_2(group))
     slots = min(rows // group, triton.next_power_of_2(queries_per_row))  # queries sharing a tile
     programs = num_queries // queries_per_row * triton.cdiv(queries_per_row, slots)
     _attention_kernel[(programs, k.shape[1])](

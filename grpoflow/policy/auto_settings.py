@@ -8,7 +8,10 @@ the plan still fits; a fit leaves `MARGIN` of the GPU free (the activations are 
 the allocator fragments). torch_compile is on where Inductor can compile for the GPU, except for a
 mixture-of-experts model: with Inductor compiling the eight sparse layers of a Qwen3-30B-A3B shape
 a first step had not finished after four minutes, where eager steps take 4.7 s and the update
-already runs at 51% of an H200's bf16 peak (grouped expert products). Every setting the user gave is kept as given. On the CPU nothing is planned: the defaults stand.
+already runs at 51% of an H200's bf16 peak (grouped expert products), and where the batch-invariant
+kernels or Liger's kernels are to run (`use_liger_kernel` given true). Whether Liger's kernels run
+is decided from facts this module does not hold (`grpoflow.policy.liger.choose`, after torch_compile
+is). Every setting the user gave is kept as given. On the CPU nothing is planned: the defaults stand.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class UserSettings:
     batch_invariant: bool = False
     """The forward is to run on the batch-invariant kernels, which compiling would change: the plan
     leaves compile off."""
+    use_liger_kernel: bool | None = None
+    """use_liger_kernel as given (None: auto); true leaves compile off (Liger's kernels are
+    refused beside it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +86,10 @@ class ChosenSettings:
     peak_bytes: int | None = None
     """The plan's peak under these settings (None: nothing planned)."""
     capacity: int | None = None
+    use_liger_kernel: bool = False
+    """Liger's kernels run (`grpoflow.policy.liger.choose`; until it has chosen, as given)."""
+    reasons: dict[str, str] = field(default_factory=dict)
+    """Why a setting has its value, by option name, where one says more than its source."""
 
     def values(self) -> dict[str, object]:
         """The settings by option name."""
@@ -88,11 +98,17 @@ class ChosenSettings:
             "per_device_train_batch_size": self.micro_batch_size,
             "torch_compile": self.torch_compile,
             "max_tokens_per_micro_batch": self.max_tokens_per_micro_batch,
+            "use_liger_kernel": self.use_liger_kernel,
         }
 
     def record(self) -> dict[str, dict[str, object]]:
-        """Each setting's value and source (what run.json keeps)."""
-        return {name: {"value": value, "source": self.sources[name]} for name, value in self.values().items()}
+        """Each setting's value and source, and its reason where one is given (what run.json keeps)."""
+        record: dict[str, dict[str, object]] = {
+            name: {"value": value, "source": self.sources[name]} for name, value in self.values().items()
+        }
+        for name, reason in self.reasons.items():
+            record[name]["reason"] = reason
+        return record
 
     def summary(self) -> str:
         """Every setting with its value and source, on one line."""
@@ -150,6 +166,7 @@ def choose_settings(
             if size > micro_batch and peak(checkpointing, size) <= budget:
                 micro_batch = size
     compile_ = device.compile_available and not shape.num_experts and not user.batch_invariant
+    compile_ = compile_ and user.use_liger_kernel is not True
     compile_ = compile_ if user.torch_compile is None else user.torch_compile
     tokens = user.max_tokens_per_micro_batch
     if tokens is None and user.padding_free and user.micro_batch_size is None:
@@ -162,6 +179,7 @@ def choose_settings(
         micro_batch_size=micro_batch,
         torch_compile=compile_,
         max_tokens_per_micro_batch=tokens,
+        use_liger_kernel=bool(user.use_liger_kernel),
         sources=sources,
         peak_bytes=peak(checkpointing, micro_batch),
         capacity=device.memory_bytes,
@@ -175,6 +193,7 @@ def _kept(user: UserSettings, source: Source) -> ChosenSettings:
         micro_batch_size=user.micro_batch_size or DEFAULT_MICRO_BATCH,
         torch_compile=bool(user.torch_compile),
         max_tokens_per_micro_batch=user.max_tokens_per_micro_batch,
+        use_liger_kernel=bool(user.use_liger_kernel),
         sources=_sources(user, source),
     )
 
@@ -187,7 +206,9 @@ def _sources(user: UserSettings, unset: Source) -> dict[str, Source]:
         "torch_compile": user.torch_compile is not None,
         "max_tokens_per_micro_batch": user.max_tokens_per_micro_batch is not None,
     }
-    return {name: "user" if was_given else unset for name, was_given in given.items()}
+    sources: dict[str, Source] = {name: "user" if was_given else unset for name, was_given in given.items()}
+    sources["use_liger_kernel"] = "default" if user.use_liger_kernel is None else "user"  # auto, not the plan
+    return sources
 
 
 def compile_skipped(steps: int, eager_update_s: float, compiled_update_s: float) -> str | None:

@@ -42,10 +42,15 @@ def wanted(setting: bool | str, on_policy_sampling: bool, device: torch.device) 
 
 
 def install_if_wanted(
-    setting: bool | str, on_policy_sampling: bool, model: nn.Module, torch_compile: bool
+    setting: bool | str,
+    on_policy_sampling: bool,
+    model: nn.Module,
+    torch_compile: bool,
+    use_liger_kernel: bool = False,
 ) -> BatchInvariantKernels | None:
     """The kernels on `model` when `setting` asks for them (`wanted`). True refuses a model or a
-    torch_compile they cannot serve; auto leaves them off then, with one log line."""
+    torch_compile they cannot serve; auto leaves them off then, and beside Liger's kernels
+    (`use_liger_kernel`, which replace the same modules), with one log line."""
     if not wanted(setting, on_policy_sampling, next(model.parameters()).device):
         return None
     if setting == "auto":
@@ -53,6 +58,7 @@ def install_if_wanted(
         from grpoflow.policy.lora import generation_model
 
         reason = "torch_compile is on" if torch_compile else refusal(generation_model(model))
+        reason = "use_liger_kernel is on" if use_liger_kernel else reason
         if reason is not None:
             logger.info("batch_invariant: auto leaves the batch-invariant kernels off (%s)", reason)
             return None

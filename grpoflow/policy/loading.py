@@ -12,7 +12,7 @@ import torch
 
 from grpoflow import hub
 from grpoflow.options import NOT_AN_OPTION
-from grpoflow.policy import varlen_attention
+from grpoflow.policy import liger, varlen_attention
 from grpoflow.policy.adapter_checkpoints import is_adapter_checkpoint, load_adapter_weights
 from grpoflow.policy.compiling import compile_layers
 from grpoflow.policy.lora import WithoutAdapters, is_peft_model
@@ -36,6 +36,12 @@ class PolicyConfig:
     """Compile each decoder layer with torch.compile for the update phase (fuses the norms,
     rotary embeddings and activations); generation engines are unaffected. Unset: on for a CUDA
     device where torch.compile has Triton (off on the CPU)."""
+    use_liger_kernel: bool | Literal["auto"] = "auto"
+    """Run the training forward's RMSNorms, SwiGLU/GeGLU MLPs and rotary embeddings on Liger
+    Kernel's fused Triton kernels (`pip install grpoflow[liger]`; grpoflow.policy.liger), the
+    reference model's too. auto: on where they run and pay (`grpoflow train` on CUDA with
+    liger-kernel installed, torch_compile and the batch-invariant kernels off, a model type Liger
+    supports), the reason recorded in run.json; other commands load the model without them."""
     trust_remote_code: bool = False
     """Allow model code from the hub."""
     attn_implementation: (
@@ -156,6 +162,8 @@ def load_model(
                 f"({error}); leave it unset for sdpa"
             ) from None
     set_experts_implementation(model, config.experts_implementation, device)
+    if config.use_liger_kernel is True:
+        liger.apply(model, moe=is_moe_config(model.config))
     if config.torch_compile:
         compile_layers(model, fallback=config.compile_fallback)
     if config.gradient_checkpointing:

@@ -28,7 +28,12 @@ stay in the training process (`grpoflow.rollout.program_workers`); with `vllm_mo
 server` the programs talk to the run's `grpoflow serve` servers themselves. Either way the server
 records every turn; once the program returns, the episode's turns are fetched (and deleted) and
 chained into training sequences (`grpoflow.chat.trajectory`): one per run of turns that extend each
-other, every sampled token trained with the log-prob it was sampled with.
+other, every sampled token trained with the log-prob it was sampled with. Under on_policy_sampling
+(the update's check; a redraw would come after the program acted on the turns) that log-prob is the
+batch-invariant engine's score, which the update compares with its own bit for bit; a turn the
+server records as drawn with sampling other than the run's (a request sent past the given client)
+is marked as no draw of the policy, rather than rewritten or refused: the program has already acted
+on it, and its episode is left out of the loss (`program_turns.unverifiable`), warned once.
 
 A program that raises, or runs past `agent_timeout`, or records no turn, ends only its own
 episode: it trains with advantage 0 (no reward), and the error is logged with its row. A request
@@ -51,7 +56,14 @@ from grpoflow.data.prompts import PromptItem
 from grpoflow.engines import Completion, RolloutEngine, SamplingParams
 from grpoflow.rollout.groups import Group
 from grpoflow.rollout.program_play import EpisodePlayer, ProgramOutcome, load_agent_program
-from grpoflow.rollout.program_turns import Endpoint, common_prefix, episodes_of, training_completion
+from grpoflow.rollout.program_turns import (
+    Endpoint,
+    Episode,
+    common_prefix,
+    episodes_of,
+    training_completion,
+    unverifiable,
+)
 
 if TYPE_CHECKING:
     from grpoflow.rollout.program_workers import ProgramWorkers
@@ -88,6 +100,9 @@ class AgentPrograms:
         max_model_len: the in-process engine's context.
         tool_call_parser: how the hosted server reads tool calls.
         server_api_key: the rollout servers' API key (vllm_mode server), if they have one.
+        exact: the update checks every sampled token bit for bit (`on_policy_check: update`):
+            a turn drawn with sampling other than the run's is marked as no draw of the policy
+            (`program_turns.unverifiable`).
     """
 
     def __init__(
@@ -99,6 +114,7 @@ class AgentPrograms:
         max_model_len: int,
         tool_call_parser: str = "auto",
         server_api_key: str | None = None,
+        exact: bool = False,
     ) -> None:
         self.config, self.tokenizer = config, tokenizer
         self.player = EpisodePlayer(config)
@@ -112,7 +128,9 @@ class AgentPrograms:
         """Play the episodes instead, beside the hosted engine's relay (agent_workers > 0)."""
         self._hosted_engine: RolloutEngine | None = None
         self._checked_urls: set[str] = set()
+        self.exact = exact
         self._warned_dropped = False
+        self._warned_foreign = False
 
     def __call__(
         self, engine: RolloutEngine, items: Sequence[PromptItem], params: SamplingParams | list
@@ -133,6 +151,7 @@ class AgentPrograms:
             if gate is not None:
                 gate.close()
         seconds = time.perf_counter() - started
+        foreign = self._mark_unverifiable(outcomes, episodes) if self.exact else None
         max_length = per_item[0].max_tokens if per_item else 1
         groups, start = [], 0
         for item, item_params in zip(items, per_item):
@@ -140,6 +159,8 @@ class AgentPrograms:
             groups.append(self._group(item, played, max_length, engine.policy_version))
             start += item_params.n
         self.last_metrics = self._metrics(outcomes, groups, seconds)
+        if foreign is not None:
+            self.last_metrics["on_policy/foreign_turn_fraction"] = foreign
         return groups
 
     def close(self) -> None:
@@ -206,6 +227,27 @@ class AgentPrograms:
         self._checked_urls.add(url)
 
     # -- groups -------------------------------------------------------------------------------
+
+    def _mark_unverifiable(self, outcomes: list[ProgramOutcome], episodes: list[Episode]) -> float:
+        """Mark the turns drawn with sampling other than their episode's (`unverifiable`); the
+        fraction of all turns they are, warned of once per run."""
+        total, foreign = 0, []
+        for outcome, episode in zip(outcomes, episodes, strict=True):
+            outcome.turns, sampled = unverifiable(outcome.turns, episode.params)
+            total, foreign = total + len(outcome.turns), foreign + sampled
+        if foreign and not self._warned_foreign:
+            self._warned_foreign = True
+            logger.warning(
+                "%d of %d agent program turns were sampled with %s, not the run's %s: they are not the "
+                "policy's draws, so the update's check leaves their episodes out of the loss "
+                "(on_policy/unverified_fraction); send every request through the client the program is "
+                "given, which samples as the run does; warned once",
+                len(foreign),
+                total,
+                foreign[0] or "no recorded sampling",
+                episodes[0].params.distribution(),
+            )
+        return len(foreign) / total if total else 0.0
 
     def _group(
         self, item: PromptItem, outcomes: list[ProgramOutcome], max_length: int, version: int

@@ -1,9 +1,11 @@
 """An agent program's episode: what is played (its prompt, sampling and seed), and as the server
-recorded it: where the turns are read from, read and deleted once the program returns, and the chained turns as the completion a group trains on (with
-where each of its later sequences starts)."""
+recorded it: where the turns are read from, read and deleted once the program returns, the turns
+the update's exact check cannot count as the policy's draws, and the chained turns as the
+completion a group trains on (with where each of its later sequences starts)."""
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -72,6 +74,25 @@ async def take_episode(
         offset = following
     (await fetcher.delete(url, headers=headers)).raise_for_status()
     return turns
+
+
+def unverifiable(
+    turns: list[dict[str, Any]], params: SamplingParams
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The turns as the update's exact check may weigh them, and the recorded `sampling` of each
+    that is not the policy's draw: a turn whose `sampling` is not the run's distribution (`params`) was
+    drawn from another one (a request that reached the server with its own temperature, top_p,
+    top_k, min_p or repetition_penalty, or greedy), or one the record does not name, so its
+    log-probs are NaN: no log-prob of the policy's draw, which the check counts as a difference,
+    leaving its episode out of the loss whatever the engine's scores happen to equal."""
+    expected, kept, foreign = params.distribution(), [], []
+    for turn in turns:
+        if turn.get("sampling") == expected:
+            kept.append(turn)
+            continue
+        foreign.append(turn.get("sampling"))
+        kept.append({**turn, "completion_logprobs": [math.nan] * len(turn["completion_ids"])})
+    return kept, foreign
 
 
 def training_completion(trajectory: Trajectory, shared: int) -> tuple[Completion, list[int]]:

@@ -177,7 +177,11 @@ def build_models(
     ref_model = reference_model(model) if config.algorithm.beta != 0 else None
     generation = config.generation
     batch_invariant.install_if_wanted(
-        generation.batch_invariant, generation.on_policy_sampling, model, bool(config.policy.torch_compile)
+        generation.batch_invariant,
+        generation.on_policy_sampling,
+        model,
+        bool(config.policy.torch_compile),
+        use_liger_kernel=config.policy.use_liger_kernel is True,
     )
     if resume is not None:
         load_checkpoint_weights(model, resume)

@@ -2,8 +2,9 @@
 (`grpoflow.policy.auto_settings`), and the step time they predict (`grpoflow.policy.step_time`).
 
 `grpoflow train` chooses before anything loads and trains with the config this returns; on the
-CPU nothing is planned and the defaults stand, at no cost. `grpoflow plan` prints the same choice
-and its predicted step.
+CPU nothing is planned and the defaults stand, at no cost. Whether Liger's kernels run
+(`use_liger_kernel`) is chosen last, once torch_compile is (`grpoflow.policy.liger.choose`), its
+reason recorded. `grpoflow plan` prints the same choice and its predicted step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 
 import torch
 
+from grpoflow.policy import liger
 from grpoflow.policy.auto_settings import (
     ChosenSettings,
     DeviceFacts,
@@ -25,7 +27,7 @@ from grpoflow.policy.batch_invariant import wanted
 from grpoflow.policy.loading import resolve_device
 from grpoflow.policy.step_time import GpuSpec, StepTime, UpdatePasses, Workload, known_gpu, predict_step
 from grpoflow.run.config import GRPOConfig
-from grpoflow.run.plan_check import gpu_capacity, model_shape, plan_settings
+from grpoflow.run.plan_check import gpu_capacity, model_config, model_shape, plan_settings
 
 logger = logging.getLogger("grpoflow")
 
@@ -59,11 +61,8 @@ def user_settings(config: GRPOConfig) -> UserSettings:
         gradient_checkpointing=config.policy.gradient_checkpointing,
         micro_batch_size=config.training.per_device_train_batch_size,
         torch_compile=config.policy.torch_compile,
-        batch_invariant=wanted(
-            config.generation.batch_invariant,
-            config.generation.on_policy_sampling,
-            resolve_device(config.policy.device),
-        ),
+        batch_invariant=batch_invariant_runs(config),
+        use_liger_kernel=None if config.policy.use_liger_kernel == "auto" else config.policy.use_liger_kernel,
         max_tokens_per_micro_batch=config.training.max_tokens_per_micro_batch,
         padding_free=config.training.padding_free,
         generation_batch=config.generation_batch_size,
@@ -73,8 +72,42 @@ def user_settings(config: GRPOConfig) -> UserSettings:
     )
 
 
+def batch_invariant_runs(config: GRPOConfig) -> bool:
+    """The batch-invariant kernels are to run (given, or auto with on_policy_sampling on CUDA)."""
+    generation = config.generation
+    return wanted(
+        generation.batch_invariant, generation.on_policy_sampling, resolve_device(config.policy.device)
+    )
+
+
 def choose(config: GRPOConfig, device: DeviceFacts) -> ChosenSettings:
     """The settings `config` trains with on `device`."""
+    return with_liger(config, device, choose_speed(config, device))
+
+
+def with_liger(config: GRPOConfig, device: DeviceFacts, chosen: ChosenSettings) -> ChosenSettings:
+    """`chosen` with whether Liger's kernels run and why (one log line); use_liger_kernel: true
+    where they cannot run is refused, naming the fix."""
+    setting = config.policy.use_liger_kernel
+    facts = liger.LigerFacts(
+        cuda=device.kind == "cuda",
+        installed=liger.installed(),
+        model_type=None,
+        torch_compile=chosen.torch_compile,
+        batch_invariant=config.generation.batch_invariant,
+        batch_invariant_runs=batch_invariant_runs(config),
+    )
+    if setting is not False and facts.cuda and facts.installed:
+        facts = dataclasses.replace(facts, model_type=model_config(config).model_type)
+    on, reason = liger.choose(setting, facts)
+    if setting == "auto":
+        logger.info("use_liger_kernel=%s (%s)", on, reason)
+    reasons = {**chosen.reasons, "use_liger_kernel": reason}
+    return dataclasses.replace(chosen, use_liger_kernel=on, reasons=reasons)
+
+
+def choose_speed(config: GRPOConfig, device: DeviceFacts) -> ChosenSettings:
+    """The memory and compile settings `config` trains with on `device`."""
     user = user_settings(config)
     if device.kind != "cuda" or device.memory_bytes is None:
         return choose_settings(None, None, device, user)  # nothing planned: no config is read
@@ -105,6 +138,7 @@ def applied(config: GRPOConfig, chosen: ChosenSettings) -> GRPOConfig:
         gradient_checkpointing=chosen.gradient_checkpointing,
         torch_compile=chosen.torch_compile,
         compile_fallback=chosen.torch_compile and chosen.sources["torch_compile"] != "user",
+        use_liger_kernel=chosen.use_liger_kernel,
     )
     return dataclasses.replace(config, training=training, policy=policy)
 

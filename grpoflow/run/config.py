@@ -80,7 +80,7 @@ class GenerationConfig:
     (the trainer replays the engine's keyed draws on its logits and the engine continues from the
     first disagreement), so the sampled tokens' log-probs are the trainer's (grpoflow.rollout.on_policy);
     for single-turn completions and the turns of tool or environment episodes
-    (grpoflow.rollout.on_policy_episodes)."""
+    (grpoflow.rollout.on_policy_episodes); an agent program's turns under the update's check only."""
     batch_invariant: bool | Literal["auto"] = "auto"
     """Run the training forward and the native engine's forward on the batch-invariant kernels,
     whose logits agree bit for bit, so on_policy_sampling needs no replay (on_policy_check) or one
@@ -406,8 +406,9 @@ class GRPOConfig:
 
     def _validate_on_policy(self) -> None:
         """The trainer replays the native engine's draws of completions and environment episodes'
-        turns."""
-        engine = self.generation.engine_name
+        turns; an agent program's turns only the update's check can verify."""
+        generation = self.generation
+        engine = generation.engine_name
         require(
             engine == "native",
             "on_policy_sampling",
@@ -419,11 +420,8 @@ class GRPOConfig:
         clashes = {
             "rollout_func": (
                 self.agent.rollout_func is not None,
-                "a rollout function samples through its own calls, which the trainer cannot replay",
-            ),
-            "agent_program": (
-                bool(self.agent.agent_program),
-                "an agent program's turns arrive over HTTP after it has acted on them, too late to redraw",
+                "a rollout function returns completions and log-probs of its own making, which the trainer "
+                "can neither redraw nor tell apart from the policy's draws",
             ),
             "atropos_url": (
                 bool(self.atropos.atropos_url),
@@ -456,6 +454,20 @@ class GRPOConfig:
                 f"on_policy_sampling replays the native engine's draws on the trainer's forward, and {why}: "
                 "drop one of the two",
             )
+        require(
+            not self.agent.agent_program
+            or (
+                generation.on_policy_check != "replay"
+                and generation.batch_invariant is not False
+                and not generation.sampling.truncation.active
+            ),
+            "on_policy_check",
+            "update (or auto with batch_invariant: true) with agent_program",
+            generation.on_policy_check,
+            "an agent program's turns arrive over HTTP after it has acted on them, too late to redraw: "
+            "set on_policy_check: update and batch_invariant: true (no top_k/top_p/min_p), whose check "
+            "needs no redraw",
+        )
 
     def _validate_async(self) -> None:
         engine = self.generation.engine_name

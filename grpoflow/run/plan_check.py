@@ -77,16 +77,21 @@ def gpu_capacity(config) -> int | None:
 
 def model_shape(config, on_gpu: bool) -> ModelShape:
     """The policy's shape from its config alone (a local directory's config.json, or a preset)."""
-    policy = config.policy
-    dtype = policy.torch_dtype
+    dtype = config.policy.torch_dtype
     dtype_bytes = 2 if dtype in ("bfloat16", "float16") or (dtype == "auto" and on_gpu) else 4
+    hf_config = model_config(config)
+    return ModelShape.from_config(getattr(hf_config, "text_config", hf_config), dtype_bytes=dtype_bytes)
+
+
+def model_config(config):
+    """The policy's transformers config, no weights loaded (a local directory's config.json, or a
+    preset's)."""
+    policy = config.policy
     preset = local_preset(policy.model)
     if preset is not None:
         from grpoflow.policy.tiny import build_char_tokenizer, preset_config
 
-        return ModelShape.from_config(
-            preset_config(preset, len(build_char_tokenizer())), dtype_bytes=dtype_bytes
-        )
+        return preset_config(preset, len(build_char_tokenizer()))
     from transformers import AutoConfig
 
     if not Path(policy.model).exists() and hub.unreachable():
@@ -96,7 +101,7 @@ def model_shape(config, on_gpu: bool) -> ModelShape:
     except OSError as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"model {policy.model!r}: its config could not be read ({reason})") from None
-    return ModelShape.from_config(getattr(hf_config, "text_config", hf_config), dtype_bytes=dtype_bytes)
+    return hf_config
 
 
 def plan_settings(config, kv_cache_bytes: int = 0, dtype_bytes: int = 2) -> PlanSettings:

@@ -44,7 +44,7 @@ def build_rollout(
     check: str | None = None,
 ) -> Rollout:
     """What turns a step's prompts into groups: the user's rollout_func when one is named, an agent
-    program's episodes, episodes of tools or an environment (their turns redrawn by the trainer
+    program's episodes (their turns checked against the run's sampling when `check` is "update"), episodes of tools or an environment (their turns redrawn by the trainer
     when `check` is "replay", given the placed policy), completions the trainer redraws
     (likewise), else one sampled completion per group member.
     `vocab_size`: the policy's embedding rows, which a rollout function's ids may use;
@@ -66,6 +66,7 @@ def build_rollout(
             max_model_len=config.generation.engine.max_model_len or config.max_model_len,
             tool_call_parser=agent.tool_call_parser,
             server_api_key=config.remote.vllm_server_api_key or os.environ.get(API_KEY_ENV),
+            exact=check == "update",
         )
     runner = build_episode_runner(
         agent,
@@ -97,13 +98,21 @@ def on_policy_check(config: GRPOConfig, model: nn.Module) -> str | None:
     """How the run checks on_policy_sampling's draws: None (not on), "replay" or "update"; auto
     is update where the batch-invariant kernels run on `model`, the engine scores its draws as
     the update does (`batch_invariant.scores_match`) and nothing truncates. update without them is
-    refused."""
+    refused, and so is replay for an agent program, whose turns arrive too late to redraw."""
     generation = config.generation
     if not generation.on_policy_sampling:
         return None
     invariant = batch_invariant.scores_match(model)
     if generation.on_policy_check == "auto":
-        return "update" if invariant and not generation.sampling.truncation.active else "replay"
+        check = "update" if invariant and not generation.sampling.truncation.active else "replay"
+        if check == "replay" and config.agent.agent_program is not None:
+            raise ValueError(
+                "on_policy_sampling with agent_program needs the update's check, and on_policy_check: auto "
+                "chose replay here (the batch_invariant line above says whether the kernels run): an agent "
+                "program's turns arrive over HTTP after it has acted on them, too late to redraw; set "
+                "batch_invariant: true and leave lm_head out of target_modules, or on_policy_sampling: false"
+            )
+        return check
     if generation.on_policy_check == "update" and not invariant:
         raise ValueError(
             "on_policy_check: update needs the batch-invariant kernels and an output head without an "

@@ -265,7 +265,7 @@ async def chat_completions(request: Request) -> dict:
     )
     params = sampling_params(body, chat_max_tokens(body, prompt, limits), limits)
     await run_in(requests, check_prompts, [prompt], params.max_tokens, params.n, limits)
-    turn = None if episode_id is None else await episode_routes.open_turn(request, episode_id, body)
+    turn = None if episode_id is None else await episode_routes.open_turn(request, episode_id, body, params)
     (group,) = await service.generate(request, [prompt], params)
     response = await run_in(
         requests,

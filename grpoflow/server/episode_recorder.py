@@ -12,7 +12,8 @@ Both may be sent when they agree. An id is 1 to 256 letters, digits or `._:@-`. 
 `messages` and `tools` (null when the chat template does not read tools), the rendered
 `prompt_ids`, the sampled `completion_ids` (the stop token included when one ended the turn) and
 their `completion_logprobs` (log_softmax(logits / temperature) of each sampled token, the chat
-response's log-probs whether or not the request asked for them), the `finish_reason`, the
+response's log-probs whether or not the request asked for them), the `sampling` they were drawn
+with (temperature, top_p, top_k, min_p, repetition_penalty as the server read them), the `finish_reason`, the
 assistant `message` answered and the `policy_version` that sampled it. Requests without an id are
 not recorded. The endpoints that read them back are episode_routes.py's.
 
@@ -43,7 +44,7 @@ from typing import Any
 from starlette.requests import Request
 
 from grpoflow.chat.trajectory import EPISODE_HEADER
-from grpoflow.engines.base import Completion
+from grpoflow.engines.base import Completion, SamplingParams
 from grpoflow.server.continuation import Resume
 from grpoflow.server.errors import RequestError
 from grpoflow.server.protocol import ChatCompletionRequest
@@ -71,15 +72,27 @@ class TurnRequest:
     messages: bytes
     tools: bytes
     """`null` when the request sent none or the chat template does not read them."""
+    sampling: bytes
+    """The distribution the turn is drawn from (`SamplingParams.distribution`)."""
 
     @classmethod
-    def of(cls, owner: str, episode_id: str, request: ChatCompletionRequest, keep_tools: bool) -> TurnRequest:
+    def of(
+        cls,
+        owner: str,
+        episode_id: str,
+        request: ChatCompletionRequest,
+        keep_tools: bool,
+        params: SamplingParams,
+    ) -> TurnRequest:
+        """The turn `request` starts, sampled with `params` (the request's, as the server reads them)."""
         tools = request.tools if keep_tools else None
-        return cls(owner, episode_id, to_json(request.messages), to_json(tools))
+        return cls(
+            owner, episode_id, to_json(request.messages), to_json(tools), to_json(params.distribution())
+        )
 
     @property
     def nbytes(self) -> int:
-        return len(self.messages) + len(self.tools) + TURN_OVERHEAD_BYTES
+        return len(self.messages) + len(self.tools) + len(self.sampling) + TURN_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +148,8 @@ class RecordedTurn:
                 self.request.messages,
                 b',"tools":',
                 self.request.tools,
+                b',"sampling":',
+                self.request.sampling,
                 b',"prompt_ids":',
                 to_json(self.prompt_ids.tolist()),
                 b',"completion_ids":',

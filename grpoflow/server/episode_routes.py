@@ -24,7 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from starlette.requests import Request
 from starlette.responses import Response
 
-from grpoflow.engines.base import Completion
+from grpoflow.engines.base import Completion, SamplingParams
 from grpoflow.server.auth import owner_of
 from grpoflow.server.continuation import Resume, resume_text
 from grpoflow.server.episode_recorder import RecordedTurn, TurnRequest, to_json
@@ -42,12 +42,14 @@ PAGE_BYTES = 16 * 2**20
 router = APIRouter()
 
 
-async def open_turn(request: Request, episode_id: str, body: ChatCompletionRequest) -> TurnRequest:
-    """The turn `body` starts in its episode, refused before it generates when the episode has no
-    room for it."""
+async def open_turn(
+    request: Request, episode_id: str, body: ChatCompletionRequest, params: SamplingParams
+) -> TurnRequest:
+    """The turn `body` starts in its episode, sampled with `params`, refused before it generates
+    when the episode has no room for it."""
     service = service_of(request)
     turn = await run_in(
-        service.pools.requests, _turn_request, owner_of(request), episode_id, body, service.tokenizer
+        service.pools.requests, _turn_request, owner_of(request), episode_id, body, params, service.tokenizer
     )
     service.episodes.admit(turn)
     return turn
@@ -91,8 +93,10 @@ def _recorded(
     return RecordedTurn.of(turn, ids, completion, response), following
 
 
-def _turn_request(owner: str, episode_id: str, body: ChatCompletionRequest, tokenizer) -> TurnRequest:
-    return TurnRequest.of(owner, episode_id, body, keep_tools=template_reads_tools(body, tokenizer))
+def _turn_request(
+    owner: str, episode_id: str, body: ChatCompletionRequest, params: SamplingParams, tokenizer
+) -> TurnRequest:
+    return TurnRequest.of(owner, episode_id, body, template_reads_tools(body, tokenizer), params)
 
 
 def template_reads_tools(body: ChatCompletionRequest, tokenizer) -> bool:

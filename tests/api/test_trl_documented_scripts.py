@@ -310,7 +310,6 @@ REFUSED_TRL_FIELDS = frozenset(
         "fp16_full_eval",
         "torch_compile_backend",
         "torch_compile_mode",
-        "use_liger_kernel",
         "liger_kernel_config",
         "use_cache",
         "neftune_noise_alpha",

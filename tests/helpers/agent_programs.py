@@ -14,6 +14,8 @@ import time
 
 import openai
 
+from grpoflow.chat.trajectory import EPISODE_HEADER
+
 TOOLS = [
     {
         "type": "function",
@@ -168,3 +170,42 @@ async def forgetful_agent(client: openai.AsyncOpenAI, model: str, row: dict) -> 
     messages += [{"role": "assistant", "content": third.content}, {"role": "user", "content": "end"}]
     await ask(client, model, row, messages)
     return 1.0
+
+
+async def relay_at(client: openai.AsyncOpenAI, model: str, row: dict, **sampling) -> float:
+    """The relay task (`grpoflow.tasks.relay_agent`) on its row's first two letters, each turn
+    asking for `sampling` (and four tokens unless it says otherwise)."""
+    from grpoflow.tasks.relay_agent import CHAT_TEMPLATE
+
+    letters, options = row["letters"][:2], {"max_tokens": 4, **sampling}
+    messages = [{"role": "user", "content": f"echo {letters[0]}:"}]
+    for index in range(len(letters)):
+        reply = await client.chat.completions.create(
+            model=model, messages=messages, extra_body={"chat_template": CHAT_TEMPLATE}, **options
+        )
+        if index + 1 < len(letters):
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content or ""},
+                {"role": "user", "content": f"echo {letters[index + 1]}:"},
+            ]
+    return 0.5 if letters[0] < "e" else 0.0
+
+
+async def choosy_relay(client: openai.AsyncOpenAI, model: str, row: dict) -> float:
+    """The relay asking for sampling of its own (greedy, a nucleus), through the client it is given."""
+    return await relay_at(client, model, row, temperature=0.0, top_p=0.5)
+
+
+async def bypassing_relay(client: openai.AsyncOpenAI, model: str, row: dict) -> float:
+    """One relay turn ("echo a:") through a client of its own (the given one's server, key and
+    episode header), so that it reaches the server greedy, as asked: one token, whose score at
+    temperature 1 (a greedy draw's) equals the trainer's log-prob bit for bit on the CPU."""
+    own = openai.AsyncOpenAI(
+        base_url=str(client.base_url),
+        api_key=client.api_key,
+        default_headers={EPISODE_HEADER: client.default_headers[EPISODE_HEADER]},
+        max_retries=0,
+        timeout=client.timeout,
+    )
+    async with own:
+        return await relay_at(own, model, {**row, "letters": "a"}, temperature=0.0, max_tokens=1)

@@ -126,7 +126,7 @@ def test_an_episode_and_the_list_are_read_a_page_at_a_time(serve):
 
 def test_a_page_of_turns_stops_near_page_bytes():
     messages = [{"role": "user", "content": "x" * (3 * MiB)}]
-    request = TurnRequest("", "ep", json.dumps(messages).encode(), b"null")
+    request = TurnRequest("", "ep", json.dumps(messages).encode(), b"null", b"{}")
     completion = Completion([5, 6], [-0.5, -1.0], "stop", 0)
     response = {
         "id": "r",

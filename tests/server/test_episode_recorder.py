@@ -109,6 +109,9 @@ def test_two_turns_of_an_agent_episode_are_recorded_token_exact(url, model_dir):
         assert turn["finish_reason"] == answer.choices[0].finish_reason
         assert turn["message"]["content"] == answer.choices[0].message.content
         assert turn["tools"] == TOOLS and turn["policy_version"] == 0
+        assert turn["sampling"] == {
+            "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0
+        }  # fmt: skip
     assert turn_1["messages"] == [QUESTION]
     assert turn_2["messages"][1]["tool_calls"][0]["function"]["arguments"] == ARGUMENTS
 
