@@ -311,12 +311,7 @@ def check_world(config: GRPOConfig, distributed: DistributedContext) -> None:
             world_size=distributed.world_size,
             tensor_parallel_size=config.vllm.vllm_tensor_parallel_size,
         )
-    experts_over = config.placement.expert_model_parallel_size
-    if experts_over not in (1, distributed.world_size):
-        raise ValueError(
-            f"expert_model_parallel_size must be 1 or the number of processes ({distributed.world_size}), "
-            f"got {experts_over}: expert parallelism splits the experts over every rank"
-        )
+    check_expert_parallel(config, distributed.world_size)
     if config.atropos.enabled and distributed.world_size > 1:
         raise ValueError(
             "atropos_url needs one training process: the API hands each batch to one trainer; run "
@@ -326,6 +321,22 @@ def check_world(config: GRPOConfig, distributed: DistributedContext) -> None:
         raise ValueError(
             "async_generate with dynamic_sample needs one process: its resampling rounds agree across "
             "ranks through collectives, which cannot run beside the update's; turn one of them off"
+        )
+
+
+def check_expert_parallel(config: GRPOConfig, world_size: int) -> None:
+    """expert_model_parallel_size splits the experts over every rank, for the native engine."""
+    experts_over, engine = config.placement.expert_model_parallel_size, config.generation.engine_name
+    if experts_over not in (1, world_size):
+        raise ValueError(
+            f"expert_model_parallel_size must be 1 or the number of processes ({world_size}), "
+            f"got {experts_over}: expert parallelism splits the experts over every rank"
+        )
+    if experts_over > 1 and engine != "native":
+        raise ValueError(
+            f"expert_model_parallel_size must be 1 with the {engine} engine, got {experts_over}: expert "
+            "parallelism needs the native engine, which reads the gathered experts in place; set "
+            "rollout_engine: native, or expert_model_parallel_size: 1"
         )
 
 

@@ -331,18 +331,6 @@ class GRPOConfig:
             self._validate_async()
         if self.generation.on_policy_sampling:
             self._validate_on_policy()
-        self._validate_parallelism()
-        require(
-            self.eval.metric_for_best_model is None or self.eval.during_training,
-            "metric_for_best_model",
-            "unset unless the run evaluates",
-            self.eval.metric_for_best_model,
-            "set eval_dataset and eval_strategy: steps (the best checkpoint is chosen at each evaluation)",
-        )
-
-    def _validate_parallelism(self) -> None:
-        """Ranks sharing a colocated vLLM engine generate together; expert parallelism needs an
-        engine that reads the gathered experts in place."""
         require(
             not (
                 self.agent.agent_program
@@ -355,14 +343,12 @@ class GRPOConfig:
             "ranks sharing a colocated vLLM engine must generate together, which an agent program's "
             "requests cannot: use one GPU per engine, or vllm_mode: server",
         )
-        engine, experts_over = self.generation.engine_name, self.placement.expert_model_parallel_size
         require(
-            experts_over == 1 or engine == "native",
-            "expert_model_parallel_size",
-            f"1 with the {engine} engine",
-            experts_over,
-            "expert parallelism needs the native engine, which reads the gathered experts in place: "
-            "set rollout_engine: native, or expert_model_parallel_size: 1",
+            self.eval.metric_for_best_model is None or self.eval.during_training,
+            "metric_for_best_model",
+            "unset unless the run evaluates",
+            self.eval.metric_for_best_model,
+            "set eval_dataset and eval_strategy: steps (the best checkpoint is chosen at each evaluation)",
         )
 
     def _validate_atropos(self) -> None:

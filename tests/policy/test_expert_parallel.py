@@ -165,11 +165,6 @@ def test_a_run_with_experts_split_over_two_gpus_trains_as_fsdp_alone_gpu(tmp_pat
             "expert_model_parallel_size must be 1 without fsdp.*set fsdp: true",
         ),
         ({"fsdp": True, "expert_model_parallel_size": 0}, "expert_model_parallel_size must be >= 1"),
-        (
-            {"fsdp": True, "expert_model_parallel_size": 2, "rollout_engine": "hf"},
-            "must be 1 with the hf engine",
-        ),
-        ({"fsdp": True, "expert_model_parallel_size": 2, "use_vllm": True}, "must be 1 with the vllm engine"),
     ],
 )
 def test_expert_parallelism_is_refused_where_it_cannot_run(tmp_path, overrides, message):
@@ -177,10 +172,18 @@ def test_expert_parallelism_is_refused_where_it_cannot_run(tmp_path, overrides, 
         load_config(None, recipe_values(tmp_path, model="random:tiny-moe", **overrides))
 
 
-def test_expert_parallelism_splits_the_experts_over_every_rank_or_none():
-    config = load_config(
-        None, recipe_values("out", model="random:tiny-moe", fsdp=True, expert_model_parallel_size=4)
-    )
-    with pytest.raises(ValueError, match=r"must be 1 or the number of processes \(2\), got 4"):
-        check_world(config, DistributedContext(world_size=2))
-    check_world(config, DistributedContext(world_size=4))
+@pytest.mark.parametrize(
+    ("overrides", "world_size", "message"),
+    [
+        ({}, 2, r"must be 1 or the number of processes \(2\), got 4"),
+        ({"rollout_engine": "hf"}, 4, "must be 1 with the hf engine, got 4.*rollout_engine: native"),
+        ({"use_vllm": True}, 4, "must be 1 with the vllm engine"),
+    ],
+)
+def test_expert_parallelism_splits_the_experts_over_every_rank_for_the_native_engine(
+    overrides, world_size, message
+):
+    values = recipe_values("out", model="random:tiny-moe", fsdp=True, expert_model_parallel_size=4)
+    with pytest.raises(ValueError, match=message):
+        check_world(load_config(None, {**values, **overrides}), DistributedContext(world_size=world_size))
+    check_world(load_config(None, values), DistributedContext(world_size=4))
