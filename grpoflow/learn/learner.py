@@ -232,7 +232,9 @@ class Learner:
         if not self.placement.is_sharded:  # FSDP reduce-scatters in the backward pass
             self.distributed.all_reduce_gradients(parameters)
         max_grad_norm = self.settings.max_grad_norm
-        grad_norm = clip_gradients(parameters, max_grad_norm if max_grad_norm > 0 else float("inf"))
+        grad_norm = clip_gradients(
+            parameters, max_grad_norm if max_grad_norm > 0 else float("inf"), self.placement.expert_group
+        )
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -235,6 +235,9 @@ def load_checkpoint_weights(model: torch.nn.Module, directory: Path) -> None:
     state = {}
     for path in sorted(directory.glob("*.safetensors")):
         state.update(load_file(str(path), device=str(next(model.parameters()).device)))
+    own = model.state_dict()
+    if any(name not in own for name in state) and (directory / "config.json").exists():
+        state = _converted_weights(model, directory)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     if unexpected or set(missing) - tied - {"lm_head.weight"}:
@@ -244,3 +247,11 @@ def load_checkpoint_weights(model: torch.nn.Module, directory: Path) -> None:
         )
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+
+
+def _converted_weights(model: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights under the model's own names, as transformers' `from_pretrained`
+    converts the layout `save_pretrained` writes (a MoE model's experts, one tensor each on disk,
+    fused into each layer's `gate_up_proj` and `down_proj`), on the CPU."""
+    dtype = next(model.parameters()).dtype
+    return type(model).from_pretrained(directory, dtype=dtype).state_dict()

@@ -25,7 +25,10 @@ A mixture-of-experts model holds (and trains, and keeps optimizer moments for) e
 MoE layers, and a router per layer; a token's activations in a MoE layer are those of the `top_k`
 experts it is routed to (each: its copy of the hidden state in and out, 4 intermediate-size
 vectors) and the router's float32 logits and probabilities. LoRA on its experts
-(`target_parameters`) gives each expert of each MoE layer its own adapter.
+(`target_parameters`) gives each expert of each MoE layer its own adapter. Under expert
+parallelism (beside FSDP, over the same ranks) each rank holds 1/N of the experts as FSDP would,
+but the update never gathers them and a rank reducing once per step accumulates the gradients of
+its own experts only.
 """
 
 from __future__ import annotations
@@ -199,6 +202,9 @@ class PlanSettings:
     accumulated_gradient_bytes: int = 0
     """Under FSDP reducing once per optimizer step: bytes per trained parameter of the full
     gradients each rank accumulates over the micro-batches (0: reduced every micro-batch)."""
+    expert_parallel: bool = False
+    """Under FSDP: the experts split over the same ranks (`expert_model_parallel_size`), left out
+    of FSDP's units."""
     optimizer_temporaries: bool = False
     """The optimizer step holds a temporary the size of the trained parameters (foreach AdamW)."""
     kv_cache_bytes: int = 0
@@ -310,14 +316,22 @@ def plan_memory(shape: ModelShape, settings: PlanSettings, capacity: int) -> Mem
     step = trained if settings.optimizer_temporaries else 0
     if settings.offload_optimizer:
         step += 2 * trained
-    accumulated = _trained_parameters(shape, settings) * settings.accumulated_gradient_bytes
+    shards, experts = settings.fsdp_world_size, 0
+    if settings.expert_parallel and shards > 1:
+        experts = shape.num_moe_layers * shape.num_experts * shape.expert_parameters()
+    accumulated = _trained_parameters(shape, settings)
+    if settings.lora_rank is None:  # only a rank's own experts' gradients
+        accumulated -= experts - experts // shards
+    accumulated *= settings.accumulated_gradient_bytes
     update = {
         **resident,
         "reference": reference,
         "gradients": 0 if accumulated else trained,
         "activations": activations,
         "logits": logits,
-        "gathered_weights": 0 if settings.fsdp_reshard_after_forward else gathered,
+        "gathered_weights": 0
+        if settings.fsdp_reshard_after_forward
+        else gathered - experts * shape.dtype_bytes,
         "accumulated_gradients": accumulated,
         "optimizer_step": max(0, step - activations - logits),
     }

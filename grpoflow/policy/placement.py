@@ -15,8 +15,14 @@ policy's parameters in place, so `Placement.rollout_context` gathers every unit 
 copy get `Placement.rollout_weights`, gathered one unit at a time and handed over on the CPU
 (`grpoflow.policy.sharded_weights`; a LoRA policy's adapters alone, after the first sync, to an
 engine that takes them). Checkpoints gather a full state dict (`Placement.full_state_dict`) and
-the optimizer state is saved and loaded as full tensors (`full_optimizer_state`), so rank 0
+the optimizer state is saved and loaded as full tensors (`optimizer_state`), so rank 0
 writes the same files as a run without FSDP and a resumed run replays exactly.
+
+Under `expert_model_parallel_size` (with fsdp) each rank keeps its share of every MoE layer's
+experts (`grpoflow.policy.expert_parallel`), left out of FSDP's units: FSDP neither gathers nor
+reduces them, their gradients being complete on their rank. A rollout gathers them in full beside
+the units (`expert_shards.gathered_experts`), checkpoints hold them in full under their usual
+names, and the gradient norm sums their squares over the ranks (`clip_gradients`).
 
 `place_models` applies a `PlacementConfig` and returns a `Placement` for the policy and one for
 its reference model; the run keeps them and hands them to whatever computes with the models. The
@@ -27,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -37,9 +42,10 @@ import torch
 from torch import nn
 
 from grpoflow.engines.base import RolloutEngine
-from grpoflow.options import require
+from grpoflow.options import require, require_min
 from grpoflow.phases import phase
-from grpoflow.policy import lora, offload, sharded_weights
+from grpoflow.policy import expert_shards, lora, offload, sharded_weights
+from grpoflow.policy.expert_parallel import expert_parameters, shard_experts
 
 logger = logging.getLogger("grpoflow")
 
@@ -80,6 +86,11 @@ class PlacementConfig:
     """Keep the optimizer state on the CPU between optimizer steps (replicated training)."""
     gc_collect_after_offload: bool = False
     """Collect garbage and empty the CUDA cache after each offload."""
+    expert_model_parallel_size: int = 1
+    """Under fsdp, a mixture-of-experts policy's experts split over this many ranks (expert
+    parallelism: each rank keeps 1/N of every MoE layer's experts, and tokens travel to them by
+    all-to-all exchanges); the other parameters stay under FSDP. 1 (off) or the number of
+    processes; needs the native rollout engine (ms-swift/Megatron's expert_model_parallel_size)."""
 
     def __post_init__(self) -> None:
         choices = get_args(MixedPrecision)
@@ -95,6 +106,14 @@ class PlacementConfig:
             "false without fsdp",
             True,
             "fsdp_offload_params needs fsdp=true (it offloads FSDP's shards)",
+        )
+        require_min("expert_model_parallel_size", self.expert_model_parallel_size, 1, " (1: off)")
+        require(
+            self.expert_model_parallel_size == 1 or self.fsdp,
+            "expert_model_parallel_size",
+            "1 without fsdp",
+            self.expert_model_parallel_size,
+            "expert parallelism runs beside FSDP: set fsdp: true, or expert_model_parallel_size: 1",
         )
         for name in ("offload_model", "offload_optimizer"):
             require(
@@ -143,6 +162,11 @@ class Placement:
     each optimizer step, as `sync_gradients` says)."""
     reshard_after_forward: bool = True
     """Sharded: whether a decoder layer frees its gathered weights after its forward pass."""
+    expert_group: Any = field(default=None, repr=False)
+    """Under expert parallelism: the process group the experts are split over, else None."""
+    experts_dtype: torch.dtype | None = None
+    """Under expert parallelism: the dtype a rollout gathers the experts in (FSDP's mixed
+    precision's; None: their own)."""
     gathered: bool = field(default=False, init=False, repr=False)
     """Inside `full_parameters`: every unit holds its full parameters until the block ends."""
 
@@ -232,7 +256,12 @@ class Placement:
             merge = (
                 nullcontext() if engine.capabilities.applies_adapters else lora.merged_adapters(self.module)
             )
-            with self.full_parameters(), merge:
+            experts = (
+                nullcontext()
+                if self.expert_group is None
+                else expert_shards.gathered_experts(self.module, self.experts_dtype)
+            )
+            with self.full_parameters(), merge, experts:
                 yield
             return
         if self.offload_model:
@@ -299,7 +328,10 @@ class Placement:
         for name, parameter in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(parameter), []).append(name)
         aliases = {name for group in names.values() for name in group[1:]}
-        return {name: tensor for name, tensor in state.items() if name not in aliases}
+        state = {name: tensor for name, tensor in state.items() if name not in aliases}
+        if self.expert_group is not None:  # each rank's share in place of the full experts
+            state.update(expert_shards.full_expert_weights(model))
+        return state
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -338,21 +370,28 @@ def shard_model(
     precision: str = "auto",
     reduce_every_micro_batch: bool = True,
     reshard_after_forward: bool = True,
+    expert_parallel: bool = False,
 ) -> Placement:
     """Shard `model` in place with FSDP2 over `world_size` ranks (every rank calls this with the
-    same full weights); its placement. One unit per decoder layer, the rest in the root."""
+    same full weights); its placement. One unit per decoder layer, the rest in the root;
+    `expert_parallel`: the experts split over the ranks first and left out of the units."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     layers = decoder_layers(model)
     weights_dtype = next(model.parameters()).dtype
     mesh = init_device_mesh(device.type, (world_size,))
+    expert_group = mesh.get_group() if expert_parallel else None
+    if expert_group is not None:
+        shard_experts(model, expert_group)
+    policy = mixed_precision(precision, weights_dtype, device)
     options = {
         "mesh": mesh,
-        "mp_policy": mixed_precision(precision, weights_dtype, device),
+        "mp_policy": policy,
         "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")
         if offload_params
         else OffloadPolicy(),
+        "ignored_params": set(expert_parameters(model)) or None,
     }
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **options)
@@ -376,60 +415,17 @@ def shard_model(
         mesh=mesh,
         reduce_every_micro_batch=reduce_every_micro_batch,
         reshard_after_forward=reshard_after_forward,
+        expert_group=expert_group,
+        experts_dtype=policy.param_dtype,
     )
 
 
-def clip_gradients(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """`clip_grad_norm_` over every rank's shards: the global norm, as a plain tensor."""
+def clip_gradients(parameters: list[nn.Parameter], max_norm: float, expert_group: Any = None) -> torch.Tensor:
+    """`clip_grad_norm_` over every rank's shards: the global norm, as a plain tensor;
+    `expert_group`: the placement's, whose experts' squares are summed over it."""
+    if expert_group is not None:
+        return expert_shards.clip_gradients(parameters, max_norm, expert_group)
     return lora.whole(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
-
-
-def full_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Make `optimizer.state_dict()` hold full CPU tensors in place of its DTensor shards (a
-    collective: every rank calls it) and `load_state_dict` take them back, each rank keeping its
-    shard. A checkpoint then holds the same optimizer state as without FSDP."""
-    optimizer.register_state_dict_post_hook(_gather_optimizer_state)
-    optimizer.register_load_state_dict_pre_hook(_scatter_optimizer_state)
-
-
-def _gather_optimizer_state(_optimizer, state_dict: dict) -> dict:
-    state = {}
-    for index, values in state_dict["state"].items():
-        state[index] = {
-            key: value.full_tensor().cpu() if hasattr(value, "full_tensor") else value
-            for key, value in values.items()
-        }
-    return {**state_dict, "state": state}
-
-
-def _scatter_optimizer_state(optimizer, state_dict: dict) -> dict:
-    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-    state = {}
-    for index, values in state_dict["state"].items():
-        parameter = parameters[index]
-        state[index] = {key: _local_shard(value, parameter) for key, value in values.items()}
-    return {**state_dict, "state": state}
-
-
-def _local_shard(value: Any, parameter: torch.Tensor) -> Any:
-    """This rank's dim-0 shard of the full `value`, as a DTensor laid out like `parameter`."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if (
-        not isinstance(parameter, DTensor)
-        or not isinstance(value, torch.Tensor)
-        or value.shape != parameter.shape
-    ):
-        return value
-    if tuple(parameter.placements) != (Shard(0),):
-        raise ValueError(f"optimizer state of a parameter sharded as {parameter.placements} cannot be loaded")
-    mesh = parameter.device_mesh
-    local = parameter.to_local()
-    offset = min(mesh.get_local_rank() * math.ceil(value.shape[0] / mesh.size()), value.shape[0])
-    piece = value[offset : offset + local.shape[0]].to(local.device, local.dtype)
-    return DTensor.from_local(
-        piece, mesh, parameter.placements, shape=parameter.shape, stride=parameter.stride()
-    )
 
 
 def place_models(
@@ -458,6 +454,7 @@ def place_models(
             **options,
             reduce_every_micro_batch=config.fsdp_reduce_every_micro_batch,
             reshard_after_forward=config.fsdp_reshard_after_forward,
+            expert_parallel=config.expert_model_parallel_size > 1,
         )
         if ref_model is None:
             return policy, None

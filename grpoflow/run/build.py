@@ -20,7 +20,8 @@ from grpoflow.distributed import DistributedContext, init_distributed
 from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
 from grpoflow.engines.colocate import ColocateLayout
 from grpoflow.learn.learner import Learner
-from grpoflow.policy import batch_invariant, lora, placement
+from grpoflow.policy import batch_invariant, lora, optimizer_state, placement
+from grpoflow.policy.expert_parallel import expert_parameters
 from grpoflow.policy.loading import load_checkpoint_weights, reference_model, resolve_device
 from grpoflow.policy.offload import OptimizerOffload
 from grpoflow.rewards import RewardRunner
@@ -205,6 +206,7 @@ def build_learner(
         config,
         total_steps * config.algorithm.num_iterations,
         sharded=policy_placement.is_sharded,
+        expert_group=policy_placement.expert_group,
     )
     settings = config.update_settings(
         copies_weights=not engine.shares_policy_weights, exact_draws=exact_draws
@@ -309,6 +311,7 @@ def check_world(config: GRPOConfig, distributed: DistributedContext) -> None:
             world_size=distributed.world_size,
             tensor_parallel_size=config.vllm.vllm_tensor_parallel_size,
         )
+    check_expert_parallel(config, distributed.world_size)
     if config.atropos.enabled and distributed.world_size > 1:
         raise ValueError(
             "atropos_url needs one training process: the API hands each batch to one trainer; run "
@@ -318,6 +321,22 @@ def check_world(config: GRPOConfig, distributed: DistributedContext) -> None:
         raise ValueError(
             "async_generate with dynamic_sample needs one process: its resampling rounds agree across "
             "ranks through collectives, which cannot run beside the update's; turn one of them off"
+        )
+
+
+def check_expert_parallel(config: GRPOConfig, world_size: int) -> None:
+    """expert_model_parallel_size splits the experts over every rank, for the native engine."""
+    experts_over, engine = config.placement.expert_model_parallel_size, config.generation.engine_name
+    if experts_over not in (1, world_size):
+        raise ValueError(
+            f"expert_model_parallel_size must be 1 or the number of processes ({world_size}), "
+            f"got {experts_over}: expert parallelism splits the experts over every rank"
+        )
+    if experts_over > 1 and engine != "native":
+        raise ValueError(
+            f"expert_model_parallel_size must be 1 with the {engine} engine, got {experts_over}: expert "
+            "parallelism needs the native engine, which reads the gathered experts in place; set "
+            "rollout_engine: native, or expert_model_parallel_size: 1"
         )
 
 
@@ -359,6 +378,12 @@ def build_rollout_engine(
             workers.check_alive()  # a server that died says why
             workers.close()
         raise
+    if config.placement.expert_model_parallel_size > 1 and getattr(built, "path", None) != "family":
+        raise ValueError(
+            "expert_model_parallel_size needs the native engine's family path (the generic path would run "
+            "the split experts' exchanges while generating), but this model runs on the generic path "
+            "(the log says why): set expert_model_parallel_size: 1"
+        )
     if options.distribution_positions and not built.capabilities.distributions:
         logger.info(
             "distribution_check_positions: the %s engine does not return whole next-token distributions, so "
@@ -369,16 +394,26 @@ def build_rollout_engine(
 
 
 def build_optimizer(
-    model: torch.nn.Module, config: GRPOConfig, optimizer_steps: int, *, sharded: bool = False
+    model: torch.nn.Module,
+    config: GRPOConfig,
+    optimizer_steps: int,
+    *,
+    sharded: bool = False,
+    expert_group=None,
 ):
     """AdamW over the trainable parameters and the learning-rate schedule over `optimizer_steps`;
-    a sharded model's optimizer state saves and loads in full, and the state moves to the CPU
-    between steps under offload_optimizer."""
+    a sharded model's optimizer state (each rank's experts' too, split over `expert_group`) saves
+    and loads in full, and the state moves to the CPU between steps under offload_optimizer.
+    Expert-parallel experts (plain tensors beside FSDP's DTensors) form a parameter group of
+    their own: a foreach or fused step takes one kind of tensor at a time."""
     training, layout = config.training, config.placement
     from transformers import get_scheduler
 
+    experts = expert_parameters(model) if expert_group is not None else []
+    own = {id(parameter) for parameter in experts}
+    trained = [p for p in model.parameters() if p.requires_grad and id(p) not in own]
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
+        [{"params": params} for params in (trained, [p for p in experts if p.requires_grad]) if params],
         lr=training.learning_rate,
         betas=(training.adam_beta1, training.adam_beta2),
         weight_decay=training.weight_decay,
@@ -391,7 +426,7 @@ def build_optimizer(
         num_training_steps=optimizer_steps,
     )
     if sharded:
-        placement.full_optimizer_state(optimizer)
+        optimizer_state.full_optimizer_state(optimizer, experts, expert_group)
     if layout.offload_optimizer:
         OptimizerOffload(optimizer, gc_collect=layout.gc_collect_after_offload)
     return optimizer, scheduler

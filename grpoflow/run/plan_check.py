@@ -120,6 +120,7 @@ def plan_settings(config, kv_cache_bytes: int = 0, dtype_bytes: int = 2) -> Plan
         offload_optimizer=config.placement.offload_optimizer,
         fsdp_world_size=_world_size() if config.placement.fsdp else 1,
         fsdp_reshard_after_forward=config.placement.fsdp_reshard_after_forward,
+        expert_parallel=config.placement.expert_model_parallel_size > 1,
         accumulated_gradient_bytes=_accumulated_gradient_bytes(config, dtype_bytes),
         optimizer_temporaries=config.training.optim == "adamw_torch",
         kv_cache_bytes=kv_cache_bytes,

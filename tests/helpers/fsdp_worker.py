@@ -10,7 +10,7 @@ import torch.distributed as torch_dist
 
 from grpoflow.distributed import DistributedContext
 from grpoflow.engines import EngineCapabilities
-from grpoflow.policy import lora, placement, sharded_weights
+from grpoflow.policy import lora, optimizer_state, placement, sharded_weights
 from grpoflow.policy.lora import AdapterConfig
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
 from grpoflow.transport.adapters import DOWN, UP, is_adapter_name
@@ -221,7 +221,7 @@ def main() -> None:
         for model in (whole, sharded):
             trainable = [p for p in model.parameters() if p.requires_grad]
             optimizers.append(torch.optim.SGD(trainable, lr=1e-2, momentum=0.9))
-        placement.full_optimizer_state(optimizers[1])
+        optimizer_state.full_optimizer_state(optimizers[1])
         want = {name: tensor.clone() for name, tensor in lora.merged_weights(whole)}
         check_close(dict(where.rollout_weights(CopyingEngine())), want, f"rollout_weights {what}")
         with where.full_parameters(), torch.no_grad():

@@ -7,7 +7,8 @@ import pytest
 import torch
 from helpers.support import recipe
 
-from grpoflow.policy.loading import PolicyConfig
+from grpoflow.policy.loading import PolicyConfig, load_checkpoint_weights
+from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
 from grpoflow.run.build import run
 
 
@@ -47,3 +48,19 @@ def test_padding_free_trains_with_flex_attention(tmp_path):
     # The first step samples the same completions; the loss differs by the kernels' rounding.
     assert flex[0]["reward"] == pytest.approx(padded[0]["reward"])
     assert flex[0]["loss"] == pytest.approx(padded[0]["loss"], abs=1e-2)
+
+
+def test_a_moe_checkpoint_in_the_hugging_face_layout_loads_back_into_the_fused_experts(tmp_path):
+    # save_pretrained writes each expert's projections apart; the model holds them fused.
+    def tiny_moe(seed: int) -> torch.nn.Module:
+        return build_preset_model(
+            "tiny-moe", len(build_char_tokenizer()), seed=seed, device=torch.device("cpu")
+        )
+
+    saved, resumed = tiny_moe(1), tiny_moe(2)
+    saved.save_pretrained(tmp_path)
+    load_checkpoint_weights(resumed, tmp_path)
+    want = saved.state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in want
+    for name, tensor in resumed.state_dict().items():
+        assert torch.equal(tensor, want[name]), name

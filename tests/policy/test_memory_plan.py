@@ -162,3 +162,17 @@ def test_lora_on_the_experts_counts_every_experts_adapter_as_peft_makes_them():
         policy = config.apply(model)
         trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
         assert shape.num_lora_parameters(2, modules, parameters) == trained
+
+
+def test_expert_parallel_experts_are_never_gathered_in_the_update_nor_their_gradients_accumulated():
+    # One MoE layer of 4 experts of 3 * 8 * 4 = 96 weights each: 384 expert weights.
+    moe = dataclasses.replace(
+        SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=4, num_moe_layers=1
+    )
+    layout = {"fsdp_world_size": 2, "fsdp_reshard_after_forward": False, "accumulated_gradient_bytes": 4}
+    fsdp = plan_memory(moe, PlanSettings(**layout), capacity=10**6)
+    split = plan_memory(moe, PlanSettings(**layout, expert_parallel=True), capacity=10**6)
+    assert split.rollout == fsdp.rollout  # the rollout gathers every expert either way
+    assert split.update["weights"] == fsdp.update["weights"] == moe.num_parameters() * 2 // 2
+    assert split.update["gathered_weights"] == fsdp.update["gathered_weights"] - 384 * 2
+    assert split.update["accumulated_gradients"] == fsdp.update["accumulated_gradients"] - 192 * 4
