@@ -274,8 +274,24 @@ class Learner:
         """Restore `state_dict`'s keys (a checkpoint without the entropy coefficient keeps the
         configured one)."""
         self.entropy_control.load_state_dict(state.get("entropy_control"))
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """`optimizer.load_state_dict(state)`, refusing a checkpoint whose parameter groups are not
+    this run's (saved with another expert_model_parallel_size, LoRA or set of trained parameters)
+    with the fix."""
+    saved, ours = state.get("param_groups", []), optimizer.param_groups
+    shapes = [len(group["params"]) for group in saved], [len(group["params"]) for group in ours]
+    if shapes[0] != shapes[1]:
+        raise ValueError(
+            f"the checkpoint's optimizer holds parameter groups of {shapes[0]} parameters, this run's "
+            f"{shapes[1]}: it was saved by a run that trained other parameters or split them otherwise "
+            "(expert_model_parallel_size, LoRA, freezing); resume with the settings it was saved with, "
+            "or start a new run from its weights (model: the checkpoint's directory) without resuming"
+        )
+    optimizer.load_state_dict(state)
 
 
 @dataclass(slots=True)

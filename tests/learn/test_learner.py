@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.plugin_loss import scaled_loss
 
-from grpoflow.learn.learner import Learner
+from grpoflow.learn.learner import Learner, load_optimizer_state
 from grpoflow.learn.logprobs import batch_logprobs
 from grpoflow.learn.micro_batches import micro_batches
 from grpoflow.learn.objective import AlgorithmConfig
@@ -296,3 +296,16 @@ def test_the_state_carries_the_optimizer_schedule_and_entropy_coefficient():
     assert restored.scheduler.state_dict()["last_epoch"] == 1
     restored.load_state_dict({**state, "entropy_control": None})  # a checkpoint from before the bonus
     assert restored.entropy_control.coef == learner.entropy_control.coef
+
+
+def test_a_checkpoints_optimizer_of_other_parameter_groups_is_refused_with_the_fix():
+    """A run resumed with another expert_model_parallel_size (its experts in a group of their
+    own) or other trained parameters: one line naming the fix, not torch's bare mismatch."""
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    split = torch.optim.AdamW([{"params": first.parameters()}, {"params": second.parameters()}])
+    whole = torch.optim.AdamW([*first.parameters(), *second.parameters()])
+    with pytest.raises(ValueError, match="resume with the settings it was saved with"):
+        load_optimizer_state(whole, split.state_dict())
+    again = torch.optim.AdamW([{"params": first.parameters()}, {"params": second.parameters()}])
+    load_optimizer_state(again, split.state_dict())
+    assert len(again.param_groups) == 2
