@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
+from report_file import write_report
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
@@ -200,13 +200,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 def write(report: dict, output: str | None) -> None:
     """To `output`, else benchmarks/results/<date>-expert-parallel-<N>x<device>.json (and $OUT)."""
-    name = f"{report['date']}-expert-parallel-{report['ranks']}x{report['device'].replace(' ', '_')}.json"
-    paths = [Path(output) if output else Path(__file__).parent / "results" / name]
-    if os.environ.get("OUT"):
-        paths.append(Path(os.environ["OUT"]) / name)
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
+    write_report(
+        report,
+        f"{report['date']}-expert-parallel-{report['ranks']}x{report['device'].replace(' ', '_')}.json",
+        output,
+    )
 
 
 def print_table(report: dict) -> None:

@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from report_file import write_report
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 # Runs from a checkout with torch, transformers and triton alone: grpoflow and rollout.py by path
@@ -205,13 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def write(report: dict, output: str | None) -> None:
     """To `output`, else benchmarks/results/<date>-moe-rollout-<device>.json (and $OUT when set)."""
-    name = f"{report['date']}-moe-rollout-{report['device'].replace(' ', '_')}.json"
-    paths = [Path(output) if output else Path(__file__).parent / "results" / name]
-    if os.environ.get("OUT"):
-        paths.append(Path(os.environ["OUT"]) / name)
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
+    write_report(report, f"{report['date']}-moe-rollout-{report['device'].replace(' ', '_')}.json", output)
 
 
 def print_table(report: dict) -> None:

@@ -13,6 +13,7 @@ import sys
 
 import torch
 import torch.distributed as torch_dist
+from moe import own_routing  # tests/helpers/moe.py: the worker runs as a script from this folder
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native.engine import NativeEngine
@@ -45,21 +46,6 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, routed: torch.Tensor | No
     if routed is not None:
         assert record.mismatch_fraction() is not None
     return logits.detach()
-
-
-def own_routing(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """(tokens, layers, top_k) the experts the model's routers choose for `ids`."""
-    chosen: dict[int, torch.Tensor] = {}
-    routers = moe_routers(model).routers
-    handles = [
-        router.register_forward_hook(lambda m, a, out, layer=layer: chosen.__setitem__(layer, out[2]))
-        for layer, router in enumerate(routers)
-    ]
-    with torch.no_grad():
-        model(input_ids=ids)
-    for handle in handles:
-        handle.remove()
-    return torch.stack([chosen[layer] for layer in range(len(routers))], dim=1)
 
 
 def check_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
