@@ -160,17 +160,24 @@ def module_classes(modules: list[types.ModuleType]) -> list[type]:
     ]
 
 
+def put_back(holder: object, before: dict) -> dict[str, object]:
+    """Set `holder`'s attributes (a module's globals, a class's) back to `before`; the values of
+    those that had changed."""
+    now = dict(vars(holder))
+    changed = {name: now[name] for name in now if name not in before or now[name] is not before[name]}
+    for name in changed:
+        if name in before:
+            setattr(holder, name, before[name])
+        else:
+            delattr(holder, name)
+    return changed
+
+
 def restore_modules(saved: dict[types.ModuleType, dict]) -> dict[types.ModuleType, dict[str, object]]:
     """Each module's globals as `saved`; the functions that had been put in their place, by module."""
     replaced: dict[types.ModuleType, dict[str, object]] = {}
     for module, before in saved.items():
-        now = vars(module)
-        changed = {name: now[name] for name in now if name not in before or now[name] is not before[name]}
-        for name in changed:
-            if name in before:
-                setattr(module, name, before[name])
-            else:
-                delattr(module, name)
+        changed = put_back(module, before)
         functions = {name: value for name, value in changed.items() if isinstance(value, types.FunctionType)}
         if functions:
             replaced[module] = functions
@@ -179,18 +186,8 @@ def restore_modules(saved: dict[types.ModuleType, dict]) -> dict[types.ModuleTyp
 
 def restore_classes(saved: dict[type, dict]) -> dict[type, dict[str, object]]:
     """Each class's attributes as `saved`; those that had been changed, by class."""
-    replaced: dict[type, dict[str, object]] = {}
-    for cls, before in saved.items():
-        now = dict(vars(cls))
-        changed = {name: now[name] for name in now if name not in before or now[name] is not before[name]}
-        for name in changed:
-            if name in before:
-                setattr(cls, name, before[name])
-            else:
-                delattr(cls, name)
-        if changed:
-            replaced[cls] = changed
-    return replaced
+    replaced = {cls: put_back(cls, before) for cls, before in saved.items()}
+    return {cls: changed for cls, changed in replaced.items() if changed}
 
 
 def bind_to_instance(
