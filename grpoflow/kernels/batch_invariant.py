@@ -58,6 +58,34 @@ LOG_SOFTMAX_BLOCK = 1024
 """Lanes of a log-softmax row program: each lane folds every LOG_SOFTMAX_BLOCK-th logit."""
 
 
+@triton.jit
+def dot_tile(
+    x_ptr, w_ptr, rows, cols, row_end, num_cols, depth, stride_xm, stride_xk, stride_wn, stride_wk,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # The tile's sums x[i, k] w[j, k] over k for its rows (those below row_end) and columns,
+    # accumulated in float32 over BLOCK_K steps from k = 0: every kernel's products run this loop.
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for first in range(0, depth, BLOCK_K):
+        k = first + ks
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
+            mask=(rows < row_end)[:, None] & (k < depth)[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + cols[None, :] * stride_wn + k[:, None] * stride_wk,
+            mask=(cols < num_cols)[None, :] & (k < depth)[:, None],
+            other=0.0,
+        )
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, num_rows, num_cols, depth,
@@ -76,24 +104,10 @@ def _matmul_kernel(
     tile_n = (pid % per_group) // group_size
     rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for first in range(0, depth, BLOCK_K):
-        k = first + ks
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
-            mask=(rows < num_rows)[:, None] & (k < depth)[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            w_ptr + cols[None, :] * stride_wn + k[:, None] * stride_wk,
-            mask=(cols < num_cols)[None, :] & (k < depth)[:, None],
-            other=0.0,
-        )
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+    acc = dot_tile(
+        x_ptr, w_ptr, rows, cols, num_rows, num_cols, depth, stride_xm, stride_xk, stride_wn, stride_wk,
+        IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < num_cols, other=0.0).to(tl.float32)[None, :]
     out_mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 
 def triton_runs(tensor: torch.Tensor) -> bool:
@@ -39,6 +40,18 @@ def matmul_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
+def grouped_matmul_rows(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows x (M, K) sorted by expert, expert e's ending at `ends[e]`, each times its expert's
+    weight (E, N, K) transposed by `matmul_rows`: every row's arithmetic its own."""
+    out = x.new_empty((x.shape[0], weight.shape[1]))
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = matmul_rows(x[start:end], weight[expert], None)
+        start = end
+    return out
+
+
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm, its mean of squares summed in order as `matmul_rows` sums."""
     rows = x.reshape(-1, x.shape[-1]).float()
@@ -56,6 +69,23 @@ def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:
     for index in range(rows.shape[0]):
         out[index] = _fresh(rows[index : index + 1]).float().log_softmax(-1)[0]
     return out.view(logits.shape)
+
+
+def softmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """float32 softmax one row at a time."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(rows.shape, dtype=torch.float32, device=logits.device)
+    for index in range(rows.shape[0]):
+        out[index] = _fresh(rows[index : index + 1]).float().softmax(-1)[0]
+    return out.view(logits.shape)
+
+
+def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` over (T, I) one row at a time, each in a fresh buffer (differentiable)."""
+    rows = [
+        F.silu(_fresh(gate[index : index + 1])) * _fresh(up[index : index + 1]) for index in range(len(gate))
+    ]
+    return torch.cat(rows) if rows else gate * up
 
 
 def attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

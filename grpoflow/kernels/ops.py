@@ -27,6 +27,16 @@ def rms_norm_reference(
     return weight * hidden.to(dtype)
 
 
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` multiplies `dtype` on `device` without host syncs: CUDA, bfloat16,
+    compute capability 8.0 or later (9.x for torch before 2.9)."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    return major == 9 or (major >= 8 and version >= (2, 9))
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (rotate-half form). x (T, H, D); cos, sin (T, D) in x's dtype."""
     half = x.shape[-1] // 2

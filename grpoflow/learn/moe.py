@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from grpoflow.options import require
+from grpoflow.policy.batch_invariant import installed
 from grpoflow.policy.routing_replay import MoeRouters, RoutingRecord, is_moe_config, moe_routers
 from grpoflow.rollout.batch import RolloutBatch
 
@@ -25,7 +26,9 @@ class MoeSettings:
     """Send each token of the training forward passes (policy, old policy, reference) through the
     experts the rollout engine routed it to, the gate weights still the router's own softmax
     probabilities at those experts (so the router trains); tokens without a record use the
-    router's choice. auto: on for a MoE policy whenever the engine recorded its routing."""
+    router's choice. auto: on for a MoE policy whenever the engine recorded its routing, except
+    on the batch-invariant kernels, whose routers choose the engine's experts bit for bit (the
+    engine then records none)."""
     router_aux_loss_coef: float | None = None
     """Weight of the router's load-balancing loss (transformers' `load_balancing_loss_func`)
     added to a MoE policy's loss; None: the model config's `router_aux_loss_coef`; 0: off."""
@@ -34,6 +37,11 @@ class MoeSettings:
         coef = self.router_aux_loss_coef
         require(coef is None or coef >= 0, "router_aux_loss_coef", ">= 0 (0: off; null: the model's)", coef)
 
+    def replays_recorded(self, kernels: bool) -> bool:
+        """Whether recorded routing is replayed (so the engine is to record it): routing_replay
+        true, or auto without the batch-invariant kernels (`kernels`)."""
+        return self.routing_replay is True or (self.routing_replay == "auto" and not kernels)
+
 
 class MoeTraining:
     """The routers of a policy (and of its reference model) during the learner's passes; a policy
@@ -41,6 +49,7 @@ class MoeTraining:
 
     def __init__(self, settings: MoeSettings, model: nn.Module, reference: nn.Module | None = None) -> None:
         self.settings = settings
+        self.replay_recorded = settings.replays_recorded(installed(model))
         self.routers: MoeRouters | None = moe_routers(model)
         self.ref_routers = moe_routers(reference) if reference is not None else None
         if settings.routing_replay is True and self.routers is None:
@@ -53,7 +62,7 @@ class MoeTraining:
     def replays(self, batch: RolloutBatch) -> bool:
         """Whether `batch`'s passes replay the engine's routing (module docstring)."""
         asked = self.settings.routing_replay
-        if asked is False or self.routers is None:
+        if not self.replay_recorded or self.routers is None:
             return False
         several = batch.sequence_starts is not None and bool(batch.sequence_starts.any())
         if batch.routed_experts is None or several:

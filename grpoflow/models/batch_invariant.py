@@ -2,8 +2,10 @@
 policy's own modules' weights multiplied, normalised and attended by
 `grpoflow.kernels.batch_invariant_ops.BatchInvariantOps` over the paged cache, so that every
 token's logits are bit for bit those of the training forward with
-`grpoflow.policy.batch_invariant` installed. Qwen2, Llama and Qwen3 layouts without sliding
-windows or experts, with plain LoRA layers but no LoRA dropout. q/k/v and gate/up run as one
+`grpoflow.policy.batch_invariant` installed. Qwen2, Llama, Qwen3 and Qwen3-MoE layouts without
+sliding windows, with plain LoRA layers but no LoRA dropout (none on the experts). A sparse
+layer's router and experts run `grpoflow.kernels.batch_invariant_moe`'s `route` and `experts`,
+which the training forward's sparse blocks call too (`InvariantSparseMlp`). q/k/v and gate/up run as one
 product each where their weights lie back to back (`grpoflow.models.fusion`): the kernel sums each
 output column over the same blocks of the input whatever other columns share the product, so a
 fused product's columns are the separate products' bit for bit (a decode step's narrow k and v
@@ -12,17 +14,20 @@ products otherwise fill a few of the GPU's processors)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
 
+from grpoflow.kernels import batch_invariant_moe as bi_moe
 from grpoflow.kernels.batch_invariant import matmul_forward
 from grpoflow.kernels.batch_invariant_ops import rotary_tables
 from grpoflow.models.adapters import Projection, is_lora_layer
 from grpoflow.models.model import FamilyModel, _window
 from grpoflow.models.model import refusal as family_refusal
+from grpoflow.models.moe import SiluMul, SparseMlp
 
-MODEL_TYPES = ("qwen2", "llama", "qwen3")
+MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 """The model types whose forward the kernels have been checked to reproduce."""
 
 
@@ -38,6 +43,11 @@ def refusal(hf_model: nn.Module) -> str | None:
     if any(_window(config, index) for index in range(len(hf_model.model.layers))):
         return "sliding-window attention"
     for module in filter(is_lora_layer, hf_model.modules()):
+        if type(module).__name__ == "ParamWrapper":
+            return (
+                "LoRA adapters on the experts (target_parameters: PEFT adds them to the expert weights, "
+                "the engine to the products; drop target_parameters)"
+            )
         if type(module).__name__ != "Linear":
             return f"LoRA layers of kind {type(module).__name__} (batch_invariant covers PEFT's LoRA Linear)"
         if not all(isinstance(dropout, nn.Identity) for dropout in module.lora_dropout.values()):
@@ -65,6 +75,27 @@ def add_low_rank(
             out.copy_(result)
 
 
+@dataclass(slots=True)
+class InvariantSparseMlp(SparseMlp):
+    """A sparse layer on the kernels: the router's logits by `matmul_forward`, then
+    `batch_invariant_moe.route` and `batch_invariant_moe.experts` (their own SiLU; no host sync on
+    CUDA, so a decode step stays capturable in a graph)."""
+
+    @staticmethod
+    def of(mlp: SparseMlp) -> InvariantSparseMlp:
+        """`mlp`'s router and experts on the kernels; grouped (graph-safe) on CUDA."""
+        values = {field.name: getattr(mlp, field.name) for field in fields(mlp)}
+        return InvariantSparseMlp(**{**values, "grouped": mlp.router.weight.is_cuda})
+
+    def __call__(self, x: torch.Tensor, silu_mul: SiluMul, routing: torch.Tensor | None) -> torch.Tensor:
+        """The MLP's output for x (T, H); the chosen experts (T, k) go to `routing[index]` when given."""
+        logits = matmul_forward(x, self.router.weight)
+        weights, chosen = bi_moe.route(logits, self.top_k, self.normalize)
+        if routing is not None:
+            routing[self.index].copy_(chosen)
+        return bi_moe.experts(x, self.experts.gate_up_proj, self.experts.down_proj, chosen, weights)
+
+
 class BatchInvariantFamily(FamilyModel):
     """`FamilyModel` whose products, adapters, rotary tables and logits are the kernels'."""
 
@@ -76,6 +107,7 @@ class BatchInvariantFamily(FamilyModel):
         if reason is not None:
             raise ValueError(f"batch_invariant cannot run this model: {reason}; set batch_invariant: false")
         super().__init__(hf_model)
+        self.sparse = {index: InvariantSparseMlp.of(mlp) for index, mlp in self.sparse.items()}
 
     def load_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], **kwargs) -> None:
         """Weights alone: adapters sent as tensors come with B scaled, unlike the training forward."""

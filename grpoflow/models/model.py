@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpoflow.kernels.ops import TorchOps
+from grpoflow.kernels.ops import TorchOps, grouped_mm_runs
 from grpoflow.models.adapters import (
     Projection,
     Term,
@@ -35,7 +35,7 @@ from grpoflow.models.adapters import (
     supported,
 )
 from grpoflow.models.fusion import alias_rows, rows_view
-from grpoflow.models.moe import grouped_mm_runs, is_sparse, routing_dtype, sparse_mlps, sparse_refusal
+from grpoflow.models.moe import is_sparse, routing_dtype, sparse_mlps, sparse_refusal
 from grpoflow.models.moe_adapters import base_experts
 
 LLAMA_LAYOUT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")

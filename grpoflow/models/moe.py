@@ -76,16 +76,6 @@ _PLAIN_LAYOUT = {"is_transposed": False, "is_concatenated": True, "has_bias": Fa
 """transformers' `use_experts_implementation` flags of the one expert layout read here."""
 
 
-def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `torch._grouped_mm` multiplies `dtype` on `device` without host syncs: CUDA, bfloat16,
-    compute capability 8.0 or later (9.x for torch before 2.9)."""
-    if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
-        return False
-    major, _ = torch.cuda.get_device_capability(device)
-    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
-    return major == 9 or (major >= 8 and version >= (2, 9))
-
-
 @dataclass(slots=True)
 class SparseMlp:
     """One sparse layer's router and experts (the policy's own modules) and how to run them."""

@@ -1,7 +1,10 @@
 """The policy's training forward on the batch-invariant kernels (`batch_invariant`): its linear
 layers (the output head and a LoRA policy's adapter matrices included), RMSNorms (Qwen3's per-head
-q/k norms too) and attention computed by `grpoflow.kernels`' kernels, whose every row is
-bit-identical however many rows share the forward. A LoRA policy's PEFT layers keep their own
+q/k norms too), attention and a Qwen3-MoE policy's routers and experts computed by
+`grpoflow.kernels`' kernels, whose every row is bit-identical however many rows share the forward.
+A sparse block's router scores the experts by the kernels' product and routes by
+`batch_invariant_moe.route`; the block runs its experts' parameters (`gate_up_proj`, `down_proj`,
+which keep their names and gradients) by `batch_invariant_moe.experts`, as the native engine does. A LoRA policy's PEFT layers keep their own
 forward, which then runs its products on the kernels.
 
 With the native engine's batch-invariant forward (`NativeEngineConfig.batch_invariant`), which
@@ -136,6 +139,27 @@ def _rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, self.weight, self.variance_epsilon)
 
 
+def _router_forward(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """transformers' Qwen3-MoE router on the kernels: (logits, weights, experts)."""
+    from grpoflow.kernels.batch_invariant import matmul
+    from grpoflow.kernels.batch_invariant_moe import route
+
+    logits = matmul(hidden_states.reshape(-1, self.weight.shape[1]), self.weight)
+    weights, chosen = route(logits, self.top_k, bool(self.norm_topk_prob))
+    return logits, weights, chosen
+
+
+def _sparse_block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers' Qwen3-MoE sparse block: its router (a module call, so its hooks run), then
+    its experts' parameters by `batch_invariant_moe.experts`."""
+    from grpoflow.kernels.batch_invariant_moe import experts
+
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    _, weights, chosen = self.gate(flat)
+    out = experts(flat, self.experts.gate_up_proj, self.experts.down_proj, chosen, weights)
+    return out.view(hidden_states.shape)
+
+
 def _rotary_forward(
     tables: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, position_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,11 +178,12 @@ class BatchInvariantKernels:
     @classmethod
     def install(cls, model: nn.Module, torch_compile: bool = False) -> BatchInvariantKernels:
         """Put `model`'s linear layers (a LoRA policy's adapters included), RMSNorms, rotary
-        embedding and attention on the kernels. Refuses what the native engine's batch-invariant
+        embedding, attention and sparse blocks (router and experts) on the kernels. Refuses what the native engine's batch-invariant
         forward cannot reproduce (one line)."""
         from grpoflow.kernels.batch_invariant import matmul_forward
         from grpoflow.kernels.batch_invariant_ops import rotary_tables
         from grpoflow.models.batch_invariant import refusal
+        from grpoflow.models.moe import is_sparse
         from grpoflow.policy.lora import generation_model
 
         if torch_compile:
@@ -174,8 +199,13 @@ class BatchInvariantKernels:
         installed = cls(model, getattr(model.config, "_attn_implementation", None))
         rotary = model.model.rotary_emb
         tables = rotary_tables(rotary, next(model.parameters()).device)
+        routers = {id(m.gate) for m in model.modules() if is_sparse(m)}
         for module in model.modules():
-            if isinstance(module, InputDtypeLinear):
+            if is_sparse(module):
+                module.forward = types.MethodType(_sparse_block_forward, module)
+            elif id(module) in routers:
+                module.forward = types.MethodType(_router_forward, module)
+            elif isinstance(module, InputDtypeLinear):
                 module.forward = types.MethodType(_input_dtype_linear_forward, module)
             elif isinstance(module, nn.Linear):
                 module.forward = types.MethodType(_linear_forward, module)

@@ -368,7 +368,7 @@ def build_rollout_engine(
         rank=distributed.rank,
         world_size=distributed.world_size,
         distribution_positions=config.generation.distribution_check_positions,
-        record_routing=config.algorithm.moe.routing_replay is not False,
+        record_routing=config.algorithm.moe.replays_recorded(batch_invariant.installed(model)),
         batch_invariant=batch_invariant.installed(model),
     )
     try:

@@ -423,8 +423,9 @@ class GRPOConfig:
             ),
             "routing_replay: true": (
                 self.algorithm.moe.routing_replay is True,
-                "each token is then the trainer's own draw through its own routers, so no engine routing "
-                "is left to replay (routing_replay: auto leaves it off)",
+                "each token is then the trainer's own draw through its own routers, or under the update's "
+                "check the engine's draw through routers that are the trainer's bit for bit (batch_invariant), "
+                "so no engine routing is left to replay (routing_replay: auto leaves it off)",
             ),
             "lora_dropout > 0": (
                 self.adapter.train_type == "lora" and self.adapter.lora_dropout > 0,

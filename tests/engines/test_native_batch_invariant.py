@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.native_fixtures import one_thread, tiny  # noqa: F401 (a fixture)
+from helpers.native_fixtures import expert_lora, one_thread, tiny, tiny_moe  # noqa: F401 (a fixture)
 from torch import nn
 
 from grpoflow.algo.draws import gumbel_draw, request_keys
@@ -81,13 +81,19 @@ def lora_policy(peft_casting: bool) -> nn.Module:
 
 
 def policy_of(case: str) -> nn.Module:
-    """The case's policy in bfloat16: a model type, or `lora` / `peft-lora` (`lora_policy`)."""
+    """The case's policy in bfloat16: a model type, `qwen3_moe` (`tiny_moe`: a dense layer among
+    sparse ones) or `qwen3_moe-unnormalised` (its top-k weights not renormalised), or `lora` /
+    `peft-lora` (`lora_policy`)."""
+    if case.startswith("qwen3_moe"):
+        return tiny_moe(norm_topk_prob=case == "qwen3_moe", dtype=torch.bfloat16)
     if case.endswith("lora"):
         return lora_policy(peft_casting=case == "peft-lora")
     return tiny(case, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("case", ["qwen2", "llama", "qwen3", "lora", "peft-lora"])
+@pytest.mark.parametrize(
+    "case", ["qwen2", "llama", "qwen3", "qwen3_moe", "qwen3_moe-unnormalised", "lora", "peft-lora"]
+)
 def test_each_draw_and_log_prob_is_the_training_forwards_bit_for_bit(case):
     policy = policy_of(case)
     BatchInvariantKernels.install(policy)
@@ -119,6 +125,8 @@ def test_what_the_kernels_cannot_reproduce_is_refused():
     dropout = get_peft_model(tiny(), LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="lora_dropout: 0"):
         BatchInvariantKernels.install(dropout)
+    with pytest.raises(ValueError, match="LoRA adapters on the experts"):
+        BatchInvariantKernels.install(expert_lora(tiny_moe()))
     dora = get_peft_model(tiny(), LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="LoRA adapters the family forward does not apply"):
         BatchInvariantKernels.install(dora)

@@ -11,8 +11,8 @@ from helpers.native_fixtures import expert_lora, forward_logprobs, hf_greedy, ti
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
-from grpoflow.kernels.ops import TorchOps
-from grpoflow.models.moe import grouped_experts, grouped_mm_runs, reference_experts, route
+from grpoflow.kernels.ops import TorchOps, grouped_mm_runs
+from grpoflow.models.moe import grouped_experts, reference_experts, route
 from grpoflow.models.moe_adapters import expert_adapters
 
 pytestmark = [

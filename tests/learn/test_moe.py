@@ -153,3 +153,21 @@ def test_the_aux_loss_coefficient_defaults_to_the_models_and_replay_is_refused_w
         Learner(Placement.local(dense), optimizer, None, _settings(MoeSettings(routing_replay=True)))
     with pytest.raises(ValueError, match="router_aux_loss_coef"):
         MoeSettings(router_aux_loss_coef=-1.0)
+
+
+def test_auto_replays_nothing_on_the_batch_invariant_kernels_and_true_still_replays():
+    """The kernels' routers choose the engine's experts bit for bit: auto leaves replay off (and the
+    engine records nothing); routing_replay: true replays as asked."""
+    from grpoflow.policy.batch_invariant import BatchInvariantKernels
+
+    assert MoeSettings().replays_recorded(kernels=False) and not MoeSettings().replays_recorded(kernels=True)
+    assert MoeSettings(routing_replay=True).replays_recorded(kernels=True)
+    assert not MoeSettings(routing_replay=False).replays_recorded(kernels=False)
+    model = tiny_moe()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    BatchInvariantKernels.install(model)
+    batch = _batch(model)
+    auto = Learner(Placement.local(model), optimizer, None, _settings())
+    assert not auto.moe.replays(batch)
+    forced = Learner(Placement.local(model), optimizer, None, _settings(MoeSettings(routing_replay=True)))
+    assert forced.moe.replays(batch)

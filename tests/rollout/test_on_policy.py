@@ -212,3 +212,15 @@ def test_the_updates_check_without_the_kernels_is_refused_when_the_run_is_built(
 def test_batch_invariant_refuses_what_would_break_its_match(tmp_path, overrides, named):
     with pytest.raises(ValueError, match=named):
         run(recipe(tmp_path, max_steps=1, on_policy_sampling=False, batch_invariant=True, **overrides))
+
+
+def test_a_mixture_of_experts_run_on_the_kernels_passes_the_updates_check_without_replay(tmp_path):
+    """The engine's routers and experts are the trainer's bit for bit: the engine's draws stand, every
+    log-prob verified, and routing_replay auto replays nothing (no routing recorded or compared)."""
+    config = recipe(
+        tmp_path, max_steps=2, on_policy_sampling=True, on_policy_check="update", batch_invariant=True,
+        torch_dtype="bfloat16", model="random:tiny-moe", max_completion_length=16,
+    )  # fmt: skip
+    for step in run(config):
+        assert step["on_policy/unverified_fraction"] == 0 and "routing/mismatch_fraction" not in step
+        assert step["sampling/sampling_logp_difference/max"] == 0
