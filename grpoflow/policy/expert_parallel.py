@@ -46,7 +46,8 @@ import torch.distributed as torch_dist
 import torch.nn.functional as F
 from torch import nn
 
-from grpoflow.models.moe import grouped_mm_runs, is_sparse, sparse_refusal
+from grpoflow.kernels.ops import grouped_mm_runs
+from grpoflow.models.moe import is_sparse, sparse_refusal
 from grpoflow.models.moe_adapters import base_experts
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
