@@ -18,9 +18,10 @@ from the memory plan for the GPU (`grpoflow.run.chosen_settings`), and the JSON 
 `"defaults": true`; TRL takes micro-batch 32 with gradient checkpointing. Each grpoflow row also
 gives the step time `grpoflow plan` predicts (`predicted_seconds_per_step`); `chosen_settings`
 says whether Liger's kernels ran and why (`use_liger_kernel`: auto leaves them off where compile
-is chosen; `--torch-compile 0` runs them, `--set use_liger_kernel=false` compares without). Prompts are 128 random characters, which the character
-tokenizer maps to exactly 128 tokens. Each system runs in its own subprocess (clean GPU memory);
-the first `--warmup` steps are left out of the means. Results go to benchmarks/results/ as JSON.
+is chosen; `--torch-compile 0` runs them, `--set use_liger_kernel=false` compares without). Prompts
+are 128 random characters, which the character tokenizer maps to exactly 128 tokens. Each system
+runs in its own subprocess (clean GPU memory); the first `--warmup` steps are left out of the
+means. Results go to benchmarks/results/ as JSON.
 
 The long-tail workload (`--workload long-tail`): the same model with its end-of-sequence logit
 raised (`raise_eos_probability`: a bias on the last layer's values, calibrated so that about one

@@ -12,10 +12,10 @@ query's own position is masked whole for its rows, which leaves their running ma
 values exactly as they were (a factor exp(0) = 1, weights exp(-inf) = 0). So the decode step's
 rows (one query per sequence, keys read through the block table) equal the full forward's rows
 at the same positions bit for bit. Queries of one sequence share each block of keys; queries of
-different sequences in one program (packed rows, padding) take their keys one query at a time. A full forward reads its keys as a paged cache
-of one page per sequence. Each query's sequence is given by its position: a query at index t with
-position p attends keys t - p .. t of its row, which covers left and right padding
-(padding's positions start over at 0) and sequences packed in one row.
+different sequences in one program (packed rows, padding) take their keys one query at a time. A
+full forward reads its keys as a paged cache of one page per sequence. Each query's sequence is
+given by its position: a query at index t with position p attends keys t - p .. t of its row, which
+covers left and right padding (padding's positions start over at 0) and sequences packed in one row.
 
 The backward recomputes attention with torch's `scaled_dot_product_attention` and runs its
 backward: flash or memory-efficient kernels, no (L, L) matrix kept; the gradients are those of a

@@ -4,8 +4,8 @@ q/k norms too), attention and a Qwen3-MoE policy's routers and experts computed 
 `grpoflow.kernels`' kernels, whose every row is bit-identical however many rows share the forward.
 A sparse block's router scores the experts by the kernels' product and routes by
 `batch_invariant_moe.route`; the block runs its experts' parameters (`gate_up_proj`, `down_proj`,
-which keep their names and gradients) by `batch_invariant_moe.experts`, as the native engine does. A LoRA policy's PEFT layers keep their own
-forward, which then runs its products on the kernels.
+which keep their names and gradients) by `batch_invariant_moe.experts`, as the native engine does. A
+LoRA policy's PEFT layers keep their own forward, which then runs its products on the kernels.
 
 With the native engine's batch-invariant forward (`NativeEngineConfig.batch_invariant`), which
 runs the same weights through the same kernels over its paged cache, the engine's logits for a
@@ -178,8 +178,8 @@ class BatchInvariantKernels:
     @classmethod
     def install(cls, model: nn.Module, torch_compile: bool = False) -> BatchInvariantKernels:
         """Put `model`'s linear layers (a LoRA policy's adapters included), RMSNorms, rotary
-        embedding, attention and sparse blocks (router and experts) on the kernels. Refuses what the native engine's batch-invariant
-        forward cannot reproduce (one line)."""
+        embedding, attention and sparse blocks (router and experts) on the kernels. Refuses what the
+        native engine's batch-invariant forward cannot reproduce (one line)."""
         from grpoflow.kernels.batch_invariant import matmul_forward
         from grpoflow.kernels.batch_invariant_ops import rotary_tables
         from grpoflow.models.batch_invariant import refusal

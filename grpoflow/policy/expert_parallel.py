@@ -5,9 +5,10 @@ experts that score them.
 `shard_experts(model, group)` makes each sparse block's `experts` module (transformers'
 Qwen3-MoE layout: fused `gate_up_proj` (E, 2I, H), gate rows first, and `down_proj` (E, H, I))
 an `ExpertParallelExperts` in place, holding the contiguous experts `rank * E / size` up to
-`(rank + 1) * E / size` of the group's `size` ranks under the same parameter names. The block still runs its router (so routing
-replay, the mismatch count and the load-balancing loss see it as before, `routing_replay`) and
-hands the chosen experts and their weights to the experts module, which then:
+`(rank + 1) * E / size` of the group's `size` ranks under the same parameter names. The block
+still runs its router (so routing replay, the mismatch count and the load-balancing loss see it as
+before, `routing_replay`) and hands the chosen experts and their weights to the experts module,
+which then:
 
 1. sorts its (token, expert) pairs by expert, hence by the rank that owns the expert, and
    exchanges the per-expert counts with every rank (one `all_to_all_single` of E integers);

@@ -15,8 +15,9 @@ event loop, each bounded by `agent_timeout`. `row` is the dataset row (its `prom
 `client.chat.completions.create` as against any OpenAI server; a plain `def agent(client, model,
 row)` gets an `openai.OpenAI` and runs on one of `agent_concurrency` daemon threads: one that hangs
 past `agent_timeout` keeps its thread until it returns, and the episodes after it wait for a free
-one within their own timeout, so a hanging program never grows the run's thread count. What the program returns is the
-episode's reward, `agent_program` (None: no reward from it), beside any `reward_funcs`, which get
+one within their own timeout, so a hanging program never grows the run's thread count. What the
+program returns is the episode's reward, `agent_program` (None: no reward from it), beside any
+`reward_funcs`, which get
 the final answer (the last turn's message, or the conversation after the prompt for chat prompts).
 The client's transport imposes the run's sampling (`grpoflow.agents.program_client`).
 

@@ -44,9 +44,10 @@ def build_rollout(
     check: str | None = None,
 ) -> Rollout:
     """What turns a step's prompts into groups: the user's rollout_func when one is named, an agent
-    program's episodes (their turns checked against the run's sampling when `check` is "update"), episodes of tools or an environment (their turns redrawn by the trainer
-    when `check` is "replay", given the placed policy), completions the trainer redraws
-    (likewise), else one sampled completion per group member.
+    program's episodes (their turns checked against the run's sampling when `check` is "update"),
+    episodes of tools or an environment (their turns redrawn by the trainer when `check` is
+    "replay", given the placed policy), completions the trainer redraws (likewise), else one
+    sampled completion per group member.
     `vocab_size`: the policy's embedding rows, which a rollout function's ids may use;
     `check`: the run's `on_policy_check` as `on_policy_check` resolves it."""
     agent, native = config.agent, config.generation.engine_name == "native"
