@@ -17,8 +17,8 @@ row)` gets an `openai.OpenAI` and runs on one of `agent_concurrency` daemon thre
 past `agent_timeout` keeps its thread until it returns, and the episodes after it wait for a free
 one within their own timeout, so a hanging program never grows the run's thread count. What the
 program returns is the episode's reward, `agent_program` (None: no reward from it), beside any
-`reward_funcs`, which get
-the final answer (the last turn's message, or the conversation after the prompt for chat prompts).
+`reward_funcs`, which get the final answer (the last turn's message, or the conversation after the
+prompt for chat prompts).
 The client's transport imposes the run's sampling (`grpoflow.agents.program_client`).
 
 Where the policy is served: an engine in the training process (native, hf, vLLM colocate) is hosted
