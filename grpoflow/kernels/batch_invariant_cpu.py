@@ -71,15 +71,6 @@ def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return out.view(logits.shape)
 
 
-def softmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """float32 softmax one row at a time."""
-    rows = logits.reshape(-1, logits.shape[-1])
-    out = torch.empty(rows.shape, dtype=torch.float32, device=logits.device)
-    for index in range(rows.shape[0]):
-        out[index] = _fresh(rows[index : index + 1]).float().softmax(-1)[0]
-    return out.view(logits.shape)
-
-
 def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` over (T, I) one row at a time, each in a fresh buffer (differentiable)."""
     rows = [

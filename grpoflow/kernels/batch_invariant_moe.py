@@ -8,13 +8,14 @@ the same output.
 blocks of 64 (`batch_invariant.dot_tile`), whatever the other rows and groups are. Its programs
 run over (expert, row tile) pairs and column tiles, each finding its expert from per-expert tile
 counts computed on the device, so nothing waits on the host (a decode step stays capturable in a
-CUDA graph). `route` (the softmax, top k and renormalisation of transformers' Qwen3-MoE router)
-and `experts` (the SwiGLU experts and the weighted sum of a token's k outputs in slot order) are
-the one computation both forwards call. Backward passes are ordinary torch (grouped products by
+CUDA graph). `route` (the softmax, as the log-softmax kernel's rows exponentiated, top k and
+renormalisation of transformers' Qwen3-MoE router) and `experts` (the SwiGLU experts and the
+weighted sum of a token's k outputs in slot order) are the one computation both forwards call. Backward passes are ordinary torch (grouped products by
 `torch._grouped_mm` where it runs, a loop over the experts elsewhere).
 
 On the CPU without Triton's interpreter the products go expert by expert through
-`batch_invariant_cpu.matmul_rows`, and the softmax and SiLU one row at a time (`batch_invariant_cpu`).
+`batch_invariant_cpu.matmul_rows`, and the log-softmax and SiLU one row at a time
+(`batch_invariant_cpu`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from grpoflow.kernels.batch_invariant import (
     SMALL_TILE,
     MatmulTile,
     dot_tile,
-    log_softmax_forward,
+    log_softmax,
 )
 from grpoflow.kernels.ops import grouped_mm_runs
 
@@ -97,8 +98,9 @@ def grouped_matmul_forward(x: torch.Tensor, weight: torch.Tensor, ends: torch.Te
         return out
     tile = grouped_tile(num_rows, num_experts)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    tile_ends = torch.cumsum((ends - starts + tile.block_m - 1) // tile.block_m, 0, dtype=torch.int32)
-    tile_starts = tile_ends - (ends - starts + tile.block_m - 1) // tile.block_m
+    tiles = (ends - starts + tile.block_m - 1) // tile.block_m
+    tile_ends = torch.cumsum(tiles, 0, dtype=torch.int32)
+    tile_starts = tile_ends - tiles
     bounds = torch.stack([starts, ends, tile_starts, tile_ends]).contiguous()
     grid = (triton.cdiv(num_rows, tile.block_m) + num_experts, triton.cdiv(num_cols, tile.block_n))
     _grouped_matmul_kernel[grid](
@@ -152,30 +154,6 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) ->
     return _GroupedMatmul.apply(x, weight, ends)
 
 
-def softmax_forward(logits: torch.Tensor) -> torch.Tensor:
-    """float32 softmax over the last dim, every row the same bits whatever the other rows: the
-    log-softmax kernel's rows exponentiated on CUDA, a row at a time elsewhere. No autograd."""
-    if logits.is_cuda:
-        return log_softmax_forward(logits).exp()
-    return cpu.softmax_rows(logits)
-
-
-class _Softmax(torch.autograd.Function):
-    """The batch-invariant forward; the backward from the saved result in torch."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
-        probs = softmax_forward(logits)
-        ctx.save_for_backward(probs)
-        ctx.input_dtype = logits.dtype
-        return probs
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (probs,) = ctx.saved_tensors
-        return (probs * (grad - (grad * probs).sum(-1, keepdim=True))).to(ctx.input_dtype)
-
-
 def _slot_sum(parts: torch.Tensor) -> torch.Tensor:
     """parts (T, k, ...) summed over the k slots in slot order (one rounded add each)."""
     total = parts[:, 0]
@@ -188,7 +166,7 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     """Router logits (T, E) -> weights (T, k) in the logits' dtype and the chosen experts (T, k),
     best first, ties to the lower index: transformers' Qwen3-MoE routing (float32 softmax, top k,
     renormalised when `normalize`) with every row its own bits. Differentiable in the logits."""
-    probs = _Softmax.apply(logits) if torch.is_grad_enabled() else softmax_forward(logits)
+    probs = log_softmax(logits).exp()
     chosen = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
     top = probs.gather(-1, chosen)
     if normalize:
