@@ -220,6 +220,7 @@ def _load_hint(source: str, error: Exception) -> str:
 
 def load_checkpoint_weights(model: torch.nn.Module, directory: Path) -> None:
     """Load a checkpoint's weights (a full model, or a LoRA adapter) into `model`."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     is_lora = is_peft_model(model)
@@ -232,12 +233,16 @@ def load_checkpoint_weights(model: torch.nn.Module, directory: Path) -> None:
     if is_lora:
         load_adapter_weights(model, directory)
         return
-    state = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(str(path), device=str(next(model.parameters()).device)))
-    own = model.state_dict()
-    if any(name not in own for name in state) and (directory / "config.json").exists():
-        state = _converted_weights(model, directory)
+    files, names = sorted(directory.glob("*.safetensors")), set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            names.update(handle.keys())
+    if not names <= model.state_dict().keys() and (directory / "config.json").exists():
+        state = _converted_weights(model, directory)  # read once, in the model's layout
+    else:
+        state = {}
+        for path in files:
+            state.update(load_file(str(path), device=str(next(model.parameters()).device)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     if unexpected or set(missing) - tied - {"lm_head.weight"}:
