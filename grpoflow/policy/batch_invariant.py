@@ -60,8 +60,10 @@ def install_if_wanted(
         from grpoflow.models.batch_invariant import refusal
         from grpoflow.policy.lora import generation_model
 
-        reason = "torch_compile is on" if torch_compile else refusal(generation_model(model))
-        reason = "use_liger_kernel is on" if use_liger_kernel else reason
+        if use_liger_kernel:
+            reason = "use_liger_kernel is on"
+        else:
+            reason = "torch_compile is on" if torch_compile else refusal(generation_model(model))
         if reason is not None:
             logger.info("batch_invariant: auto leaves the batch-invariant kernels off (%s)", reason)
             return None

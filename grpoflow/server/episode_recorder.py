@@ -13,9 +13,9 @@ Both may be sent when they agree. An id is 1 to 256 letters, digits or `._:@-`. 
 `prompt_ids`, the sampled `completion_ids` (the stop token included when one ended the turn) and
 their `completion_logprobs` (log_softmax(logits / temperature) of each sampled token, the chat
 response's log-probs whether or not the request asked for them), the `sampling` they were drawn
-with (temperature, top_p, top_k, min_p, repetition_penalty as the server read them), the `finish_reason`, the
-assistant `message` answered and the `policy_version` that sampled it. Requests without an id are
-not recorded. The endpoints that read them back are episode_routes.py's.
+with (temperature, top_p, top_k, min_p, repetition_penalty as the server read them), the
+`finish_reason`, the assistant `message` answered and the `policy_version` that sampled it.
+Requests without an id are not recorded. The endpoints that read them back are episode_routes.py's.
 
 A turn is kept as it will be sent back: its JSON parts as bytes and its token ids and log-probs as
 packed arrays (a long agent's prompts repeat the whole conversation every turn), and its size in
