@@ -89,9 +89,8 @@ def clip_gradients(
     own = [grad for grad in grads if not isinstance(grad, DTensor)]
     device = (own or [torch.zeros(())])[0].device
     squares = torch.zeros((), dtype=torch.float32, device=device)
-    if own:
-        squares = torch.stack([norm.float() for norm in torch._foreach_norm(own)]).square().sum()
     if own:  # every rank holds experts with gradients, or none does
+        squares = torch.stack([norm.float() for norm in torch._foreach_norm(own)]).square().sum()
         torch_dist.all_reduce(squares, group=group)
     if sharded:
         squares = squares + whole(torch.nn.utils.get_total_norm(sharded)).float().to(device).square()
