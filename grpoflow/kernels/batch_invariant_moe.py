@@ -33,7 +33,7 @@ from grpoflow.kernels.batch_invariant import (
     dot_tile,
     log_softmax,
 )
-from grpoflow.kernels.ops import grouped_mm_runs
+from grpoflow.kernels.ops import expert_order, grouped_mm_runs
 
 
 @triton.jit
@@ -192,10 +192,7 @@ def experts(
     parameters) while gradients are on."""
     num_tokens, top_k = chosen.shape
     product = grouped_matmul if torch.is_grad_enabled() else grouped_matmul_forward
-    flat = chosen.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    bounds = torch.arange(1, gate_up.shape[0] + 1, device=x.device, dtype=flat.dtype)
-    ends = torch.searchsorted(flat[order], bounds, out_int32=True)
+    order, ends = expert_order(chosen, gate_up.shape[0])
     gate, up = product(x[order // top_k], gate_up, ends).chunk(2, dim=-1)
     out = product(silu_mul(gate, up), down, ends)
     by_token = out.index_select(0, torch.argsort(order)).view(num_tokens, top_k, -1)

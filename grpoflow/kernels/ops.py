@@ -37,6 +37,16 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     return major == 9 or (major >= 8 and version >= (2, 9))
 
 
+def expert_order(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE layer's (token, slot) pairs sorted by expert: the stable order of `chosen` (T, k)
+    flattened, and each expert's end in it (E,) int32, as grouped products take their offsets;
+    on the device, no host sync."""
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    bounds = torch.arange(1, num_experts + 1, device=chosen.device, dtype=flat.dtype)
+    return order, torch.searchsorted(flat[order], bounds, out_int32=True)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (rotate-half form). x (T, H, D); cos, sin (T, D) in x's dtype."""
     half = x.shape[-1] // 2

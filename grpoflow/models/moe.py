@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpoflow.kernels.ops import expert_order
 from grpoflow.models.adapters import is_lora_layer
 from grpoflow.models.moe_adapters import (
     ExpertAdapters,
@@ -150,9 +151,7 @@ def grouped_experts(
     capture it."""
     num_tokens, top_k = chosen.shape
     adapters = adapters or ExpertAdapters()
-    order = torch.argsort(chosen.reshape(-1), stable=True)
-    ends = torch.arange(1, gate_up.shape[0] + 1, device=x.device, dtype=chosen.dtype)
-    offsets = torch.searchsorted(chosen.reshape(-1)[order], ends, out_int32=True)
+    order, offsets = expert_order(chosen, gate_up.shape[0])
     rows = x[order // top_k]
     products = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)
     add_grouped(products, rows, adapters.gate_up, offsets)

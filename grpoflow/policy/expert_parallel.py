@@ -37,7 +37,7 @@ precision with float32 weights (the experts left out of its units), their float3
 for each forward, as FSDP casts the parameters it gathers, and their gradients stay float32.
 
 Expert-parallel experts keep only their shard: saving a checkpoint or syncing weights to a
-rollout engine needs the full experts gathered first, which this module does not do.
+rollout engine gathers the full experts first (`grpoflow.policy.expert_shards`).
 """
 
 from __future__ import annotations
