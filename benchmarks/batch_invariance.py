@@ -75,12 +75,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def timed(fn, repeats: int, device) -> float:
+def timed(fn, repeats: int, device, graph: bool = True) -> float:
     """Milliseconds per call of fn, after one warm-up call: on CUDA replayed from one CUDA graph
-    (the GPU's time, as in the engine's decode graphs and without the host's launches)."""
+    (the GPU's time, as in the engine's decode graphs and without the host's launches), or with
+    `graph` False (a training step, which syncs) called `repeats` times and waited on."""
     import torch
 
     fn()
+    if device.type == "cuda" and not graph:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / repeats * 1e3
     if device.type == "cuda":
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

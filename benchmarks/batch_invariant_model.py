@@ -10,6 +10,7 @@ engine's decode-attention kernel (`TritonOps`; `TorchOps` on the CPU).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -206,9 +207,8 @@ def model_timings(model: nn.Module, args, device: torch.device, timed) -> dict:
     for kernels in (True, False):
         use_kernels(model, kernels)
         key = "kernel_ms" if kernels else "stock_ms"
-        results[name][key] = timed(
-            lambda k=kernels: _train_step(model, ids, positions, k), args.repeats, device
-        )
+        step = functools.partial(_train_step, model, ids, positions, kernels)
+        results[name][key] = timed(step, args.repeats, device, graph=False)
     model.eval()
     name = f"decode step {args.decode_rows} rows, context {args.decode_context}"
     results[name] = {}

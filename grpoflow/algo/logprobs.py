@@ -215,7 +215,8 @@ class _LinearLogProb(torch.autograd.Function):
     """`log_softmax(hidden @ weight.T + bias) / T)[target]` for one chunk of tokens, in float32.
 
     Saves the hidden chunk and the per-token logsumexp; the backward pass recomputes the logits
-    once and overwrites them with the gradient. Entropy (optional) carries a gradient only under
+    once (with `F.linear` whatever `product` gave the forward's) and overwrites them with the
+    gradient. Entropy (optional) carries a gradient only under
     `entropy_grad`: `dH/dz = -p * (log p + H)` for the scaled logits `z`, added in the eager path.
     """
 
@@ -250,10 +251,18 @@ class _LinearLogProb(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, bias, targets, logsumexp, entropy = ctx.saved_tensors
         temperature = ctx.temperature
-        grad = ctx.product(hidden, weight, bias)  # the forward's logits again
+        # the forward's logits again, in cuBLAS: a batch-invariant head's rows (bit-exact in the
+        # forward) need only be accurate here, their logsumexp then recomputed from these logits
+        grad = F.linear(hidden, weight, bias)
+        fused = _fused_kernels(grad)
+        if ctx.product is not F.linear:
+            if fused is not None:
+                logsumexp = fused.fused_log_softmax_forward(grad, targets, temperature, False)[1]
+            else:
+                logsumexp = torch.logsumexp(grad.float() / temperature, dim=-1)
         if grad_log_probs is None:
             grad_log_probs = logsumexp.new_zeros(logsumexp.shape)
-        kernels = _fused_kernels(grad) if grad_entropy is None else None
+        kernels = fused if grad_entropy is None else None
         if kernels is not None:
             kernels.fused_log_softmax_backward_(grad, targets, logsumexp, grad_log_probs, temperature)
         else:

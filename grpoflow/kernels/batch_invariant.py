@@ -10,6 +10,11 @@ one token per sequence and a training forward over whole sequences then compute 
 the same inputs bit for bit. Backward passes use ordinary torch ops: gradients need not be
 invariant. `batch_invariant_attention` gives attention the same property.
 
+Nor need a checkpointed layer's recompute, whose outputs feed only the backward: within
+`recompute.recomputing()` (gradient checkpointing's recompute) the same autograd functions run
+(they save the same tensors, as checkpointing requires) but compute with torch's own products
+(cuBLAS) and norm, and the attention with torch's flash attention.
+
 CUDA compiles these kernels; Triton's interpreter (`TRITON_INTERPRET=1`) runs them on the CPU.
 Without it, CPU tensors go through `batch_invariant_cpu` (a torch call per row, also invariant).
 """
@@ -19,11 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from grpoflow.kernels import batch_invariant_cpu as cpu
 from grpoflow.kernels.ops import rms_norm_reference
+from grpoflow.kernels.recompute import is_recomputing
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,8 @@ class _Matmul(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        if is_recomputing():
+            return F.linear(x, weight, bias)
         return matmul_forward(x, weight, bias)
 
     @staticmethod
@@ -227,6 +236,8 @@ class _RmsNorm(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
+        if is_recomputing():
+            return rms_norm_reference(x, weight, eps)
         return rms_norm_forward(x, weight, eps)
 
     @staticmethod

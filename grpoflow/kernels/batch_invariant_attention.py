@@ -17,9 +17,10 @@ full forward reads its keys as a paged cache of one page per sequence. Each quer
 given by its position: a query at index t with position p attends keys t - p .. t of its row, which
 covers left and right padding (padding's positions start over at 0) and sequences packed in one row.
 
-The backward recomputes attention with torch's `scaled_dot_product_attention` and runs its
-backward: flash or memory-efficient kernels, no (L, L) matrix kept; the gradients are those of a
-forward that rounds differently from this one, as ordinary training's are.
+The backward recomputes attention with torch's varlen flash attention over the rows' sequences
+(`attention_for_gradients`; `scaled_dot_product_attention` on the CPU) and runs its backward: no
+(L, L) matrix kept, no device sync per layer; the gradients are those of a forward that rounds
+differently from this one, as ordinary training's are.
 
 `paged_attention` runs the kernel for several queries per sequence over a paged cache (a prefill,
 with or without a cached prefix). On the CPU without Triton's interpreter every entry point
@@ -28,6 +29,8 @@ attends a query at a time in torch (`batch_invariant_cpu`), with the same proper
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -35,6 +38,8 @@ import triton.language as tl
 
 from grpoflow.kernels import batch_invariant_cpu as cpu
 from grpoflow.kernels.attention_block import attend_block
+from grpoflow.kernels.recompute import is_recomputing
+from grpoflow.kernels.varlen import VARLEN_PARAMETERS, flash_varlen
 
 BLOCK_N = 64
 """Keys per step of the online softmax, from each sequence's first key."""
@@ -251,8 +256,9 @@ def sequence_starts(positions: torch.Tensor, length: int) -> torch.Tensor:
 
 
 _last_rows: list = []
-"""[the positions tensor a call was given, its version and (B, L), its rows' (positions, starts)]:
-every layer of one forward passes the same positions, which are checked (a device sync) once."""
+"""[the positions tensor a call was given, its version and (B, L), its rows' (positions, starts),
+their `_Sequences` or None until asked]: every layer of one forward, and of its backward, passes
+the same positions, which are checked (a device sync) once."""
 
 
 def _rows_of(
@@ -265,8 +271,40 @@ def _rows_of(
         return _last_rows[2]
     expanded = positions.to(device=device, dtype=torch.int64).expand(batch, length).contiguous()
     rows = expanded, sequence_starts(expanded, length)
-    _last_rows[:] = [positions, key, rows]
+    _last_rows[:] = [positions, key, rows, None]
     return rows
+
+
+class _Sequences(NamedTuple):
+    """The sequences of (B, L) rows end to end: `bounds` (sequences + 1,) int32 on the device and
+    the longest one's length; or `counts_up` False where positions do not count 0, 1, 2, ...
+    within each sequence (then no sequence layout describes what each query attends)."""
+
+    counts_up: bool
+    plain: bool  # one sequence per row, from its first token (no padding, no packing)
+    bounds: torch.Tensor | None
+    max_length: int
+
+
+def _sequences_of(positions: torch.Tensor, batch: int, length: int, device: torch.device) -> _Sequences:
+    """`positions`' sequences (two device syncs, once per positions tensor as `_rows_of`)."""
+    expanded, _ = _rows_of(positions, batch, length, device)
+    if _last_rows[3] is not None:
+        return _last_rows[3]
+    flat = expanded.reshape(-1)
+    if flat.numel() == 0:
+        _last_rows[3] = _Sequences(True, True, flat.new_zeros(1, dtype=torch.int32), 0)
+        return _last_rows[3]
+    firsts = torch.nonzero(flat == 0).flatten()
+    lengths = torch.diff(firsts, append=firsts.new_full((1,), flat.numel()))
+    steps = flat[1:] - flat[:-1]
+    counts_up = ((steps == 1) | (flat[1:] == 0)).all() & (expanded[:, 0] == 0).all()
+    summary = torch.stack([counts_up.long(), lengths.max(), lengths.min()]).tolist()
+    bounds = torch.cat([firsts, firsts.new_full((1,), flat.numel())]).to(torch.int32)
+    plain = bool(summary[0]) and firsts.numel() == batch and summary[2] == length
+    sequences = _Sequences(bool(summary[0]), plain, bounds, int(summary[1]))
+    _last_rows[3] = sequences
+    return sequences
 
 
 def attention_forward(
@@ -295,27 +333,43 @@ def attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """`attention` in torch's `scaled_dot_product_attention`, differentiable (its backward)."""
-    batch, num_heads, length, _ = q.shape
-    group = num_heads // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    index = torch.arange(length, device=q.device)
-    positions = positions.to(device=q.device, dtype=torch.int64).expand(batch, length)
-    if torch.equal(positions, index.expand(batch, length)):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    batch, _, length, _ = q.shape
+    sequences = _sequences_of(positions, batch, length, q.device)
+    if sequences.plain:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        starts = (index - positions)[:, :, None]
-        mask = (index[None, None, :] <= index[None, :, None]) & (index[None, None, :] >= starts)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+        _, starts = _rows_of(positions, batch, length, q.device)
+        index = torch.arange(length, device=q.device)
+        keys = index[None, None, :]
+        mask = (keys <= index[None, :, None]) & (keys >= starts[:, :, None])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
 
 
+def attention_for_gradients(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`attention` up to rounding, differentiable, fast: the backward's recompute and a
+    checkpointed layer's. On CUDA, where the positions count up within each sequence, torch's
+    varlen flash attention over the rows' sequences end to end; else `attention_reference`."""
+    batch, num_heads, length, head_dim = q.shape
+    sequences = _sequences_of(positions, batch, length, q.device)
+    if not (q.is_cuda and sequences.counts_up and VARLEN_PARAMETERS):
+        return attention_reference(q, k, v, positions, scale)
+    q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], head_dim) for x in (q, k, v))
+    out = flash_varlen(q, k, v, sequences.bounds, sequences.max_length, scale)
+    return out.view(batch, length, num_heads, head_dim)
+
+
 class _Attention(torch.autograd.Function):
-    """The batch-invariant forward; the backward of `attention_reference`, recomputed."""
+    """The batch-invariant forward; the backward of `attention_for_gradients`, recomputed."""
 
     @staticmethod
     def forward(ctx, q, k, v, positions, scale):
         ctx.save_for_backward(q, k, v, positions)
         ctx.scale = scale
+        if is_recomputing():  # a checkpointed layer's recompute: its outputs only feed the backward
+            return attention_for_gradients(q, k, v, positions, scale)
         return attention_forward(q, k, v, positions, scale)
 
     @staticmethod
@@ -323,7 +377,7 @@ class _Attention(torch.autograd.Function):
         q, k, v, positions = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-            out = attention_reference(*inputs, positions, ctx.scale)
+            out = attention_for_gradients(*inputs, positions, ctx.scale)
             grads = torch.autograd.grad(out, inputs, grad)
         return (*grads, None, None)
 

@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 
 from grpoflow import hub
+from grpoflow.kernels.recompute import checkpoint_contexts
 from grpoflow.options import NOT_AN_OPTION
 from grpoflow.policy import liger, varlen_attention
 from grpoflow.policy.adapter_checkpoints import is_adapter_checkpoint, load_adapter_weights
@@ -167,7 +168,11 @@ def load_model(
     if config.torch_compile:
         compile_layers(model, fallback=config.compile_fallback)
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        options: dict = {"use_reentrant": False}
+        if not is_moe_config(model.config):  # a router's choices must repeat: its layers exactly
+            # the recompute marked, so that batch-invariant kernels hand it to torch's fast ops
+            options["context_fn"] = checkpoint_contexts
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
         model.config.use_cache = False
     return model
 

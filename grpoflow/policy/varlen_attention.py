@@ -18,26 +18,13 @@ Any forward without boundaries (a padded batch, generation with a cache) runs tr
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from grpoflow.kernels.varlen import flash_varlen
+
 NAME = "grpoflow_varlen"
-
-
-def _varlen_parameters() -> frozenset[str]:
-    """The installed `varlen_attn`'s parameter names (none where torch has no varlen attention)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return frozenset()
-    return frozenset(inspect.signature(varlen_attn).parameters)
-
-
-VARLEN_PARAMETERS = _varlen_parameters()
-"""Read once at import: not at every layer, and not inside a compiled region."""
 
 
 def register() -> None:
@@ -74,7 +61,9 @@ def varlen_attention_forward(
     q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (T, H, D)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     if q.is_cuda:
-        out = _flash(q, k, v, cu_seq_lens_q.to(device=q.device, dtype=torch.int32), int(max_length_q), scale)
+        out = flash_varlen(
+            q, k, v, cu_seq_lens_q.to(device=q.device, dtype=torch.int32), int(max_length_q), scale
+        )
     else:
         out = per_sequence_attention(q, k, v, cu_seq_lens_q, scale)
     return out.unsqueeze(0), None
@@ -90,24 +79,3 @@ def per_sequence_attention(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor,
         out = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, scale=scale, enable_gqa=True)
         parts.append(out[0].transpose(0, 1))
     return torch.cat(parts)
-
-
-def _flash(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, max_length: int, scale: float) -> Tensor:
-    """torch's varlen flash attention, causal, whichever of its signatures is installed: the
-    first (`is_causal`, no scale, no grouped heads), or the later (`scale`, `window_size`; grouped
-    heads natively, flagged by `enable_gqa` where it has one)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    parameters = VARLEN_PARAMETERS
-    groups = q.shape[1] // k.shape[1]
-    if "window_size" in parameters:
-        options: dict = {"scale": scale, "window_size": (-1, 0)}
-        if "enable_gqa" in parameters:
-            options["enable_gqa"] = groups > 1
-        return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, **options)
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    default = q.shape[-1] ** -0.5
-    if scale != default:
-        q = q * (scale / default)
-    return varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, is_causal=True)

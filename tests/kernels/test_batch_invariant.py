@@ -288,20 +288,34 @@ def test_decode_attention_rows_equal_the_full_forward_gpu(dtype):
                 assert torch.equal(decoded[b + batch * (repeats - 1)], decoded[b])
 
 
+BACKWARD_POSITIONS = {
+    "left padding": torch.cat((torch.zeros(1, 20, dtype=torch.long), torch.arange(108)[None]), 1).repeat(
+        4, 1
+    ),
+    "packed": torch.cat((torch.arange(50), torch.arange(30), torch.arange(48)))[None].repeat(4, 1),
+    "plain": torch.arange(128)[None].repeat(4, 1),
+    "right padding held": torch.arange(128).clamp(max=99)[None].repeat(4, 1),  # the masked reference
+}
+
+
 @pytest.mark.gpu
 @NEEDS_CUDA
-def test_attention_backward_matches_sdpa_gpu():
+@pytest.mark.parametrize("layout", list(BACKWARD_POSITIONS))
+def test_attention_backward_matches_sdpa_gpu(layout):
+    """The backward's varlen flash attention (its reference where positions do not count up) gives
+    the masked reference's gradients, also in a checkpoint's recompute."""
     torch.manual_seed(0)
-    positions = torch.cat((torch.zeros(1, 20, dtype=torch.long), torch.arange(108)[None]), 1).repeat(4, 1)
+    positions = BACKWARD_POSITIONS[layout]
     inputs = [torch.randn(4, h, 128, 64, device="cuda", dtype=torch.bfloat16) for h in (14, 2, 2)]
     grad = torch.randn(4, 128, 14, 64, device="cuda", dtype=torch.bfloat16)
     results = []
-    for fn in (ba.attention, ba.attention_reference):
+    for fn in (ba.attention, ba.attention_reference, ba.attention_for_gradients):
         leaves = [x.clone().requires_grad_() for x in inputs]
         fn(*leaves, positions.cuda(), 0.125).backward(grad)
         results.append([leaf.grad for leaf in leaves])
-    for got, expected in zip(*results):
+    for got, recomputed, expected in zip(*results):
         torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(recomputed, expected, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.gpu

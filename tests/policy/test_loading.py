@@ -40,6 +40,19 @@ def test_a_moe_models_experts_run_eager_on_the_cpu_unless_chosen_and_a_dense_mod
         build(experts_implementation="grouped_mm")
 
 
+def test_checkpointing_marks_a_dense_models_recompute_and_not_a_moe_models():
+    """The recompute context lets batch-invariant kernels hand a recompute to torch's ops; a MoE
+    layer recomputes exactly, so that its router chooses the same experts again."""
+    from grpoflow.kernels.recompute import checkpoint_contexts
+
+    def options(model):
+        return model.model.layers[0]._gradient_checkpointing_func.keywords
+
+    dense = options(build(gradient_checkpointing=True))
+    assert dense == {"use_reentrant": False, "context_fn": checkpoint_contexts}
+    assert options(build(model="random:tiny-moe", gradient_checkpointing=True)) == {"use_reentrant": False}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention has no backward on the CPU")
 def test_padding_free_trains_with_flex_attention(tmp_path):

@@ -1,0 +1,92 @@
+"""A checkpointed layer's recompute on torch's fast ops, the forward on the batch-invariant
+kernels; the sequences the attention's backward reads. CPU (torch paths of the kernels)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from grpoflow.kernels import batch_invariant as bi  # noqa: E402
+from grpoflow.kernels import batch_invariant_attention as ba  # noqa: E402
+from grpoflow.kernels.ops import rms_norm_reference  # noqa: E402
+from grpoflow.kernels.recompute import checkpoint_contexts, is_recomputing, recomputing  # noqa: E402
+
+
+def test_the_recompute_runs_torchs_ops_in_the_kernels_autograd_functions():
+    torch.manual_seed(0)
+    x, weight, norm = torch.randn(6, 40), torch.randn(24, 40), torch.randn(40)
+    q, kv = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    assert not is_recomputing()
+    with recomputing():
+        with recomputing():
+            assert is_recomputing()
+        assert is_recomputing()
+        assert torch.equal(bi.matmul(x, weight), F.linear(x, weight))
+        assert torch.equal(bi.rms_norm(x, norm, 1e-6), rms_norm_reference(x, norm, 1e-6))
+        assert torch.equal(
+            ba.attention(q, kv, kv, positions, 0.25), ba.attention_reference(q, kv, kv, positions, 0.25)
+        )
+        assert bi.matmul(x.requires_grad_(), weight).grad_fn.name().endswith("_MatmulBackward")
+    assert not is_recomputing()
+    forward, recompute = checkpoint_contexts()
+    with forward:
+        assert not is_recomputing()
+    with recompute:
+        assert is_recomputing()
+
+
+@pytest.mark.parametrize(
+    ("positions", "counts_up", "plain", "bounds", "longest"),
+    [
+        ([[0, 1, 2, 3], [0, 1, 2, 3]], True, True, [0, 4, 8], 4),
+        ([[0, 0, 0, 1], [0, 1, 2, 3]], True, False, [0, 1, 2, 4, 8], 4),  # left padding: one-token pads
+        ([[0, 1, 0, 1], [0, 1, 2, 0]], True, False, [0, 2, 4, 7, 8], 3),  # packed rows
+        ([[0, 1, 2, 2], [0, 1, 2, 3]], False, False, None, None),  # right padding held at its last position
+    ],
+)
+def test_the_rows_sequences_for_the_backward(positions, counts_up, plain, bounds, longest):
+    positions = torch.tensor(positions)
+    sequences = ba._sequences_of(positions, 2, 4, positions.device)
+    assert (sequences.counts_up, sequences.plain) == (counts_up, plain)
+    if counts_up:
+        assert sequences.bounds.tolist() == bounds and sequences.max_length == longest
+    assert ba._sequences_of(positions, 2, 4, positions.device) is sequences  # once per tensor
+
+
+def test_a_checkpointed_model_on_the_kernels_keeps_its_forward_and_recomputes_on_torch(monkeypatch):
+    """With gradient checkpointing as the loader sets it, the forward's logits are the kernels'
+    bit for bit; the recompute calls no kernel product, and the gradients are close to those of
+    the model without checkpointing."""
+    from grpoflow.policy.batch_invariant import BatchInvariantKernels
+    from grpoflow.policy.tiny import build_tiny_model
+
+    torch.manual_seed(0)
+    model = build_tiny_model(vocab_size=48)
+    kernels = BatchInvariantKernels.install(model)
+    ids = torch.randint(0, 48, (2, 9))
+    positions = torch.tensor([[0, 0, 0, 1, 2, 3, 4, 5, 6], list(range(9))])
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        logits = model(input_ids=ids, position_ids=positions).logits
+        logits.float().logsumexp(-1).sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain_logits, plain_grads = run()
+    model.gradient_checkpointing_enable({"use_reentrant": False, "context_fn": checkpoint_contexts})
+    model.train()
+    products = []
+    original = bi.matmul_forward
+    monkeypatch.setattr(
+        bi, "matmul_forward", lambda *a, **k: products.append(is_recomputing()) or original(*a, **k)
+    )
+    logits, grads = run()
+    assert torch.equal(logits, plain_logits)
+    assert products and not any(products)  # every kernel product in the forward, none recomputed
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], atol=1e-4, rtol=1e-3, msg=name)
+    kernels.remove()
