@@ -13,7 +13,7 @@ invariant. `batch_invariant_attention` gives attention the same property.
 Nor need a checkpointed layer's recompute, whose outputs feed only the backward: within
 `recompute.recomputing()` (gradient checkpointing's recompute) the same autograd functions run
 (they save the same tensors, as checkpointing requires) but compute with torch's own products
-(cuBLAS) and norm, and the attention with torch's flash attention.
+(cuBLAS), and the attention with torch's flash attention.
 
 CUDA compiles these kernels; Triton's interpreter (`TRITON_INTERPRET=1`) runs them on the CPU.
 Without it, CPU tensors go through `batch_invariant_cpu` (a torch call per row, also invariant).
@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from grpoflow.kernels import batch_invariant_cpu as cpu
-from grpoflow.kernels.ops import rms_norm_reference
 from grpoflow.kernels.recompute import is_recomputing
+from grpoflow.kernels.rms_norm_backward import rms_norm_backward
 
 
 @dataclass(frozen=True)
@@ -230,23 +230,19 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
 
 
 class _RmsNorm(torch.autograd.Function):
-    """The batch-invariant forward; the backward through the torch reference, recomputed."""
+    """The batch-invariant forward (one kernel, a checkpoint's recompute too); the backward
+    `rms_norm_backward`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        if is_recomputing():
-            return rms_norm_reference(x, weight, eps)
         return rms_norm_forward(x, weight, eps)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            out = rms_norm_reference(x, weight, ctx.eps)
-            grad_x, grad_weight = torch.autograd.grad(out, (x, weight), grad)
+        grad_x, grad_weight = rms_norm_backward(x, weight, grad, ctx.eps)
         return grad_x, grad_weight, None
 
 

@@ -13,9 +13,11 @@ token are the trainer's bit for bit. Under `on_policy_sampling` the trainer's re
 with every keyed draw of the engine, so one round suffices.
 
 `BatchInvariantKernels.install` sets each module's forward on its instance (the class is left
-alone), the rotary module's to an index into one table of every position (`rotary_tables`), and
-the attention implementation to one registered with transformers; `remove` restores them all.
-Backward passes are the stock ones (gradients need not be invariant). torch.compile would fuse
+alone), the rotary module's to an index into one table of every position (`rotary_tables`), each
+attention module's to its class forward seeing one rotary kernel (`kernels.rotary`, eager's bits),
+and the attention implementation to one registered with transformers; `remove` restores them all.
+Backward passes need not be invariant: fused kernels or torch's, and a checkpointed layer's
+recompute runs on torch's products and flash attention (`kernels.recompute`). torch.compile would fuse
 the elementwise operations between the kernels and change their rounding, so it is refused.
 """
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from grpoflow.policy.function_globals import with_globals
 from grpoflow.policy.lora_precision import InputDtypeLinear
 
 NAME = "grpoflow_batch_invariant"
@@ -169,6 +172,17 @@ def _rotary_forward(
     return cos.to(x.dtype), sin.to(x.dtype)
 
 
+ROTARY_FUNCTION = "apply_rotary_pos_emb"
+"""The rotary function transformers' attention forwards look up in their modeling module."""
+
+
+def _applies_rotary(module: nn.Module) -> bool:
+    """An attention module whose forward applies transformers' rotary function (its own copy of
+    the forward then sees `kernels.rotary.rotary_pos_emb`: one kernel each way, eager's bits)."""
+    forward = getattr(type(module), "forward", None)
+    return isinstance(forward, types.FunctionType) and ROTARY_FUNCTION in forward.__code__.co_names
+
+
 @dataclass
 class BatchInvariantKernels:
     """The kernels installed on one model; `remove` puts its modules back as they were."""
@@ -184,6 +198,7 @@ class BatchInvariantKernels:
         native engine's batch-invariant forward cannot reproduce (one line)."""
         from grpoflow.kernels.batch_invariant import matmul_forward
         from grpoflow.kernels.batch_invariant_ops import rotary_tables
+        from grpoflow.kernels.rotary import rotary_pos_emb
         from grpoflow.models.batch_invariant import refusal
         from grpoflow.models.moe import is_sparse
         from grpoflow.policy.lora import generation_model
@@ -216,6 +231,9 @@ class BatchInvariantKernels:
                 module.forward = types.MethodType(_rms_norm_forward, module)
             elif module is rotary:
                 module.forward = functools.partial(_rotary_forward, tables)
+            elif _applies_rotary(module):
+                wanted = {ROTARY_FUNCTION: rotary_pos_emb}
+                module.forward = types.MethodType(with_globals(type(module).forward, wanted), module)
             else:
                 continue
             installed.patched.append(module)

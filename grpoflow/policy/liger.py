@@ -31,6 +31,8 @@ from typing import Literal
 
 from torch import nn
 
+from grpoflow.policy.function_globals import with_globals
+
 logger = logging.getLogger("grpoflow")
 
 Setting = bool | Literal["auto"]
@@ -212,18 +214,3 @@ def bind_to_instance(
         }
         if wanted:
             module.forward = types.MethodType(with_globals(forward, wanted), module)
-
-
-def with_globals(function: types.FunctionType, overrides: dict[str, object]) -> types.FunctionType:
-    """A copy of `function` whose global names in `overrides` are theirs (the rest as they are now)."""
-    copied = types.FunctionType(
-        function.__code__,
-        {**function.__globals__, **overrides},
-        function.__name__,
-        function.__defaults__,
-        function.__closure__,
-    )
-    copied.__kwdefaults__ = function.__kwdefaults__
-    copied.__qualname__ = function.__qualname__
-    copied.__wrapped__ = function
-    return copied

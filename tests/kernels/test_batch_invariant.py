@@ -329,3 +329,50 @@ def test_a_fused_products_columns_are_the_separate_products_gpu(rows):
     biases = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in (896, 128, 128)]
     fused = bi.matmul(x, torch.cat(parts), torch.cat(biases))
     assert torch.equal(fused, torch.cat([bi.matmul(x, w, b) for w, b in zip(parts, biases)], -1))
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("rows", "cols"), [(1, 896), (7, 64), (5000, 896), (300, 1000)])
+def test_rms_norm_backward_kernel_gives_autograds_gradients_gpu(dtype, rows, cols):
+    from grpoflow.kernels.ops import rms_norm_reference
+    from grpoflow.kernels.rms_norm_backward import rms_norm_backward
+
+    torch.manual_seed(0)
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype) * 3
+    weight = torch.randn(cols, device="cuda", dtype=dtype)
+    grad = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
+    rms_norm_reference(*leaves, 1e-6).backward(grad)
+    got_x, got_weight = rms_norm_backward(x, weight, grad, 1e-6)
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(got_x, leaves[0].grad, **tolerance)
+    torch.testing.assert_close(
+        got_weight.float(), leaves[1].grad.float(), atol=tolerance["atol"] * rows**0.5, rtol=tolerance["rtol"]
+    )
+    assert (got_x.dtype, got_weight.dtype) == (dtype, dtype)
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_rotary_kernel_gives_eagers_bits_gpu(dtype):
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    from grpoflow.kernels.rotary import rotary_pos_emb
+
+    torch.manual_seed(0)
+    q = torch.randn(4, 300, 14, 64, device="cuda", dtype=dtype).transpose(1, 2)
+    k = torch.randn(4, 300, 2, 64, device="cuda", dtype=dtype).transpose(1, 2)
+    angles = torch.randn(4, 300, 32, device="cuda") * 10
+    cos, sin = (torch.cat((f(angles), f(angles)), -1).to(dtype) for f in (torch.cos, torch.sin))
+    for got, expected in zip(rotary_pos_emb(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)):
+        assert torch.equal(got, expected)
+    leaves = [t.clone().requires_grad_() for t in (q, k)]
+    reference = [t.clone().requires_grad_() for t in (q, k)]
+    grads = [torch.randn_like(t) for t in (q, k)]
+    torch.autograd.backward(rotary_pos_emb(*leaves, cos, sin), grads)
+    torch.autograd.backward(apply_rotary_pos_emb(*reference, cos, sin), grads)
+    for got, expected in zip(leaves, reference):
+        torch.testing.assert_close(got.grad, expected.grad, atol=2e-2, rtol=2e-2)

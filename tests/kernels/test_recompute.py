@@ -11,7 +11,6 @@ pytest.importorskip("triton")
 
 from grpoflow.kernels import batch_invariant as bi  # noqa: E402
 from grpoflow.kernels import batch_invariant_attention as ba  # noqa: E402
-from grpoflow.kernels.ops import rms_norm_reference  # noqa: E402
 from grpoflow.kernels.recompute import checkpoint_contexts, is_recomputing, recomputing  # noqa: E402
 
 
@@ -26,7 +25,7 @@ def test_the_recompute_runs_torchs_ops_in_the_kernels_autograd_functions():
             assert is_recomputing()
         assert is_recomputing()
         assert torch.equal(bi.matmul(x, weight), F.linear(x, weight))
-        assert torch.equal(bi.rms_norm(x, norm, 1e-6), rms_norm_reference(x, norm, 1e-6))
+        assert torch.equal(bi.rms_norm(x, norm, 1e-6), bi.rms_norm_forward(x, norm, 1e-6))  # one kernel
         assert torch.equal(
             ba.attention(q, kv, kv, positions, 0.25), ba.attention_reference(q, kv, kv, positions, 0.25)
         )
@@ -67,6 +66,7 @@ def test_a_checkpointed_model_on_the_kernels_keeps_its_forward_and_recomputes_on
     torch.manual_seed(0)
     model = build_tiny_model(vocab_size=48)
     kernels = BatchInvariantKernels.install(model)
+    assert "forward" in vars(model.model.layers[0].self_attn)  # its rotary on the kernel
     ids = torch.randint(0, 48, (2, 9))
     positions = torch.tensor([[0, 0, 0, 1, 2, 3, 4, 5, 6], list(range(9))])
 
@@ -90,3 +90,43 @@ def test_a_checkpointed_model_on_the_kernels_keeps_its_forward_and_recomputes_on
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain_grads[name], atol=1e-4, rtol=1e-3, msg=name)
     kernels.remove()
+    assert "forward" not in vars(model.model.layers[0].self_attn)
+
+
+ROTARY = """
+import torch
+from grpoflow.kernels import rotary
+from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+torch.manual_seed(0)
+q = torch.randn(2, 5, 4, 16).transpose(1, 2)  # (B, H, L, D), laid out as a projection's view
+k = torch.randn(2, 5, 2, 16).transpose(1, 2)
+angles = torch.randn(1, 5, 8)
+cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+leaves = [t.clone().requires_grad_() for t in (q, k)]
+got = rotary.rotary_pos_emb(*leaves, cos, sin)
+expected = apply_rotary_pos_emb(q, k, cos, sin)
+for a, b in zip(got, expected):
+    assert torch.equal(a, b)
+grads = [torch.randn_like(t) for t in got]
+torch.autograd.backward(got, grads)
+reference = [t.clone().requires_grad_() for t in (q, k)]
+torch.autograd.backward(apply_rotary_pos_emb(*reference, cos, sin), grads)
+for a, b in zip(leaves, reference):
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("interpreter", [True, False])
+def test_the_rotary_kernel_gives_eagers_bits_and_gradients(interpreter):
+    """Under Triton's interpreter the kernel, else eager's formula; both eager's bits."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1" if interpreter else "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", ROTARY], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

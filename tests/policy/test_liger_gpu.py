@@ -35,7 +35,13 @@ def test_the_kernels_give_the_stock_forward_and_backward_in_bfloat16(preset, len
     )
     fused = copy.deepcopy(stock)
     liger.apply(fused)
-    ids = torch.randint(0, stock.config.vocab_size, (4, length), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ids = torch.randint(
+        0,
+        stock.config.vocab_size,
+        (4, length),
+        device="cuda",
+        generator=torch.Generator("cuda").manual_seed(1),
+    )
     results = []
     for model in (stock, fused):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
