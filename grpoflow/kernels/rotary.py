@@ -1,10 +1,13 @@
 """transformers' rotate-half rotary embedding, `q * cos + rotate_half(q) * sin` for the query and
-the key, as one Triton kernel each way: the forward with eager's roundings (each product, then
-the sum, rounded to the input's dtype: `decoder._rotate_halves`, the native engine's rotary), so
-its bits are eager's; the backward the same rotation by -sin (the rotation's transpose; gradients
-need not match any other computation's bits). The batch-invariant training forward applies it in
-place of eager's dozen elementwise kernels a layer (`rotary_pos_emb`); where Triton does not run
-(the CPU), eager's formula.
+the key, with the backward and a checkpointed layer's recompute one Triton kernel each.
+
+The forward is eager's formula, whose bits the native engine's rotary reproduces; the recompute
+(`recompute.recomputing()`, whose outputs only feed the backward) and the backward, the same
+rotation by -sin (the rotation's transpose), run `_rotary_kernel` (each product, then the sum,
+rounded to the input's dtype, as `decoder._rotate_halves` does; gradients need not match any other
+computation's bits). Autograd keeps only cos and sin, where eager's formula keeps its products'
+inputs and runs a dozen elementwise kernels each way. Where Triton does not run (the CPU), the
+kernel's part is eager's formula too.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import triton.language as tl
 
 from grpoflow.kernels import batch_invariant_cpu as cpu
 from grpoflow.kernels.decoder import _rotate_halves
+from grpoflow.kernels.recompute import is_recomputing
 
 
 @triton.jit
@@ -49,9 +53,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 
     if x.stride(-1) != 1:
         x = x.contiguous()
     if not cpu.triton_runs(x):
-        half = head_dim // 2
-        cos, sin = cos[:, None], sin[:, None] * sign
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+        return eager_rotate(x, cos, sin * sign)
     cos, sin = cos.expand(batch, length, head_dim), sin.expand(batch, length, head_dim)
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -67,11 +69,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 
     return out
 
 
+def eager_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' formula: x (B, H, L, D), cos and sin (B, L, D)."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         ctx.save_for_backward(cos, sin)
-        return rotate(q, cos, sin), rotate(k, cos, sin)
+        apply = rotate if is_recomputing() else eager_rotate
+        return apply(q, cos, sin), apply(k, cos, sin)
 
     @staticmethod
     def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):

@@ -14,8 +14,8 @@ with every keyed draw of the engine, so one round suffices.
 
 `BatchInvariantKernels.install` sets each module's forward on its instance (the class is left
 alone), the rotary module's to an index into one table of every position (`rotary_tables`), each
-attention module's to its class forward seeing one rotary kernel (`kernels.rotary`, eager's bits),
-and the attention implementation to one registered with transformers; `remove` restores them all.
+attention module's to its class forward seeing `kernels.rotary` (eager's forward, one kernel each
+for the recompute and the backward), and the attention implementation to one registered with transformers; `remove` restores them all.
 Backward passes need not be invariant: fused kernels or torch's, and a checkpointed layer's
 recompute runs on torch's products and flash attention (`kernels.recompute`). torch.compile would fuse
 the elementwise operations between the kernels and change their rounding, so it is refused.
@@ -178,7 +178,7 @@ ROTARY_FUNCTION = "apply_rotary_pos_emb"
 
 def _applies_rotary(module: nn.Module) -> bool:
     """An attention module whose forward applies transformers' rotary function (its own copy of
-    the forward then sees `kernels.rotary.rotary_pos_emb`: one kernel each way, eager's bits)."""
+    the forward then sees `kernels.rotary.rotary_pos_emb`)."""
     forward = getattr(type(module), "forward", None)
     return isinstance(forward, types.FunctionType) and ROTARY_FUNCTION in forward.__code__.co_names
 

@@ -96,6 +96,7 @@ def test_a_checkpointed_model_on_the_kernels_keeps_its_forward_and_recomputes_on
 ROTARY = """
 import torch
 from grpoflow.kernels import rotary
+from grpoflow.kernels.recompute import recomputing
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 torch.manual_seed(0)
@@ -106,8 +107,11 @@ cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(),
 leaves = [t.clone().requires_grad_() for t in (q, k)]
 got = rotary.rotary_pos_emb(*leaves, cos, sin)
 expected = apply_rotary_pos_emb(q, k, cos, sin)
-for a, b in zip(got, expected):
+with recomputing():
+    recomputed = rotary.rotary_pos_emb(q, k, cos, sin)
+for a, b, c in zip(got, expected, recomputed):
     assert torch.equal(a, b)
+    torch.testing.assert_close(c, b, atol=1e-5, rtol=1e-5)
 grads = [torch.randn_like(t) for t in got]
 torch.autograd.backward(got, grads)
 reference = [t.clone().requires_grad_() for t in (q, k)]
@@ -120,7 +124,8 @@ print("ok")
 
 @pytest.mark.parametrize("interpreter", [True, False])
 def test_the_rotary_kernel_gives_eagers_bits_and_gradients(interpreter):
-    """Under Triton's interpreter the kernel, else eager's formula; both eager's bits."""
+    """The forward eager's bits; the recompute and the gradients (under Triton's interpreter the
+    kernel, else eager's formula) eager's values."""
     import os
     import subprocess
     import sys
