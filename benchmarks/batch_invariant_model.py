@@ -216,6 +216,8 @@ def model_timings(model: nn.Module, args, device: torch.device, timed) -> dict:
         for kernels in (True, False):
             use_kernels(model, kernels)
             replay = _decode_timer(model, args.decode_rows, args.decode_context, kernels, device)
-            results[name]["kernel_ms" if kernels else "stock_ms"] = timed(replay, args.repeats * 5, device, graph=False)
+            results[name]["kernel_ms" if kernels else "stock_ms"] = timed(
+                replay, args.repeats * 5, device, graph=False
+            )
     use_kernels(model, False)
     return results
