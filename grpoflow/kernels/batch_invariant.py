@@ -190,43 +190,71 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, num_cols, stride_x, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, num_cols, stride_x, stride_residual, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     # transformers' RMSNorm step by step: float32 upcast, mean of squares, rsqrt, cast back to the
-    # input dtype, times the weight (in the promoted dtype).
+    # input dtype, times the weight (in the promoted dtype). With a residual, x + residual first,
+    # rounded to the dtype as eager's add rounds it (and stored: the next residual).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        summed = (residual.to(tl.float32) + x).to(dtype)
+        tl.store(sum_ptr + row * num_cols + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
     inverse = tl.rsqrt(tl.sum(x * x, axis=0) / num_cols + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = weight * (x * inverse).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * num_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen2RMSNorm / LlamaRMSNorm over the last dim, one program per row; no autograd."""
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _norm_rows(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm needs a weight of shape ({x.shape[-1]},), got {tuple(weight.shape)}")
-    if not cpu.triton_runs(x):
-        return cpu.rms_norm_rows(x, weight, eps)
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x)
+    residual_rows = _rows(residual) if residual is not None else rows
     out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    summed = torch.empty_like(rows) if residual is not None else None
     block = triton.next_power_of_2(rows.shape[1])
     if rows.shape[0] > 0:
         _rms_norm_kernel[(rows.shape[0],)](
-            rows,
-            weight,
-            out,
-            rows.shape[1],
-            rows.stride(0),
-            eps,
-            BLOCK=block,
-            num_warps=min(16, max(1, block // 256)),
-        )
-    return out.view(*x.shape[:-1], x.shape[-1])
+            rows, residual_rows, weight, out, summed if summed is not None else out, rows.shape[1],
+            rows.stride(0), residual_rows.stride(0), eps, HAS_RESIDUAL=residual is not None,
+            BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        )  # fmt: skip
+    return out.view(x.shape), None if summed is None else summed.view(x.shape)
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen2RMSNorm / LlamaRMSNorm over the last dim, one program per row; no autograd."""
+    if not cpu.triton_runs(x):
+        if weight.shape != x.shape[-1:]:
+            raise ValueError(f"rms_norm needs a weight of shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+        return cpu.rms_norm_rows(x, weight, eps)
+    return _norm_rows(x, weight, eps, None)[0]
+
+
+def add_rms_norm_forward(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm_forward(residual + x)` and `residual + x` (eager's rounding) in one kernel."""
+    if not cpu.triton_runs(x):
+        summed = residual + x
+        return rms_norm_forward(summed, weight, eps), summed
+    out, summed = _norm_rows(x, weight, eps, residual)
+    return out, summed
 
 
 class _RmsNorm(torch.autograd.Function):

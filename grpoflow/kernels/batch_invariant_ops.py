@@ -3,8 +3,9 @@ and decode steps over the paged cache compute every token's logits bit for bit a
 forward does with `grpoflow.policy.batch_invariant` installed.
 
 `BatchInvariantOps` keeps the rotary and cache writes (transformers' arithmetic, element by
-element: `TritonOps`' kernel on CUDA, `TorchOps`' elsewhere) and `TorchOps`' SwiGLU, and takes
-its products (`linear`), RMSNorms (Qwen3's per-head q/k norms included) and attention from
+element: `TritonOps`' kernel on CUDA, `TorchOps`' elsewhere), runs SwiGLU by the training
+forward's kernel (`swiglu`), and takes its products (`linear`), RMSNorms (Qwen3's per-head q/k
+norms included, a residual's add in the same kernel) and attention from
 `batch_invariant` and `batch_invariant_attention`. A prefill always attends through the paged
 cache (`paged_prefill`), its cached prefix included. `rotary_tables` is the one computation of
 the rotary tables both sides index.
@@ -18,6 +19,7 @@ from torch import nn
 from grpoflow.kernels import batch_invariant as bi
 from grpoflow.kernels import batch_invariant_attention as ba
 from grpoflow.kernels.ops import CachedPrefix, TorchOps
+from grpoflow.kernels.swiglu import silu_mul_forward
 
 
 @torch.no_grad()
@@ -81,12 +83,18 @@ class BatchInvariantOps(TorchOps):
         residual: torch.Tensor | None = None,
         unit_offset: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual added as transformers adds it, then `batch_invariant.rms_norm_forward`."""
+        """The residual added as transformers adds it, then `batch_invariant.rms_norm_forward`;
+        both in one kernel (`add_rms_norm_forward`)."""
         if unit_offset:
             raise ValueError("batch_invariant has no unit-offset (Gemma) RMSNorm")
         if residual is not None:
-            x = residual + x
+            return bi.add_rms_norm_forward(x, residual, weight, eps)
         return bi.rms_norm_forward(x, weight, eps), x
+
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU by `swiglu.silu_mul_forward`, the training forward's kernel."""
+        return silu_mul_forward(gate, up)
 
     @staticmethod
     def decode_attention(

@@ -15,7 +15,8 @@ with every keyed draw of the engine, so one round suffices.
 `BatchInvariantKernels.install` sets each module's forward on its instance (the class is left
 alone), the rotary module's to an index into one table of every position (`rotary_tables`), each
 attention module's to its class forward seeing `kernels.rotary` (eager's forward, one kernel each
-for the recompute and the backward), and the attention implementation to one registered with transformers; `remove` restores them all.
+for the recompute and the backward), each SwiGLU MLP's to one with the native engine's SiLU-and-
+product kernel (`kernels.swiglu`), and the attention implementation to one registered with transformers; `remove` restores them all.
 Backward passes need not be invariant: fused kernels or torch's, and a checkpointed layer's
 recompute runs on torch's products and flash attention (`kernels.recompute`). torch.compile would fuse
 the elementwise operations between the kernels and change their rounding, so it is refused.
@@ -172,6 +173,25 @@ def _rotary_forward(
     return cos.to(x.dtype), sin.to(x.dtype)
 
 
+SILU_MODULES = frozenset({"SiLU", "SiLUActivation"})
+"""torch's and transformers' SiLU modules (an MLP's `act_fn`)."""
+
+
+def _is_swiglu_mlp(module: nn.Module) -> bool:
+    """A dense gated MLP with SiLU, `down(act(gate(x)) * up(x))` (Qwen2, Llama, Qwen3)."""
+    parts = all(
+        isinstance(getattr(module, name, None), nn.Module) for name in ("gate_proj", "up_proj", "down_proj")
+    )
+    return parts and type(getattr(module, "act_fn", None)).__name__ in SILU_MODULES
+
+
+def _swiglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MLP with its SiLU and product as one kernel (`kernels.swiglu`), the engine's."""
+    from grpoflow.kernels.swiglu import silu_mul
+
+    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
 ROTARY_FUNCTION = "apply_rotary_pos_emb"
 """The rotary function transformers' attention forwards look up in their modeling module."""
 
@@ -231,6 +251,8 @@ class BatchInvariantKernels:
                 module.forward = types.MethodType(_rms_norm_forward, module)
             elif module is rotary:
                 module.forward = functools.partial(_rotary_forward, tables)
+            elif _is_swiglu_mlp(module):
+                module.forward = types.MethodType(_swiglu_mlp_forward, module)
             elif _applies_rotary(module):
                 wanted = {ROTARY_FUNCTION: rotary_pos_emb}
                 module.forward = types.MethodType(with_globals(type(module).forward, wanted), module)

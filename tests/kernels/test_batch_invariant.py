@@ -43,6 +43,10 @@ torch.testing.assert_close(normed, rms_norm_reference(x, norm_weight, 1e-6), ato
 logits = torch.randn(9, 2500) * 4
 log_probs = bi.log_softmax(logits)
 torch.testing.assert_close(log_probs, logits.log_softmax(-1), atol=1e-5, rtol=1e-5)
+residual = torch.randn(150, 80)
+normed_sum, summed = bi.add_rms_norm_forward(x, residual, norm_weight, 1e-6)
+assert torch.equal(summed, residual + x)
+assert torch.equal(normed_sum, bi.rms_norm_forward(residual + x, norm_weight, 1e-6))
 for rows in (1, 4):
     assert torch.equal(bi.rms_norm(x[-rows:], norm_weight, 1e-6), normed[-rows:])
     assert torch.equal(bi.log_softmax(logits[-rows:]), log_probs[-rows:])
@@ -381,3 +385,32 @@ def test_the_rotary_forward_gives_eagers_bits_and_its_kernel_eagers_values_gpu(d
     torch.autograd.backward(apply_rotary_pos_emb(*reference, cos, sin), grads)
     for got, expected in zip(leaves, reference):
         torch.testing.assert_close(got.grad, expected.grad, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_the_fused_residual_norm_and_swiglu_give_eagers_adds_and_the_kernels_rows_gpu():
+    """The engine's add-and-norm kernel: eager's add bit for bit and the norm kernel's rows of it;
+    the SwiGLU kernel the same bits for a row in any batch, its backward autograd's gradients."""
+    import torch.nn.functional as F
+
+    from grpoflow.kernels.swiglu import silu_mul, silu_mul_forward
+
+    torch.manual_seed(0)
+    x, residual = (torch.randn(700, 896, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    weight = torch.randn(896, device="cuda", dtype=torch.bfloat16)
+    normed, summed = bi.add_rms_norm_forward(x, residual, weight, 1e-6)
+    assert torch.equal(summed, residual + x)
+    assert torch.equal(normed, bi.rms_norm_forward(residual + x, weight, 1e-6))
+    assert torch.equal(bi.add_rms_norm_forward(x[:3], residual[:3], weight, 1e-6)[0], normed[:3])
+    gate, up = (torch.randn(4, 300, 4864, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(2))
+    out = silu_mul_forward(gate, up)
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=2e-2, rtol=1e-2)
+    assert torch.equal(silu_mul_forward(gate[1, 5:9], up[1, 5:9]), out[1, 5:9])
+    leaves = [t.clone().requires_grad_() for t in (gate, up)]
+    reference = [t.clone().requires_grad_() for t in (gate, up)]
+    grad = torch.randn_like(gate)
+    silu_mul(*leaves).backward(grad)
+    (F.silu(reference[0]) * reference[1]).backward(grad)
+    for got, expected in zip(leaves, reference):
+        torch.testing.assert_close(got.grad, expected.grad, atol=5e-2, rtol=2e-2)

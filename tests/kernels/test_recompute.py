@@ -66,7 +66,8 @@ def test_a_checkpointed_model_on_the_kernels_keeps_its_forward_and_recomputes_on
     torch.manual_seed(0)
     model = build_tiny_model(vocab_size=48)
     kernels = BatchInvariantKernels.install(model)
-    assert "forward" in vars(model.model.layers[0].self_attn)  # its rotary on the kernel
+    layer = model.model.layers[0]
+    assert "forward" in vars(layer.self_attn) and "forward" in vars(layer.mlp)  # rotary and SwiGLU kernels
     ids = torch.randint(0, 48, (2, 9))
     positions = torch.tensor([[0, 0, 0, 1, 2, 3, 4, 5, 6], list(range(9))])
 
@@ -90,7 +91,7 @@ def test_a_checkpointed_model_on_the_kernels_keeps_its_forward_and_recomputes_on
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain_grads[name], atol=1e-4, rtol=1e-3, msg=name)
     kernels.remove()
-    assert "forward" not in vars(model.model.layers[0].self_attn)
+    assert "forward" not in vars(layer.self_attn) and "forward" not in vars(layer.mlp)
 
 
 ROTARY = """

@@ -1,0 +1,93 @@
+"""SwiGLU's `silu(gate) * up` for the batch-invariant forwards: the native engine's (a decode step,
+a prefill) and the training forward's compute it with one Triton kernel (`decoder`'s, the engine's
+fused path), elementwise and so the same bits for a token whatever shares the call, where eager
+runs a SiLU and a product; the backward is one Triton kernel too (gradients need not be invariant).
+Where Triton does not run (the CPU), eager's `F.silu(gate) * up` on both sides.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from grpoflow.kernels import batch_invariant_cpu as cpu
+
+BLOCK = 1024
+
+
+def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate and up (..., I) -> silu(gate) * up, no autograd; the last dim contiguous."""
+    if not cpu.triton_runs(gate):
+        return F.silu(gate) * up
+    from grpoflow.kernels.decoder import TritonOps
+
+    width = gate.shape[-1]
+    gate2, up2 = (
+        x.reshape(-1, width) if x.stride(-1) == 1 else x.contiguous().view(-1, width) for x in (gate, up)
+    )
+    return TritonOps.silu_mul(gate2, up2).view(gate.shape)
+
+
+@triton.jit
+def _silu_mul_backward_kernel(
+    gate_ptr, up_ptr, grad_ptr, grad_gate_ptr, grad_up_ptr, num_cols, stride_gate, stride_up,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    dtype = gate_ptr.dtype.element_ty
+    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    grad = tl.load(grad_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    sigmoid = 1.0 / (1.0 + tl.exp(-gate))
+    activated = (gate * sigmoid).to(dtype).to(tl.float32)
+    tl.store(grad_up_ptr + row * num_cols + cols, (grad * activated).to(dtype), mask=mask)
+    slope = sigmoid * (1.0 + gate * (1.0 - sigmoid))
+    tl.store(grad_gate_ptr + row * num_cols + cols, (grad * up * slope).to(dtype), mask=mask)
+
+
+def silu_mul_backward(
+    gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate, d up) of `silu(gate) * up` for the output gradient `grad`."""
+    if not gate.is_cuda:
+        with torch.enable_grad():
+            leaves = [gate.detach().requires_grad_(), up.detach().requires_grad_()]
+            return torch.autograd.grad(F.silu(leaves[0]) * leaves[1], leaves, grad)
+    width = gate.shape[-1]
+    gate2, up2, grad2 = (x.reshape(-1, width).contiguous() for x in (gate, up, grad))
+    grad_gate, grad_up = torch.empty_like(gate2), torch.empty_like(up2)
+    if gate2.numel():
+        _silu_mul_backward_kernel[(gate2.shape[0], triton.cdiv(width, BLOCK))](
+            gate2,
+            up2,
+            grad2,
+            grad_gate,
+            grad_up,
+            width,
+            gate2.stride(0),
+            up2.stride(0),
+            BLOCK=BLOCK,
+            num_warps=4,
+        )
+    return grad_gate.view(gate.shape), grad_up.view(up.shape)
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return silu_mul_forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        return silu_mul_backward(gate, up, grad)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu_mul_forward` with autograd (gradients for gate and up)."""
+    return _SiluMul.apply(gate, up)
