@@ -7,7 +7,8 @@
 Runs `--warmup` steps (1; compiled runs want 2), then one step under torch.profiler; prints the
 top operators by GPU time and by CPU time, then (last) each phase's wall-clock seconds beside the
 GPU time of the kernels it launched, by kind (matrix products, attention, log-prob, optimizer,
-fused Triton, NCCL, copies and the rest). Writes a Chrome trace when --trace is given.
+fused Triton, NCCL, copies and the rest). Writes a Chrome trace when --trace is given; with
+--sync-sites runs one more step counting where the host waited for the GPU (`sync_sites`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import grpo_step
 import torch
+from sync_sites import print_sites, sync_sites
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -56,9 +58,12 @@ def main() -> None:
     parser.add_argument("--trace", default=None, help="write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=1, help="steps before the profiled one")
+    parser.add_argument(
+        "--sync-sites", action="store_true", help="one more step counting the host's waits by call site"
+    )
     args = parser.parse_args()
     args.workdir = tempfile.mkdtemp(prefix="profile_step_")
-    args.steps = args.warmup + 1
+    args.steps = args.warmup + 1 + int(args.sync_sites)
     workload = grpo_step.WORKLOADS[args.workload]
     args.new_tokens = args.new_tokens or workload["new_tokens"]
     model_dir, prompts = grpo_step.write_inputs(
@@ -85,6 +90,10 @@ def main() -> None:
     if args.trace:
         profiler.export_chrome_trace(args.trace)
     print_phases(metrics, phase_kernels(profiler))
+    if args.sync_sites:
+        with sync_sites() as counts:
+            trainer.step()
+        print_sites(counts)
 
 
 def kernel_kind(name: str) -> str:
