@@ -32,21 +32,20 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _silu_mul_backward_kernel(
-    gate_ptr, up_ptr, grad_ptr, grad_gate_ptr, grad_up_ptr, num_cols, stride_gate, stride_up,
-    BLOCK: tl.constexpr,
+    gate_ptr, up_ptr, grad_ptr, grad_gate_ptr, grad_up_ptr, count, BLOCK: tl.constexpr
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < num_cols
+    # Contiguous tensors, BLOCK elements a program.
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < count
     dtype = gate_ptr.dtype.element_ty
-    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    grad = tl.load(grad_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    grad = tl.load(grad_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     sigmoid = 1.0 / (1.0 + tl.exp(-gate))
     activated = (gate * sigmoid).to(dtype).to(tl.float32)
-    tl.store(grad_up_ptr + row * num_cols + cols, (grad * activated).to(dtype), mask=mask)
+    tl.store(grad_up_ptr + offsets, (grad * activated).to(dtype), mask=inside)
     slope = sigmoid * (1.0 + gate * (1.0 - sigmoid))
-    tl.store(grad_gate_ptr + row * num_cols + cols, (grad * up * slope).to(dtype), mask=mask)
+    tl.store(grad_gate_ptr + offsets, (grad * up * slope).to(dtype), mask=inside)
 
 
 def silu_mul_backward(
@@ -57,23 +56,13 @@ def silu_mul_backward(
         with torch.enable_grad():
             leaves = [gate.detach().requires_grad_(), up.detach().requires_grad_()]
             return torch.autograd.grad(F.silu(leaves[0]) * leaves[1], leaves, grad)
-    width = gate.shape[-1]
-    gate2, up2, grad2 = (x.reshape(-1, width).contiguous() for x in (gate, up, grad))
-    grad_gate, grad_up = torch.empty_like(gate2), torch.empty_like(up2)
-    if gate2.numel():
-        _silu_mul_backward_kernel[(gate2.shape[0], triton.cdiv(width, BLOCK))](
-            gate2,
-            up2,
-            grad2,
-            grad_gate,
-            grad_up,
-            width,
-            gate2.stride(0),
-            up2.stride(0),
-            BLOCK=BLOCK,
-            num_warps=4,
+    gate, up, grad = (x.contiguous() for x in (gate, up, grad))
+    grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+    if gate.numel():
+        _silu_mul_backward_kernel[(triton.cdiv(gate.numel(), BLOCK),)](
+            gate, up, grad, grad_gate, grad_up, gate.numel(), BLOCK=BLOCK, num_warps=4
         )
-    return grad_gate.view(gate.shape), grad_up.view(up.shape)
+    return grad_gate, grad_up
 
 
 class _SiluMul(torch.autograd.Function):

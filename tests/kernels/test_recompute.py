@@ -136,3 +136,44 @@ def test_the_rotary_kernel_gives_eagers_bits_and_gradients(interpreter):
         [sys.executable, "-c", ROTARY], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+GRADIENT_KERNELS = """
+import torch
+import torch.nn.functional as F
+from grpoflow.kernels import rms_norm_backward as rb, swiglu
+from grpoflow.kernels.ops import rms_norm_reference
+
+torch.manual_seed(0)
+gate, up, grad = (torch.randn(5, 37) for _ in range(3))
+grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+swiglu._silu_mul_backward_kernel[(1,)](gate, up, grad, grad_gate, grad_up, gate.numel(), BLOCK=256)
+leaves = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
+(F.silu(leaves[0]) * leaves[1]).backward(grad)
+torch.testing.assert_close(grad_gate, leaves[0].grad, atol=1e-5, rtol=1e-5)
+torch.testing.assert_close(grad_up, leaves[1].grad, atol=1e-5, rtol=1e-5)
+torch.testing.assert_close(swiglu.silu_mul_forward(gate, up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+x, weight, grad = torch.randn(9, 40) * 3, torch.randn(40), torch.randn(9, 40)
+grad_x, partial = torch.empty_like(x), torch.empty(4, 40)
+rb._rms_norm_backward_kernel[(4,)](x, weight, grad, grad_x, partial, 9, 40, 3, 1e-6, BLOCK=64)
+leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
+rms_norm_reference(*leaves, 1e-6).backward(grad)
+torch.testing.assert_close(grad_x, leaves[0].grad, atol=1e-4, rtol=1e-4)
+torch.testing.assert_close(partial.sum(0), leaves[1].grad, atol=1e-4, rtol=1e-4)
+print("ok")
+"""
+
+
+def test_the_gradient_kernels_give_autograds_gradients_interpreted():
+    """SwiGLU's backward kernel and RMSNorm's, run by Triton's interpreter on the CPU, against
+    torch's autograd (the GPU tests check them compiled)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", GRADIENT_KERNELS], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
