@@ -11,7 +11,9 @@ batch-invariant kernels (on_policy_batch_invariant, `batch_invariant: true`), wh
 update checks bit for bit (`on_policy_check: auto`, which is update there) or the trainer replays
 first (on_policy_batch_invariant_replay, `on_policy_check: replay`); modes with _truncated sample
 with top_p 0.9, top_k 50 (which the update's check does not take: they replay). Each mode runs
-in its own subprocess; the first `--warmup` steps are left out. For each mode the table gives the
+in its own subprocess; the first `--warmup` steps are left out. `--rounds N` runs the modes in
+turn N times and pools each mode's steps, so that a slow spell of the machine falls on all of
+them; the last column is each mode's median step over the first mode's. For each mode the table gives the
 step time, the rollout time (which includes the trainer's replay), the replay's own seconds, its
 rounds and replaced tokens, and the gap between the log-probs the batch carries for its sampled
 tokens and those the update's forward computes (`sampling/sampling_logp_difference`, nats per
@@ -160,12 +162,14 @@ def run_child(args) -> None:
     Path(args.out).write_text(json.dumps({"steps": steps, "peak_gib": peak}))
 
 
-def summarize(mode: str, result: dict, warmup: int) -> dict:
-    steps = result["steps"][warmup:] or result["steps"]
+def summarize(mode: str, results: list[dict], warmup: int) -> dict:
+    """One mode's row over its runs (each run's first `warmup` steps left out)."""
+    steps = [step for result in results for step in (result["steps"][warmup:] or result["steps"])]
     seconds = [s["time/step"] for s in steps]
+    peaks = [result["peak_gib"] for result in results if result["peak_gib"] is not None]
     row = {
         "mode": mode,
-        "peak_gib": result["peak_gib"],
+        "peak_gib": max(peaks) if peaks else None,
         "step_seconds": seconds,
         "median_step_seconds": statistics.median(seconds),
     }
@@ -191,9 +195,11 @@ def print_table(rows: list[dict]) -> None:
         ("TV max", "sampling/distribution_tv/max", "{:.2e}"),
         ("mean len", "completions/mean_length", "{:.0f}"),
     ]
-    print(" | ".join(title for title, _, _ in columns))
+    print(" | ".join(title for title, _, _ in columns) + " | median vs first")
     for row in rows:
-        print(" | ".join(fmt.format(row[key]) if key in row else "-" for _, key, fmt in columns))
+        ratio = row["median_step_seconds"] / rows[0]["median_step_seconds"]
+        cells = [fmt.format(row[key]) if key in row else "-" for _, key, fmt in columns]
+        print(" | ".join(cells) + f" | {ratio:.2f}x")
 
 
 def main() -> None:
@@ -204,6 +210,13 @@ def main() -> None:
         "--steps", type=int, default=8, help="steps a mode (single steps vary by ~10%% on one GPU)"
     )
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the modes in turn this many times (A B A B ...), so that a slow spell of the "
+        "machine falls on every mode; each run warms up again",
+    )
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -229,18 +242,20 @@ def main() -> None:
         run_child(args)
         return
     modes = args.modes.split(",")
-    rows = []
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as workdir:
         _, _, peaked = write_inputs(Path(workdir), args.smoke, args.prompts * args.steps, args.peaked_entropy)
         if peaked:
             print(f"peaked: {peaked}")
-        for mode in modes:
-            out = Path(workdir) / f"{mode}.json"
-            command = [sys.executable, __file__, "--child", mode, "--workdir", workdir, "--out", str(out)]
-            command += ["--steps", str(args.steps), "--prompts", str(args.prompts)]
-            command += ["--micro-batch", str(args.micro_batch), "--new-tokens", str(args.new_tokens)]
-            subprocess.run(command, check=True)
-            rows.append(summarize(mode, json.loads(out.read_text()), args.warmup))
+        for round_ in range(args.rounds):
+            for mode in modes:
+                out = Path(workdir) / f"{mode}-{round_}.json"
+                command = [sys.executable, __file__, "--child", mode, "--workdir", workdir, "--out", str(out)]
+                command += ["--steps", str(args.steps), "--prompts", str(args.prompts)]
+                command += ["--micro-batch", str(args.micro_batch), "--new-tokens", str(args.new_tokens)]
+                subprocess.run(command, check=True)
+                results[mode].append(json.loads(out.read_text()))
+    rows = [summarize(mode, results[mode], args.warmup) for mode in modes]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     RESULTS.mkdir(exist_ok=True)
     kind = "smoke" if args.smoke else device.replace(" ", "_")
