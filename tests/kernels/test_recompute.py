@@ -123,21 +123,6 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("interpreter", [True, False])
-def test_the_rotary_kernel_gives_eagers_bits_and_gradients(interpreter):
-    """The forward eager's bits; the recompute and the gradients (under Triton's interpreter the
-    kernel, else eager's formula) eager's values."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1" if interpreter else "0"}
-    result = subprocess.run(
-        [sys.executable, "-c", ROTARY], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
-
-
 GRADIENT_KERNELS = """
 import torch
 import torch.nn.functional as F
@@ -165,15 +150,17 @@ print("ok")
 """
 
 
-def test_the_gradient_kernels_give_autograds_gradients_interpreted():
-    """SwiGLU's backward kernel and RMSNorm's, run by Triton's interpreter on the CPU, against
-    torch's autograd (the GPU tests check them compiled)."""
+def test_the_kernels_gradients_and_the_rotary_forward_interpreted():
+    """Under Triton's interpreter on the CPU: the rotary forward eager's bits, its recompute and
+    gradients (the kernel) eager's values; SwiGLU's and RMSNorm's backward kernels autograd's
+    gradients (the GPU tests check them compiled)."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = ROTARY.replace('print("ok")', "") + GRADIENT_KERNELS
     result = subprocess.run(
-        [sys.executable, "-c", GRADIENT_KERNELS], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
