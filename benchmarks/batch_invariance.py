@@ -82,28 +82,27 @@ def timed(fn, repeats: int, device, graph: bool = True) -> float:
     import torch
 
     fn()
-    if device.type == "cuda" and not graph:
+    cuda = device.type == "cuda"
+    if cuda and graph:
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / repeats * 1e3
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
             for _ in range(repeats):
                 fn()
-        graph.replay()
+        captured.replay()
+        run = captured.replay
+    else:
+
+        def run() -> None:
+            for _ in range(repeats):
+                fn()
+
+    if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    if device.type == "cuda":
-        graph.replay()
+    run()
+    if cuda:
         torch.cuda.synchronize()
-    else:
-        for _ in range(repeats):
-            fn()
     return (time.perf_counter() - start) / repeats * 1e3
 
 

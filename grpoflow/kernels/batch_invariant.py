@@ -218,11 +218,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm needs a weight of shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+
+
 def _norm_rows(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if weight.shape != x.shape[-1:]:
-        raise ValueError(f"rms_norm needs a weight of shape ({x.shape[-1]},), got {tuple(weight.shape)}")
     rows = _rows(x)
     residual_rows = _rows(residual) if residual is not None else rows
     out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
@@ -239,9 +242,8 @@ def _norm_rows(
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen2RMSNorm / LlamaRMSNorm over the last dim, one program per row; no autograd."""
+    _check_norm_weight(x, weight)
     if not cpu.triton_runs(x):
-        if weight.shape != x.shape[-1:]:
-            raise ValueError(f"rms_norm needs a weight of shape ({x.shape[-1]},), got {tuple(weight.shape)}")
         return cpu.rms_norm_rows(x, weight, eps)
     return _norm_rows(x, weight, eps, None)[0]
 
@@ -253,6 +255,7 @@ def add_rms_norm_forward(
     if not cpu.triton_runs(x):
         summed = residual + x
         return rms_norm_forward(summed, weight, eps), summed
+    _check_norm_weight(x, weight)
     out, summed = _norm_rows(x, weight, eps, residual)
     return out, summed
 

@@ -10,8 +10,9 @@ run over (expert, row tile) pairs and column tiles, each finding its expert from
 counts computed on the device, so nothing waits on the host (a decode step stays capturable in a
 CUDA graph). `route` (the softmax, as the log-softmax kernel's rows exponentiated, top k and
 renormalisation of transformers' Qwen3-MoE router) and `experts` (the SwiGLU experts and the
-weighted sum of a token's k outputs in slot order) are the one computation both forwards call. Backward passes are ordinary torch (grouped products by
-`torch._grouped_mm` where it runs, a loop over the experts elsewhere).
+weighted sum of a token's k outputs in slot order) are the one computation both forwards call.
+Backward passes are ordinary torch (grouped products by `torch._grouped_mm` where it runs, a loop
+over the experts elsewhere).
 
 On the CPU without Triton's interpreter the products go expert by expert through
 `batch_invariant_cpu.matmul_rows`, and the log-softmax and SiLU one row at a time

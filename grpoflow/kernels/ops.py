@@ -47,11 +47,13 @@ def expert_order(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     return order, torch.searchsorted(flat[order], bounds, out_int32=True)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (rotate-half form). x (T, H, D); cos, sin (T, D) in x's dtype."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
+    """Rotary embedding (rotate-half form), transformers' `x * cos + rotate_half(x) * sin` op for
+    op: x (T, H, D) with cos, sin (T, D), or x (B, H, L, D) with cos, sin (B, L, D), in x's dtype;
+    cos and sin take the heads' axis at `unsqueeze_dim`."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return x * cos.unsqueeze(unsqueeze_dim) + rotated * sin.unsqueeze(unsqueeze_dim)
 
 
 @dataclass(slots=True)

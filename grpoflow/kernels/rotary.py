@@ -6,8 +6,8 @@ The forward is eager's formula, whose bits the native engine's rotary reproduces
 rotation by -sin (the rotation's transpose), run `_rotary_kernel` (each product, then the sum,
 rounded to the input's dtype, as `decoder._rotate_halves` does; gradients need not match any other
 computation's bits). Autograd keeps only cos and sin, where eager's formula keeps its products'
-inputs and runs a dozen elementwise kernels each way. Where Triton does not run (the CPU), the
-kernel's part is eager's formula too.
+inputs and runs a dozen elementwise kernels each way. Eager's formula is `ops.rotate`, which the
+kernel's part also runs where Triton does not (the CPU).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from grpoflow.kernels import batch_invariant_cpu as cpu
+from grpoflow.kernels import ops
 from grpoflow.kernels.decoder import _rotate_halves
 from grpoflow.kernels.recompute import is_recomputing
 
@@ -53,7 +54,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 
     if x.stride(-1) != 1:
         x = x.contiguous()
     if not cpu.triton_runs(x):
-        return eager_rotate(x, cos, sin * sign)
+        return ops.rotate(x, cos, sin * sign)
     cos, sin = cos.expand(batch, length, head_dim), sin.expand(batch, length, head_dim)
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -69,18 +70,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 
     return out
 
 
-def eager_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' formula: x (B, H, L, D), cos and sin (B, L, D)."""
-    half = x.shape[-1] // 2
-    cos, sin = cos[:, None], sin[:, None]
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         ctx.save_for_backward(cos, sin)
-        apply = rotate if is_recomputing() else eager_rotate
+        apply = rotate if is_recomputing() else ops.rotate
         return apply(q, cos, sin), apply(k, cos, sin)
 
     @staticmethod
@@ -96,8 +90,5 @@ def rotary_pos_emb(
     """transformers' `apply_rotary_pos_emb` for q (B, Hq, L, D), k (B, Hkv, L, D) and cos, sin
     (B or 1, L, D) (`unsqueeze_dim` 1; another falls back to eager's formula)."""
     if unsqueeze_dim != 1 or cos.dim() != 3 or q.shape[-1] % 2:
-        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-        half = q.shape[-1] // 2
-        turn = [torch.cat((-x[..., half:], x[..., :half]), dim=-1) for x in (q, k)]
-        return q * cos + turn[0] * sin, k * cos + turn[1] * sin
+        return ops.rotate(q, cos, sin, unsqueeze_dim), ops.rotate(k, cos, sin, unsqueeze_dim)
     return _Rotary.apply(q, k, cos, sin)

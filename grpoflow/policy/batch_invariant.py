@@ -16,10 +16,11 @@ with every keyed draw of the engine, so one round suffices.
 alone), the rotary module's to an index into one table of every position (`rotary_tables`), each
 attention module's to its class forward seeing `kernels.rotary` (eager's forward, one kernel each
 for the recompute and the backward), each SwiGLU MLP's to one with the native engine's SiLU-and-
-product kernel (`kernels.swiglu`), and the attention implementation to one registered with transformers; `remove` restores them all.
-Backward passes need not be invariant: fused kernels or torch's, and a checkpointed layer's
-recompute runs on torch's products and flash attention (`kernels.recompute`). torch.compile would fuse
-the elementwise operations between the kernels and change their rounding, so it is refused.
+product kernel (`kernels.swiglu`), and the attention implementation to one registered with
+transformers; `remove` restores them all. Backward passes need not be invariant: fused kernels or
+torch's, and a checkpointed layer's recompute runs on torch's products and flash attention
+(`kernels.recompute`). torch.compile would fuse the elementwise operations between the kernels
+and change their rounding, so it is refused.
 """
 
 from __future__ import annotations
