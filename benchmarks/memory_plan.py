@@ -2,25 +2,30 @@
 
 Runs a few real GRPO steps through grpoflow's trainer (native engine) for
 (a) a random Qwen2.5-0.5B-shaped model, full fine-tuning, and (b) a random Qwen2.5-7B-shaped
-model with LoRA rank 16 on every linear layer and gradient checkpointing; records
+model with LoRA rank 16 on every linear layer and gradient checkpointing, (c) the same for a random
+Qwen3-30B-A3B shape cut to 8 layers (a mixture of experts); records
 torch.cuda.max_memory_allocated and max_memory_reserved and compares them with the plan's peak.
 Every sequence has the lengths the plan assumes: prompts are cut on the left to exactly
 max_prompt_length tokens, and a random model's completions run to max_completion_length (its end
 token is one of ~152K). Prints a table and saves benchmarks/results/DATE-memory-plan-GPUNAME.json.
 
-    python benchmarks/memory_plan.py
+    python benchmarks/memory_plan.py [--cases qwen3-30b-a3b-8l-lora]
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import sys
 import tempfile
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from grpoflow.phases import PhaseTimer
 from grpoflow.policy.memory_plan import GIB
 from grpoflow.run.build import run
 from grpoflow.run.config import load_config
@@ -51,6 +56,14 @@ CASES = {
         "gradient_checkpointing": True,
         "per_device_train_batch_size": 16,
     },
+    "qwen3-30b-a3b-8l-lora": {  # a mixture of experts under checkpointing
+        "model": "random:qwen3-30b-a3b-8l",
+        "train_type": "lora",
+        "lora_rank": 16,
+        "target_modules": ["all-linear"],
+        "gradient_checkpointing": True,
+        "per_device_train_batch_size": 64,
+    },
 }
 
 
@@ -69,6 +82,37 @@ def write_prompts(path: Path, count: int) -> Path:
     return path
 
 
+@contextmanager
+def phase_peaks():
+    """Within the block, the largest allocation of each phase of grpoflow's steps: each stretch
+    between two phase edges is charged to the innermost phase open in it."""
+    peaks: dict[str, int] = defaultdict(int)
+    open_phases: list[str] = []
+    timed = PhaseTimer.__call__
+
+    def edge() -> None:
+        name = open_phases[-1] if open_phases else "(between phases)"
+        peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+
+    @contextmanager
+    def call(timer: PhaseTimer, name: str):
+        edge()
+        open_phases.append(name)
+        try:
+            with timed(timer, name):
+                yield
+        finally:
+            edge()
+            open_phases.pop()
+
+    PhaseTimer.__call__ = call
+    try:
+        yield peaks
+    finally:
+        PhaseTimer.__call__ = timed
+
+
 def measure(name: str, overrides: dict) -> dict:
     with tempfile.TemporaryDirectory() as output_dir:
         prompts = write_prompts(Path(output_dir) / "prompts.jsonl", 256)
@@ -77,8 +121,10 @@ def measure(name: str, overrides: dict) -> dict:
         plan, blocks = run_plan(config, gpu_capacity(config))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        history = run(config)
-    allocated, reserved = torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB
+        with phase_peaks() as peaks:
+            history = run(config)
+    reserved = torch.cuda.max_memory_reserved() / GIB
+    allocated = max(peaks.values(), default=0) / GIB
     predicted = plan.peak / GIB
     return {
         "case": name,
@@ -92,19 +138,28 @@ def measure(name: str, overrides: dict) -> dict:
             for phase, parts in (("rollout", plan.rollout), ("update", plan.update))
         },
         "kv_blocks": blocks,
+        "measured_peak_by_phase_gib": {phase: round(peak / GIB, 3) for phase, peak in sorted(peaks.items())},
         "seconds_per_step": round(sum(step["time/step"] for step in history) / len(history), 3),
     }
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    names = parser.parse_args().cases.split(",")
+    unknown = [name for name in names if name not in CASES]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; known: {', '.join(CASES)}")
     if not torch.cuda.is_available():
         print("memory_plan.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = [measure(name, overrides) for name, overrides in CASES.items()]
-    print(f"{'case':<20} {'predicted':>10} {'allocated':>10} {'reserved':>10} {'error %':>8}")
+    rows = [measure(name, CASES[name]) for name in names]
+    print(f"{'case':<24} {'predicted':>10} {'allocated':>10} {'reserved':>10} {'error %':>8}")
     for row in rows:
         print(
-            f"{row['case']:<20} {row['predicted_gib']:>10.2f} {row['measured_allocated_gib']:>10.2f} "
+            f"{row['case']:<24} {row['predicted_gib']:>10.2f} {row['measured_allocated_gib']:>10.2f} "
             f"{row['measured_reserved_gib']:>10.2f} {row['error_pct']:>8.1f}"
         )
     gpu = torch.cuda.get_device_name().replace(" ", "-")

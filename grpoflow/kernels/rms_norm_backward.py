@@ -20,8 +20,8 @@ from grpoflow.kernels.ops import rms_norm_reference
 
 @triton.jit
 def _rms_norm_backward_kernel(
-    x_ptr, weight_ptr, grad_ptr, grad_x_ptr, partial_ptr, num_rows, num_cols, rows_per_program, eps,
-    BLOCK: tl.constexpr,
+    x_ptr, weight_ptr, grad_ptr, grad_x_ptr, partial_ptr, num_rows, num_cols, eps,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     program = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -29,8 +29,8 @@ def _rms_norm_backward_kernel(
     dtype = x_ptr.dtype.element_ty
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     weight_grad = tl.zeros([BLOCK], tl.float32)
-    for step in range(0, rows_per_program):
-        row = program * rows_per_program + step
+    for step in range(0, ROWS):
+        row = program * ROWS + step
         inside = cols < tl.where(row < num_rows, num_cols, 0)  # a row past the last: none
         h = tl.load(x_ptr + row * num_cols + cols, mask=inside, other=0.0).to(tl.float32)
         g = tl.load(grad_ptr + row * num_cols + cols, mask=inside, other=0.0).to(tl.float32)
@@ -57,12 +57,12 @@ def rms_norm_backward(
     num_rows, num_cols = rows.shape
     grad_x = torch.empty_like(rows)
     wanted = max(1, min(num_rows, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count))
-    rows_per_program = triton.cdiv(num_rows, wanted)
+    rows_per_program = triton.next_power_of_2(triton.cdiv(num_rows, wanted))  # a few compiled variants
     programs = triton.cdiv(num_rows, rows_per_program) if num_rows else 1
     partial = torch.zeros((programs, num_cols), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(num_cols)
     _rms_norm_backward_kernel[(programs,)](
-        rows, weight, grads, grad_x, partial, num_rows, num_cols, rows_per_program, eps,
-        BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        rows, weight, grads, grad_x, partial, num_rows, num_cols, eps,
+        ROWS=rows_per_program, BLOCK=block, num_warps=min(16, max(1, block // 256)),
     )  # fmt: skip
     return grad_x.view(x.shape), partial.sum(0).to(weight.dtype)

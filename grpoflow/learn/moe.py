@@ -30,7 +30,7 @@ class MoeSettings:
     on the batch-invariant kernels, whose routers choose the engine's experts bit for bit (the
     engine then records none)."""
     router_aux_loss_coef: float | None = None
-    """Weight of the router's load-balancing loss (transformers' `load_balancing_loss_func`)
+    """Weight of the routers' load-balancing loss (transformers' formula, `algo.load_balancing`)
     added to a MoE policy's loss; None: the model config's `router_aux_loss_coef`; 0: off."""
 
     def __post_init__(self) -> None:

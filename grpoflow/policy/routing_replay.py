@@ -15,13 +15,14 @@ batched_mm), which reads only the router's output.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from grpoflow.algo.load_balancing import load_balancing_loss
 
 ROUTERS = frozenset(
     {
@@ -84,8 +85,6 @@ class MoeRouters:
     top_k: int
     default_aux_loss_coef: float
     """The model config's `router_aux_loss_coef` (0 when it has none)."""
-    balance_loss: Callable
-    """The model's `load_balancing_loss_func(logits per layer, num_experts, top_k, mask)`."""
 
     @contextmanager
     def hooked(self, record: RoutingRecord) -> Iterator[RoutingRecord]:
@@ -107,7 +106,7 @@ class MoeRouters:
         logits = tuple(record.logits[layer] for layer in sorted(record.logits))
         if not logits:
             raise ValueError("the load-balancing loss needs the router logits: record with keep_logits=True")
-        return self.balance_loss(logits, self.num_experts, self.top_k, record.token_mask)
+        return load_balancing_loss(logits, self.num_experts, self.top_k, record.token_mask)
 
 
 def moe_routers(model: nn.Module) -> MoeRouters | None:
@@ -117,14 +116,12 @@ def moe_routers(model: nn.Module) -> MoeRouters | None:
     if not routers:
         return None
     first = routers[0]
-    module = sys.modules[type(first).__module__]
     config = getattr(model, "config", None)
     return MoeRouters(
         routers=routers,
         num_experts=first.num_experts,
         top_k=first.top_k,
         default_aux_loss_coef=float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0),
-        balance_loss=module.load_balancing_loss_func,
     )
 
 

@@ -65,10 +65,11 @@ class GroupSource:
 
 @contextmanager
 def engine_awake(engine: RolloutEngine, placement: Placement) -> Iterator[None]:
-    """The engine awake and the policy laid out for it (merged adapters, gathered shards)."""
-    with phase("wake_up"):
-        engine.wake_up()
+    """The policy laid out for the engine (merged adapters, gathered shards), then the engine
+    awake: its cache takes the dtype the gathered weights compute in."""
     with placement.rollout_context(engine):
+        with phase("wake_up"):
+            engine.wake_up()
         yield
     with phase("sleep"):
         engine.sleep()

@@ -255,6 +255,17 @@ def test_sleep_releases_cache_and_wake_up_restores():
     assert native.generate([PROMPTS[0]], greedy(16)) == first, "generate wakes a sleeping engine"
 
 
+def test_the_cache_takes_the_dtype_the_weights_have_when_the_engine_wakes():
+    """FSDP's mixed precision gathers float32 shards in bfloat16 for a rollout: the engine, built
+    on the shards, computes in the gathered weights' dtype (greedy tokens as transformers')."""
+    model = tiny("qwen3")
+    native = engine(model)
+    native.sleep()
+    model.to(torch.bfloat16)
+    assert native.generate([PROMPTS[0]], greedy(8))[0][0].token_ids == hf_greedy(model, PROMPTS[0], 8)
+    assert native.runner.cache.dtype == torch.bfloat16
+
+
 def test_bad_requests_raise_and_leave_engine_serving():
     model = tiny("qwen2", max_position_embeddings=64)
     native = engine(model, num_kv_blocks=12)

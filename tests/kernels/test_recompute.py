@@ -141,7 +141,7 @@ torch.testing.assert_close(swiglu.silu_mul_forward(gate, up), F.silu(gate) * up,
 
 x, weight, grad = torch.randn(9, 40) * 3, torch.randn(40), torch.randn(9, 40)
 grad_x, partial = torch.empty_like(x), torch.empty(4, 40)
-rb._rms_norm_backward_kernel[(4,)](x, weight, grad, grad_x, partial, 9, 40, 3, 1e-6, BLOCK=64)
+rb._rms_norm_backward_kernel[(4,)](x, weight, grad, grad_x, partial, 9, 40, 1e-6, ROWS=3, BLOCK=64)
 leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
 rms_norm_reference(*leaves, 1e-6).backward(grad)
 torch.testing.assert_close(grad_x, leaves[0].grad, atol=1e-4, rtol=1e-4)
