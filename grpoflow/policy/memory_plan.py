@@ -24,7 +24,11 @@ plus one layer recomputed); the allocator's fragmentation is not modelled.
 A mixture-of-experts model holds (and trains, and keeps optimizer moments for) every expert of its
 MoE layers, and a router per layer; a token's activations in a MoE layer are those of the `top_k`
 experts it is routed to (each: its copy of the hidden state in and out, 4 intermediate-size
-vectors) and the router's float32 logits and probabilities. LoRA on its experts
+vectors) and the router's float32 logits and probabilities; under checkpointing every MoE
+layer's router logits stay until the load-balancing loss (`algo.load_balancing`, which needs
+no more than them. Measured on an H200, checkpointed, 8 layers of 128 experts, 25K tokens a
+micro-batch: the update's peak within 4% of the plan's with the loss off, 10 GiB over it with
+the one-hot form of the loss that some transformers versions compute). LoRA on its experts
 (`target_parameters`) gives each expert of each MoE layer its own adapter. Under expert
 parallelism (beside FSDP, over the same ranks) each rank holds 1/N of the experts as FSDP would,
 but the update never gathers them and a rank reducing once per step accumulates the gradients of
@@ -292,8 +296,9 @@ def activation_bytes(shape: ModelShape, settings: PlanSettings) -> int:
     moe_layer = full_layer - 4 * i * e + routed + 2 * shape.num_experts * 4
     dense_layers = shape.num_hidden_layers - shape.num_moe_layers
     if settings.gradient_checkpointing:
+        routers = shape.num_moe_layers * shape.num_experts * 4
         return tokens * (
-            shape.num_hidden_layers * h * e + (moe_layer if shape.num_moe_layers else full_layer)
+            shape.num_hidden_layers * h * e + routers + (moe_layer if shape.num_moe_layers else full_layer)
         )
     return tokens * (dense_layers * full_layer + shape.num_moe_layers * moe_layer)
 
