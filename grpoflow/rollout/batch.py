@@ -109,8 +109,12 @@ class RolloutBatch:
         """Rows [start, stop) with the all-padding columns cut away."""
         prompt_mask = self.prompt_mask[start:stop]
         completion_mask = self.completion_mask[start:stop]
-        first = int(prompt_mask.any(0).nonzero()[0]) if prompt_mask.any() else 0
-        last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 1
+        width = prompt_mask.shape[1]
+        # which columns hold a token, and which prompt columns are full: one copy to the host
+        columns = torch.cat([prompt_mask.any(0), prompt_mask.all(0), completion_mask.any(0)]).tolist()
+        used, full, completed = columns[:width], columns[width : 2 * width], columns[2 * width :]
+        first = used.index(True) if True in used else 0
+        last = len(completed) - completed[::-1].index(True) if True in completed else 1
         return RolloutBatch(
             prompt_ids=self.prompt_ids[start:stop, first:],
             prompt_mask=prompt_mask[:, first:],
@@ -118,7 +122,7 @@ class RolloutBatch:
             completion_mask=completion_mask[:, :last],
             sampling_logps=self.sampling_logps[start:stop, :last],
             truncated=self.truncated[start:stop],
-            left_padded=self.left_padded and not bool(prompt_mask[:, first:].all()),
+            left_padded=self.left_padded and not all(full[first:]),
             loss_mask=self.loss_mask[start:stop, :last],
             sequence_starts=None if self.sequence_starts is None else self.sequence_starts[start:stop, :last],
             distribution_index=(

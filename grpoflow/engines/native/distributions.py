@@ -57,7 +57,8 @@ class DistributionCapture:
         """The chosen rows' float32 log-softmax at the call's temperature, or None."""
         if not len(chosen):
             return None
-        index = torch.from_numpy(chosen).to(logits.device)
+        # from pageable memory without waiting for the device: the decode loop stays ahead of it
+        index = torch.from_numpy(chosen).to(logits.device, non_blocking=True)
         return (logits[index].float() * self.inverse_temperature).log_softmax(dim=-1)
 
     def record(
