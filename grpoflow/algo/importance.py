@@ -62,12 +62,12 @@ def sampling_correction(
             weights = ratio.clamp(min=low, max=high)
         else:
             weights = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-        counted = weights.flatten() if sequence_level else weights[mask.bool()]
+        counted = torch.ones_like(weights, dtype=torch.bool) if sequence_level else mask.bool()
         metrics = {
-            "sampling/importance_sampling_ratio/min": _reduce(counted, torch.amin),
-            "sampling/importance_sampling_ratio/mean": _reduce(counted, torch.mean),
-            "sampling/importance_sampling_ratio/max": _reduce(counted, torch.amax),
-            **_gap_metrics(gap[valid].abs()),
+            "sampling/importance_sampling_ratio/min": _reduce(weights, counted, torch.amin),
+            "sampling/importance_sampling_ratio/mean": _reduce(weights, counted, torch.mean),
+            "sampling/importance_sampling_ratio/max": _reduce(weights, counted, torch.amax),
+            **_gap_metrics(gap.abs(), valid),
         }
     return weights, metrics
 
@@ -92,7 +92,7 @@ def exact_draw_weights(
         kept = ~differs.any(-1, keepdim=True)
         scored = tokens.any(-1, keepdim=True)
         metrics = {
-            "on_policy/unverified_fraction": _reduce((~kept)[scored].float(), torch.mean),
+            "on_policy/unverified_fraction": _reduce((~kept).float(), scored, torch.mean),
             **sampling_logp_gap(trainer_logps, sampling_logps, mask),
         }
     return kept.float(), metrics
@@ -104,15 +104,22 @@ def sampling_logp_gap(trainer_logps: Tensor, sampling_logps: Tensor, mask: Tenso
     `mask` where the engine gave a log-prob (not NaN)."""
     with torch.no_grad():
         valid = mask.bool() & ~sampling_logps.isnan()
-        return _gap_metrics((trainer_logps.float() - sampling_logps.float())[valid].abs())
+        return _gap_metrics((trainer_logps.float() - sampling_logps.float()).abs(), valid)
 
 
-def _gap_metrics(gaps: Tensor) -> dict[str, Tensor]:
+def _gap_metrics(gaps: Tensor, valid: Tensor) -> dict[str, Tensor]:
     return {
-        "sampling/sampling_logp_difference/mean": _reduce(gaps, torch.mean),
-        "sampling/sampling_logp_difference/max": _reduce(gaps, torch.amax),
+        "sampling/sampling_logp_difference/mean": _reduce(gaps, valid, torch.mean),
+        "sampling/sampling_logp_difference/max": _reduce(gaps, valid, torch.amax),
     }
 
 
-def _reduce(values: Tensor, reduce) -> Tensor:
-    return reduce(values) if values.numel() else values.new_zeros(())
+def _reduce(values: Tensor, where: Tensor, reduce) -> Tensor:
+    """`reduce` (torch.mean, amin or amax) over the elements of `values` that `where` keeps, 0
+    when it keeps none; on the device, with no wait for it (boolean indexing would wait)."""
+    if not values.numel():
+        return values.new_zeros(())
+    if reduce is torch.mean:
+        return torch.where(where, values, 0.0).sum() / where.sum().clamp(min=1)
+    fill = math.inf if reduce is torch.amin else -math.inf
+    return torch.where(where.any(), reduce(torch.where(where, values, fill)), 0.0)

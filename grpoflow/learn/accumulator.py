@@ -33,5 +33,14 @@ class MetricsAccumulator:
             self._counts[name] = self._counts.get(name, 0) + 1
 
     def result(self) -> dict[str, float]:
-        """Each metric's mean (or extreme) as a float, in the order the metrics first came."""
-        return {name: float(total) / self._counts[name] for name, total in self._totals.items()}
+        """Each metric's mean (or extreme) as a float, in the order the metrics first came; the
+        tensors of one device reach the host in one copy."""
+        values = {name: total for name, total in self._totals.items() if not isinstance(total, torch.Tensor)}
+        by_device: dict[torch.device, list[str]] = {}
+        for name, total in self._totals.items():
+            if isinstance(total, torch.Tensor):
+                by_device.setdefault(total.device, []).append(name)
+        for names in by_device.values():
+            stacked = torch.stack([self._totals[name].reshape(()).double() for name in names])
+            values.update(zip(names, stacked.tolist(), strict=True))
+        return {name: float(values[name]) / self._counts[name] for name in self._totals}
