@@ -1,13 +1,16 @@
-"""Weak scaling of a GRPO step over 1 and 2 GPUs, and the memory options, in one run.
+"""Weak (or strong) scaling of a GRPO step over 1, 2 and 4 GPUs, and the memory options, in one run.
 
     python benchmarks/scaling.py                          # a 2-GPU machine, the standard workload
     python benchmarks/scaling.py --variants 1gpu,2gpu-fsdp,2gpu-fsdp+keep-gathered+nccl-simple --steps 4
     python benchmarks/scaling.py --device cpu --model tiny   # two CPU processes, to check the script
     python benchmarks/scaling.py --model qwen2.5-7b --prompts 16 --micro-batch 16 --variants 1gpu,2gpu-fsdp
+    python benchmarks/scaling.py --model qwen2.5-7b --strong --prompts 64 --micro-batch 16 \
+        --variants 1gpu,4gpu-fsdp+keep-gathered+reduce-per-step     # 64 x 8 a step on 1 and on 4 GPUs
 
 The standard workload of benchmarks/grpo_step.py per GPU (a random Qwen2-0.5B-shaped model in bf16,
 `--prompts` (64) prompts x 8 generations, prompt 128 tokens, 256 new tokens, beta 0, native engine,
-gradient checkpointing), so 2 GPUs generate and train on twice the batch of 1 (weak scaling).
+gradient checkpointing), so 2 GPUs generate and train on twice the batch of 1 (weak scaling); with
+`--strong`, `--prompts` is the step's whole batch, split over each variant's GPUs.
 `--model qwen2.5-7b` trains a random Qwen2.5-7B-shaped model in full (bf16 weights, gradients and
 AdamW state), built on each rank from the same seed. Each variant is one `grpoflow train`
 under torchrun in its own subprocess; its numbers come from the run's metrics.jsonl (step time of
@@ -48,6 +51,8 @@ BASES: dict[str, tuple[int, dict]] = {
     "1gpu": (1, {}),
     "2gpu-ddp": (2, {}),
     "2gpu-fsdp": (2, {"fsdp": True}),
+    "4gpu-ddp": (4, {}),
+    "4gpu-fsdp": (4, {"fsdp": True}),
 }
 """Variant base -> (processes, config keys on top of the standard workload)."""
 OPTIONS: dict[str, dict] = {
@@ -103,12 +108,14 @@ def variant_config(args, name: str, model_dir: Path, prompts: Path, workdir: Pat
     }
     if args.model not in ("tiny", "qwen2-0.5b"):  # built on each rank, nothing written
         config["model"] = f"random:{args.model}"
-    config["gradient_accumulation_steps"] = args.prompts * 8 // args.micro_batch
+    completions = rank_prompts(args, name) * 8
+    micro_batch = min(16 if args.model == "tiny" else args.micro_batch, completions)
+    config["per_device_train_batch_size"] = micro_batch
+    config["gradient_accumulation_steps"] = completions // micro_batch
+    config["max_steps"] = args.steps  # grpo_step's overrides plan for a long run it steps itself
     config["save_strategy"] = "no"  # steps only: a 7B checkpoint takes longer than several steps
     if args.model == "tiny":  # small enough for two CPU processes
-        config.update(
-            per_device_train_batch_size=16, gradient_accumulation_steps=2, gpu_memory_utilization=0.1
-        )
+        config["gpu_memory_utilization"] = 0.1
     return config
 
 
@@ -155,7 +162,7 @@ def summarize(args, name: str, rows: list[dict], config: dict) -> dict:
         return sum(values) / len(values) if values else None
 
     step_s, update_s, mean_length = mean("time/step"), mean("time/update"), mean("completions/mean_length")
-    generations = args.prompts * 8
+    generations = rank_prompts(args, name) * 8
     peaks = [row["memory/max_allocated_gib"] for row in rows if "memory/max_allocated_gib" in row]
     row = {
         "variant": name,
@@ -179,6 +186,19 @@ def summarize(args, name: str, rows: list[dict], config: dict) -> dict:
             recompute = 8 / 6 if config.get("gradient_checkpointing") else 1.0
             row["update_hw_mfu"] = row["update_mfu"] * recompute
     return row
+
+
+def rank_prompts(args, name: str) -> int:
+    """Prompts each GPU of the variant generates for a step: `--prompts`, or under `--strong` its
+    share of them."""
+    nproc = parse_variant(name)[0]
+    if not args.strong:
+        return args.prompts
+    if args.prompts % nproc:
+        raise SystemExit(
+            f"--strong splits --prompts {args.prompts} over {nproc} GPUs ({name}): give a multiple"
+        )
+    return args.prompts // nproc
 
 
 def _device_name(args) -> str:
@@ -219,6 +239,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=None, help="per GPU and step (64; tiny: 4)")
+    parser.add_argument(
+        "--strong", action="store_true", help="--prompts is the whole step's, split over the GPUs"
+    )
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--set", action="append", default=[], help="config KEY=VALUE, every variant")
@@ -229,8 +252,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     names = [name for name in args.variants.split(",") if name]
+    if args.prompts is None:
+        args.prompts = 4 if args.model == "tiny" else 64
     for name in names:
-        parse_variant(name)
+        rank_prompts(args, name)  # checks the variant, and the split under --strong
     if args.device == "cuda":
         visible = torch.cuda.device_count()
         skipped = [name for name in names if parse_variant(name)[0] > visible]
@@ -238,8 +263,6 @@ def main() -> None:
             print(f"skipping {skipped}: {visible} GPU(s) visible")
         names = [name for name in names if name not in skipped]
     device_name = _device_name(args)
-    if args.prompts is None:
-        args.prompts = 4 if args.model == "tiny" else 64
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         model_dir, prompts = write_inputs(

@@ -4,7 +4,8 @@ packages an option needs, checked before any work.
 
 A file is executed once as a module named after its resolved path, so what it registers takes
 effect once, and what it defines pickles by reference to that module name (worker processes
-re-import the same file to unpickle it).
+re-import the same file to unpickle it). Its directory joins the end of `sys.path`, as a script's
+does (at the front), so that it imports the modules beside it.
 
 Objects a Python script hands to its run (`GRPOTrainer(tools=[fn])`) are provided under their
 import paths while the run is built (`provided_for_now`), so functions and classes defined in the
@@ -77,6 +78,8 @@ def import_file(
     if spec is None or spec.loader is None:
         raise ValueError(f"{what} {str(path)!r} is not a Python file; give a path ending in .py.")
     module = importlib.util.module_from_spec(spec)
+    if str(resolved.parent) not in sys.path:
+        sys.path.append(str(resolved.parent))
     if prepare is not None:
         prepare(module)
     sys.modules[name] = module

@@ -109,6 +109,22 @@ def test_trl_function_by_import_path(trl_module, spec):
     assert reward(completions=["x" * 20, "x" * 25]) == [0, -5]
 
 
+def test_a_reward_file_imports_the_modules_beside_it(tmp_path):
+    folder = tmp_path / "my_rewards"
+    folder.mkdir()
+    write(folder / "scoring_helpers_beside.py", "def target():\n    return 3\n")
+    rewards = write(
+        folder / "rewards.py",
+        """
+        from scoring_helpers_beside import target
+
+        def near(completions, **kwargs):
+            return [-abs(target() - len(c)) for c in completions]
+        """,
+    )
+    assert resolve_reward(f"{rewards}:near")(completions=["abc", "a"]) == [0, -2]
+
+
 def test_resolve_registered_name_callable_and_class():
     assert resolve_reward("format")(completions=["<think></think><answer>1</answer>"]) == [1.0]
 
