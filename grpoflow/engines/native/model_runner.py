@@ -104,6 +104,7 @@ class Runner:
             self.ops = TritonOps
         else:
             self.ops = TorchOps
+        family.build_rotary_tables(max_model_len)
         self.cache: torch.Tensor | None = None
         self.pool: BlockPool | None = None
         self.num_blocks = 0
@@ -119,7 +120,7 @@ class Runner:
     def allocate(self) -> None:
         """Take the KV cache and the step buffers, in the dtype the weights compute in now (a
         sharded model's gathered weights may differ from its shards: FSDP's mixed precision)."""
-        if not self.family.rotary or self.dtype != self.family.dtype:
+        if self.dtype != self.family.dtype:
             self.dtype = self.family.dtype
             self.family.build_rotary_tables(self.max_model_len)
         shape, device = self.family.shape, self.device
