@@ -110,7 +110,7 @@ class BatchInvariantOps(TorchOps):
         """Each row's query against its context (`batch_invariant_attention.decode_attention`)."""
         if window:
             raise ValueError("batch_invariant has no sliding-window attention")
-        return ba.decode_attention(q.contiguous(), k_cache, v_cache, block_table, context_lens, scale)
+        return ba.decode_attention(_unit_heads(q), k_cache, v_cache, block_table, context_lens, scale)
 
     @staticmethod
     def cached_prefill_attention(
@@ -125,5 +125,11 @@ class BatchInvariantOps(TorchOps):
         if window:
             raise ValueError("batch_invariant has no sliding-window attention")
         return ba.paged_attention(
-            q.contiguous(), k_cache, v_cache, prefix.pages, prefix.query_positions, scale
+            _unit_heads(q), k_cache, v_cache, prefix.pages, prefix.query_positions, scale
         )
+
+
+def _unit_heads(q: torch.Tensor) -> torch.Tensor:
+    """q as the attention kernels read it: any strides but a unit one along the head dim (a view
+    of the fused q/k/v projection is read in place, not copied each layer and step)."""
+    return q if q.stride(-1) == 1 else q.contiguous()

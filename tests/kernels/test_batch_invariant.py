@@ -114,12 +114,19 @@ for group in (1, 7):
         query = torch.stack([q[b, :, first[b] + step] for b in rows])
         context = torch.full((len(rows),), step + 1)
         decoded = ba.decode_attention(query, caches[0], caches[1], table[rows], context, dim**-0.5)
+        fused = torch.cat([query, torch.randn_like(query)], dim=-1)[..., :dim]  # a q/k/v projection's view
+        strided = ba.decode_attention(fused, caches[0], caches[1], table[rows], context, dim**-0.5)
+        assert not fused.is_contiguous() and torch.equal(strided, decoded)
         for row, b in enumerate(rows):
             assert torch.equal(decoded[row], out[b, first[b] + step]), (group, step, b)
     for b in range(batch):  # a prefill after a cached prefix of 10 tokens: several queries per row
-        query = q[b, :, first[b] + 10 : first[b] + real[b]].transpose(0, 1)[None].contiguous()
+        query = q[b, :, first[b] + 10 : first[b] + real[b]].transpose(0, 1)[None]  # read in place
         where = torch.arange(10, real[b])[None]
         prefilled = ba.paged_attention(query, caches[0], caches[1], table[b : b + 1], where, dim**-0.5)
+        assert torch.equal(
+            ba.paged_attention(query.contiguous(), caches[0], caches[1], table[b : b + 1], where, dim**-0.5),
+            prefilled,
+        )
         assert torch.equal(prefilled[0], out[b, first[b] + 10 : first[b] + real[b]]), (group, b)
     idle = ba.decode_attention(q[:, :, 0].contiguous(), caches[0], caches[1], table, torch.tensor([0, 1, 2]), 0.25)
     assert (idle[0] == 0).all() and torch.isfinite(idle).all()
