@@ -36,9 +36,11 @@ class DistributionTap:
         """A tap when `rows` carry kept distributions and their forward can be read; else None."""
         if rows.distribution_index is None or padding_free or placement.is_sharded:
             return None
-        if rows.sequence_starts is not None and bool(rows.sequence_starts.any()):
+        if rows.engine_distributions is None or not len(rows.engine_distributions.log_probs):
             return None
-        if not bool((rows.distribution_index >= 0).any()) or decoder_and_head(placement.module) is None:
+        if rows.sequence_starts is not None and bool(rows.sequence_starts.any()):  # multi-turn runs only
+            return None
+        if decoder_and_head(placement.module) is None:
             return None
         return cls(placement, rows, temperature)
 
@@ -53,21 +55,30 @@ class DistributionTap:
         self.handle.remove()
 
     @torch.no_grad()
-    def metrics(self) -> dict[str, Tensor]:
-        """`sampling/distribution_{tv,kl}/{mean,max}` over the kept positions."""
+    def metrics(self) -> dict[str, Tensor | tuple[Tensor, Tensor]]:
+        """`sampling/distribution_{tv,kl}/{mean,max}` over the kept positions of these rows: each
+        mean as (sum, count), for `MetricsAccumulator` to average over every micro-batch's
+        positions. The rows hold at most as many kept positions as the batch: that many
+        candidates, kept ones first, are compared, so that nothing waits for the device."""
         if self.hidden is None:
             return {}
         index = self.rows.distribution_index
-        rows, positions = (index >= 0).nonzero(as_tuple=True)
-        engine = self.rows.engine_distributions.log_probs[index[rows, positions]]
+        limit = min(len(self.rows.engine_distributions.log_probs), index.numel())
+        found, order = (index >= 0).flatten().float().topk(limit, sorted=False)
+        kept = found > 0
+        rows, positions = order // index.shape[1], order % index.shape[1]
+        engine = self.rows.engine_distributions.log_probs[index.flatten()[order].clamp(min=0)]
         width = self.rows.prompt_ids.shape[1]
         hidden = self.hidden[rows, width + positions - 1]  # the state before a token draws it
         trainer = (self.head(hidden).float() / self.temperature).log_softmax(dim=-1)
-        tv, kl = distribution_distances(engine.to(trainer.device), trainer)
+        tv, kl = (
+            torch.where(kept, d, 0.0) for d in distribution_distances(engine.to(trainer.device), trainer)
+        )
+        count = kept.sum()
         return {
-            "sampling/distribution_tv/mean": tv.mean(),
+            "sampling/distribution_tv/mean": (tv.sum(), count),
             "sampling/distribution_tv/max": tv.max(),
-            "sampling/distribution_kl/mean": kl.mean(),
+            "sampling/distribution_kl/mean": (kl.sum(), count),
             "sampling/distribution_kl/max": kl.max(),
         }
 
