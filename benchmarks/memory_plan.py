@@ -21,6 +21,7 @@ import sys
 import tempfile
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -82,17 +83,27 @@ def write_prompts(path: Path, count: int) -> Path:
     return path
 
 
+@dataclass
+class PhasePeaks:
+    """The largest allocation of each phase, and the allocator's largest reservation overall."""
+
+    allocated: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    reserved: int = 0
+
+
 @contextmanager
 def phase_peaks():
-    """Within the block, the largest allocation of each phase of grpoflow's steps: each stretch
-    between two phase edges is charged to the innermost phase open in it."""
-    peaks: dict[str, int] = defaultdict(int)
+    """Within the block, the peaks of grpoflow's steps (`PhasePeaks`): each stretch between two
+    phase edges is charged to the innermost phase open in it. Each edge resets the allocator's
+    peaks, so the reservation's is kept here too."""
+    peaks = PhasePeaks()
     open_phases: list[str] = []
     timed = PhaseTimer.__call__
 
     def edge() -> None:
         name = open_phases[-1] if open_phases else "(between phases)"
-        peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated())
+        peaks.allocated[name] = max(peaks.allocated[name], torch.cuda.max_memory_allocated())
+        peaks.reserved = max(peaks.reserved, torch.cuda.max_memory_reserved())
         torch.cuda.reset_peak_memory_stats()
 
     @contextmanager
@@ -111,6 +122,7 @@ def phase_peaks():
         yield peaks
     finally:
         PhaseTimer.__call__ = timed
+        edge()  # what ran after the last phase
 
 
 def measure(name: str, overrides: dict) -> dict:
@@ -123,8 +135,8 @@ def measure(name: str, overrides: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
         with phase_peaks() as peaks:
             history = run(config)
-    reserved = torch.cuda.max_memory_reserved() / GIB
-    allocated = max(peaks.values(), default=0) / GIB
+    reserved = peaks.reserved / GIB
+    allocated = max(peaks.allocated.values(), default=0) / GIB
     predicted = plan.peak / GIB
     return {
         "case": name,
@@ -138,7 +150,9 @@ def measure(name: str, overrides: dict) -> dict:
             for phase, parts in (("rollout", plan.rollout), ("update", plan.update))
         },
         "kv_blocks": blocks,
-        "measured_peak_by_phase_gib": {phase: round(peak / GIB, 3) for phase, peak in sorted(peaks.items())},
+        "measured_peak_by_phase_gib": {
+            phase: round(peak / GIB, 3) for phase, peak in sorted(peaks.allocated.items())
+        },
         "seconds_per_step": round(sum(step["time/step"] for step in history) / len(history), 3),
     }
 
