@@ -34,9 +34,7 @@ class DistributionTap:
         cls, placement: Placement, rows: RolloutBatch, temperature: float, padding_free: bool
     ) -> DistributionTap | None:
         """A tap when `rows` carry kept distributions and their forward can be read; else None."""
-        if rows.distribution_index is None or padding_free or placement.is_sharded:
-            return None
-        if rows.engine_distributions is None or not len(rows.engine_distributions.log_probs):
+        if rows.distribution_index is None or padding_free or placement.is_sharded:  # else >= 1 kept
             return None
         if rows.sequence_starts is not None and bool(rows.sequence_starts.any()):  # multi-turn runs only
             return None
