@@ -3,9 +3,9 @@ as transformers' Qwen-MoE, OLMoE and Mixtral models define it, in memory linear 
 
 Over every layer's routed tokens (those the mask keeps): f_e, the fraction of top-k assignments
 that go to expert e (counted, no gradient), and P_e, the mean router probability of e; the loss is
-num_experts * sum_e f_e P_e. transformers' own function has, in some versions, built a one-hot
-(layers x tokens, top_k, experts) tensor and an expanded mask: 10 GiB at 8 layers of 128 experts
-and 25K tokens. Here each layer adds its counts (a scatter) and its probability sums in turn.
+num_experts * sum_e f_e P_e. transformers' own function builds a one-hot (layers x tokens, top_k,
+experts) tensor and an expanded mask of that shape (2.4 GB at 8 layers of 128 experts, 8 per token,
+and 25K tokens). Here each layer adds its counts (a scatter) and its probability sums in turn.
 """
 
 from __future__ import annotations

@@ -102,10 +102,14 @@ class MoeRouters:
                 handle.remove()
 
     def aux_loss(self, record: RoutingRecord) -> torch.Tensor:
-        """The load-balancing loss of the forward `record` kept the logits of."""
-        logits = tuple(record.logits[layer] for layer in sorted(record.logits))
+        """The load-balancing loss of the forward `record` kept the logits of. It takes them out of
+        the record and keeps no more: under gradient checkpointing the routers run again in the
+        backward pass, and logits kept from that recomputation would hold its whole graph (every
+        layer's activations up to its router) until the record goes."""
+        logits = tuple(record.logits.pop(layer) for layer in sorted(record.logits))
         if not logits:
             raise ValueError("the load-balancing loss needs the router logits: record with keep_logits=True")
+        record.keep_logits = False
         return load_balancing_loss(logits, self.num_experts, self.top_k, record.token_mask)
 
 
