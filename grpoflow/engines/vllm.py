@@ -115,8 +115,12 @@ class VLLMConfig:
     move_model_batches: int | None = None
     """Push the weights to a colocated vLLM in this many reloads of whole decoder layers, each
     released before the next (bounds the memory of merged or gathered weights); None: one."""
-    sleep_level: Literal[0, 1, 2] = 0
-    """Between rollouts: 0 keeps vLLM's memory, 1 frees its KV cache, 2 also its weights."""
+    sleep_level: Literal[0, 1, 2] | None = None
+    """Between rollouts (ms-swift's name): 0 keeps the engine's memory through the update (the
+    native engine's KV cache with its cached prefixes and CUDA graphs), 1 frees its KV cache, 2
+    also vLLM's weights (the native engine's are the policy's: as 1). Unset: 0 for vLLM; for the
+    native engine on a GPU, 0 where the memory plan fits the update beside the cache, else 1
+    (`run.plan_check.choose_sleep_level`)."""
     vllm_enable_lora: bool = True
     """A LoRA policy: vLLM serves its adapters over the base (adapters alone at each sync after
     the first); false: the merged weights whole at every sync (ms-swift's name; its default is false)."""
@@ -439,7 +443,7 @@ def build(model: torch.nn.Module, tokenizer, options: EngineOptions) -> VLLMEngi
         max_num_seqs=config.vllm_max_num_seqs,
         enforce_eager=config.vllm_enforce_eager,
         enable_prefix_caching=config.vllm_enable_prefix_caching,
-        sleep_level=config.sleep_level,
+        sleep_level=config.sleep_level or 0,
         seed=layout.engine_seed(options.seed),
         layout=layout,
         move_model_batches=config.move_model_batches,

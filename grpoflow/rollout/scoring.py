@@ -38,12 +38,14 @@ class SampledGroups(GroupSource):
     num_prompts: int
     """Prompts this rank plays per step."""
     distributed: DistributedContext
+    sleep: bool = True
+    """The engine releases its cache after each rollout (sleep_level >= 1)."""
 
     def __post_init__(self) -> None:
         self.reward_names, self.reward_weights = list(self.rewards.names), self.rewards.weights
 
     def next(self, step: int) -> ScoredGroups:
-        with engine_awake(self.engine, self.placement):
+        with engine_awake(self.engine, self.placement, self.sleep):
             scored = self.make()
         scored.staleness = step - self.engine.policy_version
         return scored

@@ -64,12 +64,14 @@ class GroupSource:
 
 
 @contextmanager
-def engine_awake(engine: RolloutEngine, placement: Placement) -> Iterator[None]:
+def engine_awake(engine: RolloutEngine, placement: Placement, sleep: bool = True) -> Iterator[None]:
     """The policy laid out for the engine (merged adapters, gathered shards), then the engine
-    awake: its cache takes the dtype the gathered weights compute in."""
+    awake: its cache takes the dtype the gathered weights compute in. `sleep`: the engine releases
+    its cache afterwards (sleep_level >= 1)."""
     with placement.rollout_context(engine):
         with phase("wake_up"):
             engine.wake_up()
         yield
-    with phase("sleep"):
-        engine.sleep()
+    if sleep:
+        with phase("sleep"):
+            engine.sleep()

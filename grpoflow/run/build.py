@@ -36,7 +36,7 @@ from grpoflow.run.health import HealthMonitor
 from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import ListenerRelay, MetricsLogger, StepListener, StepLog
 from grpoflow.run.output_dir import claim_output_dir
-from grpoflow.run.plan_check import check_plan
+from grpoflow.run.plan_check import check_plan, choose_sleep_level
 from grpoflow.run.sources import build_group_source, build_rollout, on_policy_check, rollout_rewards
 from grpoflow.run.trainer import GRPOTrainer
 
@@ -57,6 +57,10 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     )
     kv_blocks = check_plan(config)  # before anything heavy loads
     settings_record = chosen_record(config, chosen, kv_blocks)
+    sleep = choose_sleep_level(config)
+    settings_record["sleep_level"] = sleep.record()
+    if sleep.source == "plan":
+        logger.info("sleep_level=%d: %s", sleep.level, sleep.reason)
     distributed, device = init_distributed(resolve_device(config.policy.device))
     check_world(config, distributed)
     tune_device(device)
@@ -92,6 +96,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         items,
         distributed,
         check,
+        sleep.level > 0,
     )
     total_steps = config.total_steps(len(items), distributed.world_size)
     steps_per_epoch = config.steps_per_epoch(len(items), distributed.world_size) if items else None
@@ -143,6 +148,7 @@ def build_sources(
     items: list[PromptItem],
     distributed: DistributedContext,
     check: str | None,
+    sleep: bool = True,
 ) -> tuple[Rollout, GroupSource]:
     """The rollout that plays a step's prompts (`check`: how on_policy_sampling's draws are
     checked, `on_policy_check`) and the source of groups around it."""
@@ -160,6 +166,7 @@ def build_sources(
         tokenizer=tokenizer,
         distributed=distributed,
         vocab_size=vocab_size,
+        sleep=sleep,
     )
     return rollout, source
 

@@ -15,6 +15,7 @@ import torch
 
 from grpoflow import hub
 from grpoflow.options import require
+from grpoflow.policy.auto_settings import MARGIN
 from grpoflow.policy.loading import local_preset
 from grpoflow.policy.memory_plan import GIB, MemoryPlan, ModelShape, PlanSettings, plan_memory
 from grpoflow.policy.step_time import KNOWN_GPUS, known_gpu
@@ -193,6 +194,38 @@ def run_plan(config, capacity: int) -> tuple[MemoryPlan, int | None]:
     if config.generation.engine_name == "native":
         blocks, kv_bytes = kv_cache_blocks(config, shape, capacity)
     return plan_memory(shape, plan_settings(config, kv_bytes, shape.dtype_bytes), capacity), blocks
+
+
+@dataclass(frozen=True, slots=True)
+class SleepChoice:
+    """Whether the engine releases its cache after each rollout (`sleep_level`), and why."""
+
+    level: int
+    source: Literal["user", "plan", "default"]
+    reason: str
+
+    def record(self) -> dict[str, object]:
+        return {"value": self.level, "source": self.source, "reason": self.reason}
+
+
+def choose_sleep_level(config) -> SleepChoice:
+    """sleep_level as given; unset, 0 for the native engine on a GPU whose plan fits the update
+    beside the engine's cache (with MARGIN of the GPU left free, as the chosen settings leave),
+    else 1: releasing costs a rollout its cached prefixes and a capture of the CUDA graph of each
+    batch size it decodes, about 10 ms each (a long-tailed rollout passes through 36 sizes)."""
+    given = config.vllm.sleep_level
+    if given is not None:
+        return SleepChoice(given, "user", "given")
+    capacity = gpu_capacity(config)
+    if config.generation.engine_name != "native" or capacity is None or config.plan.memory_check == "off":
+        return SleepChoice(1, "default", "released after each rollout: no GPU plan for the native engine")
+    plan, _ = run_plan(config, capacity)
+    update, cache = sum(plan.update.values()), plan.rollout.get("kv_cache", 0)
+    budget = (1 - MARGIN) * capacity
+    together = f"update {update / GIB:.1f} GiB + KV cache {cache / GIB:.1f} GiB of {budget / GIB:.1f} GiB"
+    if update + cache <= budget:
+        return SleepChoice(0, "plan", f"the cache stays through the update: {together}")
+    return SleepChoice(1, "plan", f"the cache is released for the update: {together} does not fit")
 
 
 def format_plan(plan: MemoryPlan) -> str:

@@ -143,6 +143,7 @@ def build_group_source(
     tokenizer,
     distributed: DistributedContext,
     vocab_size: int | None = None,
+    sleep: bool = True,
 ) -> GroupSource:
     """Atropos's scored groups when `atropos_url` is set (rows with token ids at or above
     `vocab_size` skipped); else the run's prompts played by `rollout` and scored by `rewards`,
@@ -175,6 +176,7 @@ def build_group_source(
         num_generations=generation.num_generations,
         num_prompts=config.generation_batch_size // generation.num_generations,
         distributed=distributed,
+        sleep=sleep,
     )
     if config.off_policy.async_generate:
         return PrefetchedGroups(sampled, config.off_policy.max_staleness)
