@@ -16,7 +16,8 @@ With no grpoflow option (--micro-batch, --gradient-checkpointing, --torch-compil
 --set) grpoflow runs as `grpoflow train` does by default: the settings it leaves unset are chosen
 from the memory plan for the GPU (`grpoflow.run.chosen_settings`), and the JSON says
 `"defaults": true`; TRL takes micro-batch 32 with gradient checkpointing. Each grpoflow row also
-gives the step time `grpoflow plan` predicts (`predicted_seconds_per_step`); `chosen_settings`
+gives the step time `grpoflow plan` predicts (`predicted_seconds_per_step`; with the mean completion
+length the steps produced, `predicted_at_measured_length`); `chosen_settings`
 says whether Liger's kernels ran and why (`use_liger_kernel`: auto leaves them off where compile
 is chosen; `--torch-compile 0` runs them, `--set use_liger_kernel=false` compares without). Prompts
 are 128 random characters, which the character tokenizer maps to exactly 128 tokens. Each system
@@ -215,12 +216,13 @@ def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
     from grpoflow.run.build import build_trainer
     from grpoflow.run.chosen_settings import choose_for_run, gpu_spec, predicted_step
     from grpoflow.run.config import load_config
+    from grpoflow.run.plan_check import choose_sleep_level
 
     config = load_config(None, grpoflow_overrides(args, model_dir, prompts))
     resolved, chosen = choose_for_run(config)  # the choice build_trainer makes
     gpu = gpu_spec(resolved)
     extra = {
-        "chosen_settings": chosen.record(),
+        "chosen_settings": {**chosen.record(), "sleep_level": choose_sleep_level(resolved).record()},
         "predicted_seconds_per_step": predicted_step(resolved, gpu).total if gpu is not None else None,
     }
     trainer = build_trainer(config)
@@ -230,6 +232,10 @@ def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
         metrics = trainer.step()
         metrics["time/wall"] = time.perf_counter() - start
         steps.append(metrics)
+        if gpu is not None:  # the prediction again, for the lengths the steps so far produced
+            lengths = [step["completions/mean_length"] for step in steps]
+            mean = sum(lengths) / len(lengths)
+            extra["predicted_at_measured_length"] = predicted_step(resolved, gpu, mean).total
         save_result(args, steps, extra)
     return {"steps": steps, "peak_gib": peak_gib(), **extra}
 

@@ -37,7 +37,7 @@ def summarize(name: str, result: dict, warmup: int, num_params: int, tflops: flo
         return sum(values) / len(values) if values else None
 
     row = {"system": name, "seconds_per_step": mean("time/wall"), "peak_gib": result["peak_gib"]}
-    for key in ("predicted_seconds_per_step", "chosen_settings"):
+    for key in ("predicted_seconds_per_step", "predicted_at_measured_length", "chosen_settings"):
         if key in result:
             row[key] = result[key]
     for phase in ("rollout", "reward", "update", "sync"):

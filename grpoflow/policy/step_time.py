@@ -2,16 +2,21 @@
 the model's shape, the step's workload and the GPU's memory bandwidth and bf16 peak: pure
 arithmetic, before anything is loaded.
 
-- rollout: the prefill's FLOPs at the bf16 peak, plus each decode step at the slower of reading
-  the weights and every row's KV cache at the memory bandwidth and its FLOPs at the peak, over
-  `ROLLOUT_EFFICIENCY` (what the engine reaches of that roofline: kernel launches, sampling,
-  scheduling); a mixture-of-experts step reads its dense weights and the experts its rows are
-  routed to (each of E experts is missed by all of R rows choosing k with probability
-  (1 - k/E)^R), and its FLOPs count the active parameters;
-- update: 6 x active parameters x trained tokens (4 x under LoRA: no gradients of the frozen weights),
-  one forward more (2 x) with gradient checkpointing, 2 x per extra forward pass (reference
-  log-probs, old-policy log-probs), at the bf16 peak times the model FLOPs utilisation measured
-  eager or compiled;
+- lengths: every completion runs to `completion_length`, or, given their mean, lengths are
+  geometric with that mean once capped at `completion_length` (a long tail);
+- rollout: the prefill's FLOPs at the bf16 peak, then each decode step of the rows still running
+  at the slower of the engine's host work (`HOST_STEP_SECONDS`) and its GPU work: the products at
+  the slower of reading their weights at the memory bandwidth and their FLOPs at the peak, over
+  `PRODUCT_EFFICIENCY`, plus every row's KV cache read over `ATTENTION_EFFICIENCY`; a
+  mixture-of-experts step reads its dense weights and the experts its rows are routed to (each of
+  E experts is missed by all of R rows choosing k with probability (1 - k/E)^R), and its FLOPs
+  count the active parameters;
+- update: 6 x active parameters x trained tokens (4 x under LoRA: no gradients of the frozen
+  weights), one forward more (2 x) with gradient checkpointing, 2 x per extra forward pass
+  (reference log-probs, old-policy log-probs), at the bf16 peak times the model FLOPs utilisation
+  measured eager or compiled (LoRA's own; a mixture-of-experts update's lower where a micro-batch
+  sends each expert few tokens); a padded micro-batch runs its decoder layers over its longest
+  completion's columns (the output head only over real tokens);
 - sync: the weights copied to an engine that keeps its own copy, at the memory bandwidth (none
   for an engine that shares the policy's weights).
 
@@ -20,6 +25,7 @@ The constants come from the measured steps in benchmarks/results/, each named wh
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from grpoflow.options import require
@@ -50,12 +56,22 @@ KNOWN_GPUS: dict[str, GpuSpec] = {
 }
 """GPUs by a name their device name contains (an H100 is the SXM part)."""
 
-ROLLOUT_EFFICIENCY = 0.36
-"""Share of the roofline the native engine's rollout reaches within a step: the standard workload
-(Qwen2-0.5B shape, 64 prompts x 8, prompt 128, 256 new tokens) has a roofline of 0.233 s on an
-H100 and rolled out in 0.647 s, the mean rollout_s of the four H100 runs of
-2026-11-25-grpo-step-standard-*.json (the engine alone, without the step's wake and sleep,
-reached 0.39: 2026-11-25-rollout-products-by-shape-*H100*.json, roofline_fraction)."""
+PRODUCT_EFFICIENCY = 0.62
+"""Share of max(weight bytes / bandwidth, FLOPs / peak) a decode step's products reach: on an H200,
+0.68 for the 7B shape's (64 x 8 rows, compute-bound:
+2026-11-27-grpo-step-7b-lora-64x8-defaults-*H200.json, rollout_s 4.38) and 0.55 for the
+30B-A3B shape's grouped experts (bandwidth-bound: ...qwen3-30b-a3b-lora-plan-chosen-*H200.json,
+rollout_s 7.75)."""
+ATTENTION_EFFICIENCY = 0.7
+"""Share of the memory bandwidth the decode attention reads the KV cache at (H200, 0.5B shape, 512
+rows: 135 ms of kernels against 97 ms at the copy bandwidth,
+2026-11-27-profile-step-defaults-syncs-removed-H200.txt)."""
+HOST_STEP_SECONDS = 2.3e-3
+"""The engine's host work per decode step, which a step with little GPU work waits on: 2.2 ms on
+an H200 machine (the long-tailed workload's rollout, 2.29 s over 1,024 decode steps of 180 rows
+on average: 2026-11-27-grpo-step-long-tail-sleep0-*H200.json; the 0.5B engine at 512 rows, 2.04 ms
+a step: rollout-*H200-2026-11-27.json), 2.6 ms on an H100 machine (the standard workload's
+rollout, 0.675 s over 256 steps: 2026-11-25-grpo-step-standard-gc0-mb64-compile-*H100.json)."""
 EAGER_MFU = 0.33
 """Model FLOPs utilisation (recomputation counted) of an eager update: the standard workload's
 update took 3.004 s with gradient checkpointing, micro-batch 32
@@ -63,8 +79,18 @@ update took 3.004 s with gradient checkpointing, micro-batch 32
 COMPILED_MFU = 0.545
 """Model FLOPs utilisation of an update with torch_compile: the standard workload's update took
 1.36 s without gradient checkpointing, micro-batch 64
-(2026-11-25-grpo-step-standard-gc0-mb64-compile-*H100*.json, update_s; 7B LoRA compiled reached
-0.57: 2026-11-25-lora-step-*-bf16-adapters-compile.json, update_tflops_hardware / 787)."""
+(2026-11-25-grpo-step-standard-gc0-mb64-compile-*H100.json, update_s; 0.585 on an H200:
+2026-11-27-grpo-step-standard-defaults-*H200.json)."""
+COMPILED_LORA_MFU = 0.68
+"""The same for a LoRA update (4 x FLOPs): the 7B shape, 64 x 8, micro-batch 32, compiled, took
+11.14 s on an H200 (2026-11-27-grpo-step-7b-lora-64x8-defaults-*H200.json, update_s)."""
+MOE_FULL_TOKENS_PER_EXPERT = 620
+"""Tokens a micro-batch sends each expert (on average) from which a mixture-of-experts update
+runs at a dense one's MFU; below, its MFU falls in proportion (routing, gathers and scatters
+around smaller grouped products). On an H200, eager LoRA on Qwen3-30B-A3B shapes: micro-batch
+64 x 384 tokens (1,536 per expert) at a dense update's MFU
+(2026-11-27-grpo-step-moe-8l-lora-replay-*H200.json), micro-batch 16 (384 per expert) at 0.62 of
+it (2026-11-27-grpo-step-qwen3-30b-a3b-lora-plan-chosen-*H200.json)."""
 
 
 def known_gpu(device_name: str) -> GpuSpec | None:
@@ -83,19 +109,47 @@ class Workload:
     prompt_length: int
     """Tokens per prompt."""
     completion_length: int
-    """New tokens per completion (the decode steps)."""
+    """Most new tokens per completion (max_completion_length)."""
+    mean_completion_length: float | None = None
+    """The completions' mean length; None: every one runs to completion_length."""
 
     def __post_init__(self) -> None:
         for name in ("prompts", "generations", "prompt_length", "completion_length"):
             require(getattr(self, name) >= 1, name, ">= 1", getattr(self, name))
+        mean = self.mean_completion_length
+        require(mean is None or 1 <= mean <= self.completion_length, "mean_completion_length",
+                f"between 1 and completion_length ({self.completion_length})", mean)  # fmt: skip
 
     @property
     def rows(self) -> int:
         return self.prompts * self.generations
 
+    def running(self) -> list[float]:
+        """Expected share of the completions still running at each decode step (1, 2, ...)."""
+        steps, mean = self.completion_length, self.mean_completion_length
+        if mean is None or mean >= steps:
+            return [1.0] * steps
+        stay = _continue_probability(mean, steps)
+        return [stay ** (step - 1) for step in range(1, steps + 1)]
+
+    def padded_length(self, rows: int) -> float:
+        """Expected longest completion among `rows` of them (a padded micro-batch's columns)."""
+        return sum(1 - (1 - share) ** rows for share in self.running())
+
     @property
-    def trained_tokens(self) -> int:
-        return self.rows * (self.prompt_length + self.completion_length)
+    def real_tokens(self) -> float:
+        return self.rows * (self.prompt_length + sum(self.running()))
+
+
+def _continue_probability(mean: float, cap: int) -> float:
+    """The per-token probability of going on whose geometric lengths, capped at `cap`, have
+    `mean` (bisection; the capped mean rises with it)."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        capped = (1 - middle**cap) / (1 - middle) if middle < 1 else cap
+        low, high = (middle, high) if capped < mean else (low, middle)
+    return low
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +166,11 @@ class UpdatePasses:
     """Optimizer steps per generation batch (num_iterations)."""
     engine_shares_weights: bool = True
     """The rollout engine reads the policy's own weights (nothing to sync)."""
+    micro_batch: int = 8
+    """Rows per micro-batch."""
+    padded: bool = False
+    """The micro-batches are padded to their longest completion in the batch's order (not packed,
+    not grouped by length: then their tokens are about the real ones)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,19 +194,21 @@ class StepTime:
 
 def rollout_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec) -> float:
     """Prefill at the bf16 peak (each prompt once: a group's samples share its cached prompt),
-    then every decode step at its roofline, over ROLLOUT_EFFICIENCY."""
+    then every decode step of the rows still running at the slower of the host's work and the
+    GPU's (see the module's docstring)."""
     params = shape.num_active_parameters()
-    weight_bytes = decode_weight_bytes(shape, workload.rows)
     kv_per_token = 2 * shape.num_hidden_layers * shape.kv_size * shape.dtype_bytes
-    attention_per_context = 4 * shape.num_hidden_layers * shape.num_attention_heads * shape.attention_head_dim
-    prefill = 2 * params * workload.prompts * workload.prompt_length / gpu.bf16_flops
+    prefill = 2 * params * workload.prompts * workload.prompt_length / gpu.bf16_flops / PRODUCT_EFFICIENCY
     decode = 0.0
-    for step in range(1, workload.completion_length + 1):
-        context = workload.rows * (workload.prompt_length + step)
-        read = (weight_bytes + context * kv_per_token) / gpu.bandwidth
-        compute = (2 * params * workload.rows + attention_per_context * context) / gpu.bf16_flops
-        decode += max(read, compute)
-    return (prefill + decode) / ROLLOUT_EFFICIENCY
+    context = workload.rows * workload.prompt_length
+    for share in workload.running():
+        rows = workload.rows * share
+        context += rows
+        read = decode_weight_bytes(shape, max(1, math.ceil(rows))) / gpu.bandwidth
+        products = max(read, 2 * params * rows / gpu.bf16_flops) / PRODUCT_EFFICIENCY
+        attention = context * kv_per_token / gpu.bandwidth / ATTENTION_EFFICIENCY
+        decode += max(HOST_STEP_SECONDS, products + attention)
+    return prefill + decode
 
 
 def decode_weight_bytes(shape: ModelShape, rows: int) -> float:
@@ -165,11 +226,22 @@ def update_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec, passes: 
     per_token = 4 if passes.lora else 6
     if passes.gradient_checkpointing:
         per_token += 2
-    tokens = workload.trained_tokens
-    flops = (
-        shape.num_active_parameters() * tokens * (per_token * passes.iterations + 2 * passes.extra_forwards)
-    )
-    return flops / (gpu.bf16_flops * (COMPILED_MFU if passes.torch_compile else EAGER_MFU))
+    head = shape.vocab_size * shape.hidden_size
+    real = workload.real_tokens
+    padded = real
+    if passes.padded:
+        padded = workload.rows * (workload.prompt_length + workload.padded_length(passes.micro_batch))
+    parameter_tokens = (shape.num_active_parameters() - head) * padded + head * real
+    flops = parameter_tokens * (per_token * passes.iterations + 2 * passes.extra_forwards)
+    if passes.torch_compile:
+        mfu = COMPILED_LORA_MFU if passes.lora else COMPILED_MFU
+    else:
+        mfu = EAGER_MFU
+    if shape.num_experts:
+        tokens = passes.micro_batch * real / workload.rows
+        per_expert = tokens * shape.num_experts_per_tok / shape.num_experts
+        mfu *= min(1.0, per_expert / MOE_FULL_TOKENS_PER_EXPERT)
+    return flops / (gpu.bf16_flops * mfu)
 
 
 def sync_seconds(shape: ModelShape, gpu: GpuSpec, passes: UpdatePasses) -> float:

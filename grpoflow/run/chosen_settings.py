@@ -179,15 +179,19 @@ def gpu_spec(config: GRPOConfig) -> GpuSpec | None:
     )
 
 
-def predicted_step(config: GRPOConfig, gpu: GpuSpec) -> StepTime:
-    """The step time `config` (its settings chosen) predicts on `gpu`."""
-    algorithm, generation = config.algorithm, config.generation
+def predicted_step(config: GRPOConfig, gpu: GpuSpec, mean_completion_length: float | None = None) -> StepTime:
+    """The step time `config` (its settings chosen) predicts on `gpu`, for completions of
+    `mean_completion_length` tokens on average (None: the plan's, else each max_completion_length)."""
+    algorithm, generation, training = config.algorithm, config.generation, config.training
+    mean = mean_completion_length or config.plan.mean_completion_length
     workload = Workload(
         prompts=max(1, config.generation_batch_size // generation.num_generations),
         generations=generation.num_generations,
         prompt_length=config.data.max_prompt_length,
         completion_length=generation.max_completion_length,
+        mean_completion_length=None if mean is None else min(mean, generation.max_completion_length),
     )
+    packed = training.padding_free or training.max_tokens_per_micro_batch is not None
     passes = UpdatePasses(
         gradient_checkpointing=bool(config.policy.gradient_checkpointing),
         torch_compile=bool(config.policy.torch_compile),
@@ -195,5 +199,7 @@ def predicted_step(config: GRPOConfig, gpu: GpuSpec) -> StepTime:
         extra_forwards=int(algorithm.beta != 0) + int(algorithm.num_iterations > 1),
         iterations=algorithm.num_iterations,
         engine_shares_weights=generation.engine_name in ("native", "hf"),
+        micro_batch=training.micro_batch_size,
+        padded=not (packed or config.groups_by_length()),
     )
     return predict_step(model_shape(config, on_gpu=True), workload, gpu, passes)

@@ -43,6 +43,10 @@ class PlanConfig:
     gpu_bf16_tflops: float | None = None
     """Measured dense bf16 matrix-product peak in TFLOP/s for the step-time prediction, over the
     table's figure."""
+    mean_completion_length: float | None = None
+    """The completions' expected mean length in tokens for the step-time prediction (lengths then
+    geometric, capped at max_completion_length: a long tail); unset: each runs to
+    max_completion_length."""
     kv_cache_from_plan: bool = True
     """Size the native engine's KV cache from what the plan leaves under gpu_memory_utilization
     (when num_kv_blocks is unset); false: from the memory free when the engine wakes."""
@@ -54,7 +58,7 @@ class PlanConfig:
             "> 0",
             self.gpu_memory_gib,
         )
-        for name in ("gpu_memory_bandwidth_tbps", "gpu_bf16_tflops"):
+        for name in ("gpu_memory_bandwidth_tbps", "gpu_bf16_tflops", "mean_completion_length"):
             value = getattr(self, name)
             require(value is None or value > 0, name, "> 0", value)
         measured = self.gpu_memory_bandwidth_tbps is not None and self.gpu_bf16_tflops is not None

@@ -62,16 +62,19 @@ for group in (1, 7):
             batch = DecodeBatch(angles.cos(), angles.sin(), positions, slots, table, context, int(context.max()))
             qk_norm = (torch.randn(dim), torch.randn(dim), 1e-6) if norm else None
             results = []
-            for ops in (TritonOps, TorchOps):
+            # the context whole, in 3 shares, and in 16 (most of them empty)
+            for ops, splits in ((TorchOps, None), (TritonOps, 1), (TritonOps, 3), (TritonOps, 16)):
                 caches = torch.randn(2, blocks, kv_heads, block_size, dim, generator=torch.Generator().manual_seed(1))
                 q, k, v = qkv.clone().split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
                 q, k, v = q.view(rows, heads, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
-                out = ops.decode_layer_attention(q, k, v, caches[0], caches[1], batch, dim**-0.5, window, qk_norm)
+                extra = {} if splits is None else {"splits": splits}
+                out = ops.decode_layer_attention(q, k, v, caches[0], caches[1], batch, dim**-0.5, window, qk_norm, **extra)
                 results.append((out, caches))
-            (out, caches), (ref, ref_caches) = results
-            assert (out[0] == 0).all()
-            torch.testing.assert_close(out[1:], ref[1:], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(caches, ref_caches, atol=1e-5, rtol=1e-5)
+            (ref, ref_caches), *split_results = results
+            for out, caches in split_results:
+                assert (out[0] == 0).all()
+                torch.testing.assert_close(out[1:], ref[1:], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(caches, ref_caches, atol=1e-5, rtol=1e-5)
 print("ok")
 """
 

@@ -1,6 +1,7 @@
-"""The step-time prediction against the measured steps in benchmarks/results/: the standard
-workload (random Qwen2-0.5B shape, 64 prompts x 8, prompt 128, 256 new tokens) on an H100 and an
-H200, each within 20% of what was measured."""
+"""The step-time prediction against the measured steps in benchmarks/results/, each within 20% of
+what was measured: the standard workload (random Qwen2-0.5B shape, 64 prompts x 8, prompt 128, 256
+new tokens) on an H100 and an H200, its long-tailed lengths, a 7B LoRA and mixture-of-experts
+shapes on an H200."""
 
 from __future__ import annotations
 
@@ -67,12 +68,44 @@ def test_a_mixture_of_experts_step_on_an_h200_within_20_percent():
     config = preset_config(args["preset"], 100)
     shape = ModelShape.from_config(config)
     assert shape.num_active_parameters() < shape.num_parameters() / 5
-    predicted = predict_step(shape, STANDARD, KNOWN_GPUS["H200"], UpdatePasses(lora=True))
+    micro_batch = row["chosen_settings"]["per_device_train_batch_size"]["value"]
+    predicted = predict_step(
+        shape, STANDARD, KNOWN_GPUS["H200"], UpdatePasses(lora=True, micro_batch=micro_batch)
+    )
     assert abs(predicted.total - row["seconds_per_step"]) <= TOLERANCE * row["seconds_per_step"], (
         predicted,
         row,
     )
     assert abs(predicted.update - row["update_s"]) <= TOLERANCE * row["update_s"], (predicted, row)
+
+
+@pytest.mark.parametrize(
+    "name, preset",
+    [
+        ("2026-11-27-grpo-step-7b-lora-64x8-defaults-NVIDIA_H200.json", "qwen2.5-7b"),
+        ("2026-11-27-grpo-step-qwen3-30b-a3b-lora-plan-chosen-NVIDIA_H200.json", "qwen3-30b-a3b"),
+        ("2026-11-27-grpo-step-long-tail-sleep0-NVIDIA_H200.json", "qwen2-0.5b"),
+    ],
+)
+def test_defaults_on_an_h200_within_20_percent(name, preset):
+    """The settings the plan chose, the completions' measured mean length (a long tail's)."""
+    args, row = grpoflow_row(name)
+    chosen = {key: item["value"] for key, item in row["chosen_settings"].items()}
+    shape = ModelShape.from_config(preset_config(preset, 151936 if preset != "qwen2.5-7b" else 152064))
+    steps = row["per_step"][args["warmup"] :]
+    mean = sum(step["completions/mean_length"] for step in steps) / len(steps)
+    workload = Workload(64, 8, 128, args["new_tokens"], mean_completion_length=min(mean, args["new_tokens"]))
+    passes = UpdatePasses(
+        gradient_checkpointing=chosen["gradient_checkpointing"],
+        torch_compile=chosen["torch_compile"],
+        lora="train_type=lora" in args["set"],
+        micro_batch=chosen["per_device_train_batch_size"],
+    )
+    predicted = predict_step(shape, workload, KNOWN_GPUS["H200"], passes)
+    assert abs(predicted.total - row["seconds_per_step"]) <= TOLERANCE * row["seconds_per_step"], (
+        predicted,
+        row,
+    )
 
 
 def test_phases_follow_the_settings():
@@ -94,3 +127,14 @@ def test_gpus_by_device_name():
     assert known_gpu("Tesla T4") is None
     with pytest.raises(ValueError, match="prompts must be >= 1"):
         Workload(prompts=0, generations=8, prompt_length=1, completion_length=1)
+
+
+def test_long_tailed_lengths_have_the_mean_given_and_pad_to_their_longest():
+    workload = Workload(64, 8, 128, 1024, mean_completion_length=363.0)
+    running = workload.running()
+    assert running[0] == 1.0 and running[-1] < running[0]
+    assert sum(running) == pytest.approx(363.0, rel=1e-6)
+    assert 363.0 < workload.padded_length(16) < 1024 and workload.padded_length(1) == pytest.approx(363.0)
+    assert Workload(64, 8, 128, 256).running() == [1.0] * 256
+    with pytest.raises(ValueError, match="mean_completion_length"):
+        Workload(64, 8, 128, 256, mean_completion_length=300)
