@@ -44,6 +44,7 @@ def test_a_given_level_stands_and_the_cpu_releases_as_before(tmp_path):
         "reason": "given",
     }
     assert (chosen(tmp_path).level, chosen(tmp_path).source) == (1, "default")
+    assert chosen(tmp_path, use_vllm=True, gpu_memory_gib=80).level == 0  # vLLM keeps its memory
 
 
 def test_a_level_outside_0_to_2_is_refused(tmp_path):
