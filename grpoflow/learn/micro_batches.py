@@ -23,15 +23,18 @@ def micro_batches(
     """The batch's consecutive micro-batches: `micro_batch_size` rows each, or under a token
     budget as many rows as fit (`algo.token_budget_batches`), as many on every rank."""
     budget = settings.max_tokens_per_micro_batch
+    extents = batch.row_extents()  # one wait for the device, not one per micro-batch
     if budget is None:
         size = settings.micro_batch_size
-        return [batch.rows(start, min(start + size, len(batch))) for start in range(0, len(batch), size)]
+        return [
+            batch.rows(start, min(start + size, len(batch)), extents) for start in range(0, len(batch), size)
+        ]
     lengths = batch.sequence_lengths().tolist()
     ranges = token_budget_batches(lengths, budget)
     if distributed is not None and distributed.world_size > 1:
         # FSDP's collectives need every rank to run as many forward and backward passes.
         ranges = token_budget_batches(lengths, budget, min_batches=distributed.max_int(len(ranges)))
-    return [batch.rows(rows.start, rows.stop) for rows in ranges]
+    return [batch.rows(rows.start, rows.stop, extents) for rows in ranges]
 
 
 @dataclass(slots=True)

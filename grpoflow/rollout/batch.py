@@ -105,16 +105,23 @@ class RolloutBatch:
             },
         )
 
-    def rows(self, start: int, stop: int) -> RolloutBatch:
-        """Rows [start, stop) with the all-padding columns cut away."""
+    def row_extents(self) -> tuple[list[int], list[int]]:
+        """Per row, its first prompt column holding a token (the width for none) and the end of its
+        completion's last token's column (0 for none), in one copy to the host: what `rows` cuts."""
+        return _extents(self.prompt_mask, self.completion_mask)
+
+    def rows(self, start: int, stop: int, extents: tuple[list[int], list[int]] | None = None) -> RolloutBatch:
+        """Rows [start, stop) with the all-padding columns cut away; `extents`: the whole batch's
+        `row_extents()` (else the rows' own are read, a wait for the device each time)."""
+        if extents is None:
+            firsts, ends = _extents(self.prompt_mask[start:stop], self.completion_mask[start:stop])
+        else:
+            firsts, ends = extents[0][start:stop], extents[1][start:stop]
         prompt_mask = self.prompt_mask[start:stop]
         completion_mask = self.completion_mask[start:stop]
-        width = prompt_mask.shape[1]
-        # which columns hold a token, and which prompt columns are full: one copy to the host
-        columns = torch.cat([prompt_mask.any(0), prompt_mask.all(0), completion_mask.any(0)]).tolist()
-        used, full, completed = columns[:width], columns[width : 2 * width], columns[2 * width :]
-        first = used.index(True) if True in used else 0
-        last = len(completed) - completed[::-1].index(True) if True in completed else 1
+        first = min(firsts, default=0)
+        first = 0 if first == prompt_mask.shape[1] else first
+        last = max(max(ends, default=0), 1)
         return RolloutBatch(
             prompt_ids=self.prompt_ids[start:stop, first:],
             prompt_mask=prompt_mask[:, first:],
@@ -122,7 +129,7 @@ class RolloutBatch:
             completion_mask=completion_mask[:, :last],
             sampling_logps=self.sampling_logps[start:stop, :last],
             truncated=self.truncated[start:stop],
-            left_padded=self.left_padded and not all(full[first:]),
+            left_padded=self.left_padded and len(set(firsts)) > 1,
             loss_mask=self.loss_mask[start:stop, :last],
             sequence_starts=None if self.sequence_starts is None else self.sequence_starts[start:stop, :last],
             distribution_index=(
@@ -268,3 +275,15 @@ def _routed_experts(
 
 def _chain(lists: Iterable[Sequence]) -> list:
     return list(itertools.chain.from_iterable(lists))
+
+
+def _extents(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> tuple[list[int], list[int]]:
+    """`RolloutBatch.row_extents` of these masks."""
+    held = prompt_mask.bool()
+    firsts = torch.where(held.any(1), held.int().argmax(1), prompt_mask.shape[1])
+    columns = torch.arange(1, completion_mask.shape[1] + 1, device=completion_mask.device)
+    ends = (
+        (completion_mask.bool() * columns).amax(1) if completion_mask.shape[1] else torch.zeros_like(firsts)
+    )
+    extents = torch.cat([firsts, ends]).tolist()
+    return extents[: len(firsts)], extents[len(firsts) :]

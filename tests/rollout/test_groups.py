@@ -107,6 +107,18 @@ def test_rows_of_the_whole_batch_change_nothing(groups):
         assert torch.equal(getattr(whole, name), getattr(batch, name)), name
 
 
+def test_rows_cut_by_the_whole_batchs_extents_equal_rows_cut_by_their_own(groups):
+    """`micro_batches` reads every row's extents in one copy; the cuts are the same."""
+    batch = collate(groups, PAD, torch.device("cpu"))
+    extents = batch.row_extents()
+    assert extents == ([2, 2, 0, 0], [3, 1, 2, 0])
+    for start, stop in ((0, 2), (1, 3), (2, 4), (3, 4), (0, 4)):
+        own, shared = batch.rows(start, stop), batch.rows(start, stop, extents)
+        assert own.left_padded == shared.left_padded
+        for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask"):
+            assert torch.equal(getattr(own, name), getattr(shared, name)), (start, stop, name)
+
+
 def test_reward_inputs_repeat_prompts_and_columns_per_completion():
     groups = [
         group([1], [completion([2]), completion([3])], prompt="a", columns={"answer": "1", "level": 1}),
