@@ -392,11 +392,11 @@ def check_logits_to_keep(logits_to_keep: int, input_ids: Tensor) -> None:
         )
 
 
-def positions(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """`(batch, seq)` position ids: counted over attended tokens, or 0.. without a mask."""
-    if attention_mask is None:
-        return torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)
-    return position_ids_from_mask(attention_mask)
+def positions(attention_mask: Tensor | None) -> Tensor | None:
+    """`(batch, seq)` position ids counted over attended tokens; None without a mask (the model's
+    own 0.., which transformers takes without checking them for packed sequences: that check
+    waits for the device)."""
+    return None if attention_mask is None else position_ids_from_mask(attention_mask)
 
 
 def completion_hidden(
@@ -408,7 +408,7 @@ def completion_hidden(
     outputs = decoder(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=positions(input_ids, attention_mask),
+        position_ids=positions(attention_mask),
         use_cache=False,
     )
     return outputs.last_hidden_state[:, -(logits_to_keep + 1) : -1]
@@ -447,7 +447,7 @@ def sequence_logprobs(
         outputs = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=positions(input_ids, attention_mask),
+            position_ids=positions(attention_mask),
             logits_to_keep=logits_to_keep + 1,
             use_cache=False,
         )
