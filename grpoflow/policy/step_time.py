@@ -4,11 +4,11 @@ arithmetic, before anything is loaded.
 
 - lengths: every completion runs to `completion_length`, or, given their mean, lengths are
   geometric with that mean once capped at `completion_length` (a long tail);
-- rollout: the prefill's FLOPs at the bf16 peak, then each decode step of the rows still running
-  at the slower of the engine's host work (`HOST_STEP_SECONDS`) and its GPU work: the products at
-  the slower of reading their weights at the memory bandwidth and their FLOPs at the peak, over
-  `PRODUCT_EFFICIENCY`, plus every row's KV cache read over `ATTENTION_EFFICIENCY`; a
-  mixture-of-experts step reads its dense weights and the experts its rows are routed to (each of
+- rollout: the prefill's FLOPs at the bf16 peak over `PRODUCT_EFFICIENCY`, then each decode step
+  of the rows still running at the slower of the engine's host work (`HOST_STEP_SECONDS`) and its
+  GPU work: the products at the slower of reading their weights at the memory bandwidth and their
+  FLOPs at the peak, over `PRODUCT_EFFICIENCY`, plus every running row's KV cache read over
+  `ATTENTION_EFFICIENCY`; a mixture-of-experts step reads its dense weights and the experts its rows are routed to (each of
   E experts is missed by all of R rows choosing k with probability (1 - k/E)^R), and its FLOPs
   count the active parameters;
 - update: 6 x active parameters x trained tokens (4 x under LoRA: no gradients of the frozen
@@ -200,12 +200,11 @@ def rollout_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec) -> floa
     kv_per_token = 2 * shape.num_hidden_layers * shape.kv_size * shape.dtype_bytes
     prefill = 2 * params * workload.prompts * workload.prompt_length / gpu.bf16_flops / PRODUCT_EFFICIENCY
     decode = 0.0
-    context = workload.rows * workload.prompt_length
-    for share in workload.running():
-        rows = workload.rows * share
-        context += rows
+    for step, share in enumerate(workload.running(), start=1):
+        rows = workload.rows * share  # each still running holds its prompt and `step` new tokens
         read = decode_weight_bytes(shape, max(1, math.ceil(rows))) / gpu.bandwidth
         products = max(read, 2 * params * rows / gpu.bf16_flops) / PRODUCT_EFFICIENCY
+        context = rows * (workload.prompt_length + step)
         attention = context * kv_per_token / gpu.bandwidth / ATTENTION_EFFICIENCY
         decode += max(HOST_STEP_SECONDS, products + attention)
     return prefill + decode
