@@ -16,10 +16,10 @@ With no grpoflow option (--micro-batch, --gradient-checkpointing, --torch-compil
 --set) grpoflow runs as `grpoflow train` does by default: the settings it leaves unset are chosen
 from the memory plan for the GPU (`grpoflow.run.chosen_settings`), and the JSON says
 `"defaults": true`; TRL takes micro-batch 32 with gradient checkpointing. Each grpoflow row also
-gives the step time `grpoflow plan` predicts (`predicted_seconds_per_step`; with the mean completion
-length the steps produced, `predicted_at_measured_length`); `chosen_settings`
-says whether Liger's kernels ran and why (`use_liger_kernel`: auto leaves them off where compile
-is chosen; `--torch-compile 0` runs them, `--set use_liger_kernel=false` compares without). Prompts
+gives the step time `grpoflow plan` predicts (`predicted_seconds_per_step`; at the mean completion
+length the steps produced, `predicted_at_measured_length`); `chosen_settings` says whether Liger's
+kernels ran and why (`use_liger_kernel`: auto leaves them off where compile is chosen;
+`--torch-compile 0` runs them, `--set use_liger_kernel=false` compares without). Prompts
 are 128 random characters, which the character tokenizer maps to exactly 128 tokens. Each system
 runs in its own subprocess (clean GPU memory); the first `--warmup` steps are left out of the
 means. Results go to benchmarks/results/ as JSON.
@@ -232,9 +232,8 @@ def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
         metrics = trainer.step()
         metrics["time/wall"] = time.perf_counter() - start
         steps.append(metrics)
-        if gpu is not None:  # the prediction again, for the lengths the steps so far produced
-            lengths = [step["completions/mean_length"] for step in steps]
-            mean = sum(lengths) / len(lengths)
+        if gpu is not None:  # the prediction again, at the mean length the steps so far produced
+            mean = sum(step["completions/mean_length"] for step in steps) / len(steps)
             extra["predicted_at_measured_length"] = predicted_step(resolved, gpu, mean).total
         save_result(args, steps, extra)
     return {"steps": steps, "peak_gib": peak_gib(), **extra}
