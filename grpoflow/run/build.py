@@ -57,10 +57,6 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     )
     kv_blocks = check_plan(config)  # before anything heavy loads
     settings_record = chosen_record(config, chosen, kv_blocks)
-    sleep = choose_sleep_level(config)
-    settings_record["sleep_level"] = sleep.record()
-    if sleep.source == "plan":
-        logger.info("sleep_level=%d: %s", sleep.level, sleep.reason)
     distributed, device = init_distributed(resolve_device(config.policy.device))
     check_world(config, distributed)
     tune_device(device)
@@ -96,7 +92,6 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         items,
         distributed,
         check,
-        sleep.level > 0,
     )
     total_steps = config.total_steps(len(items), distributed.world_size)
     steps_per_epoch = config.steps_per_epoch(len(items), distributed.world_size) if items else None
@@ -148,7 +143,6 @@ def build_sources(
     items: list[PromptItem],
     distributed: DistributedContext,
     check: str | None,
-    sleep: bool = True,
 ) -> tuple[Rollout, GroupSource]:
     """The rollout that plays a step's prompts (`check`: how on_policy_sampling's draws are
     checked, `on_policy_check`) and the source of groups around it."""
@@ -166,7 +160,7 @@ def build_sources(
         tokenizer=tokenizer,
         distributed=distributed,
         vocab_size=vocab_size,
-        sleep=sleep,
+        sleep=choose_sleep_level(config).level > 0,
     )
     return rollout, source
 

@@ -27,7 +27,7 @@ from grpoflow.policy.batch_invariant import wanted
 from grpoflow.policy.loading import resolve_device
 from grpoflow.policy.step_time import GpuSpec, StepTime, UpdatePasses, Workload, known_gpu, predict_step
 from grpoflow.run.config import GRPOConfig
-from grpoflow.run.plan_check import gpu_capacity, model_config, model_shape, plan_settings
+from grpoflow.run.plan_check import choose_sleep_level, gpu_capacity, model_config, model_shape, plan_settings
 
 logger = logging.getLogger("grpoflow")
 
@@ -153,13 +153,18 @@ def chosen_record(
     config: GRPOConfig, chosen: ChosenSettings, kv_blocks: int | None
 ) -> dict[str, dict[str, object]]:
     """Each chosen setting's value and source, with the native engine's KV-cache blocks when the
-    plan sized them (what run.json keeps); logs one line on what the plan chose."""
+    plan sized them and whether it keeps its cache through the update (`sleep_level`): what
+    run.json keeps; logs a line on each the plan chose."""
     record = chosen.record()
     if kv_blocks is not None:
         record["num_kv_blocks"] = {"value": kv_blocks, "source": "plan"}
     line = chosen.describe(kv_blocks)
     if line is not None:
         logger.info("%s", line)
+    sleep = choose_sleep_level(config)
+    record["sleep_level"] = sleep.record()
+    if sleep.source == "plan":
+        logger.info("sleep_level=%d: %s", sleep.level, sleep.reason)
     return record
 
 
