@@ -7,6 +7,7 @@ on the process group's timeout (the first argument, in seconds)."""
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from datetime import timedelta
 
@@ -128,7 +129,10 @@ def main() -> None:
     check_gathered_replay_stays_on_its_rank(whole, rank)
     check_sharded_layers_run_on_the_batch_invariant_kernels(whole)
     check_a_run_trains_with_no_gap(sys.argv[2])  # closes the process group
-    print("on-policy fsdp worker: all checks passed")
+    print("on-policy fsdp worker: all checks passed", flush=True)
+    # The checks' sharded modules outlive the process group the run closed; tearing them down at
+    # exit once aborted a rank under load ("terminate called without an active exception").
+    os._exit(0)
 
 
 if __name__ == "__main__":
