@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import gc
 import logging
 import os
 import re
@@ -166,8 +167,12 @@ def train(argv: list[str]) -> int:
         return 1
     finally:
         loop.distributed.close()
-    history = trainer.run_history
-    if history and loop.distributed.is_main:
+    history, is_main = trainer.run_history, loop.distributed.is_main
+    # The policy's sharded modules, their device mesh and its process groups go now, while the
+    # interpreter is whole: gloo's threads, ended during its teardown, can abort the process.
+    del trainer, loop
+    gc.collect()
+    if history and is_main:
         first, last = history[0].get("reward"), history[-1].get("reward")
         errors = int(sum(step.get("rewards/num_errors", 0) for step in history))
         failed = int(sum(step.get("episodes/num_errors", 0) for step in history))
