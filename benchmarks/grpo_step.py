@@ -214,14 +214,14 @@ def extra_overrides(items: list[str] | None) -> dict:
 
 def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
     from grpoflow.run.build import build_trainer
-    from grpoflow.run.chosen_settings import choose_for_run, chosen_record, gpu_spec, predicted_step
+    from grpoflow.run.chosen_settings import choose_for_run, gpu_spec, predicted_step
     from grpoflow.run.config import load_config
 
     config = load_config(None, grpoflow_overrides(args, model_dir, prompts))
     resolved, chosen = choose_for_run(config)  # the choice build_trainer makes
     gpu = gpu_spec(resolved)
     extra = {
-        "chosen_settings": chosen_record(resolved, chosen, None),
+        "chosen_settings": chosen.record(),
         "predicted_seconds_per_step": predicted_step(resolved, gpu).total if gpu is not None else None,
     }
     trainer = build_trainer(config)

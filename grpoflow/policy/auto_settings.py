@@ -90,16 +90,20 @@ class ChosenSettings:
     """Liger's kernels run (`grpoflow.policy.liger.choose`; until it has chosen, as given)."""
     reasons: dict[str, str] = field(default_factory=dict)
     """Why a setting has its value, by option name, where one says more than its source."""
+    sleep_level: int | None = None
+    """Whether the engine releases its cache after each rollout (`run.plan_check.choose_sleep_level`,
+    once the other settings are in the config); None: not chosen."""
 
     def values(self) -> dict[str, object]:
         """The settings by option name."""
-        return {
+        values = {
             "gradient_checkpointing": self.gradient_checkpointing,
             "per_device_train_batch_size": self.micro_batch_size,
             "torch_compile": self.torch_compile,
             "max_tokens_per_micro_batch": self.max_tokens_per_micro_batch,
             "use_liger_kernel": self.use_liger_kernel,
         }
+        return values if self.sleep_level is None else {**values, "sleep_level": self.sleep_level}
 
     def record(self) -> dict[str, dict[str, object]]:
         """Each setting's value and source, and its reason where one is given (what run.json keeps)."""

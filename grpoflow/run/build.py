@@ -36,7 +36,7 @@ from grpoflow.run.health import HealthMonitor
 from grpoflow.run.infer_workers import RolloutServers
 from grpoflow.run.metrics import ListenerRelay, MetricsLogger, StepListener, StepLog
 from grpoflow.run.output_dir import claim_output_dir
-from grpoflow.run.plan_check import check_plan, choose_sleep_level
+from grpoflow.run.plan_check import check_plan
 from grpoflow.run.sources import build_group_source, build_rollout, on_policy_check, rollout_rewards
 from grpoflow.run.trainer import GRPOTrainer
 
@@ -160,7 +160,7 @@ def build_sources(
         tokenizer=tokenizer,
         distributed=distributed,
         vocab_size=vocab_size,
-        sleep=choose_sleep_level(config).level > 0,
+        sleep=config.vllm.sleep_level != 0,  # as chosen_settings chose it
     )
     return rollout, source
 

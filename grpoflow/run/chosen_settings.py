@@ -144,27 +144,31 @@ def applied(config: GRPOConfig, chosen: ChosenSettings) -> GRPOConfig:
 
 
 def choose_for_run(config: GRPOConfig) -> tuple[GRPOConfig, ChosenSettings]:
-    """The config a run trains with and its chosen settings."""
+    """The config a run trains with and its chosen settings, whether the engine keeps its cache
+    through the update (`sleep_level`) last: it depends on the others."""
     chosen = choose(config, device_facts(config))
-    return applied(config, chosen), chosen
+    config = applied(config, chosen)
+    sleep = choose_sleep_level(config)
+    chosen = dataclasses.replace(
+        chosen,
+        sleep_level=sleep.level,
+        sources={**chosen.sources, "sleep_level": sleep.source},
+        reasons={**chosen.reasons, "sleep_level": sleep.reason},
+    )
+    return dataclasses.replace(config, vllm=dataclasses.replace(config.vllm, sleep_level=sleep.level)), chosen
 
 
 def chosen_record(
     config: GRPOConfig, chosen: ChosenSettings, kv_blocks: int | None
 ) -> dict[str, dict[str, object]]:
     """Each chosen setting's value and source, with the native engine's KV-cache blocks when the
-    plan sized them and whether it keeps its cache through the update (`sleep_level`): what
-    run.json keeps; logs a line on each the plan chose."""
+    plan sized them (what run.json keeps); logs one line on what the plan chose."""
     record = chosen.record()
     if kv_blocks is not None:
         record["num_kv_blocks"] = {"value": kv_blocks, "source": "plan"}
     line = chosen.describe(kv_blocks)
     if line is not None:
         logger.info("%s", line)
-    sleep = choose_sleep_level(config)
-    record["sleep_level"] = sleep.record()
-    if sleep.source == "plan":
-        logger.info("sleep_level=%d: %s", sleep.level, sleep.reason)
     return record
 
 

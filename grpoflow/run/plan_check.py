@@ -208,9 +208,6 @@ class SleepChoice:
     source: Literal["user", "plan", "default"]
     reason: str
 
-    def record(self) -> dict[str, object]:
-        return {"value": self.level, "source": self.source, "reason": self.reason}
-
 
 def choose_sleep_level(config) -> SleepChoice:
     """sleep_level as given; unset, vLLM's 0 (it keeps its memory), and for the native engine on a

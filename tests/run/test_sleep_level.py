@@ -9,7 +9,6 @@ from helpers.support import recipe
 
 from grpoflow.run.build import build_trainer
 from grpoflow.run.chosen_settings import choose_for_run
-from grpoflow.run.plan_check import choose_sleep_level
 
 STANDARD = {
     "model": "random:qwen2-0.5b",
@@ -20,31 +19,34 @@ STANDARD = {
 }
 
 
-def chosen(tmp_path, **overrides):
-    config, _ = choose_for_run(recipe(tmp_path, **{**STANDARD, **overrides}))
-    return choose_sleep_level(config)
+def chosen(tmp_path, **overrides) -> dict:
+    """The run's sleep_level as run.json records it; the config trains with that level."""
+    config, settings = choose_for_run(recipe(tmp_path, **{**STANDARD, **overrides}))
+    record = settings.record()["sleep_level"]
+    assert config.vllm.sleep_level == record["value"]
+    return record
 
 
 def test_a_gpu_with_room_for_the_update_beside_the_cache_keeps_the_cache(tmp_path):
     choice = chosen(tmp_path, gpu_memory_gib=80)
-    assert (choice.level, choice.source) == (0, "plan")
-    assert "stays through the update" in choice.reason and "KV cache" in choice.reason
+    assert (choice["value"], choice["source"]) == (0, "plan")
+    assert "stays through the update" in choice["reason"] and "KV cache" in choice["reason"]
 
 
 def test_a_gpu_without_that_room_releases_it(tmp_path):
     choice = chosen(tmp_path, gpu_memory_gib=8, gradient_checkpointing=True)
-    assert (choice.level, choice.source) == (1, "plan")
-    assert "does not fit" in choice.reason
+    assert (choice["value"], choice["source"]) == (1, "plan")
+    assert "does not fit" in choice["reason"]
 
 
 def test_a_given_level_stands_and_the_cpu_releases_as_before(tmp_path):
-    assert chosen(tmp_path, gpu_memory_gib=80, sleep_level=1).record() == {
+    assert chosen(tmp_path, gpu_memory_gib=80, sleep_level=1) == {
         "value": 1,
         "source": "user",
         "reason": "given",
     }
-    assert (chosen(tmp_path).level, chosen(tmp_path).source) == (1, "default")
-    assert chosen(tmp_path, use_vllm=True, gpu_memory_gib=80).level == 0  # vLLM keeps its memory
+    assert (chosen(tmp_path)["value"], chosen(tmp_path)["source"]) == (1, "default")
+    assert chosen(tmp_path, use_vllm=True, gpu_memory_gib=80)["value"] == 0  # vLLM keeps its memory
 
 
 def test_a_level_outside_0_to_2_is_refused(tmp_path):
