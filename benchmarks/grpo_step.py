@@ -14,22 +14,23 @@ The standard workload: a random-initialised Qwen2-0.5B-shaped model in bf16, 64 
 generations, prompt 128 tokens, 256 new tokens, beta 0, one optimizer step per generation batch.
 With no grpoflow option (--micro-batch, --gradient-checkpointing, --torch-compile, --max-tokens,
 --set) grpoflow runs as `grpoflow train` does by default: the settings it leaves unset are chosen
-from the memory plan for the GPU (`grpoflow.run.chosen_settings`), and the JSON says
-`"defaults": true`; TRL takes micro-batch 32 with gradient checkpointing. Each grpoflow row also
-gives the step time `grpoflow plan` predicts (`predicted_seconds_per_step`; at the mean completion
-length the steps produced, `predicted_at_measured_length`); `chosen_settings` says whether Liger's
-kernels ran and why (`use_liger_kernel`: auto leaves them off where compile is chosen;
-`--torch-compile 0` runs them, `--set use_liger_kernel=false` compares without). Prompts
-are 128 random characters, which the character tokenizer maps to exactly 128 tokens. Each system
-runs in its own subprocess (clean GPU memory); the first `--warmup` steps are left out of the
-means. Results go to benchmarks/results/ as JSON.
+from the memory plan for the GPU (`grpoflow.run.chosen_settings`), and the JSON says `"defaults":
+true`; TRL takes micro-batch 32 with gradient checkpointing. Each grpoflow row also gives the step
+time `grpoflow plan` predicts (`predicted_seconds_per_step`; at the mean completion length the
+steps produced, `predicted_at_measured_length`); `chosen_settings` says whether Liger's kernels
+ran and why (`use_liger_kernel`: auto leaves them off where compile is chosen; `--torch-compile 0`
+runs them, `--set use_liger_kernel=false` compares without). `update_mfu` counts 6 FLOPs per
+trained token and active parameter, 4 for a LoRA policy (`step_report.flops_per_token_parameter`).
+Prompts are 128 random characters, which the character tokenizer maps to exactly 128 tokens. Each
+system runs in its own subprocess (clean GPU memory); the first `--warmup` steps are left out of
+the means. Results go to benchmarks/results/ as JSON.
 
 The long-tail workload (`--workload long-tail`): the same model with its end-of-sequence logit
 raised (`raise_eos_probability`: a bias on the last layer's values, calibrated so that about one
 sampled token in 300 is EOS), so completion lengths are roughly geometric with a mean near 300,
 up to 1024 new tokens; both sides update in padded micro-batches of `--micro-batch` completions,
-or grpoflow padding-free with micro-batches of at most `--max-tokens` tokens when given. Both sides load the same
-checkpoint and prompts; the table gives the completion lengths each actually produced.
+or grpoflow padding-free with micro-batches of at most `--max-tokens` tokens when given. Both
+sides load the same checkpoint and prompts; the table gives the lengths each actually produced.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import step_report as report
 import torch
-from step_report import active_parameters, matmul_tflops, peak_gib, print_table, summarize
 from transformers import TrainerCallback
 
 RESULTS = Path(__file__).parent / "results"
@@ -235,7 +236,7 @@ def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
             mean = sum(step["completions/mean_length"] for step in steps) / len(steps)
             extra["predicted_at_measured_length"] = predicted_step(resolved, gpu, mean).total
         save_result(args, steps, extra)
-    return {"steps": steps, "peak_gib": peak_gib(), **extra}
+    return {"steps": steps, "peak_gib": report.peak_gib(), **extra}
 
 
 def save_result(args, steps: list[dict], extra: dict | None = None) -> None:
@@ -243,7 +244,9 @@ def save_result(args, steps: list[dict], extra: dict | None = None) -> None:
     a run cut off by --time-limit still reports the steps it finished."""
     path = Path(args.workdir) / f"{args.child}.json"
     partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps({"steps": steps, "peak_gib": peak_gib(), **(extra or {})}, default=float))
+    partial.write_text(
+        json.dumps({"steps": steps, "peak_gib": report.peak_gib(), **(extra or {})}, default=float)
+    )
     partial.replace(path)
 
 
@@ -331,7 +334,7 @@ def run_trl(args, model_dir: Path, prompts: Path) -> dict:
     timer.wrap(trainer, "_generate_and_score_completions", "generate_and_score")
     timer.wrap(trainer, "_calculate_rewards", "reward")
     trainer.train()
-    return {"steps": timer.steps, "peak_gib": peak_gib()}
+    return {"steps": timer.steps, "peak_gib": report.peak_gib()}
 
 
 def parse_args() -> argparse.Namespace:
@@ -455,7 +458,7 @@ def main() -> None:
         in_memory=args.in_memory,
     )
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    tflops = matmul_tflops(gpu)
+    tflops = report.matmul_tflops(gpu)
     transformers = __import__("transformers")
     with torch.device("meta"):  # shapes only: no weights read
         config = (
@@ -463,7 +466,7 @@ def main() -> None:
             if args.in_memory
             else transformers.AutoConfig.from_pretrained(workdir / "model")
         )
-        num_params = active_parameters(transformers.AutoModelForCausalLM.from_config(config))
+        num_params = report.active_parameters(transformers.AutoModelForCausalLM.from_config(config))
     rows = []
     deadline = time.monotonic() + args.time_limit if args.time_limit else None
     for system in systems:
@@ -471,7 +474,8 @@ def main() -> None:
         if result is None:
             print(f"{system}: no step finished within --time-limit")
             continue
-        row = summarize(system, result, args.warmup, num_params, tflops)
+        passes = report.flops_per_token_parameter(args.set if system == "grpoflow" else [])
+        row = report.summarize(system, result, args.warmup, num_params, tflops, passes)
         if len(result["steps"]) < args.steps:
             row["steps_done"] = len(result["steps"])  # cut off by --time-limit
         rows.append(row)
@@ -481,19 +485,14 @@ def main() -> None:
             ratio = row["seconds_per_step"] / ours["seconds_per_step"]
             rows.append({"system": f"ratio {row['system']}/grpoflow", "seconds_per_step": ratio})
     date = datetime.date.today().isoformat()
-    record = {
-        "gpu": gpu,
-        "date": date,
-        "defaults": uses_defaults(args),
-        "num_params": num_params,
-        "args": vars(args),
-        "rows": rows,
-    }
+    record = {"gpu": gpu, "date": date, "defaults": uses_defaults(args), "num_params": num_params}
+    record |= {"mfu_flops_per_token_parameter": report.flops_per_token_parameter(args.set)}
+    record |= {"args": vars(args), "rows": rows}
     workload = "" if args.workload == "standard" else f"{args.workload}-"
     out = Path(args.out) if args.out else RESULTS / f"{date}-grpo-step-{workload}{gpu.replace(' ', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, default=float))
-    print_table(rows)
+    report.print_table(rows)
 
 
 if __name__ == "__main__":

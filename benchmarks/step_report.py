@@ -14,22 +14,36 @@ def matmul_tflops(gpu: str) -> float | None:
 
 
 def active_parameters(model: torch.nn.Module) -> int:
-    """Parameters a token passes through: all of a dense model's; of a mixture-of-experts model's
-    expert weights, only the routed experts' share (num_experts_per_tok of num_experts)."""
+    """Parameters a token multiplies by: all of a dense model's but an input embedding that is not
+    also the output head (a lookup); of a mixture-of-experts model's expert weights, only the
+    routed experts' share (num_experts_per_tok of num_experts)."""
     config = model.config
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    total = 0
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    total = 0 if embedding is head else -embedding.numel()
     for name, parameter in model.named_parameters():
         share = config.num_experts_per_tok / experts if experts and ".experts." in name else 1.0
         total += int(parameter.numel() * share)
     return total
 
 
+def flops_per_token_parameter(settings: list[str]) -> int:
+    """Model FLOPs of the update per token and active parameter: 2 forward, 2 for the input
+    gradients and 2 for the weight gradients, the last 2 not for a LoRA policy's frozen base
+    (its adapters' few are left out); recomputes under checkpointing are not counted."""
+    lora = any(setting.replace(" ", "") in ("train_type=lora", "train_type=qlora") for setting in settings)
+    return 4 if lora else 6
+
+
 def peak_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
-def summarize(name: str, result: dict, warmup: int, num_params: int, tflops: float | None) -> dict:
+def summarize(
+    name: str, result: dict, warmup: int, num_params: int, tflops: float | None, flops_per_token: int = 6
+) -> dict:
+    """The row of one system's steps; `update_mfu` counts `flops_per_token` (per active
+    parameter, `flops_per_token_parameter`) for every trained token."""
     steady = result["steps"][warmup:] or result["steps"]
 
     def mean(key: str) -> float | None:
@@ -67,7 +81,7 @@ def summarize(name: str, result: dict, warmup: int, num_params: int, tflops: flo
         trained = 512 * (128 + generated)
         row["trained_tokens_per_s"] = trained / row["update_s"]
         if tflops:
-            row["update_mfu"] = 6 * num_params * trained / row["update_s"] / (tflops * 1e12)
+            row["update_mfu"] = flops_per_token * num_params * trained / row["update_s"] / (tflops * 1e12)
     return row
 
 

@@ -58,11 +58,13 @@ class PolicyConfig:
     compile_fallback: bool = field(default=False, metadata=NOT_AN_OPTION)
     """torch_compile was chosen, not given: a model torch.compile cannot take trains uncompiled,
     with one log line."""
-    experts_implementation: Literal["eager", "grouped_mm", "batched_mm"] | None = None
+    experts_implementation: Literal["eager", "grouped_mm", "batched_mm", "grpoflow_grouped"] | None = None
     """Mixture-of-experts models: how the training forward runs the experts (transformers'
-    name): grouped_mm multiplies every expert's tokens in one grouped product, batched_mm gathers
-    each token's experts' weights, eager loops over the experts; unset: grouped_mm on CUDA,
-    eager on the CPU. Rollout engines keep their own."""
+    names, and ours): grpoflow_grouped runs them as two grouped products with fused kernels
+    around them (`grpoflow.kernels.grouped_experts`), grouped_mm as transformers' grouped
+    products, batched_mm gathers each token's experts' weights, eager loops over the experts;
+    unset: grpoflow_grouped on CUDA for SiLU-gated experts in the plain layout (else
+    grouped_mm), eager on the CPU. Rollout engines keep their own."""
 
     def load_tokenizer(self):
         """The model's tokenizer, with a pad token."""
@@ -73,6 +75,9 @@ class PolicyConfig:
         dtype = resolve_dtype(self.torch_dtype, device)
         return load_model(self.model, self, vocab_size=vocab_size, seed=seed, device=device, dtype=dtype)
 
+
+GROUPED_EXPERTS = "grpoflow_grouped"
+"""`experts_implementation` of `grpoflow.kernels.grouped_experts` (imported when chosen: Triton)."""
 
 logger = logging.getLogger("grpoflow.policy.loading")
 
@@ -178,7 +183,7 @@ def load_model(
 
 
 def set_experts_implementation(model: torch.nn.Module, requested: str | None, device: torch.device) -> None:
-    """Run a MoE model's experts as `requested` (unset: grouped_mm on CUDA, eager on the CPU) and
+    """Run a MoE model's experts as `requested` (unset: `default_experts_implementation`) and
     log which; a dense model takes no setting."""
     config = getattr(model, "config", None)
     if config is None or not is_moe_config(config) or not hasattr(model, "set_experts_implementation"):
@@ -188,7 +193,17 @@ def set_experts_implementation(model: torch.nn.Module, requested: str | None, de
                 "has no experts: leave it unset"
             )
         return
-    chosen = requested or ("grouped_mm" if device.type == "cuda" else "eager")
+    chosen, origin = (requested, "as set") if requested else default_experts_implementation(model, device)
+    if chosen == GROUPED_EXPERTS:
+        from grpoflow.kernels import grouped_experts
+
+        refusal = grouped_experts.experts_refusal(model)
+        if refusal is not None:
+            raise ValueError(
+                f"experts_implementation={chosen!r} cannot run this model's experts: {refusal}; "
+                "set experts_implementation: grouped_mm"
+            )
+        grouped_experts.register()
     try:
         model.set_experts_implementation(chosen)
     except (ImportError, KeyError, RuntimeError, ValueError) as error:
@@ -196,8 +211,20 @@ def set_experts_implementation(model: torch.nn.Module, requested: str | None, de
             f"experts_implementation={chosen!r} does not load for this model ({error}); "
             "set experts_implementation: eager"
         ) from None
-    origin = "as set" if requested else f"the default on {device.type}"
     logger.info("mixture-of-experts layers run their experts with %s (%s)", chosen, origin)
+
+
+def default_experts_implementation(model: torch.nn.Module, device: torch.device) -> tuple[str, str]:
+    """The experts' implementation for an unset `experts_implementation`, and why: eager on the
+    CPU; on CUDA grpoflow_grouped where its kernels take the experts, else grouped_mm."""
+    if device.type != "cuda":
+        return "eager", f"the default on {device.type}"
+    from grpoflow.kernels import grouped_experts
+
+    refusal = grouped_experts.experts_refusal(model)
+    if refusal is None:
+        return GROUPED_EXPERTS, "the default on cuda"
+    return "grouped_mm", f"the default on cuda for {refusal}"
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

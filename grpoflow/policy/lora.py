@@ -28,6 +28,7 @@ from grpoflow.engines.base import RolloutEngine
 from grpoflow.engines.vllm_adapters import expert_adapter_obstacle
 from grpoflow.options import require
 from grpoflow.phases import phase
+from grpoflow.policy.lora_dropout import fuse_lora_dropout
 from grpoflow.policy.lora_moe import (
     adapted_parameters,
     check_target_parameters,
@@ -124,6 +125,7 @@ def add_lora(model: nn.Module, config: AdapterConfig) -> nn.Module:
     _refuse_tied(peft_model, tied)
     refuse_moved_targets(peft_model, targets, list(config.target_parameters))
     compute_in_input_dtype(peft_model)
+    fuse_lora_dropout(peft_model)
     return peft_model
 
 

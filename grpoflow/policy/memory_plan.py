@@ -22,10 +22,9 @@ and 4 intermediate-size vectors without gradient checkpointing; with it, the lay
 plus one layer recomputed); the allocator's fragmentation is not modelled.
 
 A mixture-of-experts model holds (and trains, and keeps optimizer moments for) every expert of its
-MoE layers, and a router per layer; a token's activations in a MoE layer are those of the `top_k`
-experts it is routed to (each: its copy of the hidden state in and out, 4 intermediate-size
-vectors) and the router's float32 logits and probabilities; under checkpointing every MoE
-layer's router logits stay until the load-balancing loss (`algo.load_balancing`, which needs
+MoE layers, and a router per layer; a token's activations in a MoE layer are those of the
+`top_k` experts it is routed to (`routed_pair_bytes`) and the router's float32 logits and
+probabilities; under checkpointing every MoE layer's router logits stay until the load-balancing loss (`algo.load_balancing`, which needs
 no more than them. Measured on an H200, checkpointed, 8 layers of 128 experts, 25K tokens a
 micro-batch: the update's peak within 4% of the plan's with the loss off, 10 GiB over it with
 the one-hot form of the loss that some transformers versions compute). LoRA on its experts
@@ -81,6 +80,8 @@ class ModelShape:
     """Width of one expert's MLP."""
     num_moe_layers: int = 0
     """Decoder layers whose MLP is a MoE block (the others are dense)."""
+    silu_experts: bool = False
+    """The experts gate with SiLU (so that grpoflow_grouped runs them by default on CUDA)."""
 
     @classmethod
     def from_config(cls, config, dtype_bytes: int = 2) -> ModelShape:
@@ -183,6 +184,8 @@ class PlanSettings:
     """LoRA's adapted modules."""
     target_parameters: list[str] = field(default_factory=list)
     """LoRA's adapted fused expert parameters (`experts.gate_up_proj`, `experts.down_proj`)."""
+    lora_dropout: bool = False
+    """LoRA's dropout is on: each adapted linear layer keeps its dropout's mask."""
     gradient_checkpointing: bool = False
     """Keep only each layer's input for the backward pass and recompute the rest."""
     micro_batch_size: int = 1
@@ -213,6 +216,9 @@ class PlanSettings:
     """The optimizer step holds a temporary the size of the trained parameters (foreach AdamW)."""
     kv_cache_bytes: int = 0
     """The native engine's KV cache and workspace during rollouts (0: an engine elsewhere)."""
+    grouped_experts: bool | None = None
+    """A MoE model's experts run as `experts_implementation` grpoflow_grouped (None: as unset on
+    CUDA, where the experts gate with SiLU)."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "sequence_length", "logprob_chunk_size", "fsdp_world_size"):
@@ -278,7 +284,19 @@ def _moe_shape(config) -> dict[str, int]:
         "num_experts_per_tok": config.num_experts_per_tok,
         "moe_intermediate_size": getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
         "num_moe_layers": len(moe_layers),
+        "silu_experts": getattr(config, "hidden_act", None) in ("silu", "swish"),
     }
+
+
+def routed_pair_bytes(shape: ModelShape, settings: PlanSettings) -> int:
+    """Bytes a MoE layer keeps for the backward per (token, routed expert) pair: grpoflow_grouped's
+    gate and up projections and two sort indices; other implementations' copy of the hidden state
+    in and out and 4 intermediate-size vectors."""
+    h, i, e = shape.hidden_size, shape.moe_intermediate_size, shape.dtype_bytes
+    grouped = settings.grouped_experts
+    if grouped or (grouped is None and shape.silu_experts):
+        return 2 * i * e + 2 * 8
+    return (2 * h + 4 * i) * e
 
 
 def _trained_parameters(shape: ModelShape, settings: PlanSettings) -> int:
@@ -287,13 +305,27 @@ def _trained_parameters(shape: ModelShape, settings: PlanSettings) -> int:
     return shape.num_lora_parameters(settings.lora_rank, settings.target_modules, settings.target_parameters)
 
 
+def dropout_bytes(shape: ModelShape, settings: PlanSettings) -> tuple[int, int]:
+    """Bytes per token that LoRA's dropout keeps in one layer's attention and in its dense MLP:
+    each adapted linear layer's one-byte mask (`lora_dropout`: the product keeps the input itself,
+    which the base layers' estimate counts)."""
+    if settings.lora_rank is None or not settings.lora_dropout:
+        return 0, 0
+    targets = ALL_LINEAR if "all-linear" in settings.target_modules else settings.target_modules
+    kept = {name: size for name, (size, _) in shape.linear_shapes().items()}
+    attention = sum(kept[name] for name in targets if name in kept and name not in MLP_LINEAR)
+    return attention, sum(kept[name] for name in targets if name in MLP_LINEAR)
+
+
 def activation_bytes(shape: ModelShape, settings: PlanSettings) -> int:
     """Activations one micro-batch keeps for its backward pass (see the module's docstring)."""
     h, kv, i, e = shape.hidden_size, shape.kv_size, shape.intermediate_size, shape.dtype_bytes
     tokens = settings.micro_batch_size * settings.sequence_length
+    attention_dropout, mlp_dropout = dropout_bytes(shape, settings)
     full_layer = (6 * h + 2 * kv + 4 * i) * e + 2 * h * 4  # plus the norms' float32 statistics
-    routed = shape.num_experts_per_tok * (2 * h + 4 * shape.moe_intermediate_size) * e
-    moe_layer = full_layer - 4 * i * e + routed + 2 * shape.num_experts * 4
+    full_layer += attention_dropout + mlp_dropout
+    routed = shape.num_experts_per_tok * routed_pair_bytes(shape, settings)
+    moe_layer = full_layer - 4 * i * e - mlp_dropout + routed + 2 * shape.num_experts * 4
     dense_layers = shape.num_hidden_layers - shape.num_moe_layers
     if settings.gradient_checkpointing:
         routers = shape.num_moe_layers * shape.num_experts * 4

@@ -16,7 +16,7 @@ import torch
 from grpoflow import hub
 from grpoflow.options import require
 from grpoflow.policy.auto_settings import MARGIN
-from grpoflow.policy.loading import local_preset
+from grpoflow.policy.loading import GROUPED_EXPERTS, local_preset
 from grpoflow.policy.memory_plan import GIB, MemoryPlan, ModelShape, PlanSettings, plan_memory
 from grpoflow.policy.step_time import KNOWN_GPUS, known_gpu
 
@@ -112,10 +112,12 @@ def model_config(config):
 def plan_settings(config, kv_cache_bytes: int = 0, dtype_bytes: int = 2) -> PlanSettings:
     """The options of `config` (a GRPOConfig) that decide memory, for weights of `dtype_bytes`."""
     lora = config.adapter.train_type == "lora"
+    experts = config.policy.experts_implementation
     return PlanSettings(
         lora_rank=config.adapter.lora_rank if lora else None,
         target_modules=list(config.adapter.target_modules),
         target_parameters=list(config.adapter.target_parameters),
+        lora_dropout=config.adapter.lora_dropout > 0,
         gradient_checkpointing=bool(config.policy.gradient_checkpointing),
         micro_batch_size=config.training.micro_batch_size,
         sequence_length=config.max_model_len,
@@ -129,6 +131,7 @@ def plan_settings(config, kv_cache_bytes: int = 0, dtype_bytes: int = 2) -> Plan
         accumulated_gradient_bytes=_accumulated_gradient_bytes(config, dtype_bytes),
         optimizer_temporaries=config.training.optim == "adamw_torch",
         kv_cache_bytes=kv_cache_bytes,
+        grouped_experts=None if experts is None else experts == GROUPED_EXPERTS,
     )
 
 
