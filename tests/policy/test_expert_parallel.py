@@ -145,7 +145,7 @@ def test_a_run_with_experts_split_over_two_gpus_trains_as_fsdp_alone_gpu(tmp_pat
     samples differ (the first update's rounding moved a draw) is compared by its shape only. Two
     CPU ranks under the same bf16 mixed precision, sampling alike, agree to 0.03% on both steps; on
     2 H200s one step's gradient norm differed by 3.3%, before the comparison was limited to steps
-    with the same samples."""
+    with the same samples, and a few embedding weights moved opposite ways in Adam's first step."""
     gpu_run = {**MOE_RUN, "torch_dtype": "float32", "log_completions": False}
     runs = {}
     for name, layout in (("fsdp", {}), ("ep", {"expert_model_parallel_size": 2})):
@@ -159,10 +159,16 @@ def test_a_run_with_experts_split_over_two_gpus_trains_as_fsdp_alone_gpu(tmp_pat
             continue
         assert got["loss"] == pytest.approx(expected["loss"], rel=2e-2, abs=1e-3)
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=2e-2)
+    # Adam's first step moves every weight by about the learning rate, in its gradient's
+    # direction: a weight whose gradient is near zero may move the other way under other rounding
+    # (2e-2 apart). Few may; none may differ by more.
+    learning_rate = MOE_RUN["learning_rate"]
     want, got = weights(runs["fsdp"] / "checkpoint-1"), weights(runs["ep"] / "checkpoint-1")
     assert got.keys() == want.keys()
     for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=2e-2, rtol=0, msg=name)
+        apart = (got[name] - want[name]).abs()
+        assert apart.max() <= 2.5 * learning_rate, name
+        assert (apart > learning_rate).float().mean() <= 0.01, name
 
 
 @pytest.mark.parametrize(
