@@ -161,14 +161,14 @@ def test_a_run_with_experts_split_over_two_gpus_trains_as_fsdp_alone_gpu(tmp_pat
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=2e-2)
     # Adam's first step moves every weight by about the learning rate, in its gradient's
     # direction: a weight whose gradient is near zero may move the other way under other rounding
-    # (2e-2 apart). Few may; none may differ by more.
+    # (2e-2 apart). Few may (1%, or one of a small tensor); none may differ by more.
     learning_rate = MOE_RUN["learning_rate"]
     want, got = weights(runs["fsdp"] / "checkpoint-1"), weights(runs["ep"] / "checkpoint-1")
     assert got.keys() == want.keys()
     for name in want:
         apart = (got[name] - want[name]).abs()
         assert apart.max() <= 2.5 * learning_rate, name
-        assert (apart > learning_rate).float().mean() <= 0.01, name
+        assert (apart > learning_rate).sum() <= max(1, 0.01 * apart.numel()), name
 
 
 @pytest.mark.parametrize(
