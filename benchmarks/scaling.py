@@ -138,13 +138,15 @@ def run_variant(args, name: str, config: dict, workdir: Path) -> list[dict]:
 
 def predicted_peak(config: dict, nproc: int) -> tuple[float, int]:
     """The memory plan's peak per GPU (GiB) for the variant's config over `nproc` processes, and
-    the policy's parameter count."""
+    the parameters a token multiplies by (an untied input embedding is a lookup)."""
     previous = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(nproc)
     try:
         loaded = load_config(None, config)
         plan, _ = run_plan(loaded, torch.cuda.get_device_properties(0).total_memory)
-        return plan.peak / GIB, model_shape(loaded, on_gpu=True).num_parameters()
+        shape = model_shape(loaded, on_gpu=True)
+        embedding = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
+        return plan.peak / GIB, shape.num_active_parameters() - embedding
     finally:
         if previous is None:
             os.environ.pop("WORLD_SIZE")

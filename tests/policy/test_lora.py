@@ -70,8 +70,9 @@ def token_batch(vocab_size: int = 40, *, batch: int = 3, length: int = 12):
 
 
 def logits(model, ids, mask) -> torch.Tensor:
+    device = next(model.parameters()).device
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask).logits
+        return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
 
 
 def test_lora_run_learns_the_echo_task_and_trains_only_the_adapters(tmp_path):
@@ -268,9 +269,9 @@ def test_export_merges_the_adapter_into_a_standalone_model(tmp_path, capsys):
         cli.main(["export", "--checkpoint", str(tmp_path / "run" / "checkpoint-3"), "--output", str(output)])
         == 0
     )
-    exported = AutoModelForCausalLM.from_pretrained(output).eval()
-    assert AutoTokenizer.from_pretrained(output).decode([5, 6]) == trainer.tokenizer.decode([5, 6])
     policy = trainer.model.eval()
+    exported = AutoModelForCausalLM.from_pretrained(output).to(next(policy.parameters()).device).eval()
+    assert AutoTokenizer.from_pretrained(output).decode([5, 6]) == trainer.tokenizer.decode([5, 6])
     ids, mask = token_batch()
     with merged_adapters(policy):
         merged = logits(policy, ids, mask)
@@ -292,10 +293,9 @@ def test_export_of_a_full_checkpoint_copies_the_model(tmp_path):
     )
     assert not any((output / name).exists() for name in ("trainer_state.json", "trainer_state.tensors"))
     ids, mask = token_batch()
-    exported = AutoModelForCausalLM.from_pretrained(output).eval()
-    torch.testing.assert_close(
-        logits(exported, ids, mask), logits(trainer.model.eval(), ids, mask), rtol=0, atol=0
-    )
+    policy = trainer.model.eval()
+    exported = AutoModelForCausalLM.from_pretrained(output).to(next(policy.parameters()).device).eval()
+    torch.testing.assert_close(logits(exported, ids, mask), logits(policy, ids, mask), rtol=0, atol=0)
 
 
 def test_export_errors_are_usage_errors(tmp_path, capsys):
