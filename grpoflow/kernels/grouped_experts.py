@@ -61,9 +61,13 @@ def grouped(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.
 def grouped_weight_grad(
     grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, num_experts: int
 ) -> torch.Tensor:
-    """Each expert's grad_rows^T x_rows: grad (S, N) and x (S, K) sorted by expert -> (E, N, K)."""
+    """Each expert's grad_rows^T x_rows: grad (S, N) and x (S, K) sorted by expert -> (E, N, K);
+    zero for an expert without rows (which `torch._grouped_mm` leaves unwritten on some GPUs:
+    pytorch/pytorch#172439)."""
     if grouped_mm_runs(x.device, x.dtype):
-        return torch._grouped_mm(grad.t(), x, offs=ends)
+        out = torch._grouped_mm(grad.t(), x, offs=ends)
+        empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0
+        return out.masked_fill_(empty[:, None, None], 0)
     out = x.new_zeros((num_experts, grad.shape[1], x.shape[1]))
     start = 0
     for expert, end in enumerate(ends.tolist()):
