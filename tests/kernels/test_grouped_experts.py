@@ -62,6 +62,31 @@ def test_the_models_outputs_and_every_gradient_are_eagers():
     _compare(eager, ours, ids)
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe"])
+def test_the_other_families_with_softmax_routers_are_eagers(family):
+    """Qwen2-MoE (with its shared expert), Mixtral and OLMoE keep their experts in the same
+    layout: ours runs them (the default on CUDA) with eager's outputs and gradients."""
+    import transformers
+
+    small = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    small |= dict(num_key_value_heads=2, intermediate_size=48, num_experts_per_tok=3)
+    config = {
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **small, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=6
+        ),
+        "mixtral": lambda: transformers.MixtralConfig(**small, num_local_experts=6),
+        "olmoe": lambda: transformers.OlmoeConfig(**small, num_experts=6),
+    }[family]()
+    models = []
+    for implementation in ("eager", GROUPED_EXPERTS):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).double()
+        assert grouped_experts.experts_refusal(model) is None
+        set_experts_implementation(model, implementation, CPU)
+        models.append(model)
+    _compare(*models, torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6)))
+
+
 def test_frozen_experts_get_no_gradient_and_the_rest_are_eagers():
     eager, ours = _pair()
     for model in (eager, ours):
