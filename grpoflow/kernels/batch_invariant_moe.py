@@ -34,7 +34,7 @@ from grpoflow.kernels.batch_invariant import (
     dot_tile,
     log_softmax,
 )
-from grpoflow.kernels.ops import expert_order, grouped_mm_runs
+from grpoflow.kernels.ops import expert_order, grouped_mm_runs, grouped_product, grouped_weight_grad
 
 
 @triton.jit
@@ -120,17 +120,8 @@ def grouped_grads(
     """The gradients of `grouped_matmul` for x and weight: `torch._grouped_mm` (the products
     torch's own backward of it runs), or a loop over the experts' rows (which reads `ends` on the
     host)."""
-    if use_grouped_mm:
-        grad_x = torch._grouped_mm(grad, weight, offs=ends)
-        return grad_x, torch._grouped_mm(grad.t(), x, offs=ends)
-    grad_x, grad_weight = torch.zeros_like(x), torch.zeros_like(weight)
-    start = 0
-    for expert, end in enumerate(ends.tolist()):
-        if end > start:
-            grad_x[start:end] = grad[start:end] @ weight[expert]
-            grad_weight[expert] = grad[start:end].T @ x[start:end]
-        start = end
-    return grad_x, grad_weight
+    grad_x = grouped_product(grad, weight, ends, use_grouped_mm)
+    return grad_x, grouped_weight_grad(grad, x, ends, weight.shape[0], use_grouped_mm)
 
 
 class _GroupedMatmul(torch.autograd.Function):

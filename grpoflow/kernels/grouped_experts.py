@@ -38,43 +38,10 @@ import triton.language as tl
 from torch import nn
 
 from grpoflow.kernels.batch_invariant_cpu import triton_runs
-from grpoflow.kernels.ops import expert_order, grouped_mm_runs
+from grpoflow.kernels.ops import expert_order, grouped_product, grouped_weight_grad
 
 NAME = "grpoflow_grouped"
 BLOCK = 1024
-
-
-def grouped(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Rows x (S, K) sorted by expert, each times its expert's weight (E, K, N) -> (S, N); `ends`
-    (E,) int32, each expert's end row."""
-    if grouped_mm_runs(x.device, x.dtype):
-        return torch._grouped_mm(x, weight, offs=ends)
-    out = x.new_zeros((x.shape[0], weight.shape[-1]))
-    start = 0
-    for expert, end in enumerate(ends.tolist()):
-        if end > start:
-            out[start:end] = x[start:end] @ weight[expert]
-        start = end
-    return out
-
-
-def grouped_weight_grad(
-    grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, num_experts: int
-) -> torch.Tensor:
-    """Each expert's grad_rows^T x_rows: grad (S, N) and x (S, K) sorted by expert -> (E, N, K);
-    zero for an expert without rows (which `torch._grouped_mm` leaves unwritten on some GPUs:
-    pytorch/pytorch#172439)."""
-    if grouped_mm_runs(x.device, x.dtype):
-        out = torch._grouped_mm(grad.t(), x, offs=ends)
-        empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0
-        return out.masked_fill_(empty[:, None, None], 0)
-    out = x.new_zeros((num_experts, grad.shape[1], x.shape[1]))
-    start = 0
-    for expert, end in enumerate(ends.tolist()):
-        if end > start:
-            out[expert] = grad[start:end].T @ x[start:end]
-        start = end
-    return out
 
 
 @triton.jit
@@ -213,8 +180,8 @@ class _Experts(torch.autograd.Function):
         slots = torch.empty_like(order)
         slots[order] = torch.arange(order.shape[0], device=order.device)
         slots = slots.view(num_tokens, top_k)
-        fused = grouped(x.index_select(0, order // top_k), gate_up.transpose(1, 2), ends)
-        rows = grouped(swiglu(fused), down.transpose(1, 2), ends)
+        fused = grouped_product(x.index_select(0, order // top_k), gate_up.transpose(1, 2), ends)
+        rows = grouped_product(swiglu(fused), down.transpose(1, 2), ends)
         ctx.save_for_backward(x, gate_up, down, weights, order, ends, slots, fused)
         return weighted_sum(rows, slots, weights)
 
@@ -231,7 +198,7 @@ class _Experts(torch.autograd.Function):
             grad_down = grouped_weight_grad(grad_rows, activated, ends, num_experts)
             del activated
         grad_fused, products = swiglu_backward(
-            fused, grouped(grad_rows, down, ends), sorted_weights, need_weights
+            fused, grouped_product(grad_rows, down, ends), sorted_weights, need_weights
         )
         del grad_rows
         grad_weights = None
@@ -245,7 +212,7 @@ class _Experts(torch.autograd.Function):
             grad_gate_up = grouped_weight_grad(grad_fused, gathered, ends, num_experts)
             del gathered
         if need_x:
-            grad_x = weighted_sum(grouped(grad_fused, gate_up, ends), slots, None)
+            grad_x = weighted_sum(grouped_product(grad_fused, gate_up, ends), slots, None)
         return grad_x, grad_gate_up, grad_down, None, grad_weights
 
 

@@ -37,6 +37,46 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     return major == 9 or (major >= 8 and version >= (2, 9))
 
 
+def grouped_product(
+    x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, use_grouped_mm: bool | None = None
+) -> torch.Tensor:
+    """Rows x (S, K) sorted by expert, each times its expert's weight (E, K, N) -> (S, N); `ends`
+    (E,) int32, each expert's end row. `torch._grouped_mm` where it runs (`use_grouped_mm` None:
+    `grouped_mm_runs`), else a loop over the experts (which reads `ends` on the host)."""
+    if grouped_mm_runs(x.device, x.dtype) if use_grouped_mm is None else use_grouped_mm:
+        return torch._grouped_mm(x, weight, offs=ends)
+    out = x.new_zeros((x.shape[0], weight.shape[-1]))
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ weight[expert]
+        start = end
+    return out
+
+
+def grouped_weight_grad(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    ends: torch.Tensor,
+    num_experts: int,
+    use_grouped_mm: bool | None = None,
+) -> torch.Tensor:
+    """Each expert's grad_rows^T x_rows: grad (S, N) and x (S, K) sorted by expert -> (E, N, K);
+    zero for an expert without rows (which `torch._grouped_mm` leaves unwritten on some GPUs:
+    pytorch/pytorch#172439). Products as `grouped_product` runs them."""
+    if grouped_mm_runs(x.device, x.dtype) if use_grouped_mm is None else use_grouped_mm:
+        out = torch._grouped_mm(grad.t(), x, offs=ends)
+        empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0
+        return out.masked_fill_(empty[:, None, None], 0)
+    out = x.new_zeros((num_experts, grad.shape[1], x.shape[1]))
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        if end > start:
+            out[expert] = grad[start:end].T @ x[start:end]
+        start = end
+    return out
+
+
 def expert_order(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A MoE layer's (token, slot) pairs sorted by expert: the stable order of `chosen` (T, k)
     flattened, and each expert's end in it (E,) int32, as grouped products take their offsets;
