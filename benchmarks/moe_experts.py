@@ -25,10 +25,11 @@ from batch_invariance import timed
 from step_report import matmul_tflops
 
 from grpoflow.kernels import grouped_experts
+from grpoflow.policy.loading import GROUPED_EXPERTS
 
 RESULTS = Path(__file__).parent / "results"
 CUDA = torch.device("cuda")
-IMPLEMENTATIONS = ("grouped_mm", grouped_experts.NAME)
+IMPLEMENTATIONS = ("grouped_mm", GROUPED_EXPERTS)
 
 
 def experts_module(
@@ -40,7 +41,7 @@ def experts_module(
     config = Qwen3MoeConfig(
         hidden_size=hidden, moe_intermediate_size=width, num_experts=num_experts, num_experts_per_tok=top_k
     )
-    grouped_experts.register()
+    grouped_experts.register(GROUPED_EXPERTS)
     config._experts_implementation = implementation
     torch.manual_seed(0)
     module = Qwen3MoeExperts(config).to(CUDA, torch.bfloat16)

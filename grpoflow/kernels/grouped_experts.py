@@ -24,8 +24,9 @@ the sort's indices for the backward: no masks, no copies of the sorted rows or o
 transformers' own `grouped_mm` path (5.x) spends about as long as its grouped products in masked
 fills, index puts, multiplies and copies around them on an H200; this one does not.
 
-`register()` makes it `experts_implementation="grpoflow_grouped"`, the default for a MoE policy
-on CUDA whose experts have the plain layout (`experts_refusal`). On the CPU (the reference, and
+`register(name)` makes it one of transformers' experts implementations (`policy.loading` names it
+grpoflow_grouped, the default for a MoE policy on CUDA whose experts have the plain layout:
+`experts_refusal`). On the CPU (the reference, and
 where Triton does not run) the grouped products loop over the experts and the kernels are torch
 expressions of the same arithmetic.
 """
@@ -40,7 +41,6 @@ from torch import nn
 from grpoflow.kernels.batch_invariant_cpu import triton_runs
 from grpoflow.kernels.ops import expert_order, grouped_product, grouped_weight_grad
 
-NAME = "grpoflow_grouped"
 BLOCK = 1024
 
 
@@ -189,9 +189,9 @@ class _Experts(torch.autograd.Function):
     def backward(ctx, grad):
         x, gate_up, down, weights, order, ends, slots, fused = ctx.saved_tensors
         need_x, need_gate_up, need_down, _, need_weights = ctx.needs_input_grad
-        num_experts, top_k = gate_up.shape[0], slots.shape[1]
+        num_experts, tokens = gate_up.shape[0], order // slots.shape[1]
         sorted_weights = weights.reshape(-1)[order]
-        grad_rows = grad.index_select(0, order // top_k)
+        grad_rows = grad.index_select(0, tokens)
         grad_down = None
         if need_down:
             activated = swiglu(fused) * sorted_weights[:, None].to(fused.dtype)
@@ -208,7 +208,7 @@ class _Experts(torch.autograd.Function):
             grad_weights = grad_weights.view_as(weights).to(weights.dtype)
         grad_gate_up = grad_x = None
         if need_gate_up:
-            gathered = x.index_select(0, order // top_k)
+            gathered = x.index_select(0, tokens)
             grad_gate_up = grouped_weight_grad(grad_fused, gathered, ends, num_experts)
             del gathered
         if need_x:
@@ -258,8 +258,8 @@ def experts_refusal(model: nn.Module) -> str | None:
     return None
 
 
-def register() -> None:
-    """Make `experts_forward` transformers' `experts_implementation="grpoflow_grouped"`."""
+def register(name: str) -> None:
+    """Make `experts_forward` transformers' `experts_implementation=name`."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    ALL_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
+    ALL_EXPERTS_FUNCTIONS.register(name, experts_forward)

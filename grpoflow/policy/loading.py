@@ -77,7 +77,8 @@ class PolicyConfig:
 
 
 GROUPED_EXPERTS = "grpoflow_grouped"
-"""`experts_implementation` of `grpoflow.kernels.grouped_experts` (imported when chosen: Triton)."""
+"""`experts_implementation` of `grpoflow.kernels.grouped_experts` (its name there; imported when
+chosen: Triton)."""
 
 logger = logging.getLogger("grpoflow.policy.loading")
 
@@ -193,17 +194,20 @@ def set_experts_implementation(model: torch.nn.Module, requested: str | None, de
                 "has no experts: leave it unset"
             )
         return
-    chosen, origin = (requested, "as set") if requested else default_experts_implementation(model, device)
-    if chosen == GROUPED_EXPERTS:
-        from grpoflow.kernels import grouped_experts
+    if requested == GROUPED_EXPERTS:
+        from grpoflow.kernels.grouped_experts import experts_refusal
 
-        refusal = grouped_experts.experts_refusal(model)
+        refusal = experts_refusal(model)
         if refusal is not None:
             raise ValueError(
-                f"experts_implementation={chosen!r} cannot run this model's experts: {refusal}; "
+                f"experts_implementation={requested!r} cannot run this model's experts: {refusal}; "
                 "set experts_implementation: grouped_mm"
             )
-        grouped_experts.register()
+    chosen, origin = (requested, "as set") if requested else default_experts_implementation(model, device)
+    if chosen == GROUPED_EXPERTS:
+        from grpoflow.kernels.grouped_experts import register
+
+        register(GROUPED_EXPERTS)
     try:
         model.set_experts_implementation(chosen)
     except (ImportError, KeyError, RuntimeError, ValueError) as error:

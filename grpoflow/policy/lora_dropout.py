@@ -54,10 +54,10 @@ class DroppedInputLinear(InputDtypeLinear):
     dropout_p: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.dropout_p == 0 or not torch.is_grad_enabled():
-            if self.training and self.dropout_p:
-                x = F.dropout(x, self.dropout_p)
+        if not self.training or self.dropout_p == 0:
             return super().forward(x)
+        if not torch.is_grad_enabled():  # nothing to keep for a backward pass
+            return super().forward(F.dropout(x, self.dropout_p))
         return _DroppedProduct.apply(x, self.weight.to(x.dtype), self.dropout_p)
 
 

@@ -24,10 +24,11 @@ plus one layer recomputed); the allocator's fragmentation is not modelled.
 A mixture-of-experts model holds (and trains, and keeps optimizer moments for) every expert of its
 MoE layers, and a router per layer; a token's activations in a MoE layer are those of the
 `top_k` experts it is routed to (`routed_pair_bytes`) and the router's float32 logits and
-probabilities; under checkpointing every MoE layer's router logits stay until the load-balancing loss (`algo.load_balancing`, which needs
-no more than them. Measured on an H200, checkpointed, 8 layers of 128 experts, 25K tokens a
-micro-batch: the update's peak within 4% of the plan's with the loss off, 10 GiB over it with
-the one-hot form of the loss that some transformers versions compute). LoRA on its experts
+probabilities; under checkpointing every MoE layer's router logits stay until the
+load-balancing loss (`algo.load_balancing`, which needs no more than them. Measured on an H200,
+checkpointed, 8 layers of 128 experts, 25K tokens a micro-batch: the update's peak within 4% of
+the plan's with the loss off, 10 GiB over it with the one-hot form of the loss that some
+transformers versions compute). LoRA on its experts
 (`target_parameters`) gives each expert of each MoE layer its own adapter. Under expert
 parallelism (beside FSDP, over the same ranks) each rank holds 1/N of the experts as FSDP would,
 but the update never gathers them and a rank reducing once per step accumulates the gradients of
