@@ -4,7 +4,8 @@
     torchrun --nproc_per_node 2 benchmarks/profile_step.py --smoke --set model=random:qwen2.5-7b \
         --set fsdp=true --micro-batch 16 --set gradient_accumulation_steps=8   # rank 0 prints
 
-Runs `--warmup` steps (1; compiled runs want 2), then one step under torch.profiler; prints the
+With no speed setting passed (micro-batch, checkpointing, compile), the step runs as
+`grpoflow train` would by default. Runs `--warmup` steps (1; compiled runs want 2), then one step under torch.profiler; prints the
 top operators by GPU time and by CPU time, then (last) each phase's wall-clock seconds beside the
 GPU time of the kernels it launched, by kind (matrix products, attention, log-prob, optimizer,
 fused Triton, NCCL, copies and the rest). Writes a Chrome trace when --trace is given; with
@@ -46,9 +47,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--micro-batch", type=int, default=32)
-    parser.add_argument("--gradient-checkpointing", type=int, default=1)
-    parser.add_argument("--torch-compile", type=int, default=0)
+    parser.add_argument("--micro-batch", type=int, default=None, help="unset: as grpoflow train chooses")
+    parser.add_argument("--gradient-checkpointing", type=int, default=None)
+    parser.add_argument("--torch-compile", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--workload", choices=sorted(grpo_step.WORKLOADS), default="standard")
     parser.add_argument("--max-tokens", type=int, default=0, help="packed updates with this token budget")
