@@ -5,11 +5,13 @@
         --set fsdp=true --micro-batch 16 --set gradient_accumulation_steps=8   # rank 0 prints
 
 With no speed setting passed (micro-batch, checkpointing, compile), the step runs as
-`grpoflow train` would by default. Runs `--warmup` steps (1; compiled runs want 2), then one step under torch.profiler; prints the
-top operators by GPU time and by CPU time, then (last) each phase's wall-clock seconds beside the
-GPU time of the kernels it launched, by kind (matrix products, attention, log-prob, optimizer,
-fused Triton, NCCL, copies and the rest). Writes a Chrome trace when --trace is given; with
---sync-sites runs one more step counting where the host waited for the GPU (`sync_sites`).
+`grpoflow train` would by default. Runs `--warmup` steps (1; compiled runs want 2), then one step
+under torch.profiler; prints the top operators by GPU time and by CPU time, then (last) each
+phase's wall-clock seconds beside the GPU time of the kernels it launched, by kind (matrix
+products, attention, log-prob, optimizer, fused Triton, NCCL, copies and the rest). Writes a Chrome
+trace when --trace is given; with --sync-sites runs one more step counting where the host waited
+for the GPU (`sync_sites`); with --idle one more, charging the GPU's idle time between kernels to
+what the host was doing (`idle_gpu`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import grpo_step
 import torch
+from idle_gpu import idle_by_host, print_idle
 from sync_sites import print_sites, sync_sites
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -62,9 +65,14 @@ def main() -> None:
     parser.add_argument(
         "--sync-sites", action="store_true", help="one more step counting the host's waits by call site"
     )
+    parser.add_argument(
+        "--idle",
+        action="store_true",
+        help="one more step, Python frames profiled: the GPU's idle time by host activity",
+    )
     args = parser.parse_args()
     args.workdir = tempfile.mkdtemp(prefix="profile_step_")
-    args.steps = args.warmup + 1 + int(args.sync_sites)
+    args.steps = args.warmup + 1 + int(args.sync_sites) + int(args.idle)
     workload = grpo_step.WORKLOADS[args.workload]
     args.new_tokens = args.new_tokens or workload["new_tokens"]
     model_dir, prompts = grpo_step.write_inputs(
@@ -95,6 +103,10 @@ def main() -> None:
         with sync_sites() as counts:
             trainer.step()
         print_sites(counts)
+    if args.idle:
+        with profile(activities=activities, with_stack=True) as profiler:
+            trainer.step()
+        print_idle(idle_by_host(profiler), args.rows)
 
 
 def kernel_kind(name: str) -> str:
