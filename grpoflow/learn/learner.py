@@ -370,6 +370,6 @@ def nonfinite_weights(placement: Placement, distributed: DistributedContext) -> 
     local = [
         getattr(p, "_local_tensor", p).detach() for p in placement.module.parameters() if p.requires_grad
     ]
-    norms = torch._foreach_norm(local) if local else []
-    bad = torch.stack([~torch.isfinite(norm) for norm in norms]).any().float() if norms else torch.zeros(())
+    norms = torch.stack(torch._foreach_norm(local)) if local else torch.zeros(1)
+    bad = (~torch.isfinite(norms)).any().float()
     return distributed.all_reduce(bad.to(placement.device), op="max")

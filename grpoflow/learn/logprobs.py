@@ -7,12 +7,15 @@ tokens, to the routers' hooks (`policy.routing_replay`)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from grpoflow.algo import LogprobOptions, pack_sequences, packed_sequence_logprobs, sequence_logprobs
 from grpoflow.learn.update import UpdateSettings
 from grpoflow.policy.placement import Placement
 from grpoflow.policy.routing_replay import MoeRouters, RoutingRecord
+from grpoflow.policy.unpacked_forward import unpacked_positions
 from grpoflow.rollout.batch import RolloutBatch
 from grpoflow.rollout.segments import split_sequences
 
@@ -52,9 +55,10 @@ def batch_logprobs(
         return placement.sharded_forward(lambda: packed_sequence_logprobs(model, packed, options))
     input_ids, attention_mask = batch.model_inputs()
     logits_to_keep = batch.completion_ids.shape[1]
-    return placement.sharded_forward(
-        lambda: sequence_logprobs(model, input_ids, attention_mask, logits_to_keep, options)
-    )
+    with nullcontext() if attention_mask is not None else unpacked_positions():  # no mask: no padding
+        return placement.sharded_forward(
+            lambda: sequence_logprobs(model, input_ids, attention_mask, logits_to_keep, options)
+        )
 
 
 def routing_layout(

@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 
 from grpoflow.engines import Completion
@@ -165,26 +166,20 @@ def collate_pairs(
     row-major mask (a row's positions in order, row after row: the pairs' order).
     `sequence_starts`: per pair, the completion offsets where another sequence begins (each a
     token the completion's mask leaves out of the loss)."""
-    prompt_lengths = torch.tensor([len(prompt) for prompt, _ in pairs], dtype=torch.long)
-    lengths = torch.tensor([len(c.token_ids) for _, c in pairs], dtype=torch.long)
+    prompt_lengths = np.array([len(prompt) for prompt, _ in pairs], dtype=np.int64)
+    lengths = np.array([len(c.token_ids) for _, c in pairs], dtype=np.int64)
     prompt_len = int(prompt_lengths.max())
     completion_len = max(1, int(lengths.max()))
-    prompt_mask = (torch.arange(prompt_len) >= prompt_len - prompt_lengths[:, None]).long()
-    completion_mask = (torch.arange(completion_len) < lengths[:, None]).long()
-    filled = completion_mask.bool()
-
-    def scatter(flat: list, fill, dtype: torch.dtype, where: torch.Tensor) -> torch.Tensor:
-        out = torch.full(where.shape, fill, dtype=dtype)
-        out[where] = torch.tensor(flat, dtype=dtype)
-        return out
-
-    prompt_ids = scatter(_chain(p for p, _ in pairs), pad_token_id, torch.long, prompt_mask.bool())
-    completion_ids = scatter(_chain(c.token_ids for _, c in pairs), pad_token_id, torch.long, filled)
-    sampling_logps = scatter(_chain(c.logprobs for _, c in pairs), 0.0, torch.float32, filled)
+    prompt_held = np.arange(prompt_len) >= prompt_len - prompt_lengths[:, None]
+    filled = np.arange(completion_len) < lengths[:, None]
+    prompt_mask, completion_mask = torch.from_numpy(prompt_held).long(), torch.from_numpy(filled).long()
+    prompt_ids = _scatter((p for p, _ in pairs), pad_token_id, np.int64, prompt_held, "prompt ids")
+    completion_ids = _scatter((c.token_ids for _, c in pairs), pad_token_id, np.int64, filled, "token_ids")
+    sampling_logps = _scatter((c.logprobs for _, c in pairs), 0.0, np.float32, filled, "logprobs")
     if all(c.mask is None for _, c in pairs):
         loss_mask = completion_mask.clone()
     else:
-        loss_mask = scatter(_chain(c.loss_mask for _, c in pairs), 0, torch.long, filled)
+        loss_mask = _scatter((c.loss_mask for _, c in pairs), 0, np.int64, filled, "mask")
     truncated = torch.tensor([c.truncated for _, c in pairs], dtype=torch.bool)
     starts = None if sequence_starts is None else _starts(sequence_starts, pairs, completion_mask, loss_mask)
     index, distributions = _distributions(pairs, completion_mask.shape, device)
@@ -273,8 +268,20 @@ def _routed_experts(
     return out
 
 
-def _chain(lists: Iterable[Sequence]) -> list:
-    return list(itertools.chain.from_iterable(lists))
+def _scatter(
+    lists: Iterable[Sequence], fill: float, dtype: type, where: np.ndarray, name: str
+) -> torch.Tensor:
+    """The lists laid into the True cells of `where`, row after row (`fill` elsewhere): one pass
+    over their values."""
+    flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype)
+    if flat.size != where.sum():
+        raise ValueError(
+            f"the completions' {name} hold {flat.size} values for {int(where.sum())} positions: "
+            "give one per token of each completion"
+        )
+    out = np.full(where.shape, fill, dtype=dtype)
+    out[where] = flat
+    return torch.from_numpy(out)
 
 
 def _extents(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> tuple[list[int], list[int]]:

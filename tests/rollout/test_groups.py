@@ -74,6 +74,12 @@ def test_collate_uses_the_pad_id():
     assert batch.prompt_ids.tolist() == [[99, 3], [2, 3]]
 
 
+def test_collate_names_a_completion_whose_logprobs_miss_tokens():
+    short = completion([7, 8, 9], logprobs=[-0.1, -0.2])
+    with pytest.raises(ValueError, match="logprobs hold 3 values for 4 positions: give one per token"):
+        collate([group([5], [short, completion([1])])], PAD, torch.device("cpu"))
+
+
 def test_collate_keeps_one_column_when_every_completion_is_empty():
     batch = collate([group([3], [completion([]), completion([])])], PAD, torch.device("cpu"))
     assert batch.completion_ids.shape == (2, 1)
