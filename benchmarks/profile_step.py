@@ -106,7 +106,7 @@ def main() -> None:
     if args.idle:
         with profile(activities=activities, with_stack=True) as profiler:
             trainer.step()
-        print_idle(idle_by_host(profiler), args.rows)
+        print_idle(idle_by_host(profiler), args.rows, profiler)
 
 
 def kernel_kind(name: str) -> str:

@@ -27,10 +27,12 @@ DEFAULT_MICRO_BATCH = 8
 (TRL's default)."""
 MARGIN = 0.2
 """Share of the GPU a chosen setting leaves free beside the plan's peak."""
-MAX_MICRO_BATCH_TOKENS = 32768
-"""The most tokens a chosen micro-batch holds: the standard 0.5B workload's update reached 54.5%
-MFU on an H100 at 64 x 384 tokens (benchmarks/results/2026-11-25-grpo-step-standard-gc0-mb64-*);
-larger micro-batches add memory, not speed."""
+MAX_MICRO_BATCH_TOKENS = 49152
+"""The most tokens a chosen micro-batch holds. On an H200 (one call), the standard 0.5B workload's
+update took 1.210 s at 64 x 384 tokens, 1.184 s at 128 x 384 and 1.175 s at 256 x 384, its peak
+growing from 30 to 52 and 96 GiB, and the rollout beside the larger update slowed by 0.14 s
+(benchmarks/results/2026-11-28-grpo-step-standard-micro-batch-*): past 128 x 384, more memory for
+no speed."""
 
 COMPILE_SECONDS = 60.0
 """What compiling the decoder layers costs a run once (the first compiled step took 20-75 s more

@@ -73,7 +73,7 @@ def test_the_cpu_plans_nothing_and_keeps_the_defaults():
 
 def test_micro_batches_divide_the_generation_batch_and_keep_the_loss():
     assert micro_batch_candidates(UserSettings(generation_batch=48), 100) == [8, 16, 24, 48]
-    assert micro_batch_candidates(UserSettings(generation_batch=512), 384) == [8, 16, 32, 64]
+    assert micro_batch_candidates(UserSettings(generation_batch=512), 384) == [8, 16, 32, 64, 128]
     bnpo = UserSettings(generation_batch=512, loss_reads_micro_batches=True)
     assert choose_settings(QWEN_05B, BASE, h100(), bnpo).micro_batch_size == DEFAULT_MICRO_BATCH
 
