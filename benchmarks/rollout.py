@@ -2,6 +2,7 @@
 
     python benchmarks/rollout.py            # the Qwen2-0.5B-shaped model, bf16, on CUDA
     python benchmarks/rollout.py --smoke    # a tiny model on the CPU, to check the script
+    python benchmarks/rollout.py --preset qwen2.5-7b --workloads grpo --scale 0.25,1 --skip-transformers
 
 Workloads: (1) GRPO: 64 prompts x 8 samples, prompt 128, 256 new tokens, temperature 1, ignore_eos;
 (2) 512 distinct prompts x 1, same lengths; (3) ragged: 1024 prompts of 64-256 tokens, max_tokens
@@ -9,6 +10,10 @@ drawn from 32-1024. transformers runs a smaller slice of each (stated in the tab
 whole run within minutes. The roofline is (weights + KV bytes read by every decode step) over the
 device-to-device copy bandwidth measured in the same run; the fraction is that ideal time over the
 median measured time of the whole generate call (prefill included; five calls after a warm-up).
+`bound_fraction` takes the larger of that time and the products' FLOPs (2 x the weights a token
+multiplies by, per generated token) over the GPU's measured matrix-product peak: at 7B and 512
+sequences a decode step is bound by compute, not bytes. `--scale` sizes the workloads (0.25: the
+GRPO workload's 16 prompts x 8, what each of 4 GPUs generates of the 64 x 8 step).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +35,9 @@ from transformers import GenerationConfig
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.policy.tiny import build_preset_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from step_report import active_parameters, matmul_tflops  # noqa: E402
 
 
 @dataclass
@@ -44,6 +53,10 @@ class Workload:
     hf_note: str
 
 
+WORKLOADS = ("grpo", "distinct", "ragged")
+"""The workloads' short names (`--workloads`), in build_workloads' order."""
+
+
 def build_workloads(vocab_size: int, scale: float, rng: np.random.Generator) -> list[Workload]:
     def prompts(count, low, high):
         return [rng.integers(2, vocab_size, int(rng.integers(low, high + 1))).tolist() for _ in range(count)]
@@ -51,7 +64,7 @@ def build_workloads(vocab_size: int, scale: float, rng: np.random.Generator) -> 
     def sampling(max_tokens, n=1):
         return SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
 
-    count = max(1, int(64 * scale))
+    count = max(1, round(64 * scale))
     grpo = prompts(count, 128, 128)
     distinct = prompts(8 * count, 128, 128)
     ragged = prompts(16 * count, 64, 256)
@@ -60,11 +73,11 @@ def build_workloads(vocab_size: int, scale: float, rng: np.random.Generator) -> 
     hf_ragged = rng.integers(32, 257, 2 * count).tolist()
     return [
         Workload(
-            "grpo 64x8", grpo, [sampling(256, 8)] * len(grpo), grpo, 8, [256] * 8 * len(grpo),
+            f"grpo {count}x8", grpo, [sampling(256, 8)] * len(grpo), grpo, 8, [256] * 8 * len(grpo),
             "the same workload in full",
         ),
         Workload(
-            "512 distinct", distinct, [sampling(256)] * len(distinct), distinct, 1, [hf_new] * len(distinct),
+            f"{8 * count} distinct", distinct, [sampling(256)] * len(distinct), distinct, 1, [hf_new] * len(distinct),
             f"{len(distinct)} seqs, {hf_new} new tokens",
         ),
         Workload(
@@ -203,27 +216,44 @@ def main() -> None:
     parser.add_argument(
         "--profile-products", action="store_true", help="also GPU time per product shape (graphs off)"
     )
+    parser.add_argument(
+        "--preset", default="qwen2-0.5b", help="the model's shape (grpoflow.policy.tiny.PRESETS)"
+    )
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help=f"comma-separated of {', '.join(WORKLOADS)}"
+    )
+    parser.add_argument("--scale", default="1", help="comma-separated workload sizes (1: 64 prompts x 8)")
     args = parser.parse_args()
+    chosen = args.workloads.split(",")
+    if not set(chosen) <= set(WORKLOADS):
+        raise SystemExit(f"--workloads takes {', '.join(WORKLOADS)}; got {args.workloads}")
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    preset = "tiny" if args.smoke else "qwen2-0.5b"
+    preset = "tiny" if args.smoke else args.preset
     model = build_preset_model(preset, 512, max_position_embeddings=2048, dtype=dtype, device=device).eval()
     config_ = model.config
-    head_dim = config_.hidden_size // config_.num_attention_heads
+    head_dim = getattr(config_, "head_dim", None) or config_.hidden_size // config_.num_attention_heads
     kv_bytes_per_token = (
         config_.num_hidden_layers * 2 * config_.num_key_value_heads * head_dim * model.dtype.itemsize
     )
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    product_parameters = active_parameters(model)
     bandwidth = copy_bandwidth(device)
+    peak = matmul_tflops(torch.cuda.get_device_name()) if device.type == "cuda" else None
     config = NativeEngineConfig(
         max_num_seqs=64 if args.smoke else 512,
         max_model_len=1300,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
     engine = NativeEngine(model, config=config)
-    workloads = build_workloads(
-        model.config.vocab_size, 0.05 if args.smoke else 1.0, np.random.default_rng(0)
-    )
+    workloads = [
+        workload
+        for scale in ([0.05] if args.smoke else [float(value) for value in args.scale.split(",")])
+        for name, workload in zip(
+            WORKLOADS, build_workloads(model.config.vocab_size, scale, np.random.default_rng(0)), strict=True
+        )
+        if name in chosen
+    ]
     results = []
     for workload in workloads:
         native = run_native(engine, workload, device, 1 if args.smoke else args.repeats)
@@ -231,6 +261,9 @@ def main() -> None:
             native["decode_steps"] * weight_bytes + native["decode_context_tokens"] * kv_bytes_per_token
         ) / bandwidth
         native["roofline_fraction"] = ideal / native["seconds"]
+        compute = 2 * product_parameters * native["tokens"] / (peak * 1e12) if peak else float("nan")
+        native["bound_fraction"] = max(ideal, compute) / native["seconds"]
+        native["bound"] = "FLOPs" if compute > ideal else "bytes"
         native["ms_per_decode_step"] = 1000 * native["seconds"] / max(native["decode_steps"], 1)
         # Share of the step loop the host spent waiting for the GPU's results (low: host-bound).
         loop = native.get("steps_seconds")
@@ -253,7 +286,7 @@ def main() -> None:
         date=datetime.date.today().isoformat(),
         device=gpu,
         torch=torch.__version__,
-        model="random Qwen2-0.5B shape, bf16" if not args.smoke else "tiny smoke model, fp32",
+        model=f"random {preset} shape, bf16" if not args.smoke else "tiny smoke model, fp32",
         weight_bytes=weight_bytes,
         kv_bytes_per_token=kv_bytes_per_token,
         copy_bandwidth_bytes_per_s=bandwidth,
@@ -262,7 +295,8 @@ def main() -> None:
         profile=profile,
     )
     print_report(report)
-    name = f"rollout-{gpu.replace(' ', '_')}-{report['date']}.json"
+    shape = "" if preset == "qwen2-0.5b" else f"{preset}-"
+    name = f"rollout-{shape}{gpu.replace(' ', '_')}-{report['date']}.json"
     paths = [Path(args.output) if args.output else Path(__file__).parent / "results" / name]
     if os.environ.get("OUT"):
         paths.append(Path(os.environ["OUT"]) / name)
@@ -276,7 +310,7 @@ def print_report(report: dict) -> None:
     profile = report["profile"]
     if profile:
         print(
-            f"\nprofiled 'grpo 64x8' call: wall {profile['wall_s'] * 1000:.0f} ms, "
+            f"\nprofiled '{report['results'][0]['workload']}' call: wall {profile['wall_s'] * 1000:.0f} ms, "
             f"GPU busy {profile['gpu_busy_s'] * 1000:.0f} ms; top kernels (GPU ms):"
         )
         for name, ms in profile["kernels_ms"]:
@@ -289,14 +323,15 @@ def print_report(report: dict) -> None:
         f"\n{report['device']}, copy bandwidth {report['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, "
         f"weights {report['weight_bytes'] / 1e9:.2f} GB"
     )
-    print(f"{'workload':<16}{'native tok/s':>14}{'ms/step':>9}{'roofline':>10}{'GPU wait':>10}"
+    print(f"{'workload':<16}{'native tok/s':>14}{'ms/step':>9}{'roofline':>10}{'bound':>13}{'GPU wait':>10}"
           f"{'peak GiB':>10}{'hf tok/s':>11}{'ratio':>8}  transformers slice")  # fmt: skip
     for result in report["results"]:
         native, hf = result["native"], result.get("transformers")
         hf_rate = hf["tokens_per_s"] if hf else float("nan")
         print(
             f"{result['workload']:<16}{native['tokens_per_s']:>14,.0f}{native['ms_per_decode_step']:>9.2f}"
-            f"{native['roofline_fraction']:>10.1%}{native['gpu_wait_fraction']:>10.1%}"
+            f"{native['roofline_fraction']:>10.1%}{native['bound_fraction']:>7.1%} {native['bound']:<5}"
+            f"{native['gpu_wait_fraction']:>10.1%}"
             f"{native['peak_gib']:>10.1f}{hf_rate:>11,.0f}"
             f"{native['tokens_per_s'] / hf_rate:>8.1f}  {result['hf_note']}"
         )

@@ -31,7 +31,7 @@ MAX_MICRO_BATCH_TOKENS = 49152
 """The most tokens a chosen micro-batch holds. On an H200 (one call), the standard 0.5B workload's
 update took 1.210 s at 64 x 384 tokens, 1.184 s at 128 x 384 and 1.175 s at 256 x 384, its peak
 growing from 30 to 52 and 96 GiB, and the rollout beside the larger update slowed by 0.14 s
-(benchmarks/results/2026-11-28-grpo-step-standard-micro-batch-*): past 128 x 384, more memory for
+(benchmarks/results/2026-11-27-grpo-step-standard-micro-batch-*): past 128 x 384, more memory for
 no speed."""
 
 COMPILE_SECONDS = 60.0
