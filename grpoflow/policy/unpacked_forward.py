@@ -6,7 +6,9 @@ Given no attention mask, transformers' mask builder looks for packed sequences i
 an unpadded micro-batch then waits for the device to finish all the work queued before it. Rows
 whose positions are the model's own `0..n-1` hold one sequence each, so the answer is known: no
 packed sequences. Inside `unpacked_positions()` the check gives that answer without reading the
-device. The padding-free path (`algo.packing`), whose position ids restart, keeps the check.
+device. The padding-free path (`algo.packing`), whose position ids restart, keeps the check. The
+block replaces a module attribute: a forward on another thread meanwhile would see the answer too
+(the learner's forwards run on one thread; generation with a cache skips the check).
 """
 
 from __future__ import annotations

@@ -173,13 +173,17 @@ def collate_pairs(
     prompt_held = np.arange(prompt_len) >= prompt_len - prompt_lengths[:, None]
     filled = np.arange(completion_len) < lengths[:, None]
     prompt_mask, completion_mask = torch.from_numpy(prompt_held).long(), torch.from_numpy(filled).long()
-    prompt_ids = _scatter((p for p, _ in pairs), pad_token_id, np.int64, prompt_held, "prompt ids")
-    completion_ids = _scatter((c.token_ids for _, c in pairs), pad_token_id, np.int64, filled, "token_ids")
-    sampling_logps = _scatter((c.logprobs for _, c in pairs), 0.0, np.float32, filled, "logprobs")
+    prompt_ids = _scatter((p for p, _ in pairs), pad_token_id, np.int64, prompt_held, "prompts' ids")
+    completion_ids = _scatter(
+        (c.token_ids for _, c in pairs), pad_token_id, np.int64, filled, "completions' token_ids"
+    )
+    sampling_logps = _scatter(
+        (c.logprobs for _, c in pairs), 0.0, np.float32, filled, "completions' logprobs"
+    )
     if all(c.mask is None for _, c in pairs):
         loss_mask = completion_mask.clone()
     else:
-        loss_mask = _scatter((c.loss_mask for _, c in pairs), 0, np.int64, filled, "mask")
+        loss_mask = _scatter((c.loss_mask for _, c in pairs), 0, np.int64, filled, "completions' masks")
     truncated = torch.tensor([c.truncated for _, c in pairs], dtype=torch.bool)
     starts = None if sequence_starts is None else _starts(sequence_starts, pairs, completion_mask, loss_mask)
     index, distributions = _distributions(pairs, completion_mask.shape, device)
@@ -271,12 +275,12 @@ def _routed_experts(
 def _scatter(
     lists: Iterable[Sequence], fill: float, dtype: type, where: np.ndarray, name: str
 ) -> torch.Tensor:
-    """The lists laid into the True cells of `where`, row after row (`fill` elsewhere): one pass
-    over their values."""
+    """The lists laid into the True cells of `where`, row after row (`fill` elsewhere), in one
+    pass over their values; a ValueError naming `name` when they hold another number of values."""
     flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype)
     if flat.size != where.sum():
         raise ValueError(
-            f"the completions' {name} hold {flat.size} values for {int(where.sum())} positions: "
+            f"the {name} hold {flat.size} values for {int(where.sum())} positions: "
             "give one per token of each completion"
         )
     out = np.full(where.shape, fill, dtype=dtype)

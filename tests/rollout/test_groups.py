@@ -76,7 +76,9 @@ def test_collate_uses_the_pad_id():
 
 def test_collate_names_a_completion_whose_logprobs_miss_tokens():
     short = completion([7, 8, 9], logprobs=[-0.1, -0.2])
-    with pytest.raises(ValueError, match="logprobs hold 3 values for 4 positions: give one per token"):
+    with pytest.raises(
+        ValueError, match="completions. logprobs hold 3 values for 4 positions: give one per token"
+    ):
         collate([group([5], [short, completion([1])])], PAD, torch.device("cpu"))
 
 
