@@ -219,6 +219,9 @@ class EngineCapabilities:
     (`EngineOptions.distribution_positions`)."""
     prefix_cache: bool = False
     """It keeps prompt prefixes' keys and values across calls; `reset_prefix_cache` drops them."""
+    decodes_texts: bool = False
+    """Its completions' `text` is the run tokenizer's `decode(token_ids, skip_special_tokens=True)`,
+    cut at a stop string the request named: a caller decoding the same way may take it as is."""
     module: torch.nn.Module | None = None
     """The module it generates from, which a server hosting it in-process exposes."""
     model_dir: Path | None = None

@@ -121,16 +121,19 @@ class Episodes:
 def generate_groups(
     engine: RolloutEngine, tokenizer, items: Sequence[PromptItem], params: SamplingParams | list
 ) -> list[Group]:
-    """Sample `params.n` completions for each prompt item and decode them."""
+    """Sample `params.n` completions for each prompt item and decode them (the engine's own texts
+    where they are the same decode: `EngineCapabilities.decodes_texts`, no stop string cut them)."""
     outputs = engine.generate([item.prompt_ids for item in items], params)
-    return [
-        Group(
-            item=item,
-            completions=completions,
-            texts=[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions],
-        )
-        for item, completions in zip(items, outputs, strict=True)
-    ]
+    requests = params if isinstance(params, list) else [params] * len(items)
+    groups = []
+    for item, completions, request in zip(items, outputs, requests, strict=True):
+        own = engine.capabilities.decodes_texts and not request.stop
+        texts = [
+            c.text if own and c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            for c in completions
+        ]
+        groups.append(Group(item=item, completions=completions, texts=texts))
+    return groups
 
 
 def reward_inputs(groups: Sequence[Group]) -> tuple[list, list, list[list[int]], dict[str, list]]:

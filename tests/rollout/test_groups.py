@@ -227,3 +227,43 @@ def test_single_turn_logs_the_engines_prefill_and_prefix_cache_counts():
     assert rollout.last_metrics["rollout/prefix_cache_hit_tokens"] == cached > 0
     assert rollout.last_metrics["rollout/prefill_tokens"] == length - cached
     assert rollout.last_metrics["rollout/prefix_cache_hit_rate"] == pytest.approx(cached / length)
+
+
+class CountingTokenizer:
+    """The char tokenizer, counting the decodes asked of it."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decodes = tokenizer, 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.decodes += 1
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_the_native_engines_texts_are_taken_unless_a_stop_string_cut_them():
+    # The engine decodes each completion with the run's tokenizer already: the groups take its
+    # texts. Cut at a stop string they are not the decode of the token ids, which the groups keep
+    # (as TRL's texts are, the stop string's tokens included).
+    tokenizer = build_char_tokenizer()
+    engine = NativeEngine(
+        build_tiny_model(len(tokenizer), seed=0),
+        config=NativeEngineConfig(block_size=4, max_num_seqs=8, max_model_len=64),
+        tokenizer=tokenizer,
+    )
+    assert engine.capabilities.decodes_texts
+    items = [PromptItem(text, tokenizer.encode(text), {}) for text in ("first prompt", "second")]
+    counting = CountingTokenizer(tokenizer)
+    groups = generate_groups(engine, counting, items, SamplingParams(n=2, max_tokens=12, seed=3))
+    assert counting.decodes == 0
+    for group in groups:
+        assert group.texts == [
+            tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group.completions
+        ]
+    stop = groups[0].texts[0][2:4]  # drawn with the same seed again: the text holds it
+    cut = generate_groups(
+        engine, counting, items[:1], SamplingParams(n=2, max_tokens=12, seed=3, stop=[stop])
+    )
+    assert counting.decodes == 2
+    first = cut[0].completions[0]
+    assert cut[0].texts[0] == tokenizer.decode(first.token_ids, skip_special_tokens=True)
+    assert stop in cut[0].texts[0] and stop not in first.text

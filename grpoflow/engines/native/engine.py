@@ -88,6 +88,7 @@ class NativeEngine:
             aborts=True,
             prefix_cache=self.family is not None,
             distributions=self.family is not None,
+            decodes_texts=tokenizer is not None,
             module=model,
         )
         model_config = model.config
