@@ -128,8 +128,10 @@ def generate_groups(
     groups = []
     for item, completions, request in zip(items, outputs, requests, strict=True):
         own = engine.capabilities.decodes_texts and not request.stop
-        texts = [
-            c.text if own and c.text is not None else tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        texts = [  # an error completion's text is its error, not a decode
+            c.text
+            if own and c.text is not None and c.finish_reason != "error"
+            else tokenizer.decode(c.token_ids, skip_special_tokens=True)
             for c in completions
         ]
         groups.append(Group(item=item, completions=completions, texts=texts))
