@@ -77,6 +77,39 @@ def grouped_weight_grad(
     return out
 
 
+class _GroupedLinear(torch.autograd.Function):
+    """`grouped_product` of rows and the experts' weights in `F.linear`'s layout (E, N, K), its
+    backward as grouped products too: the weights' gradient zero for an expert without rows."""
+
+    @staticmethod
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, use_grouped_mm: bool | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, ends)
+        ctx.use_grouped_mm = use_grouped_mm
+        return grouped_product(x, weight.transpose(1, 2), ends, use_grouped_mm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, ends = ctx.saved_tensors
+        grad, use = grad.contiguous(), ctx.use_grouped_mm
+        grad_x = grouped_product(grad, weight, ends, use) if ctx.needs_input_grad[0] else None
+        grad_weight = (
+            grouped_weight_grad(grad, x, ends, weight.shape[0], use) if ctx.needs_input_grad[1] else None
+        )
+        return grad_x, grad_weight, None, None
+
+
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, use_grouped_mm: bool | None = None
+) -> torch.Tensor:
+    """Rows x (S, K) sorted by expert, each through its expert's weight (E, N, K) as `F.linear`
+    takes it -> (S, N), with autograd; `ends` and `use_grouped_mm` as `grouped_product` takes them.
+    Unlike torch's own backward of `torch._grouped_mm`, an expert without rows gets a zero gradient
+    on every GPU (`grouped_weight_grad`)."""
+    return _GroupedLinear.apply(x, weight, ends, use_grouped_mm)
+
+
 def expert_order(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A MoE layer's (token, slot) pairs sorted by expert: the stable order of `chosen` (T, k)
     flattened, and each expert's end in it (E,) int32, as grouped products take their offsets;

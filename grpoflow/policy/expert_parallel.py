@@ -14,8 +14,9 @@ which then:
    exchanges the per-expert counts with every rank (one `all_to_all_single` of E integers);
 2. sends each pair's hidden state to its expert's rank (`all_to_all_single`, uneven splits);
 3. runs its local experts over what it received, sorted by expert, as two grouped products
-   (`torch._grouped_mm` where `grouped_mm_runs` says it does, else a loop over the experts with
-   the products transformers' eager loop computes);
+   (`torch._grouped_mm` where `grouped_mm_runs` says it does, through `kernels.ops.grouped_linear`,
+   whose backward gives an expert that received no rows a zero gradient on every GPU; else a loop
+   over the experts with the products transformers' eager loop computes);
 4. returns each result to the rank it came from (the reverse `all_to_all_single`) and adds the
    results to their tokens weighted by the routing weights in ascending expert order, as
    transformers' eager loop does.
@@ -47,7 +48,7 @@ import torch.distributed as torch_dist
 import torch.nn.functional as F
 from torch import nn
 
-from grpoflow.kernels.ops import grouped_mm_runs
+from grpoflow.kernels.ops import grouped_linear, grouped_mm_runs
 from grpoflow.models.moe import is_sparse, sparse_refusal
 from grpoflow.models.moe_adapters import base_experts
 
@@ -120,8 +121,8 @@ class ExpertParallelExperts(nn.Module):
         grouped = self.grouped if self.grouped is not None else grouped_mm_runs(rows.device, rows.dtype)
         if grouped and len(rows):  # nothing arrived: the loop's empty products still reach every expert
             offsets = per_expert.cumsum(dim=0).to(torch.int32)
-            gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-            return torch._grouped_mm(self.act_fn(gate) * up, down.transpose(1, 2), offs=offsets)
+            gate, up = grouped_linear(rows, gate_up, offsets, use_grouped_mm=True).chunk(2, dim=-1)
+            return grouped_linear(self.act_fn(gate) * up, down, offsets, use_grouped_mm=True)
         pieces = []
         for expert, part in enumerate(rows.split(per_expert.tolist())):
             gate, up = F.linear(part, gate_up[expert]).chunk(2, dim=-1)
