@@ -25,37 +25,37 @@ OWN_CODE = re.compile(r"grpoflow/[\w/]+\.py\(\d+\): \w+")
 """A Python frame of grpoflow's own code, as the profiler names it."""
 
 
-def kernel_gaps(events) -> list[tuple[float, float]]:
-    """(start, end) microseconds of each stretch with no kernel running, between the first kernel
-    and the last, of at least MIN_GAP_US."""
-    spans = sorted(
-        (event.time_range.start, event.time_range.end)
+def kernels(events) -> list[tuple[float, float, str]]:
+    """(start, end, name) of each kernel the profile holds, in start order."""
+    return sorted(
+        (event.time_range.start, event.time_range.end, event.name)
         for event in events
         if event.device_type == DeviceType.CUDA and not event.is_user_annotation
     )
-    gaps, reach = [], None
-    for start, end in spans:
+
+
+def kernel_gaps(ran: list[tuple[float, float, str]]) -> list[tuple[float, float, str, str]]:
+    """Each stretch with no kernel of `ran` (`kernels`) running, between the first and the last, of
+    at least MIN_GAP_US: (start, end) microseconds, the kernel that ended last before it, the one
+    after."""
+    gaps, reach, before = [], None, ""
+    for start, end, name in ran:
         if reach is not None and start - reach >= MIN_GAP_US:
-            gaps.append((reach, start))
-        reach = end if reach is None else max(reach, end)
+            gaps.append((reach, start, before, name))
+        if reach is None or end >= reach:
+            reach, before = end, name
     return gaps
 
 
 def longest_gaps(profiler, count: int = 15) -> list[tuple[float, float, str, str]]:
     """The `count` longest kernel gaps: (start from the first kernel, duration, the kernel before,
     the kernel after), microseconds."""
-    kernels = sorted(
-        (event.time_range.start, event.time_range.end, event.name)
-        for event in profiler.events()
-        if event.device_type == DeviceType.CUDA and not event.is_user_annotation
-    )
-    gaps, reach, before = [], None, ""
-    for start, end, name in kernels:
-        if reach is not None and start - reach >= MIN_GAP_US:
-            gaps.append((reach - kernels[0][0], start - reach, before[:40], name[:40]))
-        if reach is None or end >= reach:
-            reach, before = end, name
-    return sorted(gaps, key=lambda gap: -gap[1])[:count]
+    ran = kernels(profiler.events())
+    rows = [
+        (start - ran[0][0], end - start, before[:40], after[:40])
+        for start, end, before, after in kernel_gaps(ran)
+    ]
+    return sorted(rows, key=lambda row: -row[1])[:count]
 
 
 def idle_by_host(profiler) -> dict[tuple[str, str, str], list[float]]:
@@ -72,7 +72,7 @@ def idle_by_host(profiler) -> dict[tuple[str, str, str], list[float]]:
     idle: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     open_events: list[tuple[float, float, str, tuple[str, ...]]] = []  # a heap by end
     index = 0
-    for start, end in kernel_gaps(events):
+    for start, end, _, _ in kernel_gaps(kernels(events)):
         middle = (start + end) / 2
         while index < len(host) and host[index][0] <= middle:
             begin, finish, name, frames = host[index]

@@ -34,7 +34,7 @@ from grpoflow.kernels.batch_invariant import (
     dot_tile,
     log_softmax,
 )
-from grpoflow.kernels.ops import expert_order, grouped_mm_runs, grouped_product, grouped_weight_grad
+from grpoflow.kernels.ops import expert_order, grouped_grads, grouped_mm_runs
 
 
 @triton.jit
@@ -114,18 +114,8 @@ def grouped_matmul_forward(x: torch.Tensor, weight: torch.Tensor, ends: torch.Te
     return out
 
 
-def grouped_grads(
-    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, use_grouped_mm: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of `grouped_matmul` for x and weight: `torch._grouped_mm` (the products
-    torch's own backward of it runs), or a loop over the experts' rows (which reads `ends` on the
-    host)."""
-    grad_x = grouped_product(grad, weight, ends, use_grouped_mm)
-    return grad_x, grouped_weight_grad(grad, x, ends, weight.shape[0], use_grouped_mm)
-
-
 class _GroupedMatmul(torch.autograd.Function):
-    """The batch-invariant forward; the backward in torch (`grouped_grads`)."""
+    """The batch-invariant forward; the backward in torch (`ops.grouped_grads`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

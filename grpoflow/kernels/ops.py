@@ -8,6 +8,7 @@ float32 path reproduces transformers' greedy decoding token for token.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -46,11 +47,8 @@ def grouped_product(
     if grouped_mm_runs(x.device, x.dtype) if use_grouped_mm is None else use_grouped_mm:
         return torch._grouped_mm(x, weight, offs=ends)
     out = x.new_zeros((x.shape[0], weight.shape[-1]))
-    start = 0
-    for expert, end in enumerate(ends.tolist()):
-        if end > start:
-            out[start:end] = x[start:end] @ weight[expert]
-        start = end
+    for expert, rows in _expert_rows(ends):
+        out[rows] = x[rows] @ weight[expert]
     return out
 
 
@@ -69,12 +67,34 @@ def grouped_weight_grad(
         empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0
         return out.masked_fill_(empty[:, None, None], 0)
     out = x.new_zeros((num_experts, grad.shape[1], x.shape[1]))
+    for expert, rows in _expert_rows(ends):
+        out[expert] = grad[rows].T @ x[rows]
+    return out
+
+
+def _expert_rows(ends: torch.Tensor) -> Iterator[tuple[int, slice]]:
+    """Each expert with rows and its rows, from each expert's end row (read on the host)."""
     start = 0
     for expert, end in enumerate(ends.tolist()):
         if end > start:
-            out[expert] = grad[start:end].T @ x[start:end]
+            yield expert, slice(start, end)
         start = end
-    return out
+
+
+def grouped_grads(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ends: torch.Tensor,
+    use_grouped_mm: bool | None,
+    need: tuple[bool, bool] = (True, True),
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients for x and weight (E, N, K) of rows x sorted by expert through their experts'
+    weights as `F.linear` takes them (`grouped_linear`), each only where `need` asks: grouped
+    products as `grouped_product` runs them, the weight's zero for an expert without rows."""
+    grad_x = grouped_product(grad, weight, ends, use_grouped_mm) if need[0] else None
+    grad_weight = grouped_weight_grad(grad, x, ends, weight.shape[0], use_grouped_mm) if need[1] else None
+    return grad_x, grad_weight
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -92,11 +112,8 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, ends = ctx.saved_tensors
-        grad, use = grad.contiguous(), ctx.use_grouped_mm
-        grad_x = grouped_product(grad, weight, ends, use) if ctx.needs_input_grad[0] else None
-        grad_weight = (
-            grouped_weight_grad(grad, x, ends, weight.shape[0], use) if ctx.needs_input_grad[1] else None
-        )
+        need = ctx.needs_input_grad[:2]
+        grad_x, grad_weight = grouped_grads(grad.contiguous(), x, weight, ends, ctx.use_grouped_mm, need)
         return grad_x, grad_weight, None, None
 
 

@@ -277,10 +277,10 @@ def _scatter(
 ) -> torch.Tensor:
     """The lists laid into the True cells of `where`, row after row (`fill` elsewhere), in one
     pass over their values; a ValueError naming `name` when they hold another number of values."""
-    flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype)
-    if flat.size != where.sum():
+    flat, positions = np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype), int(where.sum())
+    if flat.size != positions:
         raise ValueError(
-            f"the {name} hold {flat.size} values for {int(where.sum())} positions: "
+            f"the {name} hold {flat.size} values for {positions} positions: "
             "give one per token of each completion"
         )
     out = np.full(where.shape, fill, dtype=dtype)
