@@ -39,8 +39,10 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from grpo_step import grpoflow_overrides, matmul_tflops, write_inputs  # noqa: E402
+from grpo_step import grpoflow_overrides, write_inputs  # noqa: E402
+from step_report import matmul_tflops  # noqa: E402
 
+from grpoflow.policy.auto_settings import DEFAULT_MICRO_BATCH  # noqa: E402
 from grpoflow.policy.memory_plan import GIB  # noqa: E402
 from grpoflow.run.config import load_config  # noqa: E402
 from grpoflow.run.infer_workers import free_port  # noqa: E402
@@ -90,13 +92,14 @@ def parse_variant(name: str) -> tuple[int, dict, dict[str, str]]:
 
 def variant_config(args, name: str, model_dir: Path, prompts: Path, workdir: Path) -> dict:
     """The run's config: grpo_step.py's workload per rank, the variant's keys, the device."""
+    fixed = not args.defaults
     settings = argparse.Namespace(
-        micro_batch=args.micro_batch,
+        micro_batch=args.micro_batch if fixed else None,
         new_tokens=args.new_tokens,
         max_tokens=0,
         set=args.set,
-        gradient_checkpointing=1,
-        torch_compile=0,
+        gradient_checkpointing=1 if fixed else None,
+        torch_compile=0 if fixed else None,
         steps=args.steps,
         engine="native",
         workdir=str(workdir / name),
@@ -109,8 +112,11 @@ def variant_config(args, name: str, model_dir: Path, prompts: Path, workdir: Pat
     if args.model not in ("tiny", "qwen2-0.5b"):  # built on each rank, nothing written
         config["model"] = f"random:{args.model}"
     completions = rank_prompts(args, name) * 8
-    micro_batch = min(16 if args.model == "tiny" else args.micro_batch, completions)
-    config["per_device_train_batch_size"] = micro_batch
+    if fixed:
+        micro_batch = min(16 if args.model == "tiny" else args.micro_batch, completions)
+        config["per_device_train_batch_size"] = micro_batch
+    else:  # the generation batch at the default micro-batch; the plan sizes the micro-batch
+        micro_batch = DEFAULT_MICRO_BATCH
     config["gradient_accumulation_steps"] = completions // micro_batch
     config["max_steps"] = args.steps  # grpo_step's overrides plan for a long run it steps itself
     config["save_strategy"] = "no"  # steps only: a 7B checkpoint takes longer than several steps
@@ -134,6 +140,13 @@ def run_variant(args, name: str, config: dict, workdir: Path) -> list[dict]:
         raise RuntimeError(f"variant {name} failed:\n{(result.stdout + result.stderr)[-6000:]}")
     metrics = Path(config["output_dir"]) / "metrics.jsonl"
     return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def chosen_settings(config: dict) -> dict:
+    """The settings the variant's run trained with, by name (run.json's chosen_settings)."""
+    path = Path(config["output_dir"]) / "run.json"
+    chosen = json.loads(path.read_text()).get("chosen_settings", {}) if path.exists() else {}
+    return {name: entry["value"] for name, entry in chosen.items()}
 
 
 def predicted_peak(config: dict, nproc: int) -> tuple[float, int]:
@@ -178,6 +191,12 @@ def summarize(args, name: str, rows: list[dict], config: dict) -> dict:
         "predicted_gib_per_gpu": None,
         "update_mfu": None,
         "update_hw_mfu": None,
+        "settings": chosen_settings(config),
+        "phases_s": {
+            key.removeprefix("time/"): mean(key)
+            for key in steady[0]
+            if key.startswith("time/") and not key.startswith("time/background")
+        },
     }
     tflops = matmul_tflops(_device_name(args))
     if args.device == "cuda":
@@ -185,7 +204,7 @@ def summarize(args, name: str, rows: list[dict], config: dict) -> dict:
         trained = generations * (128 + mean_length)  # per GPU
         if tflops and config.get("train_type", "full") == "full":
             row["update_mfu"] = 6 * num_params * trained / update_s / (tflops * 1e12)
-            recompute = 8 / 6 if config.get("gradient_checkpointing") else 1.0
+            recompute = 8 / 6 if row["settings"].get("gradient_checkpointing") else 1.0
             row["update_hw_mfu"] = row["update_mfu"] * recompute
     return row
 
@@ -218,7 +237,9 @@ def add_efficiency(rows: list[dict]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    keys = list(next((row for row in rows if "error" not in row), rows[0]))
+    """The rows' numbers as a table, then each row's settings and phases."""
+    first = next((row for row in rows if "error" not in row), rows[0])
+    keys = [key for key in first if not isinstance(first[key], dict)]
     print(" | ".join(keys))
     for row in rows:
         if "error" in row:
@@ -226,6 +247,12 @@ def print_table(rows: list[dict]) -> None:
             continue
         cells = [f"{row[key]:.3g}" if isinstance(row[key], float) else str(row[key] or "-") for key in keys]
         print(" | ".join(cells))
+    for row in rows:
+        if "error" not in row:
+            phases = ", ".join(
+                f"{name} {seconds:.3f}" for name, seconds in row["phases_s"].items() if seconds
+            )
+            print(f"{row['variant']}: {row['settings']}\n  seconds: {phases}")
 
 
 def main() -> None:
@@ -245,6 +272,12 @@ def main() -> None:
         "--strong", action="store_true", help="--prompts is the whole step's, split over the GPUs"
     )
     parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="leave micro-batch, gradient checkpointing and torch_compile to each variant's plan, "
+        "as grpoflow train does (else: --micro-batch, checkpointing on, compile off)",
+    )
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--set", action="append", default=[], help="config KEY=VALUE, every variant")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -275,7 +308,13 @@ def main() -> None:
             Path(args.out) if args.out else RESULTS / f"{today}-scaling-{device_name.replace(' ', '_')}.json"
         )
         out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"date": today, "device": device_name, "torch": torch.__version__, "args": vars(args)}
+        record = {
+            "date": today,
+            "device": device_name,
+            "torch": torch.__version__,
+            "defaults": args.defaults,
+            "args": vars(args),
+        }
         results, rows = {}, []
         for name in names:
             print(f"running {name} ...", flush=True)
