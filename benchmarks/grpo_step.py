@@ -189,7 +189,6 @@ def grpoflow_overrides(args, model_dir: Path, prompts: Path) -> dict:
         # would leave torch_compile off), of which the first args.steps are timed
         "max_steps": max(args.steps, RUN_STEPS),
         "rollout_engine": args.engine,
-        "gpu_memory_utilization": 0.35,
         "output_dir": str(Path(args.workdir) / "grpoflow"),
         "save_steps": 10_000,
         "report_to": ["none"],

@@ -197,7 +197,7 @@ def plan(argv: list[str]) -> int:
         "grpoflow plan", "Predict each GPU's peak memory, by part, and the step time.", epilog
     ).parse_known_args(argv)
     from grpoflow.run.chosen_settings import applied, choose, gpu_spec, planned_gpu, predicted_step
-    from grpoflow.run.plan_check import format_plan, gpu_capacity, run_plan
+    from grpoflow.run.plan_check import few_rows_warning, format_plan, gpu_capacity, run_plan
 
     try:
         overrides = options.parse_overrides(rest)
@@ -216,6 +216,9 @@ def plan(argv: list[str]) -> int:
     print(format_plan(memory))
     if blocks is not None:
         print(f"native engine KV cache: {blocks} blocks")
+        few = few_rows_warning(config, blocks)
+        if few is not None:
+            print(f"warning: {few}")
     print(chosen.summary())
     if step is not None:
         print(f"{step.describe()} (GPU: {gpu.name})")

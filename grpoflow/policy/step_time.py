@@ -8,14 +8,16 @@ arithmetic, before anything is loaded.
   of the rows still running at the slower of the engine's host work (`HOST_STEP_SECONDS`) and its
   GPU work: the products at the slower of reading their weights at the memory bandwidth and their
   FLOPs at the peak, over `PRODUCT_EFFICIENCY`, plus every running row's KV cache read over
-  `ATTENTION_EFFICIENCY`; a mixture-of-experts step reads its dense weights and the experts its rows are routed to (each of
-  E experts is missed by all of R rows choosing k with probability (1 - k/E)^R), and its FLOPs
-  count the active parameters;
+  `ATTENTION_EFFICIENCY`; a mixture-of-experts step reads its dense weights and the experts its
+  rows are routed to (each of E experts is missed by all of R rows choosing k with probability
+  (1 - k/E)^R), and its FLOPs count the active parameters; where the KV cache holds fewer
+  completions than the step generates (`Workload.max_running`), the decode runs in waves of those
+  it holds (preemption's recomputed prefills not counted);
 - update: 6 x active parameters x trained tokens (4 x under LoRA: no gradients of the frozen
   weights), one forward more (2 x) with gradient checkpointing, 2 x per extra forward pass
   (reference log-probs, old-policy log-probs), at the bf16 peak times the model FLOPs utilisation
-  measured eager or compiled (LoRA's own; a mixture-of-experts update's lower where a micro-batch
-  sends each expert few tokens); a padded micro-batch runs its decoder layers over its longest
+  measured eager or compiled at the model's product width (LoRA's own; a mixture-of-experts
+  update's lower where a micro-batch sends each expert few tokens); a padded micro-batch runs its decoder layers over its longest
   completion's columns (the output head only over real tokens);
 - sync: the weights copied to an engine that keeps its own copy, at the memory bandwidth (none
   for an engine that shares the policy's weights).
@@ -72,16 +74,18 @@ an H200 machine (the long-tailed workload's rollout, 2.29 s over 1,024 decode st
 on average: 2026-11-27-grpo-step-long-tail-sleep0-*H200.json; the 0.5B engine at 512 rows, 2.04 ms
 a step: rollout-*H200-2026-11-27.json), 2.6 ms on an H100 machine (the standard workload's
 rollout, 0.675 s over 256 steps: 2026-11-25-grpo-step-standard-gc0-mb64-compile-*H100.json)."""
-EAGER_MFU = 0.33
-"""Model FLOPs utilisation (recomputation counted) of an eager update: the standard workload's
-update took 3.004 s with gradient checkpointing, micro-batch 32
-(2026-11-25-grpo-step-standard-defaults-vs-trl-*H100*.json, update_s)."""
-COMPILED_MFU = 0.545
-"""Model FLOPs utilisation of an update with torch_compile: the standard workload's update took
-1.36 s without gradient checkpointing, micro-batch 64
-(2026-11-25-grpo-step-standard-gc0-mb64-compile-*H100.json, update_s; 0.585 on an H200:
-2026-11-27-grpo-step-standard-defaults-*H200.json)."""
-COMPILED_LORA_MFU = 0.68
+EAGER_MFU = ((2088, 0.33), (8240, 0.752))
+"""Model FLOPs utilisation (recomputation counted) of an eager update by the width of its products
+(`product_width`), measured: the standard workload (Qwen2-0.5B shape, width 2,088) took 3.004 s
+with gradient checkpointing, micro-batch 32 (2026-11-25-grpo-step-standard-defaults-vs-trl-*H100*,
+update_s); the Qwen2.5-7B shape (width 8,240) trained in full, micro-batch 16, without
+checkpointing, 14.04 s on an H200 (2026-11-28-grpo-step-7b-full-eager-kv-0.35-*H200.json). Wider
+products run nearer the peak, and the memory-bound work between them weighs less."""
+COMPILED_MFU = ((2088, 0.545), (8240, 0.752))
+"""The same with torch_compile: the standard workload took 1.36 s without gradient checkpointing,
+micro-batch 64 (2026-11-25-grpo-step-standard-gc0-mb64-compile-*H100.json, update_s; 0.585 on an
+H200: 2026-11-27-grpo-step-standard-defaults-*H200.json); at the 7B width no slower than eager."""
+COMPILED_LORA_MFU = ((8240, 0.68),)
 """The same for a LoRA update (4 x FLOPs): the 7B shape, 64 x 8, micro-batch 32, compiled, took
 11.14 s on an H200 (2026-11-27-grpo-step-7b-lora-64x8-defaults-*H200.json, update_s)."""
 MOE_FULL_TOKENS_PER_EXPERT = 620
@@ -112,10 +116,13 @@ class Workload:
     """Most new tokens per completion (max_completion_length)."""
     mean_completion_length: float | None = None
     """The completions' mean length; None: every one runs to completion_length."""
+    max_running: int | None = None
+    """Most completions the engine holds at once (its KV cache's bound); None: all of them."""
 
     def __post_init__(self) -> None:
         for name in ("prompts", "generations", "prompt_length", "completion_length"):
             require(getattr(self, name) >= 1, name, ">= 1", getattr(self, name))
+        require(self.max_running is None or self.max_running >= 1, "max_running", ">= 1", self.max_running)
         mean = self.mean_completion_length
         require(mean is None or 1 <= mean <= self.completion_length, "mean_completion_length",
                 f"between 1 and completion_length ({self.completion_length})", mean)  # fmt: skip
@@ -123,6 +130,11 @@ class Workload:
     @property
     def rows(self) -> int:
         return self.prompts * self.generations
+
+    @property
+    def waves(self) -> float:
+        """How many times over the engine decodes a batch of the completions it holds at once."""
+        return max(1.0, self.rows / self.max_running) if self.max_running else 1.0
 
     def running(self) -> list[float]:
         """Expected share of the completions still running at each decode step (1, 2, ...)."""
@@ -200,14 +212,15 @@ def rollout_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec) -> floa
     kv_per_token = 2 * shape.num_hidden_layers * shape.kv_size * shape.dtype_bytes
     prefill = 2 * params * workload.prompts * workload.prompt_length / gpu.bf16_flops / PRODUCT_EFFICIENCY
     decode = 0.0
+    held = workload.rows / workload.waves
     for step, share in enumerate(workload.running(), start=1):
-        rows = workload.rows * share  # each still running holds its prompt and `step` new tokens
+        rows = held * share  # each still running holds its prompt and `step` new tokens
         read = decode_weight_bytes(shape, max(1, math.ceil(rows))) / gpu.bandwidth
         products = max(read, 2 * params * rows / gpu.bf16_flops) / PRODUCT_EFFICIENCY
         context = rows * (workload.prompt_length + step)
         attention = context * kv_per_token / gpu.bandwidth / ATTENTION_EFFICIENCY
         decode += max(HOST_STEP_SECONDS, products + attention)
-    return prefill + decode
+    return prefill + decode * workload.waves
 
 
 def decode_weight_bytes(shape: ModelShape, rows: int) -> float:
@@ -233,14 +246,33 @@ def update_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec, passes: 
     parameter_tokens = (shape.num_active_parameters() - head) * padded + head * real
     flops = parameter_tokens * (per_token * passes.iterations + 2 * passes.extra_forwards)
     if passes.torch_compile:
-        mfu = COMPILED_LORA_MFU if passes.lora else COMPILED_MFU
+        measured = COMPILED_LORA_MFU if passes.lora else COMPILED_MFU
     else:
-        mfu = EAGER_MFU
+        measured = EAGER_MFU
+    mfu = interpolated(measured, product_width(shape))
     if shape.num_experts:
         tokens = passes.micro_batch * real / workload.rows
         per_expert = tokens * shape.num_experts_per_tok / shape.num_experts
         mfu *= min(1.0, per_expert / MOE_FULL_TOKENS_PER_EXPERT)
     return flops / (gpu.bf16_flops * mfu)
+
+
+def product_width(shape: ModelShape) -> float:
+    """The geometric mean of a layer's hidden and feed-forward widths (an expert's for a
+    mixture-of-experts model): how large its matrix products are."""
+    inner = shape.moe_intermediate_size if shape.num_experts else shape.intermediate_size
+    return math.sqrt(shape.hidden_size * inner)
+
+
+def interpolated(points: tuple[tuple[float, float], ...], width: float) -> float:
+    """The value at `width` on the line through the measured (width, value) `points` over
+    log(width), flat beyond the first and the last."""
+    if width <= points[0][0]:
+        return points[0][1]
+    for (low, below), (high, above) in zip(points, points[1:]):
+        if width <= high:
+            return below + (above - below) * math.log(width / low) / math.log(high / low)
+    return points[-1][1]
 
 
 def sync_seconds(shape: ModelShape, gpu: GpuSpec, passes: UpdatePasses) -> float:

@@ -27,7 +27,15 @@ from grpoflow.policy.batch_invariant import wanted
 from grpoflow.policy.loading import resolve_device
 from grpoflow.policy.step_time import GpuSpec, StepTime, UpdatePasses, Workload, known_gpu, predict_step
 from grpoflow.run.config import GRPOConfig
-from grpoflow.run.plan_check import choose_sleep_level, gpu_capacity, model_config, model_shape, plan_settings
+from grpoflow.run.plan_check import (
+    choose_sleep_level,
+    completions_held,
+    gpu_capacity,
+    kv_cache_blocks,
+    model_config,
+    model_shape,
+    plan_settings,
+)
 
 logger = logging.getLogger("grpoflow")
 
@@ -193,12 +201,14 @@ def predicted_step(config: GRPOConfig, gpu: GpuSpec, mean_completion_length: flo
     `mean_completion_length` tokens on average (None: the plan's, else each max_completion_length)."""
     algorithm, generation, training = config.algorithm, config.generation, config.training
     mean = mean_completion_length or config.plan.mean_completion_length
+    shape = model_shape(config, on_gpu=True)
     workload = Workload(
         prompts=max(1, config.generation_batch_size // generation.num_generations),
         generations=generation.num_generations,
         prompt_length=config.data.max_prompt_length,
         completion_length=generation.max_completion_length,
         mean_completion_length=None if mean is None else min(mean, generation.max_completion_length),
+        max_running=engine_rows(config, shape),
     )
     packed = training.padding_free or training.max_tokens_per_micro_batch is not None
     passes = UpdatePasses(
@@ -211,4 +221,18 @@ def predicted_step(config: GRPOConfig, gpu: GpuSpec, mean_completion_length: flo
         micro_batch=training.micro_batch_size,
         padded=not (packed or config.groups_by_length()),
     )
-    return predict_step(model_shape(config, on_gpu=True), workload, gpu, passes)
+    return predict_step(shape, workload, gpu, passes)
+
+
+def engine_rows(config: GRPOConfig, shape) -> int | None:
+    """Completions the native engine's KV cache holds at once (its num_kv_blocks, or the plan's
+    for the GPU planned for); None for another engine or without a GPU to plan for."""
+    if config.generation.engine_name != "native":
+        return None
+    blocks = getattr(config.generation.engine, "num_kv_blocks", None)
+    if blocks is None:
+        capacity = gpu_capacity(config)
+        if capacity is None:
+            return None
+        blocks = kv_cache_blocks(config, shape, capacity)[0]
+    return max(1, completions_held(config, blocks))

@@ -171,6 +171,33 @@ def kv_cache_blocks(config, shape: ModelShape, capacity: int) -> tuple[int, int]
     return blocks, blocks * per_block + workspace_bytes(native, engine_in_use(config, engine), dtype)
 
 
+def completions_held(config, blocks: int) -> int:
+    """Completions `blocks` of the native engine's KV cache hold at once at their longest: each its
+    own completion's blocks and its share of its group's prompt blocks (the samples share them),
+    at most max_num_seqs."""
+    from grpoflow.engines.native.sizing import NativeEngineConfig
+
+    engine = NativeEngineConfig.sized_as(config.generation.engine)
+    generation, size = config.generation, engine.block_size
+    prompt_share = math.ceil(config.data.max_prompt_length / size) / generation.num_generations
+    per_completion = math.ceil(generation.max_completion_length / size) + prompt_share
+    return min(engine.max_num_seqs, int(blocks // per_completion))
+
+
+def few_rows_warning(config, blocks: int) -> str | None:
+    """What to change when the KV cache holds fewer of a single-turn step's completions at once
+    than it generates (the rollout then decodes them in waves, preempting); else None."""
+    rows, held = config.generation_batch_size, completions_held(config, blocks)
+    if held >= rows or config.agent.enabled or config.agent.rollout_func or config.agent.agent_program:
+        return None
+    utilization = config.generation.engine.gpu_memory_utilization
+    return (
+        f"the KV cache ({blocks} blocks) holds about {held} of the {rows} completions a step generates "
+        f"at once: the rollout decodes them in about {math.ceil(rows / max(held, 1))} waves; raise "
+        f"gpu_memory_utilization (now {utilization}) or lower max_completion_length"
+    )
+
+
 def engine_in_use(config, engine):
     """The engine's sizes as this run's calls use them: the cache is sized for the engine's
     bounds (`max_num_seqs` rows, `max_prefill_tokens`), but a single-turn run decodes at most its
@@ -281,6 +308,9 @@ def check_plan(config) -> int | None:
     hint = faster_fsdp_layout(config, capacity)
     if hint is not None:
         logger.info("%s", hint)
+    few = few_rows_warning(config, blocks) if blocks is not None else None
+    if few is not None:
+        logger.warning("%s", few)
     if not plan.fits:
         certain = plan.peak > capacity / UNCERTAIN_SHARE
         if config.plan.memory_check == "refuse" and certain:

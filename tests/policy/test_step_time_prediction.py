@@ -5,13 +5,22 @@ shapes on an H200."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from grpoflow.policy.memory_plan import ModelShape
-from grpoflow.policy.step_time import KNOWN_GPUS, UpdatePasses, Workload, known_gpu, predict_step
+from grpoflow.policy.step_time import (
+    KNOWN_GPUS,
+    UpdatePasses,
+    Workload,
+    interpolated,
+    known_gpu,
+    predict_step,
+    product_width,
+)
 from grpoflow.policy.tiny import PRESETS, preset_config
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -106,6 +115,38 @@ def test_defaults_on_an_h200_within_20_percent(name, preset):
         predicted,
         row,
     )
+
+
+def test_a_7b_full_update_and_a_rollout_held_back_by_its_cache_within_20_percent():
+    """Eager, micro-batch 16, no checkpointing; gpu_memory_utilization 0.35 left the KV cache 798
+    blocks, about 93 completions of the 512 at once (8 blocks of their own, half a block of the
+    group's prompt)."""
+    args, row = grpoflow_row("2026-11-28-grpo-step-7b-full-eager-kv-0.35-NVIDIA_H200.json")
+    shape = ModelShape.from_config(preset_config(args["preset"], 152064))
+    workload = Workload(64, 8, 128, 256, max_running=798 * 2 // 17)
+    passes = UpdatePasses(micro_batch=row["chosen_settings"]["per_device_train_batch_size"]["value"])
+    predicted = predict_step(shape, workload, KNOWN_GPUS["H200"], passes)
+    assert abs(predicted.total - row["seconds_per_step"]) <= TOLERANCE * row["seconds_per_step"], (
+        predicted,
+        row,
+    )
+    assert abs(predicted.update - row["update_s"]) <= TOLERANCE * row["update_s"], (predicted, row)
+    held = predict_step(shape, dataclasses.replace(workload, max_running=None), KNOWN_GPUS["H200"], passes)
+    assert predicted.rollout > 1.5 * held.rollout and predicted.update == held.update
+
+
+def test_waves_and_the_measured_utilisation_by_width():
+    gpu, passes = KNOWN_GPUS["H200"], UpdatePasses()
+    whole = predict_step(QWEN_05B, STANDARD, gpu, passes)
+    half = predict_step(QWEN_05B, dataclasses.replace(STANDARD, max_running=256), gpu, passes)
+    assert dataclasses.replace(STANDARD, max_running=256).waves == 2.0 and STANDARD.waves == 1.0
+    assert whole.rollout < half.rollout < 2 * whole.rollout  # the same decode steps, twice, at half the rows
+    points = ((2000, 0.3), (8000, 0.7))
+    assert interpolated(points, 1000) == 0.3 and interpolated(points, 9000) == 0.7
+    assert interpolated(points, 4000) == pytest.approx(0.5)
+    assert product_width(QWEN_05B) == pytest.approx((896 * 4864) ** 0.5)
+    with pytest.raises(ValueError, match="max_running"):
+        Workload(64, 8, 128, 256, max_running=0)
 
 
 def test_phases_follow_the_settings():
