@@ -81,10 +81,12 @@ with gradient checkpointing, micro-batch 32 (2026-11-25-grpo-step-standard-defau
 update_s); the Qwen2.5-7B shape (width 8,240) trained in full, micro-batch 16, without
 checkpointing, 14.04 s on an H200 (2026-11-28-grpo-step-7b-full-eager-kv-0.35-*H200.json). Wider
 products run nearer the peak, and the memory-bound work between them weighs less."""
-COMPILED_MFU = ((2088, 0.545), (8240, 0.752))
+COMPILED_MFU = ((2088, 0.545), (8240, 0.776))
 """The same with torch_compile: the standard workload took 1.36 s without gradient checkpointing,
 micro-batch 64 (2026-11-25-grpo-step-standard-gc0-mb64-compile-*H100.json, update_s; 0.585 on an
-H200: 2026-11-27-grpo-step-standard-defaults-*H200.json); at the 7B width no slower than eager."""
+H200: 2026-11-27-grpo-step-standard-defaults-*H200.json); the 7B shape in full 13.60 s, against
+13.65 s eager in the same call (2026-11-28-grpo-step-7b-full-{compiled,defaults}-*H200.json):
+compiling pays at small widths only."""
 COMPILED_LORA_MFU = ((8240, 0.68),)
 """The same for a LoRA update (4 x FLOPs): the 7B shape, 64 x 8, micro-batch 32, compiled, took
 11.14 s on an H200 (2026-11-27-grpo-step-7b-lora-64x8-defaults-*H200.json, update_s)."""

@@ -92,6 +92,8 @@ def test_a_mixture_of_experts_step_on_an_h200_within_20_percent():
     "name, preset",
     [
         ("2026-11-27-grpo-step-7b-lora-64x8-defaults-NVIDIA_H200.json", "qwen2.5-7b"),
+        ("2026-11-28-grpo-step-7b-full-defaults-NVIDIA_H200.json", "qwen2.5-7b"),
+        ("2026-11-28-grpo-step-7b-full-compiled-NVIDIA_H200.json", "qwen2.5-7b"),
         ("2026-11-27-grpo-step-qwen3-30b-a3b-lora-plan-chosen-NVIDIA_H200.json", "qwen3-30b-a3b"),
         ("2026-11-27-grpo-step-long-tail-sleep0-NVIDIA_H200.json", "qwen2-0.5b"),
     ],
