@@ -60,15 +60,33 @@ class PackedSequences:
     """(batch + 1,) int32: where each sequence starts in the row, and the row's length."""
     max_length: int
     """The longest sequence's tokens."""
+    key_index: Tensor | None = None
+    """(keys,) the packed token each sequence's keys come from, sequence after sequence, where
+    sequences attend to tokens outside their own (`algo.shared_prompts`); None: each to itself."""
+    cu_seq_lens_k: Tensor | None = None
+    """(batch + 1,) int32: where each sequence's keys start in `key_index` (with it)."""
+    max_length_k: int | None = None
+    """The most keys of a sequence (with `key_index`)."""
 
     def attention_kwargs(self) -> dict:
         """The sequences' boundaries under transformers' names for them, for attention
-        implementations that read them (flash_attention_2/3, grpoflow_varlen); others ignore them."""
+        implementations that read them (flash_attention_2/3, grpoflow_varlen); others ignore them.
+        With a key index only grpoflow_varlen reads them, and a placeholder 4D mask spares
+        transformers building one over the whole row."""
+        if self.key_index is None:
+            return {
+                "cu_seq_lens_q": self.cu_seq_lens,
+                "cu_seq_lens_k": self.cu_seq_lens,
+                "max_length_q": self.max_length,
+                "max_length_k": self.max_length,
+            }
         return {
+            "attention_mask": torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.input_ids.device),
             "cu_seq_lens_q": self.cu_seq_lens,
-            "cu_seq_lens_k": self.cu_seq_lens,
             "max_length_q": self.max_length,
-            "max_length_k": self.max_length,
+            "key_index": self.key_index,
+            "cu_seq_lens_k": self.cu_seq_lens_k,
+            "max_length_k": self.max_length_k,
         }
 
 

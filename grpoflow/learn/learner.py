@@ -166,7 +166,10 @@ class Learner:
         tap = None
         if first_pass:
             tap = DistributionTap.for_rows(
-                self.placement, micro.rows, settings.temperature, settings.padding_free
+                self.placement,
+                micro.rows,
+                settings.temperature,
+                settings.padding_free or settings.shared_prompts,
             )
         with tap if tap is not None else contextlib.nullcontext():
             logps, entropy = batch_logprobs(

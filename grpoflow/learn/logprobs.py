@@ -1,6 +1,7 @@
-"""Log-probs of a rollout batch's completion tokens under a placed model, from its padded rows or,
-under `padding_free`, from its sequences packed end to end in one row (`algo.packing`); either
-way they come back padded, so the losses see the same tensors. A row holding several sequences
+"""Log-probs of a rollout batch's completion tokens under a placed model, from its padded rows,
+under `shared_prompts` from each group's prompt packed once with its completions after it
+(`algo.shared_prompts`), or under `padding_free` from its sequences packed end to end in one row
+(`algo.packing`); either way they come back padded, so the losses see the same tensors. A row holding several sequences
 (`RolloutBatch.sequence_starts`) is scored as a row per sequence (`rollout.segments`). A MoE
 policy's forward passes bind the batch's recorded routing, in the order the forward takes its
 tokens, to the routers' hooks (`policy.routing_replay`)."""
@@ -12,7 +13,9 @@ from contextlib import nullcontext
 import torch
 
 from grpoflow.algo import LogprobOptions, pack_sequences, packed_sequence_logprobs, sequence_logprobs
+from grpoflow.algo.shared_prompts import pack_shared_prompts
 from grpoflow.learn.update import UpdateSettings
+from grpoflow.policy import varlen_attention
 from grpoflow.policy.placement import Placement
 from grpoflow.policy.routing_replay import MoeRouters, RoutingRecord
 from grpoflow.policy.unpacked_forward import unpacked_positions
@@ -48,10 +51,16 @@ def batch_logprobs(
         entropy_grad=entropy_grad,
         truncation=settings.truncation,
     )
-    if settings.padding_free:
+    packed = None
+    if settings.shared_prompts and routing is None and attends_varlen(model):
+        packed = pack_shared_prompts(
+            batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
+        )
+    if packed is None and settings.padding_free:
         packed = pack_sequences(
             batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
         )
+    if packed is not None:
         return placement.sharded_forward(lambda: packed_sequence_logprobs(model, packed, options))
     input_ids, attention_mask = batch.model_inputs()
     logits_to_keep = batch.completion_ids.shape[1]
@@ -59,6 +68,15 @@ def batch_logprobs(
         return placement.sharded_forward(
             lambda: sequence_logprobs(model, input_ids, attention_mask, logits_to_keep, options)
         )
+
+
+def attends_varlen(model: torch.nn.Module) -> bool:
+    """The model attends with grpoflow_varlen, which reads a packed row's key index (a model
+    attending otherwise would ignore it and attend across the packed sequences)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return getattr(config, "_attn_implementation", None) == varlen_attention.NAME
 
 
 def routing_layout(

@@ -64,6 +64,9 @@ class UpdateSettings:
     """top-k/top-p/min-p replayed on the trainer's logits (`replay_sampling_truncation`)."""
     padding_free: bool = False
     """Run each micro-batch's forward passes on its sequences packed end to end in one row."""
+    shared_prompts: bool = False
+    """Run each micro-batch's forward passes with each group's prompt once, its completions packed
+    after it (`algo.shared_prompts`), where the model attends with grpoflow_varlen."""
     max_tokens_per_micro_batch: int | None = None
     """Form micro-batches by this budget of real tokens instead of `micro_batch_size` rows
     (padding_free only)."""

@@ -73,6 +73,8 @@ class UserSettings:
     use_liger_kernel: bool | None = None
     """use_liger_kernel as given (None: auto); true leaves compile off (Liger's kernels are
     refused beside it)."""
+    shared_prompts: bool | None = None
+    """shared_prompts as given (None: auto)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,9 @@ class ChosenSettings:
     sleep_level: int | None = None
     """Whether the engine releases its cache after each rollout (`run.plan_check.choose_sleep_level`,
     once the other settings are in the config); None: not chosen."""
+    shared_prompts: bool = False
+    """Each group's prompt runs through the update once (`run.chosen_settings.with_shared_prompts`;
+    until it has chosen, as given)."""
 
     def values(self) -> dict[str, object]:
         """The settings by option name."""
@@ -104,6 +109,7 @@ class ChosenSettings:
             "torch_compile": self.torch_compile,
             "max_tokens_per_micro_batch": self.max_tokens_per_micro_batch,
             "use_liger_kernel": self.use_liger_kernel,
+            "shared_prompts": self.shared_prompts,
         }
         return values if self.sleep_level is None else {**values, "sleep_level": self.sleep_level}
 
@@ -186,6 +192,7 @@ def choose_settings(
         torch_compile=compile_,
         max_tokens_per_micro_batch=tokens,
         use_liger_kernel=bool(user.use_liger_kernel),
+        shared_prompts=bool(user.shared_prompts),
         sources=sources,
         peak_bytes=peak(checkpointing, micro_batch),
         capacity=device.memory_bytes,
@@ -200,6 +207,7 @@ def _kept(user: UserSettings, source: Source) -> ChosenSettings:
         torch_compile=bool(user.torch_compile),
         max_tokens_per_micro_batch=user.max_tokens_per_micro_batch,
         use_liger_kernel=bool(user.use_liger_kernel),
+        shared_prompts=bool(user.shared_prompts),
         sources=_sources(user, source),
     )
 
@@ -214,6 +222,7 @@ def _sources(user: UserSettings, unset: Source) -> dict[str, Source]:
     }
     sources: dict[str, Source] = {name: "user" if was_given else unset for name, was_given in given.items()}
     sources["use_liger_kernel"] = "default" if user.use_liger_kernel is None else "user"  # auto, not the plan
+    sources["shared_prompts"] = "default" if user.shared_prompts is None else "user"
     return sources
 
 

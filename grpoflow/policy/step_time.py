@@ -17,8 +17,9 @@ arithmetic, before anything is loaded.
   weights), one forward more (2 x) with gradient checkpointing, 2 x per extra forward pass
   (reference log-probs, old-policy log-probs), at the bf16 peak times the model FLOPs utilisation
   measured eager or compiled at the model's product width (LoRA's own; a mixture-of-experts
-  update's lower where a micro-batch sends each expert few tokens); a padded micro-batch runs its decoder layers over its longest
-  completion's columns (the output head only over real tokens);
+  update's lower where a micro-batch sends each expert few tokens); a padded micro-batch runs its
+  decoder layers over its longest completion's columns (the output head only over real tokens);
+  with shared prompts the decoder runs over each prompt once;
 - sync: the weights copied to an engine that keeps its own copy, at the memory bandwidth (none
   for an engine that shares the policy's weights).
 
@@ -185,6 +186,9 @@ class UpdatePasses:
     padded: bool = False
     """The micro-batches are padded to their longest completion in the batch's order (not packed,
     not grouped by length: then their tokens are about the real ones)."""
+    shared_prompts: bool = False
+    """Each group's prompt runs through the decoder once (`algo.shared_prompts`): its tokens count
+    once per prompt, not once per completion."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,10 +246,12 @@ def update_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec, passes: 
         per_token += 2
     head = shape.vocab_size * shape.hidden_size
     real = workload.real_tokens
-    padded = real
-    if passes.padded:
-        padded = workload.rows * (workload.prompt_length + workload.padded_length(passes.micro_batch))
-    parameter_tokens = (shape.num_active_parameters() - head) * padded + head * real
+    decoded = real
+    if passes.shared_prompts:
+        decoded = workload.prompts * workload.prompt_length + workload.rows * sum(workload.running())
+    elif passes.padded:
+        decoded = workload.rows * (workload.prompt_length + workload.padded_length(passes.micro_batch))
+    parameter_tokens = (shape.num_active_parameters() - head) * decoded + head * real
     flops = parameter_tokens * (per_token * passes.iterations + 2 * passes.extra_forwards)
     if passes.torch_compile:
         measured = COMPILED_LORA_MFU if passes.lora else COMPILED_MFU

@@ -71,6 +71,7 @@ def user_settings(config: GRPOConfig) -> UserSettings:
         torch_compile=config.policy.torch_compile,
         batch_invariant=batch_invariant_runs(config),
         use_liger_kernel=None if config.policy.use_liger_kernel == "auto" else config.policy.use_liger_kernel,
+        shared_prompts=config.training.shared_prompts,
         max_tokens_per_micro_batch=config.training.max_tokens_per_micro_batch,
         padding_free=config.training.padding_free,
         generation_batch=config.generation_batch_size,
@@ -90,7 +91,44 @@ def batch_invariant_runs(config: GRPOConfig) -> bool:
 
 def choose(config: GRPOConfig, device: DeviceFacts) -> ChosenSettings:
     """The settings `config` trains with on `device`."""
-    return with_liger(config, device, choose_speed(config, device))
+    return with_shared_prompts(config, device, with_liger(config, device, choose_speed(config, device)))
+
+
+def shared_prompts_refusal(config: GRPOConfig, device: DeviceFacts) -> str | None:
+    """Why each group's prompt cannot run through the update once here, naming what to change;
+    None when it can."""
+    from grpoflow.kernels.varlen import VARLEN_PARAMETERS
+
+    if device.kind != "cuda":
+        return "off the GPU (the CPU's per-sequence attention gains nothing)"
+    if not VARLEN_PARAMETERS:
+        return "this torch has no torch.nn.attention.varlen (torch >= 2.10 has)"
+    if config.policy.attn_implementation not in (None, "grpoflow_varlen"):
+        return (
+            f"attn_implementation is {config.policy.attn_implementation!r}: unset it or set grpoflow_varlen"
+        )
+    if batch_invariant_runs(config):
+        return "the batch-invariant kernels run (their forward is laid out as the engine's)"
+    if model_shape(config, on_gpu=True).num_experts:
+        return "a mixture-of-experts model (its routing replay reads each completion's prompt)"
+    return None
+
+
+def with_shared_prompts(config: GRPOConfig, device: DeviceFacts, chosen: ChosenSettings) -> ChosenSettings:
+    """`chosen` with whether each group's prompt runs through the update once, and why (one log
+    line when auto); shared_prompts: true where it cannot run is refused, naming the fix."""
+    setting = config.training.shared_prompts
+    if setting is False:
+        return chosen
+    refusal = shared_prompts_refusal(config, device)
+    if setting is True and refusal is not None:
+        raise ValueError(f"shared_prompts: true cannot run: {refusal}; or set shared_prompts: false")
+    on = refusal is None
+    reason = "each group's prompt through the update once" if on else refusal
+    if setting is None:
+        logger.info("shared_prompts=%s (auto: %s)", on, reason)
+    reasons = {**chosen.reasons, "shared_prompts": f"auto: {reason}" if setting is None else reason}
+    return dataclasses.replace(chosen, shared_prompts=on, reasons=reasons)
 
 
 def with_liger(config: GRPOConfig, device: DeviceFacts, chosen: ChosenSettings) -> ChosenSettings:
@@ -140,13 +178,16 @@ def applied(config: GRPOConfig, chosen: ChosenSettings) -> GRPOConfig:
         per_device_train_batch_size=size,
         gradient_accumulation_steps=accumulation,
         max_tokens_per_micro_batch=chosen.max_tokens_per_micro_batch,
+        shared_prompts=chosen.shared_prompts,
     )
+    attention = config.policy.attn_implementation
     policy = dataclasses.replace(
         config.policy,
         gradient_checkpointing=chosen.gradient_checkpointing,
         torch_compile=chosen.torch_compile,
         compile_fallback=chosen.torch_compile and chosen.sources["torch_compile"] != "user",
         use_liger_kernel=chosen.use_liger_kernel,
+        attn_implementation="grpoflow_varlen" if chosen.shared_prompts else attention,
     )
     return dataclasses.replace(config, training=training, policy=policy)
 
@@ -219,7 +260,8 @@ def predicted_step(config: GRPOConfig, gpu: GpuSpec, mean_completion_length: flo
         iterations=algorithm.num_iterations,
         engine_shares_weights=generation.engine_name in ("native", "hf"),
         micro_batch=training.micro_batch_size,
-        padded=not (packed or config.groups_by_length()),
+        padded=not (packed or training.shared_prompts or config.groups_by_length()),
+        shared_prompts=bool(training.shared_prompts),
     )
     return predict_step(shape, workload, gpu, passes)
 

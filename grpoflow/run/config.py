@@ -231,6 +231,7 @@ class GRPOConfig(SpanningRules):
             exact_draws=exact_draws,
             truncation=replayed_truncation(self.generation.sampling, self.algorithm),
             padding_free=self.training.padding_free,
+            shared_prompts=bool(self.training.shared_prompts),
             max_tokens_per_micro_batch=self.training.max_tokens_per_micro_batch,
             group_by_length=self.groups_by_length(),
         )
@@ -253,9 +254,12 @@ class GRPOConfig(SpanningRules):
 
     def groups_by_length(self) -> bool:
         """`group_by_length`, or when unset: on unless the micro-batches' make-up changes the loss
-        (bnpo, top_entropy_quantile < 1)."""
+        (bnpo, top_entropy_quantile < 1) or the update shares prompts (its rows packed, without
+        padding to save, and a group's rows must stay together)."""
         if self.training.group_by_length is not None:
             return self.training.group_by_length
+        if self.training.shared_prompts:
+            return False
         return self.algorithm.loss_type != "bnpo" and self.algorithm.top_entropy_quantile >= 1.0
 
     def total_steps(self, num_prompts: int, world_size: int = 1) -> int:

@@ -51,6 +51,13 @@ class TrainingConfig:
     """Run each micro-batch's forward passes (policy, old policy, reference) on its sequences
     packed end to end in one row, attention kept within each, so an update costs the real tokens
     rather than the padded rectangle; the losses are unchanged."""
+    shared_prompts: bool | None = None
+    """Run each group's prompt through the update's forward passes once, its completions packed
+    after it, each attending to the prompt and to itself (`algo.shared_prompts`): an update costs
+    the prompt once per group rather than once per completion, and no padding. None: on where it
+    runs (`grpoflow train` on CUDA with torch's varlen attention, attn_implementation unset or
+    grpoflow_varlen, neither the batch-invariant kernels nor a mixture-of-experts model), the
+    reason recorded in run.json."""
     max_tokens_per_micro_batch: int | None = None
     """Under padding_free, form micro-batches of consecutive completions whose prompt and
     completion tokens fit this budget (a longer sequence gets a micro-batch of its own) instead of

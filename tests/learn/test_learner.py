@@ -14,6 +14,7 @@ from grpoflow.learn.logprobs import batch_logprobs
 from grpoflow.learn.micro_batches import micro_batches
 from grpoflow.learn.objective import AlgorithmConfig
 from grpoflow.learn.update import ImportanceCorrection, UpdateSettings
+from grpoflow.policy import varlen_attention
 from grpoflow.policy.placement import Placement
 from grpoflow.policy.tiny import build_tiny_model
 from grpoflow.rollout.batch import RolloutBatch
@@ -309,3 +310,38 @@ def test_a_checkpoints_optimizer_of_other_parameter_groups_is_refused_with_the_f
     again = torch.optim.AdamW([{"params": first.parameters()}, {"params": second.parameters()}])
     load_optimizer_state(again, split.state_dict())
     assert len(again.param_groups) == 2
+
+
+def _shared_prompt_update(settings: UpdateSettings, attention: str) -> dict:
+    """`_ragged_update`'s parameter change with rows 0-2 and 3-4 sharing their prompts, every
+    model attending with `attention`."""
+    varlen_attention.register()
+    models = [build_tiny_model(VOCAB, seed=seed) for seed in (0, 1)]
+    for model in models:
+        model.set_attn_implementation(attention)
+    model = models[0]
+    batch = _ragged_batch(model, _settings(micro_batch_size=6, temperature=0.9))
+    for rows in (slice(0, 3), slice(3, 5)):
+        batch.prompt_ids[rows], batch.prompt_mask[rows] = (
+            batch.prompt_ids[rows][:1],
+            batch.prompt_mask[rows][:1],
+        )
+    learner = _learner(Placement.local(model), settings, Placement.local(models[1]))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    learner.learn(batch, RAGGED_ADVANTAGES)
+    return {name: p.detach() - before[name] for name, p in model.named_parameters()}
+
+
+def test_shared_prompts_update_as_the_padded_micro_batches_do():
+    """Old-policy (num_iterations 2), reference (beta) and trained log-probs, each group's prompt
+    once, update as the packed rows do (which update as the padded ones: the test above; on this
+    batch both are 1.06e-4 of a norm weight's change from the padded update, 9e-6 from each other);
+    a model attending otherwise (sdpa) keeps the padded rows."""
+    algorithm = AlgorithmConfig(loss_type="dapo", num_iterations=2, beta=0.05)
+    common = dict(micro_batch_size=3, temperature=0.9, algorithm=algorithm)
+    packed = _shared_prompt_update(_settings(**common, padding_free=True), varlen_attention.NAME)
+    shared = _shared_prompt_update(_settings(**common, shared_prompts=True), varlen_attention.NAME)
+    _assert_same_update(shared, packed)
+    padded = _shared_prompt_update(_settings(**common), "sdpa")
+    unshared = _shared_prompt_update(_settings(**common, shared_prompts=True), "sdpa")
+    _assert_same_update(unshared, padded)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.packed_batches import COMPLETION_LENGTHS, PROMPT_LENGTHS, VOCAB, padded_batch
+from helpers.packed_batches import COMPLETION_LENGTHS, PROMPT_LENGTHS, VOCAB, grouped_batch, padded_batch
 
 from grpoflow.algo import (
     LogprobOptions,
@@ -15,6 +15,7 @@ from grpoflow.algo import (
     policy_loss,
     sequence_logprobs,
 )
+from grpoflow.algo.shared_prompts import pack_shared_prompts
 from grpoflow.policy import varlen_attention
 from grpoflow.policy.tiny import build_tiny_model
 
@@ -43,7 +44,7 @@ def gradients(model, logps_fn, inputs) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     logps = logps_fn(model, inputs)
     mask = inputs[3]
-    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0], device=mask.device)
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0, 0.5, -0.25, 0.75][: mask.shape[0]], device=mask.device)
     loss, _ = policy_loss(logps, logps.detach() - 0.05, advantages, mask, LossSettings(loss_type="dapo"))
     loss.backward()
     return {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -105,6 +106,28 @@ def test_cuda_varlen_flash_attention_equals_the_padded_batch_in_bfloat16():
         packed(model, inputs)[mask], padded(reference, inputs)[mask], rtol=0, atol=0.05
     )
     want, got = gradients(reference, padded, inputs), gradients(model, packed, inputs)
+    for name, grad in want.items():
+        scale = grad.abs().max().clamp(min=1e-6)
+        torch.testing.assert_close(got[name] / scale, grad / scale, rtol=0, atol=0.05, msg=name)
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_shared_prompts_equal_the_padded_batch_in_bfloat16():
+    """Completions keyed on their group's prompt: flash attention's causal mask aligned to each
+    sequence's last key (a completion's queries are its last tokens)."""
+    model = model_with(varlen_attention.NAME, device="cuda", dtype=torch.bfloat16)
+    reference = model_with("sdpa", device="cuda", dtype=torch.bfloat16)
+    inputs = grouped_batch(device="cuda")
+    mask = inputs[3].bool()
+
+    def shared(model, inputs):
+        return packed_sequence_logprobs(model, pack_shared_prompts(*inputs), SAMPLING)[0]
+
+    torch.testing.assert_close(
+        shared(model, inputs)[mask], padded(reference, inputs)[mask], rtol=0, atol=0.05
+    )
+    want, got = gradients(reference, padded, inputs), gradients(model, shared, inputs)
     for name, grad in want.items():
         scale = grad.abs().max().clamp(min=1e-6)
         torch.testing.assert_close(got[name] / scale, grad / scale, rtol=0, atol=0.05, msg=name)

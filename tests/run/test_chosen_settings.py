@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers.support import recipe
 
 from grpoflow.cli import main
@@ -123,3 +124,33 @@ def test_a_run_too_short_to_pay_for_compiling_is_left_eager(tmp_path, caplog):
     assert choose(unset(recipe(tmp_path, **STANDARD, gpu_name="H100", max_steps=500)), gpu).torch_compile
     given = unset(recipe(tmp_path, **STANDARD, gpu_name="H100", max_steps=5, torch_compile=True))
     assert choose(given, gpu).torch_compile  # a setting given is kept
+
+
+def test_each_groups_prompt_runs_through_the_update_once_where_it_can(tmp_path, caplog):
+    gpu = DeviceFacts("cuda", 80 * GIB, compile_available=True)
+    config = unset(recipe(tmp_path, **STANDARD, gpu_name="H100"))
+    with caplog.at_level("INFO", logger="grpoflow"):
+        chosen = choose(config, gpu)
+    assert chosen.shared_prompts and chosen.sources["shared_prompts"] == "default"
+    assert any("shared_prompts=True (auto" in r.getMessage() for r in caplog.records)
+    trained = applied(config, chosen)
+    assert trained.training.shared_prompts and trained.policy.attn_implementation == "grpoflow_varlen"
+    assert not trained.groups_by_length() and trained.update_settings(copies_weights=False).shared_prompts
+    assert chosen.record()["shared_prompts"]["reason"].startswith("auto: each group's prompt")
+    unshared = applied(
+        config, choose(unset(recipe(tmp_path, **STANDARD, gpu_name="H100", shared_prompts=False)), gpu)
+    )
+    spec = gpu_spec(trained)
+    assert predicted_step(trained, spec).update < 0.8 * predicted_step(unshared, spec).update
+
+    off = {
+        "the CPU": (config, DeviceFacts("cpu")),
+        "another attention": (recipe(tmp_path, **STANDARD, attn_implementation="sdpa"), gpu),
+    }
+    for case, (other, device) in off.items():
+        kept = choose(other, device)
+        assert not kept.shared_prompts, case
+        assert applied(other, kept).policy.attn_implementation == other.policy.attn_implementation, case
+    assert "attn_implementation is 'sdpa'" in choose(*off["another attention"]).reasons["shared_prompts"]
+    with pytest.raises(ValueError, match="shared_prompts: true cannot run: off the GPU"):
+        choose(recipe(tmp_path, **STANDARD, shared_prompts=True), DeviceFacts("cpu"))
