@@ -94,6 +94,8 @@ def test_a_mixture_of_experts_step_on_an_h200_within_20_percent():
         ("2026-11-27-grpo-step-7b-lora-64x8-defaults-NVIDIA_H200.json", "qwen2.5-7b"),
         ("2026-11-28-grpo-step-7b-full-defaults-NVIDIA_H200.json", "qwen2.5-7b"),
         ("2026-11-28-grpo-step-7b-full-compiled-NVIDIA_H200.json", "qwen2.5-7b"),
+        ("2026-11-28-grpo-step-standard-defaults-shared-prompts-vs-trl-NVIDIA_H200.json", "qwen2-0.5b"),
+        ("2026-11-28-grpo-step-long-tail-defaults-shared-prompts-NVIDIA_H200.json", "qwen2-0.5b"),
         ("2026-11-27-grpo-step-qwen3-30b-a3b-lora-plan-chosen-NVIDIA_H200.json", "qwen3-30b-a3b"),
         ("2026-11-27-grpo-step-long-tail-sleep0-NVIDIA_H200.json", "qwen2-0.5b"),
     ],
@@ -111,6 +113,7 @@ def test_defaults_on_an_h200_within_20_percent(name, preset):
         torch_compile=chosen["torch_compile"],
         lora="train_type=lora" in args["set"],
         micro_batch=chosen["per_device_train_batch_size"],
+        shared_prompts=chosen.get("shared_prompts", False),
     )
     predicted = predict_step(shape, workload, KNOWN_GPUS["H200"], passes)
     assert abs(predicted.total - row["seconds_per_step"]) <= TOLERANCE * row["seconds_per_step"], (
