@@ -37,9 +37,10 @@ def pack_shared_prompts(
 ) -> PackedSequences | None:
     """Pack a padded batch (prompts left-padded, completions right-padded) with each run of rows
     sharing a prompt as that prompt once, then their completions; None when no two consecutive
-    rows share one (nothing to save: `packing.pack_sequences` then)."""
+    rows share one, or no completion has a token (nothing to save: `packing.pack_sequences`
+    then)."""
     runs = prompt_runs(prompt_ids, prompt_mask)
-    if len(runs) == prompt_ids.shape[0]:
+    if len(runs) == prompt_ids.shape[0] or not bool(completion_mask.bool().any()):
         return None
     if not bool(prompt_mask.bool().any(dim=1).all()):
         raise ValueError("Every sequence needs at least one prompt token to be packed; got an empty prompt.")

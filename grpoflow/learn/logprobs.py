@@ -1,10 +1,10 @@
-"""Log-probs of a rollout batch's completion tokens under a placed model, from its padded rows,
+"""Log-probs of a rollout batch's completion tokens under a placed model: from its padded rows,
 under `shared_prompts` from each group's prompt packed once with its completions after it
 (`algo.shared_prompts`), or under `padding_free` from its sequences packed end to end in one row
-(`algo.packing`); either way they come back padded, so the losses see the same tensors. A row holding several sequences
-(`RolloutBatch.sequence_starts`) is scored as a row per sequence (`rollout.segments`). A MoE
-policy's forward passes bind the batch's recorded routing, in the order the forward takes its
-tokens, to the routers' hooks (`policy.routing_replay`)."""
+(`algo.packing`); either way they come back padded, so the losses see the same tensors. A row
+holding several sequences (`RolloutBatch.sequence_starts`) is scored as a row per sequence
+(`rollout.segments`). A MoE policy's forward passes bind the batch's recorded routing, in the order
+the forward takes its tokens, to the routers' hooks (`policy.routing_replay`)."""
 
 from __future__ import annotations
 

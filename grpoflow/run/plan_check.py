@@ -188,7 +188,7 @@ def few_rows_warning(config, blocks: int) -> str | None:
     """What to change when the KV cache holds fewer of a single-turn step's completions at once
     than it generates (the rollout then decodes them in waves, preempting); else None."""
     rows, held = config.generation_batch_size, completions_held(config, blocks)
-    if held >= rows or config.agent.enabled or config.agent.rollout_func or config.agent.agent_program:
+    if held >= rows or has_episodes(config):
         return None
     utilization = config.generation.engine.gpu_memory_utilization
     return (
@@ -198,12 +198,19 @@ def few_rows_warning(config, blocks: int) -> str | None:
     )
 
 
+def has_episodes(config) -> bool:
+    """The run's rollouts are episodes (environments, a rollout_func, agent programs) rather than
+    one completion per sample of a prompt."""
+    agent = config.agent
+    return bool(agent.enabled or agent.rollout_func or agent.agent_program)
+
+
 def engine_in_use(config, engine):
     """The engine's sizes as this run's calls use them: the cache is sized for the engine's
     bounds (`max_num_seqs` rows, `max_prefill_tokens`), but a single-turn run decodes at most its
     generation batch and prefills each call's prompts once (their samples share them), which is
     what its peak holds. Episodes of several turns keep the bounds."""
-    if config.agent.enabled or config.agent.rollout_func or config.agent.agent_program:
+    if has_episodes(config):
         return engine
     rows = config.generation_batch_size
     prompts = rows // config.generation.num_generations

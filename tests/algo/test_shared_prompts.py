@@ -65,6 +65,8 @@ def test_nothing_shared_packs_nothing():
     prompt_ids = torch.tensor([[5, 6], [7, 8]])
     ones = torch.ones(2, 2, dtype=torch.long)
     assert pack_shared_prompts(prompt_ids, ones, prompt_ids, ones) is None
+    same = prompt_ids[:1].expand(2, -1)
+    assert pack_shared_prompts(same, ones, same, torch.zeros(2, 2, dtype=torch.long)) is None  # no tokens
     with pytest.raises(ValueError, match="prompt token"):
         empty = torch.zeros(2, 2, dtype=torch.long)
         pack_shared_prompts(torch.zeros(2, 2, dtype=torch.long), empty, prompt_ids, ones)
