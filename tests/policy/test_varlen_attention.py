@@ -97,37 +97,26 @@ def test_per_sequence_attention_keeps_each_sequence_to_itself():
 
 @pytest.mark.gpu
 @CUDA
-def test_cuda_varlen_flash_attention_equals_the_padded_batch_in_bfloat16():
+@pytest.mark.parametrize(
+    "batch, pack",
+    [(padded_batch, pack_sequences), (grouped_batch, pack_shared_prompts)],
+    ids=["packed", "shared"],
+)
+def test_cuda_varlen_flash_attention_equals_the_padded_batch_in_bfloat16(batch, pack):
+    """Packed rows, and completions keyed on their group's prompt (flash attention's causal mask
+    aligned to each sequence's last key: a completion's queries are its last tokens)."""
     model = model_with(varlen_attention.NAME, device="cuda", dtype=torch.bfloat16)
     reference = model_with("sdpa", device="cuda", dtype=torch.bfloat16)
-    inputs = padded_batch(device="cuda")
-    mask = inputs[3].bool()
-    torch.testing.assert_close(
-        packed(model, inputs)[mask], padded(reference, inputs)[mask], rtol=0, atol=0.05
-    )
-    want, got = gradients(reference, padded, inputs), gradients(model, packed, inputs)
-    for name, grad in want.items():
-        scale = grad.abs().max().clamp(min=1e-6)
-        torch.testing.assert_close(got[name] / scale, grad / scale, rtol=0, atol=0.05, msg=name)
-
-
-@pytest.mark.gpu
-@CUDA
-def test_cuda_shared_prompts_equal_the_padded_batch_in_bfloat16():
-    """Completions keyed on their group's prompt: flash attention's causal mask aligned to each
-    sequence's last key (a completion's queries are its last tokens)."""
-    model = model_with(varlen_attention.NAME, device="cuda", dtype=torch.bfloat16)
-    reference = model_with("sdpa", device="cuda", dtype=torch.bfloat16)
-    inputs = grouped_batch(device="cuda")
+    inputs = batch(device="cuda")
     mask = inputs[3].bool()
 
-    def shared(model, inputs):
-        return packed_sequence_logprobs(model, pack_shared_prompts(*inputs), SAMPLING)[0]
+    def scored(model, inputs):
+        return packed_sequence_logprobs(model, pack(*inputs), SAMPLING)[0]
 
     torch.testing.assert_close(
-        shared(model, inputs)[mask], padded(reference, inputs)[mask], rtol=0, atol=0.05
+        scored(model, inputs)[mask], padded(reference, inputs)[mask], rtol=0, atol=0.05
     )
-    want, got = gradients(reference, padded, inputs), gradients(model, shared, inputs)
+    want, got = gradients(reference, padded, inputs), gradients(model, scored, inputs)
     for name, grad in want.items():
         scale = grad.abs().max().clamp(min=1e-6)
         torch.testing.assert_close(got[name] / scale, grad / scale, rtol=0, atol=0.05, msg=name)
