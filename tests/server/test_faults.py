@@ -345,14 +345,17 @@ def test_a_body_far_larger_than_one_prompt_is_refused_before_it_is_parsed(server
 # -- 8. clients that go away or never finish sending -------------------------------------------
 
 
-def post_and_vanish(url: str, path: str, body: dict) -> None:
-    """Send a request over a raw socket and close the connection without reading the answer."""
+def post_and_vanish(url: str, path: str, body: dict, running, within_s: float = 60.0) -> None:
+    """Send a request over a raw socket and close the connection without reading the answer, once
+    `running()` says the server is working on it (at most `within_s` seconds later)."""
     host, port = url.removeprefix("http://").split(":")
     payload = json.dumps(body).encode()
     with socket.create_connection((host, int(port))) as sock:
         head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-        time.sleep(1.0)  # the batch is running
+        deadline = time.monotonic() + within_s
+        while not running() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def test_an_abandoned_big_request_stops_and_frees_its_blocks(server):
@@ -361,7 +364,9 @@ def test_an_abandoned_big_request_stops_and_frees_its_blocks(server):
     free_before = engine.runner.pool.num_free
     # Minutes of decoding on the CPU: 8,000 sequences of 500 tokens, 512 at a time.
     big = {"prompt": [[1, 2, 3]] * 8, "n": 1000, "max_tokens": 500, "ignore_eos": True}
-    post_and_vanish(server.url, "/v1/completions", big)
+    post_and_vanish(
+        server.url, "/v1/completions", big, running=lambda: engine.runner.pool.num_free < free_before
+    )
     small = answered_quickly(server.url, "/v1/completions", "POST", json={**ASK, "max_tokens": 1})
     assert small.status_code == 200
     assert engine.stats.num_generated_tokens == 1  # the small request ran alone, after the big one
