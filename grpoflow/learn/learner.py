@@ -19,6 +19,7 @@ load-balancing loss joins the policy loss.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, replace
 
 import torch
@@ -166,16 +167,14 @@ class Learner:
         tap = None
         if first_pass:
             tap = DistributionTap.for_rows(
-                self.placement,
-                micro.rows,
-                settings.temperature,
-                settings.padding_free or settings.shared_prompts,
+                self.placement, micro.rows, settings.temperature, settings.padding_free
             )
         with tap if tap is not None else contextlib.nullcontext():
             logps, entropy = batch_logprobs(
                 self.placement,
                 micro.rows,
-                settings,
+                # the tap reads the padded rows' hidden states: rows it checks run padded
+                settings if tap is None else dataclasses.replace(settings, shared_prompts=False),
                 entropy=True,
                 entropy_grad=self.entropy_control.enabled,
                 routing=routing,

@@ -47,3 +47,19 @@ def test_a_large_distribution_gap_warns_naming_its_likely_causes():
     assert not [
         f for f in monitor.update(2, {"sampling/distribution_tv/max": 0.01}) if f.check == "distribution_gap"
     ]
+
+
+def test_a_run_sharing_prompts_still_checks_the_distribution(tmp_path, monkeypatch):
+    """Shared prompts run where the CPU is let choose them (the per-sequence attention); the rows
+    the check taps are scored padded, the others packed with each prompt once."""
+    import json
+
+    from grpoflow.run import chosen_settings
+
+    monkeypatch.setattr(chosen_settings, "shared_prompts_refusal", lambda config, device: None)
+    history = run(recipe(tmp_path, max_steps=2, top_p=0.9, distribution_check_positions=16))
+    chosen = json.loads((tmp_path / "run" / "run.json").read_text())["chosen_settings"]
+    assert chosen["shared_prompts"]["value"] is True
+    for step in history:
+        assert all(key in step for key in KEYS)
+        assert step["sampling/distribution_tv/max"] < 1e-5 and step["sampling/distribution_kl/max"] < 1e-5

@@ -154,3 +154,24 @@ def test_each_groups_prompt_runs_through_the_update_once_where_it_can(tmp_path, 
     assert "attn_implementation is 'sdpa'" in choose(*off["another attention"]).reasons["shared_prompts"]
     with pytest.raises(ValueError, match="shared_prompts: true cannot run: off the GPU"):
         choose(recipe(tmp_path, **STANDARD, shared_prompts=True), DeviceFacts("cpu"))
+
+
+def test_a_run_sharing_prompts_takes_the_step_a_padded_run_takes(tmp_path, monkeypatch):
+    """The CPU let choose shared prompts (its per-sequence attention), against the same run
+    padded: the same first step, to float32 rounding (old-policy and reference passes too)."""
+    from grpoflow.run import chosen_settings
+    from grpoflow.run.build import run
+
+    def first_step(directory, shared: bool) -> dict:
+        if shared:
+            monkeypatch.setattr(chosen_settings, "shared_prompts_refusal", lambda config, device: None)
+        config = recipe(directory, max_steps=1, beta=0.04, num_iterations=2)
+        (step,) = run(config)
+        chosen = json.loads((directory / "run" / "run.json").read_text())["chosen_settings"]
+        assert chosen["shared_prompts"]["value"] is shared
+        return step
+
+    padded, shared = first_step(tmp_path / "padded", False), first_step(tmp_path / "shared", True)
+    assert shared["reward"] == padded["reward"]  # the same rollout
+    for key in ("loss", "grad_norm", "kl"):
+        assert shared[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-7), key
