@@ -55,6 +55,9 @@ class PolicyConfig:
     (sdpa). Rollout engines keep their own. `padding_free` wants one that skips what the packed
     mask hides: grpoflow_varlen (torch's varlen flash attention, no extra package; sdpa for
     anything not packed), flex_attention, flash_attention_2."""
+    attn_fallback: bool = field(default=False, metadata=NOT_AN_OPTION)
+    """attn_implementation was chosen (shared prompts), not given: a model that cannot take it keeps
+    its own, with one log line (its updates then run padded)."""
     compile_fallback: bool = field(default=False, metadata=NOT_AN_OPTION)
     """torch_compile was chosen, not given: a model torch.compile cannot take trains uncompiled,
     with one log line."""
@@ -159,15 +162,7 @@ def load_model(
             raise ValueError(_load_hint(source, error)) from None
     model.to(device)
     if config.attn_implementation is not None:
-        if config.attn_implementation == varlen_attention.NAME:
-            varlen_attention.register()
-        try:
-            model.set_attn_implementation(config.attn_implementation)
-        except (ImportError, ValueError) as error:
-            raise ValueError(
-                f"attn_implementation={config.attn_implementation!r} does not load for this model "
-                f"({error}); leave it unset for sdpa"
-            ) from None
+        set_attention(model, config)
     set_experts_implementation(model, config.experts_implementation, device)
     if config.use_liger_kernel is True:
         liger.apply(model, moe=is_moe_config(model.config))
@@ -242,6 +237,28 @@ def reference_model(model: torch.nn.Module) -> torch.nn.Module:
     """The frozen reference of a policy: a copy of it, or for a LoRA policy the policy itself with
     its adapters off (the base model, no copy)."""
     return WithoutAdapters(model) if is_peft_model(model) else frozen_copy(model)
+
+
+def set_attention(model: torch.nn.Module, config: PolicyConfig) -> None:
+    """Load `config.attn_implementation` into `model`: refused (ValueError, naming the fix) where
+    the model cannot take it, unless it was chosen rather than given (`attn_fallback`): then the
+    model keeps its own, with one log line."""
+    if config.attn_implementation == varlen_attention.NAME:
+        varlen_attention.register()
+    try:
+        model.set_attn_implementation(config.attn_implementation)
+    except (ImportError, ValueError) as error:
+        if not config.attn_fallback:
+            raise ValueError(
+                f"attn_implementation={config.attn_implementation!r} does not load for this model "
+                f"({error}); leave it unset for sdpa"
+            ) from None
+        logger.warning(
+            "attn_implementation=%s does not load for this model (%s): it keeps its own, and its "
+            "updates run padded",
+            config.attn_implementation,
+            error,
+        )
 
 
 def _load_hint(source: str, error: Exception) -> str:

@@ -188,6 +188,7 @@ def applied(config: GRPOConfig, chosen: ChosenSettings) -> GRPOConfig:
         compile_fallback=chosen.torch_compile and chosen.sources["torch_compile"] != "user",
         use_liger_kernel=chosen.use_liger_kernel,
         attn_implementation="grpoflow_varlen" if chosen.shared_prompts else attention,
+        attn_fallback=chosen.shared_prompts and attention is None,
     )
     return dataclasses.replace(config, training=training, policy=policy)
 

@@ -77,3 +77,19 @@ def test_a_moe_checkpoint_in_the_hugging_face_layout_loads_back_into_the_fused_e
     assert "model.layers.0.mlp.experts.gate_up_proj" in want
     for name, tensor in resumed.state_dict().items():
         assert torch.equal(tensor, want[name]), name
+
+
+def test_an_attention_the_model_cannot_take_is_refused_unless_it_was_chosen(monkeypatch, caplog):
+    from grpoflow.policy import loading
+
+    model = build_preset_model("tiny", 32)
+
+    def refuse(implementation):
+        raise ValueError(f"{implementation} is not supported by this model")
+
+    monkeypatch.setattr(model, "set_attn_implementation", refuse)
+    with pytest.raises(ValueError, match="does not load for this model.*leave it unset for sdpa"):
+        loading.set_attention(model, PolicyConfig(attn_implementation="grpoflow_varlen"))
+    with caplog.at_level("WARNING", logger="grpoflow.policy.loading"):
+        loading.set_attention(model, PolicyConfig(attn_implementation="grpoflow_varlen", attn_fallback=True))
+    assert "it keeps its own, and its updates run padded" in caplog.text

@@ -135,6 +135,7 @@ def test_each_groups_prompt_runs_through_the_update_once_where_it_can(tmp_path, 
     assert any("shared_prompts=True (auto" in r.getMessage() for r in caplog.records)
     trained = applied(config, chosen)
     assert trained.training.shared_prompts and trained.policy.attn_implementation == "grpoflow_varlen"
+    assert trained.policy.attn_fallback  # chosen, not given: a model that cannot take it keeps its own
     assert not trained.groups_by_length() and trained.update_settings(copies_weights=False).shared_prompts
     assert chosen.record()["shared_prompts"]["reason"].startswith("auto: each group's prompt")
     unshared = applied(
