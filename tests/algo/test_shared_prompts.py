@@ -92,3 +92,36 @@ def test_log_probs_entropy_and_gradients_equal_padded(model_type):
         torch.testing.assert_close(
             parameter.grad / scale, expected[name] / scale, rtol=0, atol=1e-5, msg=name
         )
+
+
+def test_lora_adapters_under_gradient_checkpointing_train_as_padded():
+    """PEFT's LoRA layers and transformers' checkpointing (the layers run again, with the packed
+    row's key index, in the backward pass)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = varlen_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    )
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:  # zero at start: give the adapters a part in the forward
+            torch.nn.init.normal_(parameter, std=0.1)
+    model.train()
+    inputs = grouped_batch()
+    mask = inputs[3].bool()
+    options = LogprobOptions(temperature=0.7)
+    padded, _ = padded_logprobs(model, *inputs, options)
+    padded[mask].sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    shared, _ = packed_sequence_logprobs(model, pack_shared_prompts(*inputs), options)
+    shared[mask].sum().backward()
+    torch.testing.assert_close(shared[mask], padded[mask], rtol=1e-5, atol=1e-5)
+    assert expected and all("lora_" in name for name in expected)
+    for name, parameter in model.named_parameters():
+        if name in expected:
+            scale = expected[name].abs().max().clamp_min(1e-3)
+            torch.testing.assert_close(
+                parameter.grad / scale, expected[name] / scale, rtol=0, atol=1e-5, msg=name
+            )
