@@ -190,11 +190,14 @@ def few_rows_warning(config, blocks: int) -> str | None:
     rows, held = config.generation_batch_size, completions_held(config, blocks)
     if held >= rows or has_episodes(config):
         return None
-    utilization = config.generation.engine.gpu_memory_utilization
+    engine = config.generation.engine
+    waves = f"the rollout decodes them in about {math.ceil(rows / max(held, 1))} waves"
+    if held == engine.max_num_seqs:
+        return f"max_num_seqs ({held}) is below the {rows} completions a step generates: {waves}; raise it"
     return (
         f"the KV cache ({blocks} blocks) holds about {held} of the {rows} completions a step generates "
-        f"at once: the rollout decodes them in about {math.ceil(rows / max(held, 1))} waves; raise "
-        f"gpu_memory_utilization (now {utilization}) or lower max_completion_length"
+        f"at once: {waves}; raise gpu_memory_utilization (now {engine.gpu_memory_utilization}) or lower "
+        "max_completion_length"
     )
 
 

@@ -115,8 +115,7 @@ def test_a_cache_too_small_for_the_step_is_named_with_its_fix(tmp_path, caplog):
 
     # 8 prompts x 8 samples, prompts of 128 tokens (4 blocks of 32, shared by a group), 256 new
     # tokens (8 blocks): 8.5 blocks a completion at its longest
-    config = recipe(
-        tmp_path,
+    values = dict(
         model="random:qwen2-0.5b",
         per_device_train_batch_size=16,
         gradient_accumulation_steps=4,
@@ -125,11 +124,17 @@ def test_a_cache_too_small_for_the_step_is_named_with_its_fix(tmp_path, caplog):
         max_completion_length=256,
         gpu_memory_utilization=0.3,
     )
+    config = recipe(tmp_path, **values)
     assert completions_held(config, 170) == 20 and completions_held(config, 10**6) == 512
     warning = few_rows_warning(config, 170)
     assert "holds about 20 of the 64 completions" in warning and "4 waves" in warning
     assert "gpu_memory_utilization (now 0.3)" in warning
     assert few_rows_warning(config, 544) is None
+    capped = recipe(tmp_path, **{**values, "max_num_seqs": 32})
+    assert few_rows_warning(capped, 10**6) == (
+        "max_num_seqs (32) is below the 64 completions a step generates: the rollout decodes them in "
+        "about 2 waves; raise it"
+    )
     with caplog.at_level("WARNING", logger="grpoflow"):
         check_plan(recipe(tmp_path, model="random:qwen2.5-7b", gpu_memory_gib=80, gpu_memory_utilization=0.3))
     assert "raise gpu_memory_utilization" in caplog.text
