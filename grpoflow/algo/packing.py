@@ -90,13 +90,19 @@ class PackedSequences:
         }
 
 
-def check_packed_attention(model: nn.Module) -> None:
-    """Raise ValueError unless `model` is a transformers model whose attention implementation
-    keeps packed sequences apart (`PACKED_ATTENTION`); any other would attend across them."""
+def attention_implementation(model: nn.Module) -> str | None:
+    """The attention implementation a transformers model (its text model's, for a multimodal one)
+    runs; None for a model without a transformers config."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    implementation = getattr(config, "_attn_implementation", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def check_packed_attention(model: nn.Module) -> None:
+    """Raise ValueError unless `model` is a transformers model whose attention implementation
+    keeps packed sequences apart (`PACKED_ATTENTION`); any other would attend across them."""
+    implementation = attention_implementation(model)
     if implementation not in PACKED_ATTENTION:
         raise ValueError(
             f"padding_free needs a transformers model whose attn_implementation is one of "
@@ -117,8 +123,7 @@ def pack_sequences(
     Every row needs at least one prompt token: its first completion token is predicted by the
     hidden state of the token before it.
     """
-    if not bool(prompt_mask.bool().any(dim=1).all()):
-        raise ValueError("Every sequence needs at least one prompt token to be packed; got an empty prompt.")
+    require_prompt_tokens(bool(prompt_mask.bool().any(dim=1).all()))
     mask = torch.cat([prompt_mask, completion_mask], dim=1).bool()  # (batch, seq)
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
     # Row-major order keeps each row's real tokens together and in order.
@@ -137,6 +142,13 @@ def pack_sequences(
         cu_seq_lens=cu_seq_lens,
         max_length=int(lengths.max()),
     )
+
+
+def require_prompt_tokens(every_row_has_one: bool) -> None:
+    """Raise ValueError unless every row to be packed has a prompt token: its first completion
+    token is predicted by the hidden state of the token before it."""
+    if not every_row_has_one:
+        raise ValueError("Every sequence needs at least one prompt token to be packed; got an empty prompt.")
 
 
 def unpack(values: Tensor, packed: PackedSequences) -> Tensor:

@@ -22,13 +22,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from grpoflow.algo.packing import PackedSequences
+from grpoflow.algo.packing import PackedSequences, require_prompt_tokens
 
 
 def prompt_runs(prompt_ids: Tensor, prompt_mask: Tensor) -> list[range]:
     """Runs of consecutive rows with the same prompt (tokens and padding), in order."""
-    same = (prompt_ids[1:] == prompt_ids[:-1]).all(dim=1) & (prompt_mask[1:] == prompt_mask[:-1]).all(dim=1)
-    cuts = [0, *(np.flatnonzero(~same.cpu().numpy()) + 1).tolist(), prompt_ids.shape[0]]
+    return _runs(prompt_ids.cpu().numpy(), prompt_mask.bool().cpu().numpy())
+
+
+def _runs(prompt_ids: np.ndarray, prompt_real: np.ndarray) -> list[range]:
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(axis=1) & (prompt_real[1:] == prompt_real[:-1]).all(axis=1)
+    cuts = [0, *(np.flatnonzero(~same) + 1).tolist(), prompt_ids.shape[0]]
     return [range(start, stop) for start, stop in zip(cuts[:-1], cuts[1:])]
 
 
@@ -38,14 +42,13 @@ def pack_shared_prompts(
     """Pack a padded batch (prompts left-padded, completions right-padded) with each run of rows
     sharing a prompt as that prompt once, then their completions; None when no two consecutive
     rows share one, or no completion has a token (nothing to save: `packing.pack_sequences`
-    then)."""
-    runs = prompt_runs(prompt_ids, prompt_mask)
-    if len(runs) == prompt_ids.shape[0] or not bool(completion_mask.bool().any()):
-        return None
-    if not bool(prompt_mask.bool().any(dim=1).all()):
-        raise ValueError("Every sequence needs at least one prompt token to be packed; got an empty prompt.")
+    then). The masks and prompt ids are read on the host once."""
     prompt_real = prompt_mask.bool().cpu().numpy()
     completion_real = completion_mask.bool().cpu().numpy()
+    runs = _runs(prompt_ids.cpu().numpy(), prompt_real)
+    if len(runs) == prompt_ids.shape[0] or not completion_real.any():
+        return None
+    require_prompt_tokens(bool(prompt_real.any(axis=1).all()))
     lengths = completion_real.sum(axis=1)
     prompt_width = prompt_ids.shape[1]
     # flat indices into cat([prompt_ids, completion_ids], dim=1).flatten() of the packed tokens

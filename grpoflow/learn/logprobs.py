@@ -13,6 +13,7 @@ from contextlib import nullcontext
 import torch
 
 from grpoflow.algo import LogprobOptions, pack_sequences, packed_sequence_logprobs, sequence_logprobs
+from grpoflow.algo.packing import attention_implementation
 from grpoflow.algo.shared_prompts import pack_shared_prompts
 from grpoflow.learn.update import UpdateSettings
 from grpoflow.policy import varlen_attention
@@ -73,10 +74,7 @@ def batch_logprobs(
 def attends_varlen(model: torch.nn.Module) -> bool:
     """The model attends with grpoflow_varlen, which reads a packed row's key index (a model
     attending otherwise would ignore it and attend across the packed sequences)."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    return getattr(config, "_attn_implementation", None) == varlen_attention.NAME
+    return attention_implementation(model) == varlen_attention.NAME
 
 
 def routing_layout(
