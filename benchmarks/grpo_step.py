@@ -344,8 +344,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--preset", default="qwen2-0.5b", help="the random model's shape (grpoflow.policy.tiny.PRESETS)"
     )
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4, help="steps run, the --warmup steps included")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the means")
     parser.add_argument("--engine", default="auto", help="grpoflow's rollout_engine")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="standard")
     parser.add_argument(
@@ -387,6 +387,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     args.new_tokens = args.new_tokens or WORKLOADS[args.workload]["new_tokens"]
+    if not 0 <= args.warmup < args.steps:
+        parser.error(
+            f"--steps {args.steps} counts the --warmup {args.warmup} steps too, and at least one step "
+            f"must be timed after them: pass --steps {args.warmup + 1} or more"
+        )
     if args.in_memory and not args.child and args.systems != "grpoflow":
         parser.error("--in-memory runs grpoflow only (TRL reads its model from disk): add --systems grpoflow")
     return args

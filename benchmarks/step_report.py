@@ -44,13 +44,18 @@ def summarize(
 ) -> dict:
     """The row of one system's steps; `update_mfu` counts `flops_per_token` (per active
     parameter, `flops_per_token_parameter`) for every trained token."""
-    steady = result["steps"][warmup:] or result["steps"]
+    steady = result["steps"][warmup:]
+    if not steady:  # cut off by --time-limit within the warmup: say the means include it
+        steady = result["steps"]
 
     def mean(key: str) -> float | None:
         values = [step[key] for step in steady if step.get(key) is not None]
         return sum(values) / len(values) if values else None
 
     row = {"system": name, "seconds_per_step": mean("time/wall"), "peak_gib": result["peak_gib"]}
+    row["timed_steps"] = len(steady)
+    if len(steady) == len(result["steps"]) and warmup:
+        row["warmup_included"] = True
     for key in ("predicted_seconds_per_step", "predicted_at_measured_length", "chosen_settings"):
         if key in result:
             row[key] = result[key]

@@ -34,9 +34,12 @@ growing from 30 to 52 and 96 GiB, and the rollout beside the larger update slowe
 (benchmarks/results/2026-11-27-grpo-step-standard-micro-batch-*): past 128 x 384, more memory for
 no speed."""
 
-COMPILE_SECONDS = 60.0
-"""What compiling the decoder layers costs a run once (the first compiled step took 20-75 s more
-than an eager one on an H100, 0.5B to 7B shapes; Inductor's caches make later runs cheaper)."""
+COMPILE_SECONDS = 90.0
+"""What compiling the decoder layers costs a run once with Inductor's caches empty: the first
+compiled step took 20-75 s more than an eager one on an H100 for full training of 0.5B to 7B shapes,
+81 s and 91 s for LoRA on the 0.5B and 7B shapes
+(2026-11-28-grpo-step-{standard,7b}-lora-compiled-*H100*.json, per_step). Inductor's caches make
+later runs of the same shapes cheaper."""
 
 Source = Literal["user", "plan", "default"]
 

@@ -88,9 +88,18 @@ micro-batch 64 (2026-11-25-grpo-step-standard-gc0-mb64-compile-*H100.json, updat
 H200: 2026-11-27-grpo-step-standard-defaults-*H200.json); the 7B shape in full 13.60 s, against
 13.65 s eager in the same call (2026-11-28-grpo-step-7b-full-{compiled,defaults}-*H200.json):
 compiling pays at small widths only."""
-COMPILED_LORA_MFU = ((8240, 0.68),)
-"""The same for a LoRA update (4 x FLOPs): the 7B shape, 64 x 8, micro-batch 32, compiled, took
-11.14 s on an H200 (2026-11-27-grpo-step-7b-lora-64x8-defaults-*H200.json, update_s)."""
+EAGER_LORA_MFU = ((2088, 0.194), (8240, 0.40))
+"""The same for an eager LoRA update (4 x FLOPs, each group's prompt once), measured on an H100 at
+the plan's settings with shared prompts: the standard workload 2.008 s, micro-batch 64
+(2026-11-28-grpo-step-standard-lora-eager-*H100*.json, update_s); the Qwen2.5-7B shape 13.82 s,
+micro-batch 16 (2026-11-28-grpo-step-7b-lora-defaults-*H100*.json). The adapters' small products,
+their dropout and casts are memory-bound work a full update does not have."""
+COMPILED_LORA_MFU = ((2088, 0.253), (8240, 0.57))
+"""The same compiled: the standard workload 1.53 s on an H100
+(2026-11-28-grpo-step-standard-lora-compiled-*H100*.json); at the 7B width between 0.68 on an H200
+(11.14 s, micro-batch 32, prompts repeated: 2026-11-27-grpo-step-7b-lora-64x8-defaults-*H200.json)
+and 0.46 on an H100 (11.99 s, micro-batch 16, shared prompts:
+2026-11-28-grpo-step-7b-lora-compiled-*H100*.json)."""
 MOE_FULL_TOKENS_PER_EXPERT = 620
 """Tokens a micro-batch sends each expert (on average) from which a mixture-of-experts update
 runs at a dense one's MFU; below, its MFU falls in proportion (routing, gathers and scatters
@@ -253,10 +262,14 @@ def update_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec, passes: 
         decoded = workload.rows * (workload.prompt_length + workload.padded_length(passes.micro_batch))
     parameter_tokens = (shape.num_active_parameters() - head) * decoded + head * real
     flops = parameter_tokens * (per_token * passes.iterations + 2 * passes.extra_forwards)
-    if passes.torch_compile:
-        measured = COMPILED_LORA_MFU if passes.lora else COMPILED_MFU
-    else:
-        measured = EAGER_MFU
+    # a mixture-of-experts model's adapters leave its experts, most of its FLOPs, unadapted
+    adapted = passes.lora and not shape.num_experts
+    measured = {
+        (False, False): EAGER_MFU,
+        (True, False): COMPILED_MFU,
+        (False, True): EAGER_LORA_MFU,
+        (True, True): COMPILED_LORA_MFU,
+    }[passes.torch_compile, adapted]
     mfu = interpolated(measured, product_width(shape))
     if shape.num_experts:
         tokens = passes.micro_batch * real / workload.rows

@@ -120,3 +120,37 @@ def test_cuda_varlen_flash_attention_equals_the_padded_batch_in_bfloat16(batch, 
     for name, grad in want.items():
         scale = grad.abs().max().clamp(min=1e-6)
         torch.testing.assert_close(got[name] / scale, grad / scale, rtol=0, atol=0.05, msg=name)
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_shared_prompts_with_lora_under_gradient_checkpointing_equal_the_padded_batch():
+    """PEFT's LoRA layers on the varlen kernel, the layers run again in the backward pass."""
+    from peft import LoraConfig, get_peft_model
+
+    def adapted(attention: str):
+        model = model_with(attention, device="cuda", dtype=torch.bfloat16)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        torch.manual_seed(5)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+        model = get_peft_model(model, config)
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:  # zero at start: give the adapters a part in the forward
+                torch.nn.init.normal_(parameter, std=0.1, generator=torch.Generator("cuda").manual_seed(7))
+        return model.train()
+
+    model, reference = adapted(varlen_attention.NAME), adapted("sdpa")
+    inputs = grouped_batch(device="cuda")
+    mask = inputs[3].bool()
+
+    def scored(model, inputs):
+        return packed_sequence_logprobs(model, pack_shared_prompts(*inputs), SAMPLING)[0]
+
+    torch.testing.assert_close(
+        scored(model, inputs)[mask], padded(reference, inputs)[mask], rtol=0, atol=0.05
+    )
+    want, got = gradients(reference, padded, inputs), gradients(model, scored, inputs)
+    assert want and all("lora_" in name for name in want)
+    for name, grad in want.items():
+        scale = grad.abs().max().clamp(min=1e-6)
+        torch.testing.assert_close(got[name] / scale, grad / scale, rtol=0, atol=0.05, msg=name)
