@@ -59,3 +59,18 @@ def compile_layers(model: torch.nn.Module, *, fallback: bool = False) -> bool:
     for layer in layers:
         layer.compile(dynamic=True)
     return True
+
+
+def trace_every_layer_alike(model: torch.nn.Module) -> None:
+    """Mark the input embeddings' output as requiring grad when no embedding weight trains (LoRA),
+    so that the first decoder layer's input is like every later layer's and a compiled layer
+    traces one graph for all of them, not a second for the first: half the compile time, for one
+    layer's input gradient."""
+    embeddings = model.get_input_embeddings()
+    if any(parameter.requires_grad for parameter in embeddings.parameters()):
+        return
+
+    def requiring_grad(_module, _inputs, output: torch.Tensor) -> torch.Tensor:
+        return output.requires_grad_(True) if torch.is_grad_enabled() else output
+
+    embeddings.register_forward_hook(requiring_grad)

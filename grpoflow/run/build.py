@@ -21,6 +21,7 @@ from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
 from grpoflow.engines.colocate import ColocateLayout
 from grpoflow.learn.learner import Learner
 from grpoflow.policy import batch_invariant, lora, optimizer_state, placement
+from grpoflow.policy.compiling import trace_every_layer_alike
 from grpoflow.policy.expert_parallel import expert_parameters
 from grpoflow.policy.loading import load_checkpoint_weights, reference_model, resolve_device
 from grpoflow.policy.offload import OptimizerOffload
@@ -173,6 +174,8 @@ def build_models(
     model = config.adapter.apply(
         config.policy.build(vocab_size=len(tokenizer), seed=config.training.seed, device=device)
     )
+    if config.policy.torch_compile:
+        trace_every_layer_alike(model)
     if config.training.padding_free:
         check_packed_attention(model)
     ref_model = reference_model(model) if config.algorithm.beta != 0 else None
