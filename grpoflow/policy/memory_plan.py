@@ -193,6 +193,11 @@ class PlanSettings:
     """Sequences per forward and backward pass (per_device_train_batch_size)."""
     sequence_length: int = 1
     """Prompt plus completion tokens of a sequence."""
+    prompt_length: int = 0
+    """The prompt's part of sequence_length."""
+    completions_per_prompt: int = 0
+    """Under shared prompts, the completions that share each prompt (num_generations): a
+    micro-batch runs each of its groups' prompts once; 0: every completion runs its prompt."""
     logprob_chunk_size: int = 1024
     """Tokens whose float32 logits exist at once."""
     reference_copy: bool = False
@@ -224,6 +229,26 @@ class PlanSettings:
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "sequence_length", "logprob_chunk_size", "fsdp_world_size"):
             require(getattr(self, name) >= 1, name, ">= 1", getattr(self, name))
+        require(
+            0 <= self.prompt_length < self.sequence_length,
+            "prompt_length",
+            f"in [0, sequence_length {self.sequence_length})",
+            self.prompt_length,
+        )
+        require(
+            self.completions_per_prompt >= 0, "completions_per_prompt", ">= 0", self.completions_per_prompt
+        )
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """Tokens one micro-batch runs: every sequence in full, or under shared prompts each
+        completion and its groups' prompts once (a micro-batch not aligned to the groups holds
+        parts of one more)."""
+        size, group = self.micro_batch_size, self.completions_per_prompt
+        if not group:
+            return size * self.sequence_length
+        prompts = min(size, -(-size // group) + (size % group != 0))
+        return size * (self.sequence_length - self.prompt_length) + prompts * self.prompt_length
 
 
 @dataclass(slots=True)
@@ -321,7 +346,7 @@ def dropout_bytes(shape: ModelShape, settings: PlanSettings) -> tuple[int, int]:
 def activation_bytes(shape: ModelShape, settings: PlanSettings) -> int:
     """Activations one micro-batch keeps for its backward pass (see the module's docstring)."""
     h, kv, i, e = shape.hidden_size, shape.kv_size, shape.intermediate_size, shape.dtype_bytes
-    tokens = settings.micro_batch_size * settings.sequence_length
+    tokens = settings.micro_batch_tokens
     attention_dropout, mlp_dropout = dropout_bytes(shape, settings)
     full_layer = (6 * h + 2 * kv + 4 * i) * e + 2 * h * 4  # plus the norms' float32 statistics
     full_layer += attention_dropout + mlp_dropout

@@ -90,8 +90,11 @@ def batch_invariant_runs(config: GRPOConfig) -> bool:
 
 
 def choose(config: GRPOConfig, device: DeviceFacts) -> ChosenSettings:
-    """The settings `config` trains with on `device`."""
-    return with_shared_prompts(config, device, with_liger(config, device, choose_speed(config, device)))
+    """The settings `config` trains with on `device`: whether prompts are shared first, since
+    the memory the others are chosen in depends on it."""
+    shared = shared_prompts_choice(config, device)
+    chosen = with_liger(config, device, choose_speed(config, device, shared_prompts=shared[0]))
+    return with_shared_prompts(chosen, shared)
 
 
 def shared_prompts_refusal(config: GRPOConfig, device: DeviceFacts) -> str | None:
@@ -114,12 +117,12 @@ def shared_prompts_refusal(config: GRPOConfig, device: DeviceFacts) -> str | Non
     return None
 
 
-def with_shared_prompts(config: GRPOConfig, device: DeviceFacts, chosen: ChosenSettings) -> ChosenSettings:
-    """`chosen` with whether each group's prompt runs through the update once, and why (one log
-    line when auto); shared_prompts: true where it cannot run is refused, naming the fix."""
+def shared_prompts_choice(config: GRPOConfig, device: DeviceFacts) -> tuple[bool, str | None]:
+    """Whether each group's prompt runs through the update once, and why when auto (one log
+    line); shared_prompts: true where it cannot run is refused, naming the fix."""
     setting = config.training.shared_prompts
     if setting is False:
-        return chosen
+        return False, None
     refusal = shared_prompts_refusal(config, device)
     if setting is True and refusal is not None:
         raise ValueError(f"shared_prompts: true cannot run: {refusal}; or set shared_prompts: false")
@@ -127,8 +130,18 @@ def with_shared_prompts(config: GRPOConfig, device: DeviceFacts, chosen: ChosenS
     reason = "each group's prompt through the update once" if on else refusal
     if setting is None:
         logger.info("shared_prompts=%s (auto: %s)", on, reason)
-    reasons = {**chosen.reasons, "shared_prompts": f"auto: {reason}" if setting is None else reason}
-    return dataclasses.replace(chosen, shared_prompts=on, reasons=reasons)
+        reason = f"auto: {reason}"
+    return on, reason
+
+
+def with_shared_prompts(chosen: ChosenSettings, shared: tuple[bool, str | None]) -> ChosenSettings:
+    """`chosen` with the shared-prompts choice (`shared_prompts_choice`) and its reason."""
+    on, reason = shared
+    if reason is None:
+        return chosen
+    return dataclasses.replace(
+        chosen, shared_prompts=on, reasons={**chosen.reasons, "shared_prompts": reason}
+    )
 
 
 def with_liger(config: GRPOConfig, device: DeviceFacts, chosen: ChosenSettings) -> ChosenSettings:
@@ -152,13 +165,15 @@ def with_liger(config: GRPOConfig, device: DeviceFacts, chosen: ChosenSettings) 
     return dataclasses.replace(chosen, use_liger_kernel=on, reasons=reasons)
 
 
-def choose_speed(config: GRPOConfig, device: DeviceFacts) -> ChosenSettings:
-    """The memory and compile settings `config` trains with on `device`."""
+def choose_speed(config: GRPOConfig, device: DeviceFacts, shared_prompts: bool = False) -> ChosenSettings:
+    """The memory and compile settings `config` trains with on `device`, its updates sharing
+    prompts or not."""
     user = user_settings(config)
     if device.kind != "cuda" or device.memory_bytes is None:
         return choose_settings(None, None, device, user)  # nothing planned: no config is read
     shape = model_shape(config, on_gpu=True)
-    chosen = choose_settings(shape, plan_settings(config, dtype_bytes=shape.dtype_bytes), device, user)
+    base = plan_settings(config, dtype_bytes=shape.dtype_bytes, shared_prompts=shared_prompts)
+    chosen = dataclasses.replace(choose_settings(shape, base, device, user), shared_prompts=shared_prompts)
     gpu, steps = gpu_spec(config), config.training.max_steps
     if chosen.torch_compile and chosen.sources["torch_compile"] == "plan" and gpu and steps > 0:
         eager = predicted_step(applied(config, dataclasses.replace(chosen, torch_compile=False)), gpu)

@@ -109,9 +109,14 @@ def model_config(config):
     return hf_config
 
 
-def plan_settings(config, kv_cache_bytes: int = 0, dtype_bytes: int = 2) -> PlanSettings:
-    """The options of `config` (a GRPOConfig) that decide memory, for weights of `dtype_bytes`."""
+def plan_settings(
+    config, kv_cache_bytes: int = 0, dtype_bytes: int = 2, shared_prompts: bool | None = None
+) -> PlanSettings:
+    """The options of `config` (a GRPOConfig) that decide memory, for weights of `dtype_bytes`;
+    `shared_prompts` as the run will have it (None: true only when config.training says so)."""
     lora = config.adapter.train_type == "lora"
+    if shared_prompts is None:
+        shared_prompts = config.training.shared_prompts is True
     experts = config.policy.experts_implementation
     return PlanSettings(
         lora_rank=config.adapter.lora_rank if lora else None,
@@ -121,6 +126,8 @@ def plan_settings(config, kv_cache_bytes: int = 0, dtype_bytes: int = 2) -> Plan
         gradient_checkpointing=bool(config.policy.gradient_checkpointing),
         micro_batch_size=config.training.micro_batch_size,
         sequence_length=config.max_model_len,
+        prompt_length=config.data.max_prompt_length,
+        completions_per_prompt=config.generation.num_generations if shared_prompts else 0,
         logprob_chunk_size=config.algorithm.logprob_chunk_size,
         reference_copy=config.algorithm.beta != 0 and not lora,
         offload_model=config.placement.offload_model,

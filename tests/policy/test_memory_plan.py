@@ -116,6 +116,23 @@ def test_the_optimizer_step_raises_the_peak_by_what_outlives_the_backward_pass()
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="micro_batch_size"):
         PlanSettings(micro_batch_size=0)
+    with pytest.raises(ValueError, match="prompt_length"):
+        PlanSettings(sequence_length=4, prompt_length=4)
+
+
+@pytest.mark.parametrize(
+    "micro_batch, prompts",
+    [(16, 2), (12, 3), (4, 2), (1, 1)],  # 12 and 4 straddle a group: parts of one more prompt
+)
+def test_shared_prompts_keep_each_groups_prompt_once(micro_batch, prompts):
+    """8 completions a prompt, prompt 6 tokens and completion 10: the padded micro-batch's
+    activations less the repeated prompts'."""
+    padded = PlanSettings(micro_batch_size=micro_batch, sequence_length=16, prompt_length=6)
+    shared = dataclasses.replace(padded, completions_per_prompt=8)
+    assert padded.micro_batch_tokens == micro_batch * 16
+    assert shared.micro_batch_tokens == micro_batch * 10 + prompts * 6
+    per_token = activation_bytes(SHAPE, padded) // padded.micro_batch_tokens
+    assert activation_bytes(SHAPE, shared) == per_token * shared.micro_batch_tokens
 
 
 def test_a_moe_models_parameters_are_every_expert_and_router_as_the_model_holds_them():

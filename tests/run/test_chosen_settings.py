@@ -38,9 +38,12 @@ def unset(config):
     )
 
 
-def test_a_gpu_of_80_gib_trains_the_standard_workload_fast(tmp_path, caplog):
-    config = unset(recipe(tmp_path, **STANDARD))
+@pytest.mark.parametrize("shared_prompts, micro_batch", [(None, 128), (False, 64)])
+def test_a_gpu_of_80_gib_trains_the_standard_workload_fast(tmp_path, caplog, shared_prompts, micro_batch):
+    """Shared prompts (auto: on) run 128 completions in the memory 64 padded ones take."""
+    config = unset(recipe(tmp_path, **STANDARD, shared_prompts=shared_prompts))
     chosen = choose(config, DeviceFacts("cuda", 80 * GIB, compile_available=True))
+    assert chosen.shared_prompts is (shared_prompts is None)
     trained = applied(config, chosen)
     with caplog.at_level("INFO", logger="grpoflow"):
         record = chosen_record(trained, chosen, kv_blocks=6144)
@@ -48,13 +51,13 @@ def test_a_gpu_of_80_gib_trains_the_standard_workload_fast(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "settings chosen from the plan" in r.getMessage()]
     assert (
         len(lines) == 1
-        and "per_device_train_batch_size=64" in lines[0]
+        and f"per_device_train_batch_size={micro_batch}" in lines[0]
         and "KV cache 6144 blocks" in lines[0]
     )
     assert trained.generation_batch_size == config.generation_batch_size == 512
     assert (trained.training.per_device_train_batch_size, trained.training.gradient_accumulation_steps) == (
-        64,
-        8,
+        micro_batch,
+        512 // micro_batch,
     )
     assert trained.policy.gradient_checkpointing is False
     assert trained.policy.torch_compile and trained.policy.compile_fallback  # chosen: may fall back
@@ -85,7 +88,7 @@ def test_plan_prints_the_chosen_settings_and_the_predicted_step(capsys):
     code = main(["plan", *flags, "--gpu_memory_gib", "80", "--gpu_name", "H100"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "gradient_checkpointing=False (plan), per_device_train_batch_size=64 (plan)" in out
+    assert "gradient_checkpointing=False (plan), per_device_train_batch_size=128 (plan)" in out
     assert "predicted step" in out and "rollout" in out and "update" in out and "GPU: H100" in out
     # The default recipe sets per_device_train_batch_size: 128, which the plan keeps.
     code = main(["plan", "--config", "default", "--model", "random:qwen2-0.5b", "--gpu_memory_gib", "80"])
