@@ -95,18 +95,44 @@ def test_per_sequence_attention_keeps_each_sequence_to_itself():
     assert torch.equal(after[:6], before[:6]) and not torch.equal(after[6:], before[6:])
 
 
+def adapted(model):
+    """`model` with PEFT's LoRA layers (nonzero B: the adapters take part) under gradient
+    checkpointing: the layers run again, with the packed row's key index, in the backward pass."""
+    from peft import LoraConfig, get_peft_model
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(5)
+    model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    )
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(
+                parameter, std=0.1, generator=torch.Generator(parameter.device).manual_seed(7)
+            )
+    return model.train()
+
+
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize(
-    "batch, pack",
-    [(padded_batch, pack_sequences), (grouped_batch, pack_shared_prompts)],
-    ids=["packed", "shared"],
+    "batch, pack, prepare",
+    [
+        (padded_batch, pack_sequences, None),
+        (grouped_batch, pack_shared_prompts, None),
+        (grouped_batch, pack_shared_prompts, adapted),
+    ],
+    ids=["packed", "shared", "shared-lora-checkpointed"],
 )
-def test_cuda_varlen_flash_attention_equals_the_padded_batch_in_bfloat16(batch, pack):
+def test_cuda_varlen_flash_attention_equals_the_padded_batch_in_bfloat16(batch, pack, prepare):
     """Packed rows, and completions keyed on their group's prompt (flash attention's causal mask
     aligned to each sequence's last key: a completion's queries are its last tokens)."""
-    model = model_with(varlen_attention.NAME, device="cuda", dtype=torch.bfloat16)
-    reference = model_with("sdpa", device="cuda", dtype=torch.bfloat16)
+    model, reference = (
+        model_with(attention, device="cuda", dtype=torch.bfloat16)
+        for attention in (varlen_attention.NAME, "sdpa")
+    )
+    if prepare is not None:
+        model, reference = prepare(model), prepare(reference)
     inputs = batch(device="cuda")
     mask = inputs[3].bool()
 
@@ -117,40 +143,7 @@ def test_cuda_varlen_flash_attention_equals_the_padded_batch_in_bfloat16(batch, 
         scored(model, inputs)[mask], padded(reference, inputs)[mask], rtol=0, atol=0.05
     )
     want, got = gradients(reference, padded, inputs), gradients(model, scored, inputs)
-    for name, grad in want.items():
-        scale = grad.abs().max().clamp(min=1e-6)
-        torch.testing.assert_close(got[name] / scale, grad / scale, rtol=0, atol=0.05, msg=name)
-
-
-@pytest.mark.gpu
-@CUDA
-def test_cuda_shared_prompts_with_lora_under_gradient_checkpointing_equal_the_padded_batch():
-    """PEFT's LoRA layers on the varlen kernel, the layers run again in the backward pass."""
-    from peft import LoraConfig, get_peft_model
-
-    def adapted(attention: str):
-        model = model_with(attention, device="cuda", dtype=torch.bfloat16)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        torch.manual_seed(5)
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
-        model = get_peft_model(model, config)
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:  # zero at start: give the adapters a part in the forward
-                torch.nn.init.normal_(parameter, std=0.1, generator=torch.Generator("cuda").manual_seed(7))
-        return model.train()
-
-    model, reference = adapted(varlen_attention.NAME), adapted("sdpa")
-    inputs = grouped_batch(device="cuda")
-    mask = inputs[3].bool()
-
-    def scored(model, inputs):
-        return packed_sequence_logprobs(model, pack_shared_prompts(*inputs), SAMPLING)[0]
-
-    torch.testing.assert_close(
-        scored(model, inputs)[mask], padded(reference, inputs)[mask], rtol=0, atol=0.05
-    )
-    want, got = gradients(reference, padded, inputs), gradients(model, scored, inputs)
-    assert want and all("lora_" in name for name in want)
+    assert want and (prepare is None or all("lora_" in name for name in want))
     for name, grad in want.items():
         scale = grad.abs().max().clamp(min=1e-6)
         torch.testing.assert_close(got[name] / scale, grad / scale, rtol=0, atol=0.05, msg=name)
