@@ -367,10 +367,13 @@ def test_an_abandoned_big_request_stops_and_frees_its_blocks(server):
     post_and_vanish(
         server.url, "/v1/completions", big, running=lambda: engine.runner.pool.num_free < free_before
     )
+    deadline = time.monotonic() + 30  # stopped within a few decode steps: not minutes
+    while engine.runner.pool.num_free < free_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.runner.pool.num_free == free_before and int(engine.runner.pool.refs.sum()) == 0
     small = answered_quickly(server.url, "/v1/completions", "POST", json={**ASK, "max_tokens": 1})
     assert small.status_code == 200
     assert engine.stats.num_generated_tokens == 1  # the small request ran alone, after the big one
-    assert engine.runner.pool.num_free == free_before and int(engine.runner.pool.refs.sum()) == 0
 
 
 def closed_by_server(sock: socket.socket, within_s: float = 3.0) -> bool:
