@@ -5,7 +5,8 @@ variation distance and KL(engine || trainer) of the two `softmax(logits / T)`, l
 
 The trainer's side comes from the forward the learner already runs on a micro-batch's first
 pass: its decoder body's last hidden states are read by a forward hook, and only the kept
-positions are projected to the vocabulary. Rows packed under `padding_free`, rows of several
+positions are projected to the vocabulary; where that forward packs its rows (`padding_free`,
+shared prompts), the pack's index says which packed state predicts each kept token. Rows of several
 sequences and sharded policies are not checked (the metrics are absent for them).
 """
 
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from grpoflow.algo.logprobs import decoder_and_head
+from grpoflow.algo.packing import PackedSequences
 from grpoflow.policy.placement import Placement
 from grpoflow.rollout.batch import RolloutBatch
 
@@ -27,14 +29,13 @@ class DistributionTap:
         self.rows, self.temperature = rows, temperature
         self.decoder, self.head = decoder_and_head(placement.module)
         self.hidden: Tensor | None = None
+        self.pack: PackedSequences | None = None
         self.handle = None
 
     @classmethod
-    def for_rows(
-        cls, placement: Placement, rows: RolloutBatch, temperature: float, padding_free: bool
-    ) -> DistributionTap | None:
+    def for_rows(cls, placement: Placement, rows: RolloutBatch, temperature: float) -> DistributionTap | None:
         """A tap when `rows` carry kept distributions and their forward can be read; else None."""
-        if rows.distribution_index is None or padding_free or placement.is_sharded:  # else >= 1 kept
+        if rows.distribution_index is None or placement.is_sharded:  # else >= 1 kept
             return None
         if rows.sequence_starts is not None and bool(rows.sequence_starts.any()):  # multi-turn runs only
             return None
@@ -52,6 +53,19 @@ class DistributionTap:
     def __exit__(self, *exc) -> None:
         self.handle.remove()
 
+    def packed(self, pack: PackedSequences) -> None:
+        """The forward runs these rows packed as `pack` (its hidden states one row)."""
+        self.pack = pack
+
+    def _states(self, rows: Tensor, positions: Tensor) -> Tensor:
+        """The hidden state before completion token `positions` of `rows` was drawn."""
+        if self.pack is None:
+            return self.hidden[rows, self.rows.prompt_ids.shape[1] + positions - 1]
+        mask = self.pack.completion_mask
+        scored = mask.flatten().cumsum(0) - 1  # each completion token's place in score_index
+        at = scored[rows * mask.shape[1] + positions].clamp(min=0)  # a padded candidate: not kept
+        return self.hidden[0, self.pack.score_index[at]]
+
     @torch.no_grad()
     def metrics(self) -> dict[str, Tensor | tuple[Tensor, Tensor]]:
         """`sampling/distribution_{tv,kl}/{mean,max}` over the kept positions of these rows: each
@@ -66,9 +80,7 @@ class DistributionTap:
         kept = found > 0
         rows, positions = order // index.shape[1], order % index.shape[1]
         engine = self.rows.engine_distributions.log_probs[index.flatten()[order].clamp(min=0)]
-        width = self.rows.prompt_ids.shape[1]
-        hidden = self.hidden[rows, width + positions - 1]  # the state before a token draws it
-        trainer = (self.head(hidden).float() / self.temperature).log_softmax(dim=-1)
+        trainer = (self.head(self._states(rows, positions)).float() / self.temperature).log_softmax(dim=-1)
         tv, kl = (
             torch.where(kept, d, 0.0) for d in distribution_distances(engine.to(trainer.device), trainer)
         )

@@ -19,7 +19,6 @@ load-balancing loss joins the policy loss.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass, replace
 
 import torch
@@ -166,18 +165,16 @@ class Learner:
         settings, num_micro_batches = prepared.settings, prepared.num_micro_batches
         tap = None
         if first_pass:
-            tap = DistributionTap.for_rows(
-                self.placement, micro.rows, settings.temperature, settings.padding_free
-            )
+            tap = DistributionTap.for_rows(self.placement, micro.rows, settings.temperature)
         with tap if tap is not None else contextlib.nullcontext():
             logps, entropy = batch_logprobs(
                 self.placement,
                 micro.rows,
-                # the tap reads the padded rows' hidden states: rows it checks run padded
-                settings if tap is None else dataclasses.replace(settings, shared_prompts=False),
+                settings,
                 entropy=True,
                 entropy_grad=self.entropy_control.enabled,
                 routing=routing,
+                on_pack=None if tap is None else tap.packed,
             )
         before_update = logps.detach() if micro.old_logps is None else micro.old_logps
         sampler_metrics = _compare_sampler(micro, before_update, settings) if first_pass else {}

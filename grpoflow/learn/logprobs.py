@@ -8,12 +8,13 @@ the forward takes its tokens, to the routers' hooks (`policy.routing_replay`).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
 
 from grpoflow.algo import LogprobOptions, pack_sequences, packed_sequence_logprobs, sequence_logprobs
-from grpoflow.algo.packing import attention_implementation
+from grpoflow.algo.packing import PackedSequences, attention_implementation
 from grpoflow.algo.shared_prompts import pack_shared_prompts
 from grpoflow.learn.update import UpdateSettings
 from grpoflow.policy import varlen_attention
@@ -32,10 +33,12 @@ def batch_logprobs(
     entropy: bool = False,
     entropy_grad: bool = False,
     routing: RoutingRecord | None = None,
+    on_pack: Callable[[PackedSequences], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (batch, completion_len) of the completion tokens under the placed model
-    (and their entropy if asked), from the padded rows or, under `padding_free`, packed ones.
-    `routing`: the record a MoE policy's hooked routers read the batch's routing from."""
+    (and their entropy if asked), from the padded rows or packed ones (shared prompts,
+    `padding_free`). `routing`: the record a MoE policy's hooked routers read the batch's routing
+    from; `on_pack` is told the pack when the rows run packed."""
     if batch.sequence_starts is not None and bool(batch.sequence_starts.any()):
         split = split_sequences(batch)
         logps, entropies = batch_logprobs(
@@ -62,6 +65,8 @@ def batch_logprobs(
             batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask
         )
     if packed is not None:
+        if on_pack is not None:
+            on_pack(packed)
         return placement.sharded_forward(lambda: packed_sequence_logprobs(model, packed, options))
     input_ids, attention_mask = batch.model_inputs()
     logits_to_keep = batch.completion_ids.shape[1]

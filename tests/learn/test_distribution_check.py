@@ -50,16 +50,42 @@ def test_a_large_distribution_gap_warns_naming_its_likely_causes():
 
 
 def test_a_run_sharing_prompts_still_checks_the_distribution(tmp_path, monkeypatch):
-    """Shared prompts run where the CPU is let choose them (the per-sequence attention); the rows
-    the check taps are scored padded, the others packed with each prompt once."""
+    """Shared prompts run where the CPU is let choose them (the per-sequence attention): the check
+    reads the packed states that predict its tokens, each prompt packed once."""
     import json
 
+    from grpoflow.learn import distribution_check
     from grpoflow.run import chosen_settings
 
     monkeypatch.setattr(chosen_settings, "shared_prompts_refusal", lambda config, device: None)
+    packs = []
+    packed = distribution_check.DistributionTap.packed
+    monkeypatch.setattr(
+        distribution_check.DistributionTap,
+        "packed",
+        lambda tap, pack: packs.append(pack) or packed(tap, pack),
+    )
     history = run(recipe(tmp_path, max_steps=2, top_p=0.9, distribution_check_positions=16))
     chosen = json.loads((tmp_path / "run" / "run.json").read_text())["chosen_settings"]
     assert chosen["shared_prompts"]["value"] is True
+    assert packs and all(pack.key_index is not None for pack in packs)  # tapped rows ran shared
+    for step in history:
+        assert all(key in step for key in KEYS)
+        assert step["sampling/distribution_tv/max"] < 1e-5 and step["sampling/distribution_kl/max"] < 1e-5
+
+
+def test_a_packed_run_checks_the_distribution(tmp_path):
+    """`padding_free`: the tapped rows run end to end in one row, the check reads it."""
+    history = run(
+        recipe(
+            tmp_path,
+            max_steps=2,
+            top_p=0.9,
+            distribution_check_positions=16,
+            padding_free=True,
+            attn_implementation="grpoflow_varlen",
+        )
+    )
     for step in history:
         assert all(key in step for key in KEYS)
         assert step["sampling/distribution_tv/max"] < 1e-5 and step["sampling/distribution_kl/max"] < 1e-5
