@@ -7,8 +7,9 @@ arithmetic, before anything is loaded.
 - rollout: the prefill's FLOPs at the bf16 peak over `PRODUCT_EFFICIENCY`, then each decode step
   of the rows still running at the slower of the engine's host work (`HOST_STEP_SECONDS`) and its
   GPU work: the products at the slower of reading their weights at the memory bandwidth and their
-  FLOPs at the peak, over `PRODUCT_EFFICIENCY`, plus every running row's KV cache read over
-  `ATTENTION_EFFICIENCY`; a mixture-of-experts step reads its dense weights and the experts its
+  FLOPs at the peak, over `PRODUCT_EFFICIENCY` (`MOE_PRODUCT_EFFICIENCY`), plus every running
+  row's KV cache read over `ATTENTION_EFFICIENCY`, plus under LoRA the adapters' small products
+  (`adapter_seconds`); a mixture-of-experts step reads its dense weights and the experts its
   rows are routed to (each of E experts is missed by all of R rows choosing k with probability
   (1 - k/E)^R), and its FLOPs count the active parameters; where the KV cache holds fewer
   completions than the step generates (`Workload.max_running`), the decode runs in waves of those
@@ -59,12 +60,21 @@ KNOWN_GPUS: dict[str, GpuSpec] = {
 }
 """GPUs by a name their device name contains (an H100 is the SXM part)."""
 
-PRODUCT_EFFICIENCY = 0.62
-"""Share of max(weight bytes / bandwidth, FLOPs / peak) a decode step's products reach: on an H200,
-0.68 for the 7B shape's (64 x 8 rows, compute-bound:
-2026-11-27-grpo-step-7b-lora-64x8-defaults-*H200.json, rollout_s 4.38) and 0.55 for the
-30B-A3B shape's grouped experts (bandwidth-bound: ...qwen3-30b-a3b-lora-plan-chosen-*H200.json,
-rollout_s 7.75)."""
+PRODUCT_EFFICIENCY = 0.81
+"""Share of max(weight bytes / bandwidth, FLOPs / peak) a dense model's decode step's products
+reach: the Qwen2.5-7B shape in full, 64 x 8 rows (compute-bound), 3.82 s of rollout on an H200
+(2026-11-28-grpo-step-7b-full-defaults-*H200.json)."""
+MOE_PRODUCT_EFFICIENCY = 0.6
+"""The same for a mixture-of-experts model's grouped experts (bandwidth-bound): the Qwen3-30B-A3B
+shape with LoRA, 7.75 s of rollout on an H200, its adapters counted
+(2026-11-27-grpo-step-qwen3-30b-a3b-lora-plan-chosen-*H200.json)."""
+ADAPTER_KERNEL_SECONDS = 3.5e-6
+"""What each small product of the native engine's LoRA adapters costs a decode step beside its
+bytes: per layer eleven (q/k/v's fused A and three B products, o's A and B, gate/up's fused A and
+two B products, down's A and B; six where the MLP is a mixture of experts, whose experts the
+adapters leave). Against a full model's rollout they added 1.0 ms a decode step to the standard
+workload on an H100 (0.887 s against 0.625 s: 2026-11-28-grpo-step-standard-lora-eager-*H100*.json)
+and 2.2 ms to the 7B shape's on an H200 (4.38 s against 3.82 s)."""
 ATTENTION_EFFICIENCY = 0.7
 """Share of the memory bandwidth the decode attention reads the KV cache at (H200, 0.5B shape, 512
 rows: 135 ms of kernels against 97 ms at the copy bandwidth,
@@ -219,23 +229,40 @@ class StepTime:
         )
 
 
-def rollout_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec) -> float:
+def rollout_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec, lora: bool = False) -> float:
     """Prefill at the bf16 peak (each prompt once: a group's samples share its cached prompt),
     then every decode step of the rows still running at the slower of the host's work and the
-    GPU's (see the module's docstring)."""
+    GPU's, LoRA's adapters (on every linear layer) added to the latter (see the module's
+    docstring)."""
     params = shape.num_active_parameters()
+    efficiency = MOE_PRODUCT_EFFICIENCY if shape.num_experts else PRODUCT_EFFICIENCY
     kv_per_token = 2 * shape.num_hidden_layers * shape.kv_size * shape.dtype_bytes
-    prefill = 2 * params * workload.prompts * workload.prompt_length / gpu.bf16_flops / PRODUCT_EFFICIENCY
+    prefill = 2 * params * workload.prompts * workload.prompt_length / gpu.bf16_flops / efficiency
     decode = 0.0
     held = workload.rows / workload.waves
     for step, share in enumerate(workload.running(), start=1):
         rows = held * share  # each still running holds its prompt and `step` new tokens
         read = decode_weight_bytes(shape, max(1, math.ceil(rows))) / gpu.bandwidth
-        products = max(read, 2 * params * rows / gpu.bf16_flops) / PRODUCT_EFFICIENCY
+        products = max(read, 2 * params * rows / gpu.bf16_flops) / efficiency
         context = rows * (workload.prompt_length + step)
         attention = context * kv_per_token / gpu.bandwidth / ATTENTION_EFFICIENCY
-        decode += max(HOST_STEP_SECONDS, products + attention)
+        adapters = adapter_seconds(shape, rows, gpu) if lora else 0.0
+        decode += max(HOST_STEP_SECONDS, products + attention + adapters)
     return prefill + decode * workload.waves
+
+
+def adapter_seconds(shape: ModelShape, rows: float, gpu: GpuSpec) -> float:
+    """What the native engine's LoRA products add to one decode step of `rows` rows: their
+    kernels (`ADAPTER_KERNEL_SECONDS`), and their bytes at the bandwidth: each A product reads its
+    input, each B product reads and writes the output slice it adds into (the adapters themselves
+    are small)."""
+    h, q, kv, i = shape.hidden_size, shape.query_size, shape.kv_size, shape.intermediate_size
+    attention_kernels, attention_row = 6, h + q + 2 * (q + 2 * kv) + 2 * h
+    mlp_kernels, mlp_row = 5, h + i + 2 * 2 * i + 2 * h
+    dense = shape.num_hidden_layers - shape.num_moe_layers
+    kernels = shape.num_hidden_layers * attention_kernels + dense * mlp_kernels
+    per_row = shape.num_hidden_layers * attention_row + dense * mlp_row
+    return kernels * ADAPTER_KERNEL_SECONDS + rows * per_row * shape.dtype_bytes / gpu.bandwidth
 
 
 def decode_weight_bytes(shape: ModelShape, rows: int) -> float:
@@ -306,7 +333,7 @@ def sync_seconds(shape: ModelShape, gpu: GpuSpec, passes: UpdatePasses) -> float
 def predict_step(shape: ModelShape, workload: Workload, gpu: GpuSpec, passes: UpdatePasses) -> StepTime:
     """One step's predicted seconds by phase."""
     return StepTime(
-        rollout=rollout_seconds(shape, workload, gpu),
+        rollout=rollout_seconds(shape, workload, gpu, lora=passes.lora),
         update=update_seconds(shape, workload, gpu, passes),
         sync=sync_seconds(shape, gpu, passes),
     )
