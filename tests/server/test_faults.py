@@ -367,10 +367,12 @@ def test_an_abandoned_big_request_stops_and_frees_its_blocks(server):
     post_and_vanish(
         server.url, "/v1/completions", big, running=lambda: engine.runner.pool.num_free < free_before
     )
+    batcher = server.service.batcher
     deadline = time.monotonic() + 30  # stopped within a few decode steps: not minutes
-    while engine.runner.pool.num_free < free_before and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while (batcher.busy or engine.runner.pool.num_free < free_before) and time.monotonic() < deadline:
+        time.sleep(0.05)  # its call ended: a request sent before might join it
     assert engine.runner.pool.num_free == free_before and int(engine.runner.pool.refs.sum()) == 0
+    assert not batcher.busy
     small = answered_quickly(server.url, "/v1/completions", "POST", json={**ASK, "max_tokens": 1})
     assert small.status_code == 200
     assert engine.stats.num_generated_tokens == 1  # the small request ran alone, after the big one
