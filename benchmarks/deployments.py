@@ -28,6 +28,7 @@ from pathlib import Path
 
 import grpo_step
 import torch
+from step_inputs import write_inputs
 
 from grpoflow.run.infer_workers import RolloutServers
 
@@ -116,7 +117,7 @@ def main() -> None:
     if args.smoke:
         args.new_tokens, args.torch_compile = min(args.new_tokens, 16), 0
     workdir = Path(tempfile.mkdtemp(prefix="deployments_"))
-    grpo_step.write_inputs(workdir, args.smoke, num_prompts=64 * (args.steps + 2))
+    write_inputs(workdir, args.smoke, num_prompts=64 * (args.steps + 2))
     rows = []
     for mode in args.modes.split(","):
         start = time.perf_counter()

@@ -27,6 +27,7 @@ from pathlib import Path
 import grpo_step
 import torch
 from idle_gpu import idle_by_host, print_idle
+from step_inputs import write_inputs
 from sync_sites import print_sites, sync_sites
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -75,7 +76,7 @@ def main() -> None:
     args.steps = args.warmup + 1 + int(args.sync_sites) + int(args.idle)
     workload = grpo_step.WORKLOADS[args.workload]
     args.new_tokens = args.new_tokens or workload["new_tokens"]
-    model_dir, prompts = grpo_step.write_inputs(
+    model_dir, prompts = write_inputs(
         Path(args.workdir), args.smoke, num_prompts=192, eos_mean_length=workload["eos_mean_length"]
     )
     from grpoflow.run.build import build_trainer

@@ -43,7 +43,8 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from grpo_step import grpoflow_overrides, write_inputs  # noqa: E402
+from grpo_step import grpoflow_overrides  # noqa: E402
+from step_inputs import write_inputs  # noqa: E402
 from step_report import matmul_tflops  # noqa: E402
 
 from grpoflow.policy.auto_settings import DEFAULT_MICRO_BATCH  # noqa: E402
