@@ -101,7 +101,7 @@ class ChosenSettings:
     """Whether the engine releases its cache after each rollout (`run.plan_check.choose_sleep_level`,
     once the other settings are in the config); None: not chosen."""
     shared_prompts: bool = False
-    """Each group's prompt runs through the update once (`run.chosen_settings.with_shared_prompts`;
+    """Each group's prompt runs through the update once (`run.chosen_settings.shared_prompts_choice`;
     until it has chosen, as given)."""
 
     def values(self) -> dict[str, object]:

@@ -94,7 +94,7 @@ def choose(config: GRPOConfig, device: DeviceFacts) -> ChosenSettings:
     the memory the others are chosen in depends on it."""
     shared = shared_prompts_choice(config, device)
     chosen = with_liger(config, device, choose_speed(config, device, shared_prompts=shared[0]))
-    return with_shared_prompts(chosen, shared)
+    return with_shared_prompts_reason(chosen, shared[1])
 
 
 def shared_prompts_refusal(config: GRPOConfig, device: DeviceFacts) -> str | None:
@@ -134,14 +134,11 @@ def shared_prompts_choice(config: GRPOConfig, device: DeviceFacts) -> tuple[bool
     return on, reason
 
 
-def with_shared_prompts(chosen: ChosenSettings, shared: tuple[bool, str | None]) -> ChosenSettings:
-    """`chosen` with the shared-prompts choice (`shared_prompts_choice`) and its reason."""
-    on, reason = shared
+def with_shared_prompts_reason(chosen: ChosenSettings, reason: str | None) -> ChosenSettings:
+    """`chosen` with why prompts are shared or not (`shared_prompts_choice`), where one is given."""
     if reason is None:
         return chosen
-    return dataclasses.replace(
-        chosen, shared_prompts=on, reasons={**chosen.reasons, "shared_prompts": reason}
-    )
+    return dataclasses.replace(chosen, reasons={**chosen.reasons, "shared_prompts": reason})
 
 
 def with_liger(config: GRPOConfig, device: DeviceFacts, chosen: ChosenSettings) -> ChosenSettings:
@@ -169,8 +166,8 @@ def choose_speed(config: GRPOConfig, device: DeviceFacts, shared_prompts: bool =
     """The memory and compile settings `config` trains with on `device`, its updates sharing
     prompts or not."""
     user = user_settings(config)
-    if device.kind != "cuda" or device.memory_bytes is None:
-        return choose_settings(None, None, device, user)  # nothing planned: no config is read
+    if device.kind != "cuda" or device.memory_bytes is None:  # nothing planned: no config is read
+        return dataclasses.replace(choose_settings(None, None, device, user), shared_prompts=shared_prompts)
     shape = model_shape(config, on_gpu=True)
     base = plan_settings(config, dtype_bytes=shape.dtype_bytes, shared_prompts=shared_prompts)
     chosen = dataclasses.replace(choose_settings(shape, base, device, user), shared_prompts=shared_prompts)
