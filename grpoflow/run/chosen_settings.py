@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from grpoflow.policy import liger
+from grpoflow.policy import liger, varlen_attention
 from grpoflow.policy.auto_settings import (
     ChosenSettings,
     DeviceFacts,
@@ -106,7 +106,7 @@ def shared_prompts_refusal(config: GRPOConfig, device: DeviceFacts) -> str | Non
         return "off the GPU (the CPU's per-sequence attention gains nothing)"
     if not VARLEN_PARAMETERS:
         return "this torch has no torch.nn.attention.varlen (torch >= 2.10 has)"
-    if config.policy.attn_implementation not in (None, "grpoflow_varlen"):
+    if config.policy.attn_implementation not in (None, varlen_attention.NAME):
         return (
             f"attn_implementation is {config.policy.attn_implementation!r}: unset it or set grpoflow_varlen"
         )
@@ -199,7 +199,7 @@ def applied(config: GRPOConfig, chosen: ChosenSettings) -> GRPOConfig:
         torch_compile=chosen.torch_compile,
         compile_fallback=chosen.torch_compile and chosen.sources["torch_compile"] != "user",
         use_liger_kernel=chosen.use_liger_kernel,
-        attn_implementation="grpoflow_varlen" if chosen.shared_prompts else attention,
+        attn_implementation=varlen_attention.NAME if chosen.shared_prompts else attention,
         attn_fallback=chosen.shared_prompts and attention is None,
     )
     return dataclasses.replace(config, training=training, policy=policy)
