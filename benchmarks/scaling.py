@@ -22,8 +22,9 @@ the slowest rank, peak memory of the fullest GPU) over the steps after `--warmup
 efficiency is generated tokens per second per GPU over the whole step, against the 1-GPU run.
 Each row also gives the memory plan's predicted peak per GPU (`grpoflow plan` for the variant's
 config and number of processes) beside the measured one, and the update's model FLOPs utilisation
-(6 x parameters x trained tokens per GPU-second, over the bf16 peak; `update_hw_mfu` adds the
-gradient checkpointing recompute, 8 x).
+(6 x parameters x trained tokens per GPU-second, over the bf16 peak; `update_hw_mfu` counts what
+the GPU ran instead: the gradient checkpointing recompute, 8 x, and under shared prompts each
+group's prompt once).
 Results go to benchmarks/results/ as JSON, with the GPU name and the date.
 """
 
@@ -211,6 +212,9 @@ def summarize(args, name: str, rows: list[dict], config: dict) -> dict:
             row["update_mfu"] = 6 * num_params * trained / update_s / (tflops * 1e12)
             recompute = 8 / 6 if row["settings"].get("gradient_checkpointing") else 1.0
             row["update_hw_mfu"] = row["update_mfu"] * recompute
+            if row["settings"].get("shared_prompts"):  # each group's prompt through the update once
+                executed = generations // 8 * 128 + generations * mean_length
+                row["update_hw_mfu"] *= executed / trained
     return row
 
 

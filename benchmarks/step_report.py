@@ -43,7 +43,8 @@ def summarize(
     name: str, result: dict, warmup: int, num_params: int, tflops: float | None, flops_per_token: int = 6
 ) -> dict:
     """The row of one system's steps; `update_mfu` counts `flops_per_token` (per active
-    parameter, `flops_per_token_parameter`) for every trained token."""
+    parameter, `flops_per_token_parameter`) for every trained token, `update_executed_mfu` for the
+    tokens the update ran (under shared prompts, each group's prompt once)."""
     steady = result["steps"][warmup:]
     if not steady:  # cut off by --time-limit within the warmup: say the means include it
         steady = result["steps"]
@@ -87,6 +88,9 @@ def summarize(
         row["trained_tokens_per_s"] = trained / row["update_s"]
         if tflops:
             row["update_mfu"] = flops_per_token * num_params * trained / row["update_s"] / (tflops * 1e12)
+            shared = row.get("chosen_settings", {}).get("shared_prompts", {}).get("value")
+            executed = 512 // 8 * 128 + 512 * generated if shared else trained
+            row["update_executed_mfu"] = row["update_mfu"] * executed / trained
     return row
 
 
@@ -101,6 +105,7 @@ def print_table(rows: list[dict]) -> None:
         "generated_tokens_per_s",
         "trained_tokens_per_s",
         "update_mfu",
+        "update_executed_mfu",
         "mean_completion_len",
         "max_completion_len",
         "peak_gib",

@@ -34,7 +34,7 @@ from grpoflow.models.adapters import (
     refresh_copies,
     supported,
 )
-from grpoflow.models.fusion import alias_rows, rows_view
+from grpoflow.models.fusion import Fused, alias_rows, copy_missing, drop_copies, qkv_parts, rows_view
 from grpoflow.models.moe import is_sparse, routing_dtype, sparse_mlps, sparse_refusal
 from grpoflow.models.moe_adapters import base_experts
 
@@ -45,17 +45,6 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the cache write and the attention itself, which differ between prefill and decode.
 QKNorm = tuple[torch.Tensor, torch.Tensor, float]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, QKNorm | None], torch.Tensor]
-
-
-@dataclass(slots=True)
-class Fused:
-    """A layer's fused projections, views over the policy's parameters (None: run them apart)."""
-
-    qkv_weight: torch.Tensor | None = None
-    qkv_bias: torch.Tensor | None = None
-    gate_up_weight: torch.Tensor | None = None
-    qkv_down: torch.Tensor | None = None
-    gate_up_down: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -269,7 +258,7 @@ class FamilyModel:
         """Lay each layer's q/k/v weights (and biases) and gate/up weights back to back in memory
         (see `fusion`), then find the fused views."""
         for layer in self.layers:
-            qkv = _qkv_parts(layer.self_attn)
+            qkv = qkv_parts(layer.self_attn)
             if qkv is not None:
                 weights, biases = qkv
                 if biases is None or alias_rows(biases):
@@ -295,13 +284,27 @@ class FamilyModel:
                 qkv_down=fused_down(adapters.qkv),
                 gate_up_down=fused_down(adapters.gate_up),
             )
-            qkv = _qkv_parts(layer.self_attn)
+            qkv = qkv_parts(layer.self_attn)
             if qkv is not None:
                 weights, biases = qkv
                 fused.qkv_bias = rows_view(biases) if biases is not None else None
                 if biases is None or fused.qkv_bias is not None:
                     fused.qkv_weight = rows_view(weights)
             self.fused[index] = fused
+
+    def copy_fused(self) -> bool:
+        """Fused copies, for one engine call, of the projections whose parameters do not lie back
+        to back (`fusion.copy_missing`); whether it made any. `drop_fused_copies` ends the call."""
+        copied = False
+        for layer, fused in zip(self.layers, self.fused):
+            mlp = layer.mlp
+            gate_up = None if is_sparse(mlp) else [mlp.gate_proj.weight, mlp.up_proj.weight]
+            copied |= copy_missing(fused, qkv_parts(layer.self_attn), gate_up)
+        return copied
+
+    def drop_fused_copies(self) -> None:
+        for fused in self.fused:
+            drop_copies(fused)
 
     @property
     def device(self) -> torch.device:
@@ -471,16 +474,6 @@ def refusal(hf_model: nn.Module) -> str | None:
     if is_lora_layer(inner.embed_tokens) or not all(supported(m) for m in hf_model.modules()):
         return "LoRA adapters the family forward does not apply (a variant, a bias, embeddings)"
     return None
-
-
-def _qkv_parts(attention: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor] | None] | None:
-    """q/k/v weights and biases (None when none has a bias); None when only some have a bias (not
-    fusable)."""
-    projections = [attention.q_proj, attention.k_proj, attention.v_proj]
-    biases = [module.bias for module in projections]
-    if any(bias is None for bias in biases) and any(bias is not None for bias in biases):
-        return None
-    return [module.weight for module in projections], None if biases[0] is None else biases
 
 
 def eps_of(norm: nn.Module) -> float:

@@ -10,7 +10,8 @@ A step has two phases that hold different memory, and the peak is the larger:
 
 Under FSDP the weights, gradients and optimizer state are sharded over the ranks (the rollout
 gathers the weights in full beside each rank's shard, and so does the update without
-reshard-after-forward); LoRA trains only the adapters, whose parameters PEFT keeps in float32,
+reshard-after-forward; the native engine also copies each layer's q/k/v and gate/up weights back
+to back for the rollout, `fused_copy_bytes`); LoRA trains only the adapters, whose parameters PEFT keeps in float32,
 and the reference is the policy with the adapters off (no copy). The optimizer is torch's AdamW:
 two moments per trained parameter, in the parameter's dtype; its foreach step (optim adamw_torch,
 not the fused one) also holds a temporary the size of the trained parameters once the activations
@@ -361,11 +362,28 @@ def activation_bytes(shape: ModelShape, settings: PlanSettings) -> int:
     return tokens * (dense_layers * full_layer + shape.num_moe_layers * moe_layer)
 
 
+def fused_copy_bytes(shape: ModelShape) -> int:
+    """The copies the native engine multiplies by when a layer's q/k/v and gate/up weights lie in
+    separate tensors (FSDP's gathered ones): one fused matrix of each per layer (q/k/v alone in a
+    MoE layer), for the length of a rollout (`models.fusion.copy_missing`)."""
+    shapes = shape.linear_shapes()
+    qkv = sum(a * b for name, (a, b) in shapes.items() if name in ("q_proj", "k_proj", "v_proj"))
+    gate_up = sum(a * b for name, (a, b) in shapes.items() if name in ("gate_proj", "up_proj"))
+    dense = shape.num_hidden_layers - shape.num_moe_layers
+    return (shape.num_hidden_layers * qkv + dense * gate_up) * shape.dtype_bytes
+
+
 def plan_memory(shape: ModelShape, settings: PlanSettings, capacity: int) -> MemoryPlan:
     """The plan of one GPU of `capacity` bytes (see the module's docstring)."""
     resident = resident_parts(shape, settings)
     gathered = shape.num_parameters() * shape.dtype_bytes if settings.fsdp_world_size > 1 else 0
-    rollout = {**resident, "gathered_weights": gathered, "kv_cache": settings.kv_cache_bytes}
+    copies = fused_copy_bytes(shape) if gathered and settings.kv_cache_bytes else 0
+    rollout = {
+        **resident,
+        "gathered_weights": gathered,
+        "fused_copies": copies,
+        "kv_cache": settings.kv_cache_bytes,
+    }
     trained = resident["adapters"] if settings.lora_rank is not None else resident["weights"]
     reference = resident["reference"]
     if settings.reference_copy and settings.offload_model:  # on the GPU for its own pass only

@@ -67,9 +67,10 @@ class PlacementConfig:
     optimizer steps there); each unit comes to the GPU for its forward and backward."""
     fsdp_reshard_after_forward: bool = True
     """Under fsdp: free each decoder layer's gathered weights after its forward pass and gather
-    them again for the backward pass (least memory); false: keep them from the forward to the
-    backward pass, one all-gather per micro-batch fewer for the full weights' memory during the
-    update (FSDP2's reshard_after_forward, accelerate's fsdp_reshard_after_forward)."""
+    them again for the backward pass (least memory); false: keep them from the forward pass to
+    the optimizer step's last backward pass, one all-gather per optimizer step rather than two per
+    micro-batch, for the full weights' memory during the update (FSDP2's reshard_after_forward,
+    accelerate's fsdp_reshard_after_forward)."""
     fsdp_reduce_every_micro_batch: bool = True
     """Under fsdp: reduce-scatter the gradients after every micro-batch's backward pass (each rank
     holds only its shard of them); false: once per optimizer step, after its last micro-batch,
@@ -205,9 +206,16 @@ class Placement:
 
     def sync_gradients(self, last: bool) -> None:
         """Before a backward pass, `last` of its optimizer step: whether it reduce-scatters the
-        gradients accumulated so far (always, unless sharded and not reduce_every_micro_batch)."""
-        if self.root is not None and not self.reduce_every_micro_batch:
+        gradients accumulated so far (always, unless sharded and not reduce_every_micro_batch).
+        Without reshard_after_forward the layers also keep their gathered weights from one
+        micro-batch to the next (one all-gather per optimizer step, not per micro-batch); the
+        step's last backward pass frees them, before the optimizer writes the shards."""
+        if self.root is None:
+            return
+        if not self.reduce_every_micro_batch:
             self.root.set_requires_gradient_sync(last)
+        if not self.reshard_after_forward:
+            self.root.set_reshard_after_backward(last)
 
     def sharded_forward(self, function: Callable[[], Any]) -> Any:
         """`function()`, which runs the module (or a view of it), inside the FSDP root's forward

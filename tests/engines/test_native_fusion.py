@@ -6,7 +6,7 @@ import tempfile
 
 import pytest
 import torch
-from helpers.native_fixtures import FAMILIES, hf_greedy, tiny
+from helpers.native_fixtures import FAMILIES, forward_logprobs, hf_greedy, tiny
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
@@ -63,18 +63,51 @@ def test_fused_engine_matches_transformers_and_unfused(model_type):
     assert tokens(engine(tiny(model_type), fuse=False).generate(PROMPTS, GREEDY)) == reference
 
 
-def test_moved_parameters_fall_back_and_stay_fresh():
+def test_moved_parameters_run_fused_copies_for_one_call_and_stay_fresh():
+    # As FSDP's gathered weights are: each projection in storage of its own.
     model = tiny("qwen2")
     native = engine(model)
     native.generate(PROMPTS, GREEDY)
-    attention = model.model.layers[0].self_attn
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[1].mlp
     with torch.no_grad():
         attention.k_proj.weight.data = attention.k_proj.weight.data * 3  # new storage
-        model.model.layers[1].mlp.up_proj.weight.data = model.model.layers[1].mlp.up_proj.weight.data.clone()
+        mlp.up_proj.weight.data = mlp.up_proj.weight.data.clone()
+    during = []
+    copy_fused = native.family.copy_fused
+
+    def watched() -> bool:
+        made = copy_fused()
+        during.append([(f.qkv_weight is not None, f.gate_up_weight is not None) for f in native.family.fused])
+        torch.testing.assert_close(
+            native.family.fused[1].gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        )
+        return made
+
+    native.family.copy_fused = watched
     expected = [hf_greedy(model, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
     assert tokens(native.generate(PROMPTS, GREEDY)) == expected
-    assert native.family.fused[0].qkv_weight is None and native.family.fused[0].gate_up_weight is not None
-    assert native.family.fused[1].gate_up_weight is None
+    assert during == [[(True, True)] * len(model.model.layers)]  # every product fused in the call
+    assert native.family.fused[0].qkv_weight is None and native.family.fused[1].gate_up_weight is None
+    before = [c.logprobs for group in native.generate(PROMPTS, GREEDY) for c in group]
+    with torch.no_grad():  # new values in place: the next call copies them again
+        attention.k_proj.weight.mul_(-2)
+        mlp.up_proj.weight.mul_(-2)
+    outputs = native.generate(PROMPTS, GREEDY)
+    for prompt, group in zip(PROMPTS, outputs):
+        (completion,) = group
+        want = forward_logprobs(model, prompt, completion.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), torch.tensor(want), atol=1e-4, rtol=0)
+    assert [c.logprobs for group in outputs for c in group] != before
+
+
+def test_unfused_engine_makes_no_copies():
+    model = tiny("qwen2")
+    native = engine(model, fuse=False)
+    assert tokens(native.generate(PROMPTS, GREEDY)) == [
+        hf_greedy(model, prompt, GREEDY.max_tokens) for prompt in PROMPTS
+    ]
+    assert not any(f.copies for f in native.family.fused)
+    assert all(f.qkv_weight is None and f.gate_up_weight is None for f in native.family.fused)
 
 
 def test_fused_parameters_save_and_load():

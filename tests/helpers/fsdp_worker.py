@@ -202,6 +202,24 @@ def check_no_grad_passes_leave_every_unit_sharded(context: DistributedContext, i
     assert all(hasattr(p, "full_tensor") for p in model.parameters())
 
 
+def check_kept_gathered_across_micro_batches(context: DistributedContext, ids: torch.Tensor) -> None:
+    """Without reshard-after-forward the layers keep their gathered weights from one micro-batch's
+    backward pass to the next micro-batch (no second all-gather), and the step's last backward
+    pass shards them again, before the optimizer writes the shards."""
+    model = tiny_model(False)
+    context.broadcast_parameters(model)
+    where = placement.shard_model(
+        model, CPU, world_size=context.world_size, reshard_after_forward=False, reduce_every_micro_batch=False
+    )
+    layers = placement.decoder_layers(model)
+    for last in (False, False, True):
+        where.sync_gradients(last=last)
+        where.sharded_forward(lambda: model(input_ids=ids).logits.square().mean()).backward()
+        gathered = not any(hasattr(p, "full_tensor") for p in layers.parameters())  # as registered now
+        assert gathered != last, f"after a {'last' if last else 'first'} backward pass: gathered={gathered}"
+    assert all(hasattr(p, "full_tensor") and p.grad is not None for p in model.parameters())
+
+
 def main() -> None:
     torch_dist.init_process_group("gloo")
     world_size = torch_dist.get_world_size()
@@ -254,6 +272,7 @@ def main() -> None:
     check_adapter_sync(context, ids)
     check_adapter_sync_gathers_units_only_with_the_base(context)
     check_no_grad_passes_leave_every_unit_sharded(context, ids)
+    check_kept_gathered_across_micro_batches(context, ids)
     torch_dist.destroy_process_group()
     print("fsdp worker: all checks passed")
 

@@ -211,11 +211,15 @@ class NativeEngine:
             runner.reset_pool()  # new values: cached keys and values are stale
             self.family.refresh_adapter_copies()
             self.weights_signature, self.weights_versions = signature, versions
+        if self.config.fuse_projections and self.family.copy_fused():
+            runner.graphs.clear()  # they hold the last call's copies
         try:
             return self._run_steps(book, options, abandoned, joins)
         except BaseException:
             runner.reset_pool()  # blocks of the failed call stay held otherwise
             raise
+        finally:
+            self.family.drop_fused_copies()
 
     def _run_steps(
         self, book: RequestBook, options: SamplingOptions, abandoned: Abandoned, joins: _Joins
