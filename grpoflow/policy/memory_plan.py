@@ -223,6 +223,9 @@ class PlanSettings:
     """The optimizer step holds a temporary the size of the trained parameters (foreach AdamW)."""
     kv_cache_bytes: int = 0
     """The native engine's KV cache and workspace during rollouts (0: an engine elsewhere)."""
+    fused_copies: bool = False
+    """Under FSDP, the rollout engine multiplies by copies of each layer's q/k/v and gate/up weights
+    laid back to back (the native engine: `fused_copy_bytes`)."""
     grouped_experts: bool | None = None
     """A MoE model's experts run as `experts_implementation` grpoflow_grouped (None: as unset on
     CUDA, where the experts gate with SiLU)."""
@@ -377,7 +380,7 @@ def plan_memory(shape: ModelShape, settings: PlanSettings, capacity: int) -> Mem
     """The plan of one GPU of `capacity` bytes (see the module's docstring)."""
     resident = resident_parts(shape, settings)
     gathered = shape.num_parameters() * shape.dtype_bytes if settings.fsdp_world_size > 1 else 0
-    copies = fused_copy_bytes(shape) if gathered and settings.kv_cache_bytes else 0
+    copies = fused_copy_bytes(shape) if gathered and settings.fused_copies else 0
     rollout = {
         **resident,
         "gathered_weights": gathered,

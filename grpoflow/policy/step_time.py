@@ -22,7 +22,8 @@ arithmetic, before anything is loaded.
   decoder layers over its longest completion's columns (the output head only over real tokens);
   with shared prompts the decoder runs over each prompt once;
 - sync: the weights copied to an engine that keeps its own copy, at the memory bandwidth (none
-  for an engine that shares the policy's weights).
+  for an engine that shares the policy's weights); under FSDP also the rollout's gather of the
+  other ranks' shards (`FSDP_GATHER_BYTES_PER_S`).
 
 The constants come from the measured steps in benchmarks/results/, each named where it is set.
 """
@@ -85,6 +86,12 @@ an H200 machine (the long-tailed workload's rollout, 2.29 s over 1,024 decode st
 on average: 2026-11-27-grpo-step-long-tail-sleep0-*H200.json; the 0.5B engine at 512 rows, 2.04 ms
 a step: rollout-*H200-2026-11-27.json), 2.6 ms on an H100 machine (the standard workload's
 rollout, 0.675 s over 256 steps: 2026-11-25-grpo-step-standard-gc0-mb64-compile-*H100.json)."""
+FSDP_GATHER_BYTES_PER_S = 1.07e11
+"""What a rank receives per second when FSDP gathers the weights for a rollout: 0.107 s for the
+three quarters of the Qwen2.5-7B shape's 15.2 GB the other ranks hold, on 4 x H200 over NVLink
+(2026-11-28-scaling-7b-full-4xH200-strong-defaults.json, phases_s.gather). The update's own
+gather and its reduce-scatter overlap its products and are left out: the 4-GPU update measured
+2.84 s against 2.76 s predicted without them."""
 EAGER_MFU = ((2088, 0.33), (8240, 0.752))
 """Model FLOPs utilisation (recomputation counted) of an eager update by the width of its products
 (`product_width`), measured: the standard workload (Qwen2-0.5B shape, width 2,088) took 3.004 s
@@ -208,6 +215,8 @@ class UpdatePasses:
     shared_prompts: bool = False
     """Each group's prompt runs through the decoder once (`algo.shared_prompts`): its tokens count
     once per prompt, not once per completion."""
+    fsdp_world_size: int = 1
+    """Ranks the weights are sharded over (1: not sharded)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,10 +333,12 @@ def interpolated(points: tuple[tuple[float, float], ...], width: float) -> float
 
 
 def sync_seconds(shape: ModelShape, gpu: GpuSpec, passes: UpdatePasses) -> float:
-    """The weights copied once at the memory bandwidth; nothing when the engine shares them."""
-    if passes.engine_shares_weights:
-        return 0.0
-    return shape.num_parameters() * shape.dtype_bytes / gpu.bandwidth
+    """The weights copied once at the memory bandwidth (nothing when the engine shares them), and
+    under FSDP the other ranks' shards gathered for the rollout."""
+    weights = shape.num_parameters() * shape.dtype_bytes
+    ranks = passes.fsdp_world_size
+    gather = weights * (ranks - 1) / ranks / FSDP_GATHER_BYTES_PER_S
+    return gather + (0.0 if passes.engine_shares_weights else weights / gpu.bandwidth)
 
 
 def predict_step(shape: ModelShape, workload: Workload, gpu: GpuSpec, passes: UpdatePasses) -> StepTime:

@@ -35,6 +35,7 @@ from grpoflow.run.plan_check import (
     model_config,
     model_shape,
     plan_settings,
+    world_size,
 )
 
 logger = logging.getLogger("grpoflow")
@@ -275,6 +276,7 @@ def predicted_step(config: GRPOConfig, gpu: GpuSpec, mean_completion_length: flo
         micro_batch=training.micro_batch_size,
         padded=not (packed or training.shared_prompts or config.groups_by_length()),
         shared_prompts=bool(training.shared_prompts),
+        fsdp_world_size=world_size() if config.placement.fsdp else 1,
     )
     return predict_step(shape, workload, gpu, passes)
 

@@ -132,12 +132,13 @@ def plan_settings(
         reference_copy=config.algorithm.beta != 0 and not lora,
         offload_model=config.placement.offload_model,
         offload_optimizer=config.placement.offload_optimizer,
-        fsdp_world_size=_world_size() if config.placement.fsdp else 1,
+        fsdp_world_size=world_size() if config.placement.fsdp else 1,
         fsdp_reshard_after_forward=config.placement.fsdp_reshard_after_forward,
         expert_parallel=config.placement.expert_model_parallel_size > 1,
         accumulated_gradient_bytes=_accumulated_gradient_bytes(config, dtype_bytes),
         optimizer_temporaries=config.training.optim == "adamw_torch",
         kv_cache_bytes=kv_cache_bytes,
+        fused_copies=config.generation.engine_name == "native",
         grouped_experts=None if experts is None else experts == GROUPED_EXPERTS,
     )
 
@@ -341,14 +342,15 @@ def _accumulated_gradient_bytes(config, dtype_bytes: int) -> int:
     once per optimizer step: FSDP accumulates them in the reduce dtype (float32 unless
     fsdp_mixed_precision is no: then the trained parameters' dtype)."""
     layout = config.placement
-    if not layout.fsdp or layout.fsdp_reduce_every_micro_batch or _world_size() == 1:
+    if not layout.fsdp or layout.fsdp_reduce_every_micro_batch or world_size() == 1:
         return 0
     if layout.fsdp_mixed_precision != "no" or config.adapter.train_type == "lora":
         return 4
     return dtype_bytes
 
 
-def _world_size() -> int:
+def world_size() -> int:
+    """The processes of the run (torchrun's WORLD_SIZE; 1 without it)."""
     import os
 
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -364,7 +366,7 @@ def faster_fsdp_layout(config, capacity: int) -> str | None:
     line to log; else None. bf16 weights trained in full also reduce in bf16
     (fsdp_mixed_precision no)."""
     layout = config.placement
-    if not layout.fsdp or _world_size() == 1:
+    if not layout.fsdp or world_size() == 1:
         return None
     wanted = dict(FASTER_FSDP)
     if config.adapter.train_type == "full" and model_shape(config, on_gpu=True).dtype_bytes == 2:

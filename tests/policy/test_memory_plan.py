@@ -79,9 +79,9 @@ def test_fsdp_shards_resident_parts_and_gathers_for_rollouts():
     assert "fused_copies" not in plan.rollout  # no native engine in the run
     # The native engine multiplies by copies of each layer's q/k/v weights (8 x (8 + 4 + 4)) and
     # gate/up weights (2 x 8 x 16) laid back to back: 384 parameters a layer, 2 layers.
-    native = plan_memory(SHAPE, PlanSettings(fsdp_world_size=4, kv_cache_bytes=1000), capacity=10**6)
+    native = plan_memory(SHAPE, PlanSettings(fsdp_world_size=4, fused_copies=True), capacity=10**6)
     assert native.rollout["fused_copies"] == 2 * 384 * 2 and "fused_copies" not in native.update
-    assert "fused_copies" not in plan_memory(SHAPE, PlanSettings(kv_cache_bytes=1000), 10**6).rollout
+    assert "fused_copies" not in plan_memory(SHAPE, PlanSettings(fused_copies=True), 10**6).rollout
 
 
 def test_fsdp_reducing_once_per_step_holds_the_full_gradients_on_every_rank():

@@ -103,6 +103,10 @@ def test_a_mixture_of_experts_step_on_an_h200_within_20_percent():
             "2026-11-28-grpo-step-standard-defaults-shared-prompts-vs-trl-NVIDIA_H100_80GB_HBM3.json",
             "qwen2-0.5b",
         ),
+        (
+            "2026-11-28-grpo-step-standard-defaults-mb128-vs-trl-NVIDIA_H100_80GB_HBM3.json",
+            "qwen2-0.5b",
+        ),
         ("2026-11-28-grpo-step-standard-lora-eager-NVIDIA_H100_80GB_HBM3.json", "qwen2-0.5b"),
         ("2026-11-28-grpo-step-standard-lora-compiled-NVIDIA_H100_80GB_HBM3.json", "qwen2-0.5b"),
         ("2026-11-28-grpo-step-7b-lora-defaults-NVIDIA_H100_80GB_HBM3.json", "qwen2.5-7b"),
@@ -172,6 +176,28 @@ def test_a_7b_full_update_and_a_rollout_held_back_by_its_cache_within_20_percent
     assert abs(predicted.update - row["update_s"]) <= TOLERANCE * row["update_s"], (predicted, row)
     held = predict_step(shape, dataclasses.replace(workload, max_running=None), KNOWN_GPUS["H200"], passes)
     assert predicted.rollout > 1.5 * held.rollout and predicted.update == held.update
+
+
+@pytest.mark.parametrize("variant", ["1gpu", "4gpu-fsdp+keep-gathered+reduce-per-step"])
+def test_7b_full_training_on_one_and_four_gpus_within_20_percent(variant):
+    """64 x 8 a step split over the GPUs (strong scaling), the settings each run's plan chose; on
+    four, each rank generates and trains on 16 prompts and gathers the weights for its rollout."""
+    record = json.loads((RESULTS / "2026-11-28-scaling-7b-full-4xH200-strong-defaults.json").read_text())
+    row = next(row for row in record["rows"] if row["variant"] == variant)
+    shape = ModelShape.from_config(preset_config("qwen2.5-7b", 152064))
+    settings = row["settings"]
+    passes = UpdatePasses(
+        micro_batch=settings["per_device_train_batch_size"],
+        shared_prompts=settings["shared_prompts"],
+        fsdp_world_size=row["gpus"],
+    )
+    workload = Workload(64 // row["gpus"], 8, 128, 256)
+    predicted = predict_step(shape, workload, KNOWN_GPUS["H200"], passes)
+    assert abs(predicted.total - row["seconds_per_step"]) <= TOLERANCE * row["seconds_per_step"], (
+        predicted,
+        row["seconds_per_step"],
+    )
+    assert (predicted.sync > 0.05) == (row["gpus"] > 1)  # the rollout's gather of the shards
 
 
 def test_waves_and_the_measured_utilisation_by_width():

@@ -6,8 +6,9 @@ import pytest
 from helpers.support import recipe
 
 from grpoflow.cli import main
+from grpoflow.policy import memory_plan
 from grpoflow.run.build import build_trainer
-from grpoflow.run.plan_check import check_plan, plan_settings, run_plan
+from grpoflow.run.plan_check import check_plan, kv_cache_blocks, model_shape, plan_settings, run_plan
 
 
 def test_plan_prints_a_table_without_loading_weights(capsys):
@@ -80,6 +81,22 @@ def test_the_config_decides_what_fsdp_accumulates_and_the_optimizer_holds(tmp_pa
     assert settings["once_no_mixed"].accumulated_gradient_bytes == 2  # the weights' dtype
     assert settings["foreach"].optimizer_temporaries and not settings["every"].optimizer_temporaries
     assert settings["every"].fsdp_reshard_after_forward and not settings["kept"].fsdp_reshard_after_forward
+
+
+def test_the_native_engine_leaves_room_for_its_fused_copies_under_fsdp(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    base = {"model": "random:qwen2.5-7b", "fsdp": True, "torch_dtype": "bfloat16", "gpu_memory_gib": 48}
+    config = recipe(tmp_path / "native", **base)
+    assert plan_settings(config).fused_copies
+    assert not plan_settings(recipe(tmp_path / "hf", **base, rollout_engine="hf")).fused_copies
+    shape = model_shape(config, on_gpu=True)
+    blocks, _ = kv_cache_blocks(config, shape, 48 * 2**30)
+    monkeypatch.setattr(memory_plan, "fused_copy_bytes", lambda shape: 0)  # as if it made none
+    room, _ = kv_cache_blocks(config, shape, 48 * 2**30)
+    per_block = 2 * 28 * 4 * 128 * 2 * 16  # keys and values of 16 tokens, 28 layers, 4 heads of 128
+    assert blocks > 0 and room - blocks == pytest.approx(
+        memory_plan.fused_copy_bytes(shape) / per_block, abs=1
+    )
 
 
 def test_fsdp_runs_hear_of_the_faster_layout_only_when_its_memory_fits(tmp_path, monkeypatch, caplog):
