@@ -232,10 +232,12 @@ class Placement:
         return result
 
     @contextmanager
-    def full_parameters(self) -> Iterator[None]:
+    def full_parameters(self, keep: bool = False) -> Iterator[None]:
         """Within the block a sharded model holds its full (gathered) parameters as plain tensors,
-        also across forward calls; leaving, they are freed (both in the `gather` phase). A no-op
-        for a replicated model."""
+        also across forward calls; leaving, they are freed (both in the `gather` phase), unless
+        `keep`: then the next forward pass uses them as gathered, and they go at the update's
+        last backward pass, a pass without gradients, or `shard_before_step`. A no-op for a
+        replicated model."""
         units = self.units
         root = units[0] if units else None
         with phase("gather"):
@@ -249,10 +251,17 @@ class Placement:
             self.gathered = False
             with phase("gather"):
                 for unit in units:
-                    unit.reshard()
+                    if not keep:
+                        unit.reshard()
                     unit.set_reshard_after_forward(
                         unit is not root and self.reshard_after_forward, recurse=False
                     )
+
+    def shard_before_step(self) -> None:
+        """Before an optimizer step: every unit sharded, so that the step writes the shards the
+        next gather reads (no-op for units already sharded, and for a replicated model)."""
+        for unit in self.units:
+            unit.reshard()
 
     @contextmanager
     def rollout_context(self, engine: RolloutEngine) -> Iterator[None]:
@@ -261,15 +270,17 @@ class Placement:
         adapters merged. For an engine with its own copy, the policy's weights go to the CPU
         meanwhile under `offload_model`."""
         if engine.shares_policy_weights:
-            merge = (
-                nullcontext() if engine.capabilities.applies_adapters else lora.merged_adapters(self.module)
-            )
+            merging = not engine.capabilities.applies_adapters
+            merge = lora.merged_adapters(self.module) if merging else nullcontext()
+            merged = merging and lora.is_peft_model(self.module)
+            gathered = self.expert_group is not None
             experts = (
-                nullcontext()
-                if self.expert_group is None
-                else expert_shards.gathered_experts(self.module, self.experts_dtype)
+                expert_shards.gathered_experts(self.module, self.experts_dtype) if gathered else nullcontext()
             )
-            with self.full_parameters(), merge, experts:
+            # Without reshard_after_forward the update holds the full weights anyway: it starts from
+            # the rollout's, unless merged with adapters (the unmerge rounds) or beside experts.
+            keep = not (self.reshard_after_forward or merged or gathered)
+            with self.full_parameters(keep), merge, experts:
                 yield
             return
         if self.offload_model:

@@ -25,6 +25,13 @@ class CopyingEngine:
     shares_policy_weights = False
 
 
+class SharingEngine:
+    """An engine that reads the policy's own parameters (as the native engine)."""
+
+    capabilities = EngineCapabilities(name="sharing", applies_adapters=True)
+    shares_policy_weights = True
+
+
 class AdapterEngine:
     """An engine with its own copy that adds a LoRA policy's adapters to the base it holds (as
     `grpoflow serve` or colocated vLLM with adapters), or that takes merged weights only."""
@@ -218,6 +225,12 @@ def check_kept_gathered_across_micro_batches(context: DistributedContext, ids: t
         gathered = not any(hasattr(p, "full_tensor") for p in layers.parameters())  # as registered now
         assert gathered != last, f"after a {'last' if last else 'first'} backward pass: gathered={gathered}"
     assert all(hasattr(p, "full_tensor") and p.grad is not None for p in model.parameters())
+    # The rollout's gathered weights carry into the update, and the optimizer step shards them.
+    with where.rollout_context(SharingEngine()):
+        pass
+    assert not any(hasattr(p, "full_tensor") for p in layers.parameters()), "carried into the update"
+    where.shard_before_step()
+    assert all(hasattr(p, "full_tensor") for p in model.parameters()), "sharded for the optimizer step"
 
 
 def main() -> None:
