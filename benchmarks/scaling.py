@@ -155,6 +155,19 @@ def chosen_settings(config: dict) -> dict:
     return {name: entry["value"] for name, entry in chosen.items()}
 
 
+def as_run(config: dict, chosen: dict) -> dict:
+    """`config` with the settings its run chose that its memory plan depends on (under --defaults
+    the config leaves them unset), its generation batch kept."""
+    micro_batch = config.get("per_device_train_batch_size", DEFAULT_MICRO_BATCH)
+    completions = micro_batch * config["gradient_accumulation_steps"]
+    planned = ("per_device_train_batch_size", "gradient_checkpointing", "shared_prompts", "use_liger_kernel")
+    settled = {**config, **{key: chosen[key] for key in planned if chosen.get(key) is not None}}
+    settled["gradient_accumulation_steps"] = completions // settled.get(
+        "per_device_train_batch_size", DEFAULT_MICRO_BATCH
+    )
+    return settled
+
+
 def predicted_peak(config: dict, nproc: int) -> tuple[float, int]:
     """The memory plan's peak per GPU (GiB) for the variant's config over `nproc` processes, and
     the parameters a token multiplies by (an untied input embedding is a lookup)."""
@@ -206,7 +219,7 @@ def summarize(args, name: str, rows: list[dict], config: dict) -> dict:
     }
     tflops = matmul_tflops(_device_name(args))
     if args.device == "cuda":
-        row["predicted_gib_per_gpu"], num_params = predicted_peak(config, nproc)
+        row["predicted_gib_per_gpu"], num_params = predicted_peak(as_run(config, row["settings"]), nproc)
         trained = generations * (128 + mean_length)  # per GPU
         if tflops and config.get("train_type", "full") == "full":
             row["update_mfu"] = 6 * num_params * trained / update_s / (tflops * 1e12)

@@ -182,7 +182,9 @@ def test_a_7b_full_update_and_a_rollout_held_back_by_its_cache_within_20_percent
 def test_7b_full_training_on_one_and_four_gpus_within_20_percent(variant):
     """64 x 8 a step split over the GPUs (strong scaling), the settings each run's plan chose; on
     four, each rank generates and trains on 16 prompts and gathers the weights for its rollout."""
-    record = json.loads((RESULTS / "2026-11-28-scaling-7b-full-4xH200-strong-defaults.json").read_text())
+    record = json.loads(
+        (RESULTS / "2026-11-28-scaling-7b-full-4xH200-strong-defaults-carried-gather.json").read_text()
+    )
     row = next(row for row in record["rows"] if row["variant"] == variant)
     shape = ModelShape.from_config(preset_config("qwen2.5-7b", 152064))
     settings = row["settings"]
