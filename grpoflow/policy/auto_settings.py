@@ -34,12 +34,15 @@ growing from 30 to 52 and 96 GiB, and the rollout beside the larger update slowe
 (benchmarks/results/2026-11-27-grpo-step-standard-micro-batch-*): past 128 x 384, more memory for
 no speed."""
 
-COMPILE_SECONDS = 90.0
-"""What compiling the decoder layers costs a run once with Inductor's caches empty: the first
-compiled step took 20-75 s more than an eager one on an H100 for full training of 0.5B to 7B shapes,
-81 s and 91 s for LoRA on the 0.5B and 7B shapes
-(2026-11-28-grpo-step-{standard,7b}-lora-compiled-*H100*.json, per_step). Inductor's caches make
-later runs of the same shapes cheaper."""
+COMPILE_SECONDS = 15.0
+"""What compiling the decoder layers costs a run once with Inductor's caches empty, training every
+parameter: the first compiled step's update took 13.6 s more than the next ones for the 0.5B shape
+on a fresh H100 (2026-11-28-grpo-step-standard-defaults-mb128-vs-trl-*H100*.json, per_step), 11.9 s
+for the 7B shape on an H200 (2026-11-28-grpo-step-7b-full-compiled-*H200.json)."""
+LORA_COMPILE_SECONDS = 90.0
+"""The same under LoRA, whose adapters' products and dropout compile into more kernels: 81 s and
+91 s on the 0.5B and 7B shapes (2026-11-28-grpo-step-{standard,7b}-lora-compiled-*H100*.json,
+per_step). Inductor's caches make later runs of the same shapes cheaper."""
 
 Source = Literal["user", "plan", "default"]
 
@@ -229,13 +232,19 @@ def _sources(user: UserSettings, unset: Source) -> dict[str, Source]:
     return sources
 
 
-def compile_skipped(steps: int, eager_update_s: float, compiled_update_s: float) -> str | None:
+def compile_skipped(
+    steps: int, eager_update_s: float, compiled_update_s: float, lora: bool = False
+) -> str | None:
     """Why a run of `steps` steps should not compile when the plan would (what it saves is less
-    than COMPILE_SECONDS), as a log line; None when compiling pays."""
-    saved = steps * (eager_update_s - compiled_update_s)
-    if saved > COMPILE_SECONDS:
+    than COMPILE_SECONDS, LORA_COMPILE_SECONDS under `lora`), as a log line; None when compiling
+    pays."""
+    saved, cost = (
+        steps * (eager_update_s - compiled_update_s),
+        LORA_COMPILE_SECONDS if lora else COMPILE_SECONDS,
+    )
+    if saved > cost:
         return None
     return (
         f"torch_compile left off: {steps} steps would save about {max(saved, 0):.0f} s of update, less "
-        f"than compiling costs (about {COMPILE_SECONDS:.0f} s); set torch_compile: true to compile anyway"
+        f"than compiling costs (about {cost:.0f} s); set torch_compile: true to compile anyway"
     )

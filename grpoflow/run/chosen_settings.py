@@ -175,7 +175,8 @@ def choose_speed(config: GRPOConfig, device: DeviceFacts, shared_prompts: bool =
     gpu, steps = gpu_spec(config), config.training.max_steps
     if chosen.torch_compile and chosen.sources["torch_compile"] == "plan" and gpu and steps > 0:
         eager = predicted_step(applied(config, dataclasses.replace(chosen, torch_compile=False)), gpu)
-        skipped = compile_skipped(steps, eager.update, predicted_step(applied(config, chosen), gpu).update)
+        compiled = predicted_step(applied(config, chosen), gpu).update
+        skipped = compile_skipped(steps, eager.update, compiled, lora=config.adapter.train_type == "lora")
         if skipped:
             logger.info("%s", skipped)
             return dataclasses.replace(chosen, torch_compile=False)

@@ -127,6 +127,12 @@ def test_a_run_too_short_to_pay_for_compiling_is_left_eager(tmp_path, caplog):
     assert choose(unset(recipe(tmp_path, **STANDARD, gpu_name="H100", max_steps=500)), gpu).torch_compile
     given = unset(recipe(tmp_path, **STANDARD, gpu_name="H100", max_steps=5, torch_compile=True))
     assert choose(given, gpu).torch_compile  # a setting given is kept
+    # 50 steps pay for compiling a full update (~15 s), not a LoRA one (~90 s, more kernels)
+    assert choose(unset(recipe(tmp_path, **STANDARD, gpu_name="H100", max_steps=50)), gpu).torch_compile
+    lora = unset(recipe(tmp_path, **STANDARD, gpu_name="H100", max_steps=50, train_type="lora"))
+    with caplog.at_level("INFO", logger="grpoflow"):
+        assert not choose(lora, gpu).torch_compile
+    assert any("compiling costs (about 90 s)" in r.getMessage() for r in caplog.records)
 
 
 def test_each_groups_prompt_runs_through_the_update_once_where_it_can(tmp_path, caplog):
