@@ -227,7 +227,7 @@ class Learner:
         if self.entropy_control.enabled:
             self.entropy_control.step(window.mean(self.distributed))
             metrics["entropy_coef"] = self.entropy_control.coef
-        self.placement.shard_before_step()
+        self.placement.shard_all()
         parameters = [p for p in self.placement.module.parameters() if p.requires_grad]
         if not self.placement.is_sharded:  # FSDP reduce-scatters in the backward pass
             self.distributed.all_reduce_gradients(parameters)

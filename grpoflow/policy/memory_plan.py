@@ -11,8 +11,8 @@ A step has two phases that hold different memory, and the peak is the larger:
 Under FSDP the weights, gradients and optimizer state are sharded over the ranks (the rollout
 gathers the weights in full beside each rank's shard, and so does the update without
 reshard-after-forward; the native engine also copies each layer's q/k/v and gate/up weights back
-to back for the rollout, `fused_copy_bytes`); LoRA trains only the adapters, whose parameters PEFT keeps in float32,
-and the reference is the policy with the adapters off (no copy). The optimizer is torch's AdamW:
+to back for the rollout, `fused_copy_bytes`); LoRA trains only the adapters, whose parameters
+PEFT keeps in float32, and the reference is the policy with the adapters off (no copy). The optimizer is torch's AdamW:
 two moments per trained parameter, in the parameter's dtype; its foreach step (optim adamw_torch,
 not the fused one) also holds a temporary the size of the trained parameters once the activations
 are gone. Under FSDP reducing the gradients once per optimizer step, each rank also accumulates

@@ -67,10 +67,10 @@ class PlacementConfig:
     optimizer steps there); each unit comes to the GPU for its forward and backward."""
     fsdp_reshard_after_forward: bool = True
     """Under fsdp: free each decoder layer's gathered weights after its forward pass and gather
-    them again for the backward pass (least memory); false: keep them from the forward pass to
-    the optimizer step's last backward pass, one all-gather per optimizer step rather than two per
-    micro-batch, for the full weights' memory during the update (FSDP2's reshard_after_forward,
-    accelerate's fsdp_reshard_after_forward)."""
+    them again for the backward pass (least memory); false: keep them from the rollout's gather (or
+    the first forward pass) to the optimizer step's last backward pass, no all-gather in the
+    update rather than two per micro-batch, for the full weights' memory during the update
+    (FSDP2's reshard_after_forward, accelerate's fsdp_reshard_after_forward)."""
     fsdp_reduce_every_micro_batch: bool = True
     """Under fsdp: reduce-scatter the gradients after every micro-batch's backward pass (each rank
     holds only its shard of them); false: once per optimizer step, after its last micro-batch,
@@ -236,7 +236,7 @@ class Placement:
         """Within the block a sharded model holds its full (gathered) parameters as plain tensors,
         also across forward calls; leaving, they are freed (both in the `gather` phase), unless
         `keep`: then the next forward pass uses them as gathered, and they go at the update's
-        last backward pass, a pass without gradients, or `shard_before_step`. A no-op for a
+        last backward pass, a pass without gradients, or `shard_all`. A no-op for a
         replicated model."""
         units = self.units
         root = units[0] if units else None
@@ -257,9 +257,10 @@ class Placement:
                         unit is not root and self.reshard_after_forward, recurse=False
                     )
 
-    def shard_before_step(self) -> None:
-        """Before an optimizer step: every unit sharded, so that the step writes the shards the
-        next gather reads (no-op for units already sharded, and for a replicated model)."""
+    def shard_all(self) -> None:
+        """Every unit sharded (those a rollout left gathered): before an optimizer step, which
+        writes the shards the next gather reads. A no-op for units already sharded, and for a
+        replicated model."""
         for unit in self.units:
             unit.reshard()
 

@@ -89,9 +89,10 @@ rollout, 0.675 s over 256 steps: 2026-11-25-grpo-step-standard-gc0-mb64-compile-
 FSDP_GATHER_BYTES_PER_S = 1.07e11
 """What a rank receives per second when FSDP gathers the weights for a rollout: 0.107 s for the
 three quarters of the Qwen2.5-7B shape's 15.2 GB the other ranks hold, on 4 x H200 over NVLink
-(2026-11-28-scaling-7b-full-4xH200-strong-defaults.json, phases_s.gather). The update's own
-gather and its reduce-scatter overlap its products and are left out: the 4-GPU update measured
-2.84 s against 2.76 s predicted without them."""
+(2026-11-28-scaling-7b-full-4xH200-strong-defaults.json, phases_s.gather; 0.073 s in a later
+call). The update's reduce-scatter overlaps its products and is left out, as is its gather (none
+where the update starts from the rollout's gathered weights): the 4-GPU update measured 2.74 s
+against 2.76 s predicted (...-carried-gather.json)."""
 EAGER_MFU = ((2088, 0.33), (8240, 0.752))
 """Model FLOPs utilisation (recomputation counted) of an eager update by the width of its products
 (`product_width`), measured: the standard workload (Qwen2-0.5B shape, width 2,088) took 3.004 s

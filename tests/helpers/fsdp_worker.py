@@ -225,12 +225,18 @@ def check_kept_gathered_across_micro_batches(context: DistributedContext, ids: t
         gathered = not any(hasattr(p, "full_tensor") for p in layers.parameters())  # as registered now
         assert gathered != last, f"after a {'last' if last else 'first'} backward pass: gathered={gathered}"
     assert all(hasattr(p, "full_tensor") and p.grad is not None for p in model.parameters())
-    # The rollout's gathered weights carry into the update, and the optimizer step shards them.
-    with where.rollout_context(SharingEngine()):
-        pass
-    assert not any(hasattr(p, "full_tensor") for p in layers.parameters()), "carried into the update"
-    where.shard_before_step()
-    assert all(hasattr(p, "full_tensor") for p in model.parameters()), "sharded for the optimizer step"
+    # The rollout's gathered weights carry into the update; the optimizer step shards them first,
+    # and a checkpoint taken meanwhile holds the same weights (FSDP's state dict shards them).
+    saved = where.full_state_dict()
+    for then in ("optimizer step", "checkpoint"):
+        with where.rollout_context(SharingEngine()):
+            pass
+        assert not any(hasattr(p, "full_tensor") for p in layers.parameters()), "carried into the update"
+        if then == "checkpoint":
+            check_close(where.full_state_dict(), saved, "a checkpoint after a rollout")
+        else:
+            where.shard_all()
+        assert all(hasattr(p, "full_tensor") for p in model.parameters()), f"sharded for the {then}"
 
 
 def main() -> None:
