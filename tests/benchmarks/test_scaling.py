@@ -1,0 +1,57 @@
+"""benchmarks/scaling.py plans each variant's peak at the settings its run chose (CPU: the plan
+of a 7B shape on 4 ranks of 140 GiB, as the 4 x H200 runs had)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import scaling  # noqa: E402
+
+from grpoflow.run.config import load_config  # noqa: E402
+from grpoflow.run.plan_check import run_plan  # noqa: E402
+
+CHOSEN = {
+    "gradient_checkpointing": False,
+    "per_device_train_batch_size": 32,
+    "torch_compile": False,
+    "max_tokens_per_micro_batch": None,
+    "use_liger_kernel": True,
+    "shared_prompts": True,
+    "sleep_level": 1,
+    "num_kv_blocks": 6144,
+}
+"""run.json's chosen settings of the 4-GPU run (2026-11-28-scaling-7b-full-4xH200-*.json)."""
+
+
+def test_the_peak_is_planned_at_the_chosen_micro_batch_for_the_same_generation_batch(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text('{"prompt": "hi"}\n')
+    config = {
+        "model": "random:qwen2.5-7b",
+        "dataset": str(dataset),
+        "reward_funcs": ["format"],
+        "num_generations": 8,
+        "gradient_accumulation_steps": 16,  # 16 prompts x 8 at the default micro-batch of 8
+        "max_prompt_length": 128,
+        "max_completion_length": 256,
+        "fsdp": True,
+        "fsdp_reshard_after_forward": False,
+        "fsdp_reduce_every_micro_batch": False,
+        "output_dir": str(tmp_path / "out"),
+    }
+    settled = scaling.as_run(config, CHOSEN)
+    assert (settled["per_device_train_batch_size"], settled["gradient_accumulation_steps"]) == (32, 4)
+    assert "num_kv_blocks" not in settled and "sleep_level" not in settled  # not config keys
+    loaded = load_config(None, settled)
+    assert loaded.generation_batch_size == load_config(None, config).generation_batch_size == 128
+    capacity = 140 * 2**30
+    at_chosen, _ = run_plan(loaded, capacity)
+    at_default, _ = run_plan(load_config(None, config), capacity)
+    # Four times the default micro-batch's activations: the 4-GPU run measured 92.5 GiB.
+    assert at_chosen.peak > at_default.peak + 20 * 2**30
+    assert at_chosen.peak / 2**30 == pytest.approx(106, abs=2)
