@@ -30,12 +30,12 @@ from grpoflow.run.config import GRPOConfig
 from grpoflow.run.plan_check import (
     choose_sleep_level,
     completions_held,
+    fsdp_ranks,
     gpu_capacity,
     kv_cache_blocks,
     model_config,
     model_shape,
     plan_settings,
-    world_size,
 )
 
 logger = logging.getLogger("grpoflow")
@@ -277,7 +277,7 @@ def predicted_step(config: GRPOConfig, gpu: GpuSpec, mean_completion_length: flo
         micro_batch=training.micro_batch_size,
         padded=not (packed or training.shared_prompts or config.groups_by_length()),
         shared_prompts=bool(training.shared_prompts),
-        fsdp_world_size=world_size() if config.placement.fsdp else 1,
+        fsdp_world_size=fsdp_ranks(config),
     )
     return predict_step(shape, workload, gpu, passes)
 

@@ -132,7 +132,7 @@ def plan_settings(
         reference_copy=config.algorithm.beta != 0 and not lora,
         offload_model=config.placement.offload_model,
         offload_optimizer=config.placement.offload_optimizer,
-        fsdp_world_size=world_size() if config.placement.fsdp else 1,
+        fsdp_world_size=fsdp_ranks(config),
         fsdp_reshard_after_forward=config.placement.fsdp_reshard_after_forward,
         expert_parallel=config.placement.expert_model_parallel_size > 1,
         accumulated_gradient_bytes=_accumulated_gradient_bytes(config, dtype_bytes),
@@ -342,18 +342,23 @@ def _accumulated_gradient_bytes(config, dtype_bytes: int) -> int:
     once per optimizer step: FSDP accumulates them in the reduce dtype (float32 unless
     fsdp_mixed_precision is no: then the trained parameters' dtype)."""
     layout = config.placement
-    if not layout.fsdp or layout.fsdp_reduce_every_micro_batch or world_size() == 1:
+    if layout.fsdp_reduce_every_micro_batch or fsdp_ranks(config) == 1:
         return 0
     if layout.fsdp_mixed_precision != "no" or config.adapter.train_type == "lora":
         return 4
     return dtype_bytes
 
 
-def world_size() -> int:
+def _world_size() -> int:
     """The processes of the run (torchrun's WORLD_SIZE; 1 without it)."""
     import os
 
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def fsdp_ranks(config) -> int:
+    """The ranks `config`'s weights are sharded over (1: not sharded)."""
+    return _world_size() if config.placement.fsdp else 1
 
 
 FASTER_FSDP = {"fsdp_reshard_after_forward": False, "fsdp_reduce_every_micro_batch": False}
@@ -366,7 +371,7 @@ def faster_fsdp_layout(config, capacity: int) -> str | None:
     line to log; else None. bf16 weights trained in full also reduce in bf16
     (fsdp_mixed_precision no)."""
     layout = config.placement
-    if not layout.fsdp or world_size() == 1:
+    if fsdp_ranks(config) == 1:
         return None
     wanted = dict(FASTER_FSDP)
     if config.adapter.train_type == "full" and model_shape(config, on_gpu=True).dtype_bytes == 2:
