@@ -71,10 +71,14 @@ OPTIONS: dict[str, dict] = {
     "offload-optimizer": {"offload_optimizer": True, "gc_collect_after_offload": True},
     "kl": {"beta": 0.04},
     "offload-model": {"offload_model": True, "gc_collect_after_offload": True},
+    "keep-cache": {"sleep_level": 0},
 }
 """Options a variant adds to its base, `+`-joined: `2gpu-fsdp+keep-gathered+reduce-per-step`.
 `bf16-reduce` reduce-scatters the gradients in the weights' dtype (bf16 here) rather than float32."""
-ENVIRONMENTS: dict[str, dict[str, str]] = {"nccl-simple": {"NCCL_PROTO": "Simple"}}
+ENVIRONMENTS: dict[str, dict[str, str]] = {
+    "nccl-simple": {"NCCL_PROTO": "Simple"},
+    "expandable-segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+}
 """Options that set the processes' environment rather than the config."""
 DEFAULT_VARIANTS = "1gpu,2gpu-ddp,2gpu-fsdp,1gpu+lora,1gpu+offload-optimizer,1gpu+kl,1gpu+kl+offload-model"
 

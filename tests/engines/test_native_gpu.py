@@ -216,3 +216,47 @@ def test_prefix_cache_keeps_outputs_on_cuda(model_type):
         for group, plain_group in zip(cached, plain):
             for completion, expected in zip(group, plain_group):
                 np.testing.assert_allclose(completion.logprobs, expected.logprobs, atol=1e-4)
+
+
+def _tokens(outputs) -> list[list[list[int]]]:
+    return [[completion.token_ids for completion in group] for group in outputs]
+
+
+def test_graphs_captured_again_when_the_weights_move():
+    # FSDP gathers each rollout's weights to new addresses: every call captures its graphs again,
+    # into the pool the last call's graphs shared, and decodes as the first call did.
+    model = tiny("qwen2", device="cuda")
+    native = NativeEngine(model, config=NativeEngineConfig(max_num_seqs=8, block_size=16, num_kv_blocks=64))
+    prompts, params = (
+        [list(range(3, 20)), [4, 5, 6]],
+        SamplingParams(temperature=0, max_tokens=24, n=2, ignore_eos=True),
+    )
+    expected = _tokens(native.generate(prompts, params))
+    for _ in range(3):
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.data = parameter.data.clone()
+        assert _tokens(native.generate(prompts, params)) == expected
+        assert native.runner.graphs and native.runner.retired_graph is None
+
+
+def test_capture_after_clear_while_the_old_pool_holds_a_block(monkeypatch):
+    # A block the last capture allocated and something still holds keeps the dropped graphs' pool
+    # in the allocator; capturing into it again must not find it without a user.
+    model = tiny("qwen2", device="cuda")
+    native = NativeEngine(model, config=NativeEngineConfig(max_num_seqs=8, block_size=16, num_kv_blocks=64))
+    prompts, params = [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = _tokens(native.generate(prompts, params))
+    family, held = native.runner.family, []
+    forward = family.forward
+
+    def forward_holding_a_block(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            held.append(torch.empty(4096, device="cuda"))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(family, "forward", forward_holding_a_block)
+    for _ in range(3):
+        native.runner.clear_graphs()
+        assert _tokens(native.generate(prompts, params)) == expected
+    assert len(held) == 3

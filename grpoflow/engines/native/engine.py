@@ -204,7 +204,7 @@ class NativeEngine:
         runner = self.runner
         signature = self._signature()
         if signature != self.weights_signature:
-            runner.graphs.clear()  # parameters moved: graphs hold the old addresses
+            runner.clear_graphs()  # parameters moved: graphs hold the old addresses
             self.family.refresh_fused()
         versions = self._versions()
         if versions != self.weights_versions or signature != self.weights_signature:
@@ -212,7 +212,7 @@ class NativeEngine:
             self.family.refresh_adapter_copies()
             self.weights_signature, self.weights_versions = signature, versions
         if self.config.fuse_projections and self.family.copy_fused():
-            runner.graphs.clear()  # they hold the last call's copies
+            runner.clear_graphs()  # they hold the last call's copies
         try:
             return self._run_steps(book, options, abandoned, joins)
         except BaseException:

@@ -109,6 +109,8 @@ class Runner:
         self.pool: BlockPool | None = None
         self.num_blocks = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.retired_graph: torch.cuda.CUDAGraph | None = None
+        """The last graph `clear_graphs` dropped, kept until the next capture into their pool."""
         self.seen: torch.Tensor | None = None
         self.step_logits: torch.Tensor | None = None
         """The logits the last launched step sampled from (a prefill's by child, a decode's by row)."""
@@ -152,14 +154,15 @@ class Runner:
                 device,
             )
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.capture_stream = torch.cuda.Stream(device) if self.use_graphs else None
 
     def release(self) -> None:
         """Drop the cache (and what the pool knew of it), the buffers and the graphs (which point
         into them)."""
         self.graphs.clear()
-        self.pool = None
+        self.pool = self.retired_graph = None
         self.cache = self.input_ids = self.meta = self.block_table = self.logits = None
-        self.seen = self.graph_pool = self.routing = None
+        self.seen = self.graph_pool = self.capture_stream = self.routing = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -345,18 +348,36 @@ class Runner:
         if routing is not None:
             self.routing.store(batches[0].slots, routing)
 
+    def clear_graphs(self) -> None:
+        """Drop the captured graphs (their weights or copies moved). The last one is kept until
+        the next capture ends: the allocator refuses a capture into a pool whose graphs are all
+        gone, and a fresh pool each time would leave the old ones' memory to the next
+        `empty_cache`."""
+        if self.graphs:
+            self.retired_graph = self.graphs.popitem()[1]
+        self.graphs.clear()
+
     def _ensure_graph(self, rows: int) -> None:
         """Capture the decode forward for `rows` rows, run once first to compile the kernels.
-        While capturing, the rows are idle (no cache writes, nothing attended)."""
+        While capturing, the rows are idle (no cache writes, nothing attended). The capture runs
+        on a side stream as `torch.cuda.graph` does, without its `gc.collect` and `empty_cache`:
+        those cost a capture tens of milliseconds, and handed the update's cached blocks back to
+        the driver, which the update then allocated again."""
         if rows in self.graphs:
             return
         self.meta[:, :rows] = IDLE_ROW.to(self.device)
         self._decode_forward(rows, 0)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
-            self._decode_forward(rows, 0)
+        graph, stream = torch.cuda.CUDAGraph(), self.capture_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self.graph_pool)
+            try:
+                self._decode_forward(rows, 0)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         self.graphs[rows] = graph
+        self.retired_graph = None
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
