@@ -164,7 +164,13 @@ def as_run(config: dict, chosen: dict) -> dict:
     the config leaves them unset), its generation batch kept."""
     micro_batch = config.get("per_device_train_batch_size", DEFAULT_MICRO_BATCH)
     completions = micro_batch * config["gradient_accumulation_steps"]
-    planned = ("per_device_train_batch_size", "gradient_checkpointing", "shared_prompts", "use_liger_kernel")
+    planned = (
+        "per_device_train_batch_size",
+        "gradient_checkpointing",
+        "shared_prompts",
+        "use_liger_kernel",
+        "sleep_level",
+    )
     settled = {**config, **{key: chosen[key] for key in planned if chosen.get(key) is not None}}
     settled["gradient_accumulation_steps"] = completions // settled.get(
         "per_device_train_batch_size", DEFAULT_MICRO_BATCH

@@ -6,7 +6,8 @@ A step has two phases that hold different memory, and the peak is the larger:
   offloaded), and the native engine's KV cache and workspace (the engine takes the cache when it
   wakes and releases it when it sleeps);
 - update: the weights, the reference copy, the gradients, the optimizer state, the activations
-  kept for the backward pass of one micro-batch and the float32 logits of one log-prob chunk.
+  kept for the backward pass of one micro-batch and the float32 logits of one log-prob chunk, and
+  the native engine's cache when it does not sleep (`cache_kept`, sleep_level 0).
 
 Under FSDP the weights, gradients and optimizer state are sharded over the ranks (the rollout
 gathers the weights in full beside each rank's shard, and so does the update without
@@ -223,6 +224,8 @@ class PlanSettings:
     """The optimizer step holds a temporary the size of the trained parameters (foreach AdamW)."""
     kv_cache_bytes: int = 0
     """The native engine's KV cache and workspace during rollouts (0: an engine elsewhere)."""
+    cache_kept: bool = False
+    """The engine keeps its cache through the update too (the native engine at sleep_level 0)."""
     fused_copies: bool = False
     """Under FSDP, the rollout engine multiplies by copies of each layer's q/k/v and gate/up weights
     laid back to back (the native engine: `fused_copy_bytes`)."""
@@ -418,6 +421,7 @@ def plan_memory(shape: ModelShape, settings: PlanSettings, capacity: int) -> Mem
         else gathered - experts * shape.dtype_bytes,
         "accumulated_gradients": accumulated,
         "optimizer_step": max(0, step - activations - logits),
+        "kv_cache": settings.kv_cache_bytes if settings.cache_kept else 0,
     }
     return MemoryPlan(
         rollout={k: v for k, v in rollout.items() if v},

@@ -138,6 +138,7 @@ def plan_settings(
         accumulated_gradient_bytes=_accumulated_gradient_bytes(config, dtype_bytes),
         optimizer_temporaries=config.training.optim == "adamw_torch",
         kv_cache_bytes=kv_cache_bytes,
+        cache_kept=config.generation.engine_name == "native" and config.vllm.sleep_level == 0,
         fused_copies=config.generation.engine_name == "native",
         grouped_experts=None if experts is None else experts == GROUPED_EXPERTS,
     )
@@ -304,11 +305,12 @@ def format_plan(plan: MemoryPlan) -> str:
 def misfit_message(plan: MemoryPlan) -> str:
     """Why the plan does not fit, its largest parts, and the options that shrink them."""
     largest = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in plan.largest_parts())
+    kept = "sleep_level 1 (the KV cache released for the update), " if "kv_cache" in plan.update else ""
     return (
         f"the memory plan predicts a peak of {plan.peak / GIB:.2f} GiB ({plan.peak_phase}) on a "
         f"{plan.capacity / GIB:.2f} GiB GPU; largest parts: {largest}. To fit: lower "
         "per_device_train_batch_size or max_completion_length (activations), gradient_checkpointing "
-        "true, lower gpu_memory_utilization or max_num_seqs (KV cache), offload_optimizer or "
+        f"true, lower gpu_memory_utilization or max_num_seqs (KV cache), {kept}offload_optimizer or "
         "offload_model true, train_type lora, or fsdp true over more GPUs; `grpoflow plan` shows "
         "the parts, memory_check warn (or off) starts anyway"
     )

@@ -27,16 +27,16 @@ CHOSEN = {
 """run.json's chosen settings of the 4-GPU run (2026-11-28-scaling-7b-full-4xH200-*.json)."""
 
 
-def test_the_peak_is_planned_at_the_chosen_micro_batch_for_the_same_generation_batch(tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "4")
+def strong_config(tmp_path, ranks: int) -> dict:
+    """The 7B run's config as scaling.py writes it for `ranks` GPUs sharing 64 prompts x 8."""
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text('{"prompt": "hi"}\n')
-    config = {
+    return {
         "model": "random:qwen2.5-7b",
         "dataset": str(dataset),
         "reward_funcs": ["format"],
         "num_generations": 8,
-        "gradient_accumulation_steps": 16,  # 16 prompts x 8 at the default micro-batch of 8
+        "gradient_accumulation_steps": 64 // ranks,  # its prompts x 8 at the default micro-batch of 8
         "max_prompt_length": 128,
         "max_completion_length": 256,
         "fsdp": True,
@@ -44,9 +44,14 @@ def test_the_peak_is_planned_at_the_chosen_micro_batch_for_the_same_generation_b
         "fsdp_reduce_every_micro_batch": False,
         "output_dir": str(tmp_path / "out"),
     }
+
+
+def test_the_peak_is_planned_at_the_chosen_micro_batch_for_the_same_generation_batch(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    config = strong_config(tmp_path, 4)
     settled = scaling.as_run(config, CHOSEN)
     assert (settled["per_device_train_batch_size"], settled["gradient_accumulation_steps"]) == (32, 4)
-    assert "num_kv_blocks" not in settled and "sleep_level" not in settled  # not config keys
+    assert settled["sleep_level"] == 1 and "num_kv_blocks" not in settled  # the engine's, not the config's
     loaded = load_config(None, settled)
     assert loaded.generation_batch_size == load_config(None, config).generation_batch_size == 128
     capacity = 140 * 2**30
@@ -55,3 +60,13 @@ def test_the_peak_is_planned_at_the_chosen_micro_batch_for_the_same_generation_b
     # Four times the default micro-batch's activations: the 4-GPU run measured 92.5 GiB.
     assert at_chosen.peak > at_default.peak + 20 * 2**30
     assert at_chosen.peak / 2**30 == pytest.approx(106, abs=2)
+
+
+def test_a_kept_cache_is_planned_into_the_update(tmp_path, monkeypatch):
+    # The 2-GPU run (2026-11-28-scaling-7b-full-2xH200-strong-defaults.json) kept its cache at
+    # micro-batch 16 and measured 95.5 GiB; planned without the cache, the peak read 91.1.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    chosen = {**CHOSEN, "per_device_train_batch_size": 16, "sleep_level": 0}
+    plan, _ = run_plan(load_config(None, scaling.as_run(strong_config(tmp_path, 2), chosen)), 140 * 2**30)
+    assert plan.peak_phase == "update" and plan.update["kv_cache"] > 10 * 2**30
+    assert 95.5 < plan.peak / 2**30 < 95.5 * 1.1

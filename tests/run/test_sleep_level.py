@@ -9,6 +9,9 @@ from helpers.support import recipe
 
 from grpoflow.run.build import build_trainer
 from grpoflow.run.chosen_settings import choose_for_run
+from grpoflow.run.plan_check import check_plan, run_plan
+
+GIB = 2**30
 
 STANDARD = {
     "model": "random:qwen2-0.5b",
@@ -64,3 +67,21 @@ def test_keeping_the_cache_trains_exactly_as_releasing_it(tmp_path):
     for kept, released in zip(*histories):
         for key in ("loss", "reward", "completions/mean_length"):
             assert kept[key] == released[key], key
+
+
+def test_a_kept_cache_is_planned_into_the_update_and_refused_when_it_does_not_fit(tmp_path):
+    # The update's peak holds the cache at sleep_level 0 and not at 1; a GPU with room for the
+    # update alone refuses the kept cache, naming sleep_level.
+    plans = {
+        level: run_plan(
+            recipe(tmp_path / str(level), **STANDARD, gpu_memory_gib=80, sleep_level=level), 80 * GIB
+        )[0]
+        for level in (0, 1)
+    }
+    cache = plans[0].rollout["kv_cache"]
+    assert plans[0].update["kv_cache"] == cache > GIB and "kv_cache" not in plans[1].update
+    assert sum(plans[0].update.values()) == sum(plans[1].update.values()) + cache
+    room = (sum(plans[1].update.values()) + cache / 2) / GIB
+    check_plan(recipe(tmp_path / "a", **STANDARD, gpu_memory_gib=room, sleep_level=1))
+    with pytest.raises(ValueError, match="sleep_level 1"):
+        check_plan(recipe(tmp_path / "b", **STANDARD, gpu_memory_gib=room, sleep_level=0))
