@@ -262,9 +262,8 @@ def choose_sleep_level(config) -> SleepChoice:
     """sleep_level as given; unset, vLLM's 0 (it keeps its memory), and for the native engine on a
     GPU 0 where its plan fits the update beside the engine's cache (with MARGIN of the GPU left
     free, as the chosen settings leave), else 1. Releasing costs each rollout its cached prefixes
-    and the capture of the CUDA graph of every batch size it decodes, and the update the
-    allocator's cached blocks: on an H200 the long-tailed workload (36 batch sizes a rollout) took
-    2.43 s of rollout and 2.94 s of update a step at 1 against 2.29 and 2.62 at 0."""
+    and the capture of the CUDA graph of every batch size it decodes (36 a rollout on the
+    long-tailed workload; on an H200 it took 4.21 s a step at 1)."""
     given = config.vllm.sleep_level
     if given is not None:
         return SleepChoice(given, "user", "given")

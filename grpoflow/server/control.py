@@ -3,6 +3,7 @@ up, and the prefix-cache reset (vLLM's cache; the native and hf engines keep non
 
 from __future__ import annotations
 
+import torch
 from fastapi import APIRouter
 from starlette.requests import Request
 
@@ -46,6 +47,14 @@ async def reset_prefix_cache(request: Request) -> dict:
     return {"success": True}
 
 
+def _sleep(engine, level: int) -> None:
+    """The engine frees its generation memory, which goes back to the driver for other processes
+    on the GPU (an engine in a training process leaves it to that process's allocator)."""
+    engine.sleep(level)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @router.post("/sleep")
 async def sleep(request: Request) -> dict:
     """Release the engine's generation memory between batches (the next batch takes it back)."""
@@ -53,7 +62,7 @@ async def sleep(request: Request) -> dict:
     level = request.query_params.get("level", "1")
     if level not in ("1", "2"):
         raise RequestError(f"level must be 1 or 2, got {level!r}", 400, "level")
-    await service.batcher.exclusive(service.engine.sleep, int(level))
+    await service.batcher.exclusive(_sleep, service.engine, int(level))
     service.sleeping = True
     return {"status": "sleeping", "level": int(level)}
 

@@ -158,13 +158,14 @@ class Runner:
 
     def release(self) -> None:
         """Drop the cache (and what the pool knew of it), the buffers and the graphs (which point
-        into them)."""
+        into them). Their memory stays with the process's caching allocator, where a training
+        run's update takes it; handing it back to the driver (`torch.cuda.empty_cache`, as
+        `grpoflow serve`'s /sleep does for other processes) would make the update allocate every
+        block again, and the next rollout its cache."""
         self.graphs.clear()
         self.pool = self.retired_graph = None
         self.cache = self.input_ids = self.meta = self.block_table = self.logits = None
         self.seen = self.graph_pool = self.capture_stream = self.routing = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def reset_pool(self) -> None:
         """Every block free and unkeyed: after new weights, or a call that failed half way."""
