@@ -137,6 +137,7 @@ def plan_settings(
         expert_parallel=config.placement.expert_model_parallel_size > 1,
         accumulated_gradient_bytes=_accumulated_gradient_bytes(config, dtype_bytes),
         optimizer_temporaries=config.training.optim == "adamw_torch",
+        fused_activation=config.policy.use_liger_kernel is True,
         kv_cache_bytes=kv_cache_bytes,
         cache_kept=config.generation.engine_name == "native" and config.vllm.sleep_level == 0,
         fused_copies=config.generation.engine_name == "native",

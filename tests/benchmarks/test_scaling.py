@@ -6,8 +6,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import scaling  # noqa: E402
 
@@ -57,9 +55,10 @@ def test_the_peak_is_planned_at_the_chosen_micro_batch_for_the_same_generation_b
     capacity = 140 * 2**30
     at_chosen, _ = run_plan(loaded, capacity)
     at_default, _ = run_plan(load_config(None, config), capacity)
-    # Four times the default micro-batch's activations: the 4-GPU run measured 92.5 GiB.
-    assert at_chosen.peak > at_default.peak + 20 * 2**30
-    assert at_chosen.peak / 2**30 == pytest.approx(106, abs=2)
+    # Four times the default micro-batch's activations, Liger's 3 intermediate-size vectors a token
+    # and layer rather than 4: the 4-GPU run measured 92.5 GiB (106 planned with 4).
+    assert at_chosen.peak > at_default.peak + 15 * 2**30
+    assert 92.5 < at_chosen.peak / 2**30 < 92.5 * 1.1
 
 
 def test_a_kept_cache_is_planned_into_the_update(tmp_path, monkeypatch):
