@@ -196,7 +196,7 @@ def plan(argv: list[str]) -> int:
     known, rest = recipe_parser(
         "grpoflow plan", "Predict each GPU's peak memory, by part, and the step time.", epilog
     ).parse_known_args(argv)
-    from grpoflow.run.chosen_settings import applied, choose, gpu_spec, planned_gpu, predicted_step
+    from grpoflow.run.chosen_settings import choose_for_run, gpu_spec, planned_gpu, predicted_step
     from grpoflow.run.plan_check import few_rows_warning, format_plan, gpu_capacity, run_plan
 
     try:
@@ -205,8 +205,7 @@ def plan(argv: list[str]) -> int:
         capacity = gpu_capacity(config)
         if capacity is None:
             raise ValueError("no GPU is visible: pass --gpu_memory_gib (e.g. 80) to plan for one")
-        chosen = choose(config, planned_gpu(capacity))
-        config = applied(config, chosen)
+        config, chosen = choose_for_run(config, planned_gpu(capacity))
         memory, blocks = run_plan(config, capacity)
         gpu = gpu_spec(config)
         step = predicted_step(config, gpu) if gpu is not None else None

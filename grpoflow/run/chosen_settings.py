@@ -207,10 +207,11 @@ def applied(config: GRPOConfig, chosen: ChosenSettings) -> GRPOConfig:
     return dataclasses.replace(config, training=training, policy=policy)
 
 
-def choose_for_run(config: GRPOConfig) -> tuple[GRPOConfig, ChosenSettings]:
+def choose_for_run(config: GRPOConfig, facts: DeviceFacts | None = None) -> tuple[GRPOConfig, ChosenSettings]:
     """The config a run trains with and its chosen settings, whether the engine keeps its cache
-    through the update (`sleep_level`) last: it depends on the others."""
-    chosen = choose(config, device_facts(config))
+    through the update (`sleep_level`) last: it depends on the others. `facts`: the device to
+    choose for (None: the run's own, `device_facts`)."""
+    chosen = choose(config, facts or device_facts(config))
     config = applied(config, chosen)
     sleep = choose_sleep_level(config)
     chosen = dataclasses.replace(

@@ -90,6 +90,11 @@ def test_plan_prints_the_chosen_settings_and_the_predicted_step(capsys):
     assert code == 0
     assert "gradient_checkpointing=False (plan), per_device_train_batch_size=128 (plan)" in out
     assert "predicted step" in out and "rollout" in out and "update" in out and "GPU: H100" in out
+    # As the run chooses it, the engine's cache kept through the update, and planned into it.
+    assert "sleep_level=0 (plan)" in out
+    kv_row = next(line for line in out.splitlines() if line.startswith("kv_cache"))
+    rollout, update = map(float, kv_row.split()[1:])
+    assert rollout == update > 0
     # The default recipe sets per_device_train_batch_size: 128, which the plan keeps.
     code = main(["plan", "--config", "default", "--model", "random:qwen2-0.5b", "--gpu_memory_gib", "80"])
     assert "per_device_train_batch_size=128 (user)" in capsys.readouterr().out
