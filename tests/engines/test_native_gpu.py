@@ -261,3 +261,22 @@ def test_capture_after_clear_while_the_old_pool_holds_a_block(monkeypatch):
         native.runner.clear_graphs()
         assert _tokens(native.generate(prompts, params)) == expected
     assert len(held) == 3
+
+
+def test_sleeping_between_calls_captures_into_the_same_pool():
+    # A release keeps the graphs' pool (and one graph using it) for the next wake's captures: the
+    # memory the process holds stays flat over sleep and wake cycles, and the outputs the same.
+    model = tiny("qwen2", device="cuda")
+    native = NativeEngine(model, config=NativeEngineConfig(max_num_seqs=8, block_size=16, num_kv_blocks=64))
+    prompts, params = (
+        [list(range(3, 20)), [4, 5, 6]],
+        SamplingParams(temperature=0, max_tokens=24, n=2, ignore_eos=True),
+    )
+    expected = _tokens(native.generate(prompts, params))
+    pool, reserved = native.runner.graph_pool, []
+    for _ in range(4):
+        native.sleep()
+        assert not native.runner.graphs and native.runner.retired_graph is not None
+        assert _tokens(native.generate(prompts, params)) == expected
+        reserved.append(torch.cuda.memory_reserved())
+    assert native.runner.graph_pool == pool and len(set(reserved[1:])) == 1

@@ -111,6 +111,7 @@ class Runner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.retired_graph: torch.cuda.CUDAGraph | None = None
         """The last graph `clear_graphs` dropped, kept until the next capture into their pool."""
+        self.graph_pool = self.capture_stream = None
         self.seen: torch.Tensor | None = None
         self.step_logits: torch.Tensor | None = None
         """The logits the last launched step sampled from (a prefill's by child, a decode's by row)."""
@@ -153,19 +154,22 @@ class Runner:
                 HOST_SLOTS,
                 device,
             )
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.capture_stream = torch.cuda.Stream(device) if self.use_graphs else None
+        if self.use_graphs and self.graph_pool is None:  # one pool for every capture, kept across sleeps
+            self.graph_pool = torch.cuda.graph_pool_handle()
+            self.capture_stream = torch.cuda.Stream(device)
 
     def release(self) -> None:
         """Drop the cache (and what the pool knew of it), the buffers and the graphs (which point
         into them). Their memory stays with the process's caching allocator, where a training
         run's update takes it; handing it back to the driver (`torch.cuda.empty_cache`, as
         `grpoflow serve`'s /sleep does for other processes) would make the update allocate every
-        block again, and the next rollout its cache."""
-        self.graphs.clear()
-        self.pool = self.retired_graph = None
+        block again, and the next rollout its cache. The graphs' pool stays for the next wake's
+        captures (`clear_graphs`): a pool given up would hold its blocks until the allocator next
+        ran out of memory."""
+        self.clear_graphs()
+        self.pool = None
         self.cache = self.input_ids = self.meta = self.block_table = self.logits = None
-        self.seen = self.graph_pool = self.capture_stream = self.routing = None
+        self.seen = self.routing = None
 
     def reset_pool(self) -> None:
         """Every block free and unkeyed: after new weights, or a call that failed half way."""
