@@ -147,9 +147,10 @@ def plan_settings(
 
 def kv_cache_blocks(config, shape: ModelShape, capacity: int) -> tuple[int, int]:
     """The native engine's KV-cache blocks from what the plan leaves it under
-    gpu_memory_utilization (at most max_num_seqs full sequences), and the bytes of cache plus
-    the workspace this run's calls use (`engine_in_use`); the per-block and workspace sizes are
-    the engine's own (`kv_cache`)."""
+    gpu_memory_utilization (at most a full sequence for each row this run's calls decode at once,
+    `engine_in_use`: a rank's generation batch of a single-turn run, else max_num_seqs), and the
+    bytes of cache plus the workspace those calls use; the per-block and workspace sizes are the
+    engine's own (`kv_cache`)."""
     from grpoflow.engines.native.kv_cache import block_bytes, workspace_bytes
     from grpoflow.engines.native.sizing import NativeEngineConfig
     from grpoflow.models.model import Shape
@@ -170,7 +171,8 @@ def kv_cache_blocks(config, shape: ModelShape, capacity: int) -> tuple[int, int]
         block_bytes(native, engine.block_size, dtype),
         workspace_bytes(native, engine, dtype),
     )
-    useful = engine.max_num_seqs * math.ceil(
+    in_use = engine_in_use(config, engine)
+    useful = in_use.max_num_seqs * math.ceil(
         (engine.max_model_len or config.max_model_len) / engine.block_size
     )
     resident = sum(
@@ -178,7 +180,7 @@ def kv_cache_blocks(config, shape: ModelShape, capacity: int) -> tuple[int, int]
     )
     budget = int(capacity * engine.gpu_memory_utilization) - resident - workspace
     blocks = max(0, min(budget // per_block, useful))
-    return blocks, blocks * per_block + workspace_bytes(native, engine_in_use(config, engine), dtype)
+    return blocks, blocks * per_block + workspace_bytes(native, in_use, dtype)
 
 
 def completions_held(config, blocks: int) -> int:

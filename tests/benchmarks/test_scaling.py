@@ -25,6 +25,10 @@ CHOSEN = {
 """run.json's chosen settings of the 4-GPU run (2026-11-28-scaling-7b-full-4xH200-*.json)."""
 
 
+PER_BLOCK = 2 * 28 * 4 * 128 * 2 * 32
+"""Bytes of a KV-cache block of the 7B shape: keys and values, 28 layers, 4 heads of 128, 32 tokens."""
+
+
 def strong_config(tmp_path, ranks: int) -> dict:
     """The 7B run's config as scaling.py writes it for `ranks` GPUs sharing 64 prompts x 8."""
     dataset = tmp_path / "prompts.jsonl"
@@ -62,10 +66,14 @@ def test_the_peak_is_planned_at_the_chosen_micro_batch_for_the_same_generation_b
 
 
 def test_a_kept_cache_is_planned_into_the_update(tmp_path, monkeypatch):
-    # The 2-GPU run (2026-11-28-scaling-7b-full-2xH200-strong-defaults.json) kept its cache at
-    # micro-batch 16 and measured 95.5 GiB; planned without the cache, the peak read 91.1.
+    # The 2-GPU run (2026-11-28-scaling-7b-full-2xH200-strong-defaults.json) kept its cache of
+    # 6,144 blocks at micro-batch 16 and measured 95.5 GiB; planned without the cache, the peak
+    # read 91.1. The plan now sizes the cache to the rank's 256 rows of 384 tokens.
     monkeypatch.setenv("WORLD_SIZE", "2")
     chosen = {**CHOSEN, "per_device_train_batch_size": 16, "sleep_level": 0}
-    plan, _ = run_plan(load_config(None, scaling.as_run(strong_config(tmp_path, 2), chosen)), 140 * 2**30)
-    assert plan.peak_phase == "update" and plan.update["kv_cache"] > 10 * 2**30
-    assert 95.5 < plan.peak / 2**30 < 95.5 * 1.1
+    plan, blocks = run_plan(
+        load_config(None, scaling.as_run(strong_config(tmp_path, 2), chosen)), 140 * 2**30
+    )
+    assert blocks == 256 * 12 and plan.peak_phase == "update" and plan.update["kv_cache"] > blocks * PER_BLOCK
+    as_run = plan.peak + (6144 - blocks) * PER_BLOCK
+    assert 95.5 < as_run / 2**30 < 95.5 * 1.1

@@ -63,6 +63,24 @@ def test_the_peak_counts_the_workspace_the_runs_calls_use(tmp_path):
     assert engine_in_use(episodes, bounds) is bounds  # turns re-prefill their context: the bounds
 
 
+def test_the_cache_holds_what_the_runs_calls_decode_at_once(tmp_path):
+    # A single-turn run decodes its generation batch at once: 16 prompts x 8, 384 tokens each in
+    # blocks of 32, however much memory is left; episodes keep max_num_seqs full sequences.
+    base = {
+        "model": "random:qwen2-0.5b",
+        "per_device_train_batch_size": 16,
+        "gradient_accumulation_steps": 8,
+        "max_prompt_length": 128,
+        "max_completion_length": 256,
+        "max_num_seqs": 512,
+    }
+    shape = model_shape(recipe(tmp_path, **base), on_gpu=True)
+    blocks, _ = kv_cache_blocks(recipe(tmp_path, **base), shape, 80 * 2**30)
+    assert blocks == 128 * 12
+    episodes = recipe(tmp_path, **base, tools=["grpoflow.tasks.calculator:calculate"])
+    assert kv_cache_blocks(episodes, shape, 80 * 2**30)[0] == 512 * 12
+
+
 def test_the_config_decides_what_fsdp_accumulates_and_the_optimizer_holds(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     base = {"model": "random:qwen2-0.5b", "fsdp": True, "torch_dtype": "bfloat16"}
