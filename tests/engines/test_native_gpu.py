@@ -223,16 +223,19 @@ def _tokens(outputs) -> list[list[list[int]]]:
     return [[completion.token_ids for completion in group] for group in outputs]
 
 
+def _graphed_engine():
+    """A tiny model, an engine on it that decodes in graphs, a call, and that call's tokens."""
+    model = tiny("qwen2", device="cuda")
+    native = NativeEngine(model, config=NativeEngineConfig(max_num_seqs=8, block_size=16, num_kv_blocks=64))
+    prompts = [list(range(3, 20)), [4, 5, 6]]
+    params = SamplingParams(temperature=0, max_tokens=24, n=2, ignore_eos=True)
+    return model, native, prompts, params, _tokens(native.generate(prompts, params))
+
+
 def test_graphs_captured_again_when_the_weights_move():
     # FSDP gathers each rollout's weights to new addresses: every call captures its graphs again,
     # into the pool the last call's graphs shared, and decodes as the first call did.
-    model = tiny("qwen2", device="cuda")
-    native = NativeEngine(model, config=NativeEngineConfig(max_num_seqs=8, block_size=16, num_kv_blocks=64))
-    prompts, params = (
-        [list(range(3, 20)), [4, 5, 6]],
-        SamplingParams(temperature=0, max_tokens=24, n=2, ignore_eos=True),
-    )
-    expected = _tokens(native.generate(prompts, params))
+    model, native, prompts, params, expected = _graphed_engine()
     for _ in range(3):
         with torch.no_grad():
             for parameter in model.parameters():
@@ -244,10 +247,7 @@ def test_graphs_captured_again_when_the_weights_move():
 def test_capture_after_clear_while_the_old_pool_holds_a_block(monkeypatch):
     # A block the last capture allocated and something still holds keeps the dropped graphs' pool
     # in the allocator; capturing into it again must not find it without a user.
-    model = tiny("qwen2", device="cuda")
-    native = NativeEngine(model, config=NativeEngineConfig(max_num_seqs=8, block_size=16, num_kv_blocks=64))
-    prompts, params = [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    expected = _tokens(native.generate(prompts, params))
+    _, native, prompts, params, expected = _graphed_engine()
     family, held = native.runner.family, []
     forward = family.forward
 
@@ -266,13 +266,7 @@ def test_capture_after_clear_while_the_old_pool_holds_a_block(monkeypatch):
 def test_sleeping_between_calls_captures_into_the_same_pool():
     # A release keeps the graphs' pool (and one graph using it) for the next wake's captures: the
     # memory the process holds stays flat over sleep and wake cycles, and the outputs the same.
-    model = tiny("qwen2", device="cuda")
-    native = NativeEngine(model, config=NativeEngineConfig(max_num_seqs=8, block_size=16, num_kv_blocks=64))
-    prompts, params = (
-        [list(range(3, 20)), [4, 5, 6]],
-        SamplingParams(temperature=0, max_tokens=24, n=2, ignore_eos=True),
-    )
-    expected = _tokens(native.generate(prompts, params))
+    model, native, prompts, params, expected = _graphed_engine()
     pool, reserved = native.runner.graph_pool, []
     for _ in range(4):
         native.sleep()
