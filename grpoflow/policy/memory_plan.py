@@ -9,6 +9,10 @@ A step has two phases that hold different memory, and the peak is the larger:
   kept for the backward pass of one micro-batch and the float32 logits of one log-prob chunk, and
   the native engine's cache when it does not sleep (`cache_kept`, sleep_level 0).
 
+A colocated vLLM allocates its own share of the GPU (`engine_share`, vllm_gpu_memory_utilization:
+its weights, activations and KV cache) for rollouts, and holds it through the update unless it
+sleeps.
+
 Under FSDP the weights, gradients and optimizer state are sharded over the ranks (the rollout
 gathers the weights in full beside each rank's shard, and so does the update without
 reshard-after-forward; the native engine also copies each layer's q/k/v and gate/up weights back
@@ -231,7 +235,11 @@ class PlanSettings:
     kv_cache_bytes: int = 0
     """The native engine's KV cache and workspace during rollouts (0: an engine elsewhere)."""
     cache_kept: bool = False
-    """The engine keeps its cache through the update too (the native engine at sleep_level 0)."""
+    """The engine keeps its memory through the update too (sleep_level 0): the native engine its
+    cache, a colocated vLLM its share."""
+    engine_share: float = 0.0
+    """Share of the GPU an engine that allocates its own memory holds beside the trainer (a
+    colocated vLLM: vllm_gpu_memory_utilization), during rollouts and, kept, the update."""
     fused_copies: bool = False
     """Under FSDP, the rollout engine multiplies by copies of each layer's q/k/v and gate/up weights
     laid back to back (the native engine: `fused_copy_bytes`)."""
@@ -391,11 +399,13 @@ def plan_memory(shape: ModelShape, settings: PlanSettings, capacity: int) -> Mem
     resident = resident_parts(shape, settings)
     gathered = shape.num_parameters() * shape.dtype_bytes if settings.fsdp_world_size > 1 else 0
     copies = fused_copy_bytes(shape) if gathered and settings.fused_copies else 0
+    engine = int(settings.engine_share * capacity)
     rollout = {
         **resident,
         "gathered_weights": gathered,
         "fused_copies": copies,
         "kv_cache": settings.kv_cache_bytes,
+        "vllm": engine,
     }
     trained = resident["adapters"] if settings.lora_rank is not None else resident["weights"]
     reference = resident["reference"]
@@ -429,6 +439,7 @@ def plan_memory(shape: ModelShape, settings: PlanSettings, capacity: int) -> Mem
         "accumulated_gradients": accumulated,
         "optimizer_step": max(0, step - activations - logits),
         "kv_cache": settings.kv_cache_bytes if settings.cache_kept else 0,
+        "vllm": engine if settings.cache_kept else 0,
     }
     return MemoryPlan(
         rollout={k: v for k, v in rollout.items() if v},

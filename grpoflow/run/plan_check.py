@@ -139,10 +139,20 @@ def plan_settings(
         optimizer_temporaries=config.training.optim == "adamw_torch",
         fused_activation=config.policy.use_liger_kernel is True,
         kv_cache_bytes=kv_cache_bytes,
-        cache_kept=config.generation.engine_name == "native" and config.vllm.sleep_level == 0,
+        cache_kept=_memory_kept(config),
+        engine_share=config.vllm.vllm_gpu_memory_utilization
+        if config.generation.engine_name == "vllm"
+        else 0.0,
         fused_copies=config.generation.engine_name == "native",
         grouped_experts=None if experts is None else experts == GROUPED_EXPERTS,
     )
+
+
+def _memory_kept(config) -> bool:
+    """The engine keeps its memory through the update: the native engine at sleep_level 0, a
+    colocated vLLM at 0 or unset (its default)."""
+    level, engine = config.vllm.sleep_level, config.generation.engine_name
+    return (engine == "native" and level == 0) or (engine == "vllm" and not level)
 
 
 def kv_cache_blocks(config, shape: ModelShape, capacity: int) -> tuple[int, int]:
@@ -307,7 +317,9 @@ def format_plan(plan: MemoryPlan) -> str:
 def misfit_message(plan: MemoryPlan) -> str:
     """Why the plan does not fit, its largest parts, and the options that shrink them."""
     largest = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in plan.largest_parts())
-    kept = "sleep_level 1 (the KV cache released for the update), " if "kv_cache" in plan.update else ""
+    kept = "sleep_level 1 (the engine's memory released for the update), " if _engine_kept(plan) else ""
+    if "vllm" in plan.rollout:
+        kept += "lower vllm_gpu_memory_utilization (vLLM's share), "
     return (
         f"the memory plan predicts a peak of {plan.peak / GIB:.2f} GiB ({plan.peak_phase}) on a "
         f"{plan.capacity / GIB:.2f} GiB GPU; largest parts: {largest}. To fit: lower "
@@ -316,6 +328,10 @@ def misfit_message(plan: MemoryPlan) -> str:
         "offload_model true, train_type lora, or fsdp true over more GPUs; `grpoflow plan` shows "
         "the parts, memory_check warn (or off) starts anyway"
     )
+
+
+def _engine_kept(plan: MemoryPlan) -> bool:
+    return "kv_cache" in plan.update or "vllm" in plan.update
 
 
 def check_plan(config) -> int | None:

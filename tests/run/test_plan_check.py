@@ -81,6 +81,29 @@ def test_the_cache_holds_what_the_runs_calls_decode_at_once(tmp_path):
     assert kv_cache_blocks(episodes, shape, 80 * 2**30)[0] == 512 * 12
 
 
+def test_a_colocated_vllm_holds_its_share_beside_the_trainer(tmp_path):
+    # vLLM allocates vllm_gpu_memory_utilization of the GPU for itself: through the update at its
+    # default sleep_level 0, for rollouts only at 1; the settings chosen leave it that share.
+    from grpoflow.policy.auto_settings import DeviceFacts
+    from grpoflow.run.chosen_settings import choose
+
+    gib = 2**30
+    base = {"model": "random:qwen2-0.5b", "gradient_accumulation_steps": 64, "max_completion_length": 256}
+    vllm = {**base, "use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
+    plan, blocks = run_plan(recipe(tmp_path / "kept", **vllm), 80 * gib)
+    assert blocks is None and plan.rollout["vllm"] == plan.update["vllm"] == int(0.3 * 80 * gib)
+    slept, _ = run_plan(recipe(tmp_path / "slept", **vllm, sleep_level=1), 80 * gib)
+    assert slept.rollout["vllm"] == plan.rollout["vllm"] and "vllm" not in slept.update
+    gpu = DeviceFacts("cuda", 16 * gib, True)
+    native = choose(recipe(tmp_path / "native", **base), gpu)
+    colocated = choose(recipe(tmp_path / "colocated", **vllm), gpu)
+    assert not native.gradient_checkpointing and colocated.gradient_checkpointing
+    with pytest.raises(ValueError, match="lower vllm_gpu_memory_utilization"):
+        check_plan(
+            recipe(tmp_path / "full", **{**vllm, "vllm_gpu_memory_utilization": 0.9}, gpu_memory_gib=24)
+        )
+
+
 def test_the_config_decides_what_fsdp_accumulates_and_the_optimizer_holds(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     base = {"model": "random:qwen2-0.5b", "fsdp": True, "torch_dtype": "bfloat16"}
