@@ -80,3 +80,20 @@ def test_sleep_and_wake_up_keep_the_server_serving(live):
         assert client.post("/wake_up").status_code == 200
         assert client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2}).status_code == 200
         assert client.post("/reset_prefix_cache").json() == {"success": True}
+
+
+def test_sleep_hands_the_engines_memory_back_to_the_driver(fresh, monkeypatch):
+    # For other processes on the GPU (an engine in a training process leaves it to that process's
+    # allocator): on CUDA, /sleep empties the caching allocator once the engine has let go.
+    from grpoflow.server import control
+
+    engine, emptied = fresh.service.engine, []
+    monkeypatch.setattr(control.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(control.torch.cuda, "empty_cache", lambda: emptied.append(engine.runner.awake))
+    with httpx.Client(base_url=fresh.url, timeout=60) as client:
+        assert client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2}).status_code == 200
+        assert engine.runner.awake
+        assert client.post("/sleep", params={"level": 1}).status_code == 200
+        assert emptied == [False]
+        assert client.post("/wake_up").status_code == 200
+        assert client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2}).status_code == 200
