@@ -317,7 +317,11 @@ def format_plan(plan: MemoryPlan) -> str:
 def misfit_message(plan: MemoryPlan) -> str:
     """Why the plan does not fit, its largest parts, and the options that shrink them."""
     largest = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in plan.largest_parts())
-    kept = "sleep_level 1 (the engine's memory released for the update), " if _engine_kept(plan) else ""
+    kept = (
+        "sleep_level 1 (the engine's memory released for the update), "
+        if {"kv_cache", "vllm"} & plan.update.keys()
+        else ""
+    )
     if "vllm" in plan.rollout:
         kept += "lower vllm_gpu_memory_utilization (vLLM's share), "
     return (
@@ -328,10 +332,6 @@ def misfit_message(plan: MemoryPlan) -> str:
         "offload_model true, train_type lora, or fsdp true over more GPUs; `grpoflow plan` shows "
         "the parts, memory_check warn (or off) starts anyway"
     )
-
-
-def _engine_kept(plan: MemoryPlan) -> bool:
-    return "kv_cache" in plan.update or "vllm" in plan.update
 
 
 def check_plan(config) -> int | None:

@@ -111,7 +111,9 @@ class Runner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.retired_graph: torch.cuda.CUDAGraph | None = None
         """The last graph `clear_graphs` dropped, kept until the next capture into their pool."""
-        self.graph_pool = self.capture_stream = None
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        """The one pool every capture shares, kept across sleeps (`clear_graphs`)."""
+        self.capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
         self.seen: torch.Tensor | None = None
         self.step_logits: torch.Tensor | None = None
         """The logits the last launched step sampled from (a prefill's by child, a decode's by row)."""
@@ -154,9 +156,6 @@ class Runner:
                 HOST_SLOTS,
                 device,
             )
-        if self.use_graphs and self.graph_pool is None:  # one pool for every capture, kept across sleeps
-            self.graph_pool = torch.cuda.graph_pool_handle()
-            self.capture_stream = torch.cuda.Stream(device)
 
     def release(self) -> None:
         """Drop the cache (and what the pool knew of it), the buffers and the graphs (which point
