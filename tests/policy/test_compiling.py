@@ -1,36 +1,100 @@
 """torch.compile of the policy's layers: Inductor's caches kept in grpoflow's cache directory
-unless the user set them, and a chosen (not given) compile that cannot apply trains uncompiled."""
+unless the user set them (torch's own default, which importing Inductor's config writes into the
+environment, counts as unset), a second run's graphs with custom autograd functions taken from
+AOTAutograd's cache, and a chosen (not given) compile that cannot apply trains uncompiled."""
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.support import clean_env
 
 from grpoflow.policy.compiling import (
     CACHE_DIR_ENV,
     FX_GRAPH_CACHE_ENV,
+    cache_key,
     compile_layers,
+    inductor_cache_dir,
     persist_inductor_caches,
+    torch_default_cache_dir,
 )
 
 
 def test_inductor_caches_persist_in_grpoflows_cache_dir(tmp_path):
-    environ = {"XDG_CACHE_HOME": str(tmp_path)}
-    persist_inductor_caches(environ)
-    assert environ[CACHE_DIR_ENV] == str(tmp_path / "grpoflow" / "inductor")
-    assert environ[FX_GRAPH_CACHE_ENV] == "1"
+    ours = tmp_path / "grpoflow" / "inductor" / cache_key()
+    for chosen in ({}, {CACHE_DIR_ENV: torch_default_cache_dir()}):  # torch's default: unset
+        environ = {"XDG_CACHE_HOME": str(tmp_path), **chosen}
+        assert persist_inductor_caches(environ) == ours
+        assert environ[CACHE_DIR_ENV] == str(ours) and environ[FX_GRAPH_CACHE_ENV] == "1"
     home = {}
     persist_inductor_caches(home)
-    assert home[CACHE_DIR_ENV] == str(Path.home() / ".cache" / "grpoflow" / "inductor")
+    assert home[CACHE_DIR_ENV] == str(Path.home() / ".cache" / "grpoflow" / "inductor" / cache_key())
+    assert len(cache_key()) == 16 and cache_key() == cache_key()
+    layer = __file__  # a model's own code names another directory
+    assert inductor_cache_dir({}, (layer,)).name == cache_key((layer,)) != cache_key()
 
 
 def test_the_users_inductor_settings_stay(tmp_path):
     environ = {CACHE_DIR_ENV: "/elsewhere", FX_GRAPH_CACHE_ENV: "0", "XDG_CACHE_HOME": str(tmp_path)}
-    persist_inductor_caches(environ)
+    assert persist_inductor_caches(environ) is None
     assert environ[CACHE_DIR_ENV] == "/elsewhere" and environ[FX_GRAPH_CACHE_ENV] == "0"
+
+
+COMPILED_RUN = """
+import json
+import torch._inductor.config  # writes torch's default cache directory into the environment
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+from grpoflow.policy.compiling import compile_layers
+from grpoflow.policy.lora_dropout import DroppedInputLinear
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.down = DroppedInputLinear(8, 4, bias=False)
+        self.down.dropout_p = 0.25  # grpoflow's custom autograd function
+
+    def forward(self, x):
+        return x * self.down(x).sum(-1, keepdim=True)
+
+
+torch.manual_seed(0)
+model = nn.Module()
+model.model = nn.Module()
+model.model.layers = nn.ModuleList([Layer()])
+compile_layers(model)
+model.model.layers[0](torch.randn(3, 8, requires_grad=True)).sum().backward()
+print(json.dumps(dict(counters["aot_autograd"])))
+"""
+
+
+def test_a_second_run_takes_graphs_with_custom_autograd_functions_from_the_cache(tmp_path):
+    """Two processes compile a layer whose LoRA dropout is a custom autograd function, after
+    importing Inductor's config (which sets TORCHINDUCTOR_CACHE_DIR to torch's /tmp default):
+    the first saves its graph under grpoflow's directory, the second loads it."""
+    env = clean_env(XDG_CACHE_HOME=str(tmp_path))
+    for name in (CACHE_DIR_ENV, FX_GRAPH_CACHE_ENV):
+        env.pop(name, None)
+    runs = []
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, "-c", COMPILED_RUN], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert "autograd_cache_bypass" not in first and first.get("autograd_cache_saved", 0) >= 1, first
+    assert second.get("autograd_cache_hit", 0) >= 1 and "autograd_cache_bypass" not in second, second
+    (directory,) = (tmp_path / "grpoflow" / "inductor").iterdir()  # one key: the same code both times
+    assert (directory / "aotautograd").is_dir() and len(directory.name) == 16
 
 
 def test_a_chosen_compile_falls_back_with_one_line(caplog):
