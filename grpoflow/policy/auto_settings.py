@@ -37,12 +37,14 @@ no speed."""
 COMPILE_SECONDS = 15.0
 """What compiling the decoder layers costs a run once with Inductor's caches empty, training every
 parameter: the first compiled step's update took 13.6 s more than the next ones for the 0.5B shape
-on a fresh H100 (2026-11-28-grpo-step-standard-defaults-mb128-vs-trl-*H100*.json, per_step), 11.9 s
-for the 7B shape on an H200 (2026-11-28-grpo-step-7b-full-compiled-*H200.json)."""
+on a fresh H100 (2026-11-28-grpo-step-standard-defaults-mb128-vs-trl-*H100*.json, per_step), 14.3 s
+on an H200 (2026-11-28-compile-full-cold-*), 11.9 s for the 7B shape on an H200
+(2026-11-28-grpo-step-7b-full-compiled-*H200.json). A run of shapes compiled before pays what
+`compile_costs` measured instead."""
 LORA_COMPILE_SECONDS = 90.0
 """The same under LoRA, whose adapters' products and dropout compile into more kernels: 81 s and
-91 s on the 0.5B and 7B shapes (2026-11-28-grpo-step-{standard,7b}-lora-compiled-*H100*.json,
-per_step). Inductor's caches make later runs of the same shapes cheaper."""
+91 s on the 0.5B and 7B shapes on an H100 (2026-11-28-grpo-step-{standard,7b}-lora-compiled-*H100*
+.json, per_step), 78 s for 0.5B on an H200 (2026-11-28-compile-lora-cold-*)."""
 
 Source = Literal["user", "plan", "default"]
 
@@ -233,18 +235,19 @@ def _sources(user: UserSettings, unset: Source) -> dict[str, Source]:
 
 
 def compile_skipped(
-    steps: int, eager_update_s: float, compiled_update_s: float, lora: bool = False
+    steps: int, eager_update_s: float, compiled_update_s: float, lora: bool = False, cost: float | None = None
 ) -> str | None:
     """Why a run of `steps` steps should not compile when the plan would (what it saves is less
-    than COMPILE_SECONDS, LORA_COMPILE_SECONDS under `lora`), as a log line; None when compiling
-    pays."""
-    saved, cost = (
-        steps * (eager_update_s - compiled_update_s),
-        LORA_COMPILE_SECONDS if lora else COMPILE_SECONDS,
-    )
+    than compiling costs: `cost` where an earlier run of the same shapes measured it
+    (`compile_costs.expected_seconds`), else COMPILE_SECONDS, LORA_COMPILE_SECONDS under `lora`),
+    as a log line; None when compiling pays."""
+    paid = "as earlier runs of these shapes paid" if cost is not None else "with Inductor's caches empty"
+    if cost is None:
+        cost = LORA_COMPILE_SECONDS if lora else COMPILE_SECONDS
+    saved = steps * (eager_update_s - compiled_update_s)
     if saved > cost:
         return None
     return (
         f"torch_compile left off: {steps} steps would save about {max(saved, 0):.0f} s of update, less "
-        f"than compiling costs (about {cost:.0f} s); set torch_compile: true to compile anyway"
+        f"than compiling costs (about {cost:.0f} s, {paid}); set torch_compile: true to compile anyway"
     )

@@ -21,6 +21,8 @@ from grpoflow.engines import EngineOptions, RolloutEngine, build_engine
 from grpoflow.engines.colocate import ColocateLayout
 from grpoflow.learn.learner import Learner
 from grpoflow.policy import batch_invariant, lora, optimizer_state, placement
+from grpoflow.policy.auto_settings import ChosenSettings
+from grpoflow.policy.compile_costs import CompileCostRecorder
 from grpoflow.policy.compiling import trace_every_layer_alike
 from grpoflow.policy.expert_parallel import expert_parameters
 from grpoflow.policy.loading import load_checkpoint_weights, reference_model, resolve_device
@@ -30,7 +32,7 @@ from grpoflow.rollout.agent_programs import AgentPrograms
 from grpoflow.rollout.groups import Rollout
 from grpoflow.rollout.source import GroupSource
 from grpoflow.run import checkpoint, infer_workers
-from grpoflow.run.chosen_settings import choose_for_run, chosen_record
+from grpoflow.run.chosen_settings import choose_for_run, chosen_record, compile_shape, gpu_spec
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.evaluation import Evaluator
 from grpoflow.run.health import HealthMonitor
@@ -62,10 +64,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
     check_world(config, distributed)
     tune_device(device)
     environment_factory = agent_environment(config.agent)
-    rewards = None
-    if not config.atropos.enabled:  # first: a missing package stops here
-        extra = rollout_rewards(config, environment_factory)
-        rewards = RewardRunner.from_config(config.rewards, device=device, extra=extra)
+    rewards = build_rewards(config, environment_factory, device)  # first: a missing package stops here
     tokenizer = config.policy.load_tokenizer()
     items = [] if config.atropos.enabled else config.data.load_prompts(tokenizer, seed=training.seed)
     model, ref_model = build_models(config, tokenizer, device, claim.resume, distributed)
@@ -121,6 +120,7 @@ def build_trainer(config: GRPOConfig) -> GRPOTrainer:
         distributed=distributed,
         evaluator=build_evaluator(config, rollout, rewards, engine, tokenizer, distributed),
         cleanups=run_cleanups(rollout, workers),
+        observers=run_observers(config, chosen, distributed),
     )
     start(trainer, config, claim, workers, settings_record)
     return trainer
@@ -260,6 +260,28 @@ def eval_prompts(config: GRPOConfig, tokenizer, datasets: list[str] | None = Non
         config.data, dataset=datasets or config.eval.eval_dataset, dataset_split=config.eval.eval_split
     )
     return data.load_prompts(tokenizer, seed=config.training.seed)
+
+
+def build_rewards(
+    config: GRPOConfig, environment_factory: Callable | dict | None, device: torch.device
+) -> RewardRunner | None:
+    """The run's rewards with those its rollout adds (an environment's), or None under Atropos,
+    whose environments score their own groups."""
+    if config.atropos.enabled:
+        return None
+    extra = rollout_rewards(config, environment_factory)
+    return RewardRunner.from_config(config.rewards, device=device, extra=extra)
+
+
+def run_observers(
+    config: GRPOConfig, chosen: ChosenSettings, distributed: DistributedContext
+) -> list[Callable[[int, dict[str, float]], None]]:
+    """A compiled run's main process records what compiling cost it, for later runs' choice
+    (`compile_costs`)."""
+    gpu = gpu_spec(config)
+    if not config.policy.torch_compile or not distributed.is_main or gpu is None:
+        return []
+    return [CompileCostRecorder(compile_shape(config, chosen, gpu.name))]
 
 
 def run_cleanups(rollout: Rollout, workers: RolloutServers | None) -> list[Callable[[], None]]:

@@ -10,7 +10,9 @@ reason recorded. `grpoflow plan` prints the same choice and its predicted step.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
+import json
 import logging
 
 import torch
@@ -24,6 +26,8 @@ from grpoflow.policy.auto_settings import (
     compile_skipped,
 )
 from grpoflow.policy.batch_invariant import wanted
+from grpoflow.policy.compile_costs import expected_seconds
+from grpoflow.policy.compiling import cache_key
 from grpoflow.policy.loading import resolve_device
 from grpoflow.policy.step_time import GpuSpec, StepTime, UpdatePasses, Workload, known_gpu, predict_step
 from grpoflow.run.config import GRPOConfig
@@ -176,11 +180,35 @@ def choose_speed(config: GRPOConfig, device: DeviceFacts, shared_prompts: bool =
     if chosen.torch_compile and chosen.sources["torch_compile"] == "plan" and gpu and steps > 0:
         eager = predicted_step(applied(config, dataclasses.replace(chosen, torch_compile=False)), gpu)
         compiled = predicted_step(applied(config, chosen), gpu).update
-        skipped = compile_skipped(steps, eager.update, compiled, lora=config.adapter.train_type == "lora")
+        cost = expected_seconds(compile_shape(config, chosen, gpu.name))
+        lora = config.adapter.train_type == "lora"
+        skipped = compile_skipped(steps, eager.update, compiled, lora=lora, cost=cost)
         if skipped:
             logger.info("%s", skipped)
             return dataclasses.replace(chosen, torch_compile=False)
+        if cost is not None:
+            reason = f"compiling costs about {cost:.0f} s, as earlier runs of these shapes paid"
+            return dataclasses.replace(chosen, reasons={**chosen.reasons, "torch_compile": reason})
     return chosen
+
+
+def compile_shape(config: GRPOConfig, chosen: ChosenSettings, gpu_name: str) -> str:
+    """A key of what the update's compiled graphs depend on (`compile_costs`): grpoflow's code and
+    libraries (`compiling.cache_key`), the model, its dtype and adapters, the chosen checkpointing
+    and attention, and the GPU."""
+    adapter = config.adapter
+    parts = {
+        "code": cache_key(),
+        "model": config.policy.model,
+        "dtype": str(config.policy.torch_dtype),
+        "adapter": [adapter.train_type, adapter.lora_rank, sorted(adapter.target_modules)]
+        if adapter.train_type == "lora"
+        else adapter.train_type,
+        "gradient_checkpointing": chosen.gradient_checkpointing,
+        "shared_prompts": chosen.shared_prompts,
+        "gpu": gpu_name,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def applied(config: GRPOConfig, chosen: ChosenSettings) -> GRPOConfig:

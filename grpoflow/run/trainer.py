@@ -105,16 +105,18 @@ class GRPOTrainer:
         distributed: DistributedContext | None = None,
         evaluator: Evaluator | None = None,
         cleanups: Sequence[Callable[[], None]] = (),
+        observers: Sequence[Callable[[int, dict[str, float]], None]] = (),
     ) -> None:
         """`placement` and `ref_placement` hold the policy and the reference model as
         `place_models` laid them out; `engine` generates (and evaluates) with the policy's
         weights as `weight_sync` hands them over. `evaluator`: evaluates on held-out prompts as
-        the eval section says. `cleanups` run in `close()` (servers the run started)."""
+        the eval section says. `cleanups` run in `close()` (servers the run started);
+        `observers` are given each step's number and metrics once `train` has logged them."""
         self.settings, self.source, self.advantages, self.learner = settings, source, advantages, learner
         self.engine, self.weight_sync, self.checkpoints = engine, weight_sync, checkpoints
         self.tokenizer, self.placement, self.ref_placement = tokenizer, placement, ref_placement
         self.distributed = distributed or DistributedContext()
-        self.evaluator, self.cleanups = evaluator, list(cleanups)
+        self.evaluator, self.cleanups, self.observers = evaluator, list(cleanups), list(observers)
         self.health = health
         self.best = BestCheckpoint(settings.eval, checkpoints.output_dir)
         """The best metric_for_best_model so far (its checkpoint is checkpoint-best)."""
@@ -188,6 +190,8 @@ class GRPOTrainer:
                 if self.step_count % self.settings.logging_steps == 0 or evaluated:
                     metrics_logger.log(self.step_count, metrics)
                 metrics_logger.advance(self.step_count, metrics)
+            for observe in self.observers:
+                observe(self.step_count, metrics)
             log_seconds = time.perf_counter() - started
             if stop is not None:
                 raise stop

@@ -11,6 +11,7 @@ from helpers.support import recipe
 
 from grpoflow.cli import main
 from grpoflow.policy.auto_settings import DeviceFacts
+from grpoflow.policy.compile_costs import record_seconds
 from grpoflow.policy.memory_plan import GIB
 from grpoflow.run.build import build_trainer
 from grpoflow.run.chosen_settings import (
@@ -18,6 +19,7 @@ from grpoflow.run.chosen_settings import (
     choose,
     choose_for_run,
     chosen_record,
+    compile_shape,
     gpu_spec,
     predicted_step,
 )
@@ -137,7 +139,32 @@ def test_a_run_too_short_to_pay_for_compiling_is_left_eager(tmp_path, caplog):
     lora = unset(recipe(tmp_path, **STANDARD, gpu_name="H100", max_steps=50, train_type="lora"))
     with caplog.at_level("INFO", logger="grpoflow"):
         assert not choose(lora, gpu).torch_compile
-    assert any("compiling costs (about 90 s)" in r.getMessage() for r in caplog.records)
+    assert any(
+        "compiling costs (about 90 s, with Inductor's caches empty)" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_a_cost_measured_by_earlier_runs_of_the_shapes_decides_instead(tmp_path, caplog):
+    """50 LoRA steps do not pay for compiling with empty caches (~90 s), but do where earlier runs
+    of the same shapes found compiling cheaper; another model's record changes nothing."""
+    gpu = DeviceFacts("cuda", 80 * GIB, compile_available=True)
+    lora = unset(recipe(tmp_path, **STANDARD, gpu_name="H100", max_steps=50, train_type="lora"))
+    eager = choose(lora, gpu)
+    assert not eager.torch_compile
+    shape = compile_shape(lora, eager, gpu_spec(lora).name)
+    other = unset(recipe(tmp_path, **STANDARD, gpu_name="H100", max_steps=50, train_type="full"))
+    assert compile_shape(other, eager, gpu_spec(lora).name) != shape
+    record_seconds(shape, 80.0)  # a first run: a later one is expected to pay a share of it
+    record_seconds(shape, 12.0)  # a run that found the artifacts
+    chosen = choose(lora, gpu)
+    assert chosen.torch_compile and chosen.sources["torch_compile"] == "plan"
+    assert (
+        chosen.reasons["torch_compile"] == "compiling costs about 12 s, as earlier runs of these shapes paid"
+    )
+    short = unset(recipe(tmp_path, **STANDARD, gpu_name="H100", max_steps=3, train_type="lora"))
+    with caplog.at_level("INFO", logger="grpoflow"):
+        assert not choose(short, gpu).torch_compile
+    assert any("(about 12 s, as earlier runs of these shapes paid)" in r.getMessage() for r in caplog.records)
 
 
 def test_each_groups_prompt_runs_through_the_update_once_where_it_can(tmp_path, caplog):

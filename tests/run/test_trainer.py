@@ -9,8 +9,11 @@ import pytest
 import torch
 from helpers.support import recipe, save_reward_model, write_plugin
 
-from grpoflow.run.build import build_trainer, run
+from grpoflow.distributed import DistributedContext
+from grpoflow.policy.compile_costs import CompileCostRecorder
+from grpoflow.run.build import build_trainer, run, run_observers
 from grpoflow.run.checkpoint import list_checkpoints
+from grpoflow.run.chosen_settings import choose_for_run, compile_shape, gpu_spec
 from grpoflow.run.health import HealthConfig, HealthMonitor
 
 
@@ -74,6 +77,21 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path):
     reference = build_trainer(recipe(tmp_path / "a", resume_from_checkpoint="latest")).model
     for (name, want), (_, got) in zip(reference.state_dict().items(), trainer.model.state_dict().items()):
         torch.testing.assert_close(got, want, msg=name)
+
+
+def test_observers_see_each_step_and_a_compiled_gpu_run_records_its_compile_cost(tmp_path):
+    trainer = build_trainer(recipe(tmp_path, max_steps=2))
+    assert trainer.observers == []  # nothing compiled on the CPU: nothing recorded
+    seen = []
+    trainer.observers.append(lambda step, metrics: seen.append((step, metrics["time/update"])))
+    trainer.train()
+    assert [step for step, _ in seen] == [1, 2] and all(update > 0 for _, update in seen)
+    compiled = recipe(tmp_path / "compiled", torch_compile=True, gpu_name="H100")
+    config, chosen = choose_for_run(compiled)
+    (recorder,) = run_observers(config, chosen, DistributedContext())
+    assert isinstance(recorder, CompileCostRecorder)
+    assert recorder.shape == compile_shape(config, chosen, gpu_spec(config).name)
+    assert run_observers(config, chosen, DistributedContext(rank=1, world_size=2)) == []  # rank 0 records
 
 
 def test_resume_keeps_the_adaptive_entropy_coefficient(tmp_path):
