@@ -46,7 +46,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_step import grpoflow_overrides  # noqa: E402
 from step_inputs import write_inputs  # noqa: E402
-from step_report import matmul_tflops  # noqa: E402
+from step_report import GROUP_SIZE, matmul_tflops, update_tokens  # noqa: E402
 
 from grpoflow.policy.auto_settings import DEFAULT_MICRO_BATCH  # noqa: E402
 from grpoflow.policy.memory_plan import GIB  # noqa: E402
@@ -121,7 +121,7 @@ def variant_config(args, name: str, model_dir: Path, prompts: Path, workdir: Pat
     }
     if args.model not in ("tiny", "qwen2-0.5b"):  # built on each rank, nothing written
         config["model"] = f"random:{args.model}"
-    completions = rank_prompts(args, name) * 8
+    completions = rank_prompts(args, name) * GROUP_SIZE
     if fixed:
         micro_batch = min(16 if args.model == "tiny" else args.micro_batch, completions)
         config["per_device_train_batch_size"] = micro_batch
@@ -206,7 +206,7 @@ def summarize(args, name: str, rows: list[dict], config: dict) -> dict:
         return sum(values) / len(values) if values else None
 
     step_s, update_s, mean_length = mean("time/step"), mean("time/update"), mean("completions/mean_length")
-    generations = rank_prompts(args, name) * 8
+    generations = rank_prompts(args, name) * GROUP_SIZE
     peaks = [row["memory/max_allocated_gib"] for row in rows if "memory/max_allocated_gib" in row]
     row = {
         "variant": name,
@@ -230,14 +230,12 @@ def summarize(args, name: str, rows: list[dict], config: dict) -> dict:
     tflops = matmul_tflops(_device_name(args))
     if args.device == "cuda":
         row["predicted_gib_per_gpu"], num_params = predicted_peak(as_run(config, row["settings"]), nproc)
-        trained = generations * (128 + mean_length)  # per GPU
+        shared = bool(row["settings"].get("shared_prompts"))  # each group's prompt through the update once
+        trained, executed = update_tokens(generations, mean_length, shared)  # per GPU
         if tflops and config.get("train_type", "full") == "full":
             row["update_mfu"] = 6 * num_params * trained / update_s / (tflops * 1e12)
             recompute = 8 / 6 if row["settings"].get("gradient_checkpointing") else 1.0
-            row["update_hw_mfu"] = row["update_mfu"] * recompute
-            if row["settings"].get("shared_prompts"):  # each group's prompt through the update once
-                executed = generations // 8 * 128 + generations * mean_length
-                row["update_hw_mfu"] *= executed / trained
+            row["update_hw_mfu"] = row["update_mfu"] * recompute * executed / trained
     return row
 
 

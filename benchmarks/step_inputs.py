@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import torch
+from step_report import PROMPT_TOKENS
 
 
 def raise_eos_probability(model, mean_length: float, *, rows: int = 8, length: int = 640) -> float:
@@ -98,5 +99,7 @@ def write_inputs(
     letters = "abcdefghijklmnopqrstuvwxyz"
     with open(directory / "prompts.jsonl", "w") as handle:
         for _ in range(num_prompts):
-            handle.write(json.dumps({"prompt": "".join(rng.choice(letters) for _ in range(128))}) + "\n")
+            handle.write(
+                json.dumps({"prompt": "".join(rng.choice(letters) for _ in range(PROMPT_TOKENS))}) + "\n"
+            )
     return directory / "model", directory / "prompts.jsonl"

@@ -6,6 +6,18 @@ from __future__ import annotations
 import torch
 
 MATMUL_TFLOPS = {"H100": 787.0, "H200": 790.0}
+COMPLETIONS, GROUP_SIZE, PROMPT_TOKENS = 512, 8, 128
+"""The workloads' shape (grpo_step.py; scaling.py per GPU): completions a step, completions per
+prompt and prompt tokens."""
+
+
+def update_tokens(completions: int, generated: float, shared: bool) -> tuple[float, float]:
+    """(trained, executed) tokens of an update over `completions` completions of `generated` new
+    tokens on average, each after a PROMPT_TOKENS-token prompt: each prompt counted once per
+    completion, and executed once per group of GROUP_SIZE where the prompts are `shared`."""
+    trained = completions * (PROMPT_TOKENS + generated)
+    executed = completions // GROUP_SIZE * PROMPT_TOKENS + completions * generated if shared else trained
+    return trained, executed
 
 
 def matmul_tflops(gpu: str) -> float | None:
@@ -83,13 +95,12 @@ def summarize(
         for step in result["steps"]
     ]
     if generated is not None and row["rollout_s"]:
-        row["generated_tokens_per_s"] = 512 * generated / row["rollout_s"]
-        trained = 512 * (128 + generated)
+        row["generated_tokens_per_s"] = COMPLETIONS * generated / row["rollout_s"]
+        shared = bool(row.get("chosen_settings", {}).get("shared_prompts", {}).get("value"))
+        trained, executed = update_tokens(COMPLETIONS, generated, shared)
         row["trained_tokens_per_s"] = trained / row["update_s"]
         if tflops:
             row["update_mfu"] = flops_per_token * num_params * trained / row["update_s"] / (tflops * 1e12)
-            shared = row.get("chosen_settings", {}).get("shared_prompts", {}).get("value")
-            executed = 512 // 8 * 128 + 512 * generated if shared else trained
             row["update_executed_mfu"] = row["update_mfu"] * executed / trained
     return row
 
