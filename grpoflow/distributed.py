@@ -168,11 +168,17 @@ def _buckets(tensors: Iterable[torch.Tensor], max_numel: int) -> list[list[torch
     return buckets
 
 
+def launched_world_size() -> int:
+    """The processes torchrun launched for the run (its WORLD_SIZE; 1 without it), known before
+    any process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(device: torch.device) -> tuple[DistributedContext, torch.device]:
     """The run's context and this rank's device, initialising the process group under torchrun
     (NCCL on CUDA, each rank on `cuda:LOCAL_RANK`; gloo on the CPU). Outside torchrun, or with one
     process, a single-process context and `device` unchanged."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launched_world_size()
     if world_size == 1:
         return DistributedContext(device=device), device
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])

@@ -11,10 +11,10 @@ to set instead, that its refusal says.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from grpoflow.distributed import launched_world_size
 from grpoflow.options.loader import coerce
 from grpoflow.policy.auto_settings import DEFAULT_MICRO_BATCH
 
@@ -156,7 +156,7 @@ def check_generation_batch(
     completions per process), on which each step takes num_iterations optimizer steps."""
     accumulation = values.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"])
     per_device = values.get("per_device_train_batch_size") or DEFAULT_MICRO_BATCH
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    processes = launched_world_size()
     why = (
         "grpoflow generates one optimizer step's batch at a time (per_device_train_batch_size x "
         f"gradient_accumulation_steps = {per_device} x {accumulation} completions per process), "

@@ -14,13 +14,13 @@ against the policy's rank and layers).
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
+from grpoflow.distributed import launched_world_size
 from grpoflow.engines.vllm import LOGPROBS_MODE
 from grpoflow.engines.vllm_adapters import (
     adapter_obstacle,
@@ -184,7 +184,7 @@ def reload_method(client: ServerClient, url: str, info: dict | None) -> str | No
 def choose_transfer(choice: str, offers: Sequence[ServerOffer], *, exclusive_servers: bool) -> str:
     """collective or checkpoint, from the choice and what every server offers. `exclusive_servers`:
     every server has this trainer alone, so collective is open under torchrun too."""
-    several_trainers = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not exclusive_servers
+    several_trainers = launched_world_size() > 1 and not exclusive_servers
     if choice == "collective":
         lacking = [offer.url for offer in offers if not offer.collective]
         if lacking:

@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 from grpoflow import hub
+from grpoflow.distributed import launched_world_size
 from grpoflow.options import require
 from grpoflow.policy.auto_settings import MARGIN
 from grpoflow.policy.loading import GROUPED_EXPERTS, local_preset
@@ -369,16 +370,9 @@ def _accumulated_gradient_bytes(config, dtype_bytes: int) -> int:
     return dtype_bytes
 
 
-def _world_size() -> int:
-    """The processes of the run (torchrun's WORLD_SIZE; 1 without it)."""
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def fsdp_ranks(config) -> int:
     """The ranks `config`'s weights are sharded over (1: not sharded)."""
-    return _world_size() if config.placement.fsdp else 1
+    return launched_world_size() if config.placement.fsdp else 1
 
 
 FASTER_FSDP = {"fsdp_reshard_after_forward": False, "fsdp_reduce_every_micro_batch": False}
