@@ -171,9 +171,9 @@ class HFEngine:
         self.policy_version = version
 
     def sleep(self, level: int = 1) -> None:
-        """Nothing persists between calls of `generate`; the caching allocator is emptied."""
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        """Nothing persists between calls of `generate`: what a call used is back with the
+        process's caching allocator, where a training run's update takes it (`grpoflow serve`'s
+        /sleep hands it to the driver for other processes)."""
 
     def wake_up(self) -> None:
         return None
