@@ -21,17 +21,11 @@ import datetime
 import json
 from pathlib import Path
 
+import fused_products as kernels
 import torch
 import torch.nn.functional as F
 from batch_invariance import timed
-from fused_products import (
-    Tiles,
-    gated_product,
-    norm_gated_product,
-    norm_product,
-    plain_product,
-    product_config,
-)
+from fused_products import Tiles
 
 from grpoflow.kernels.decoder import TritonOps
 
@@ -88,29 +82,29 @@ def products(rows: int, shape: tuple) -> dict:
     return {
         "qkv": (
             lambda w: F.linear(TritonOps.rms_norm(x, w["norm"], 1e-6, residual)[0], w["qkv"], w["qkv_bias"]),
-            lambda w, t: norm_product(x, w["norm"], 1e-6, residual, w["qkv"], w["qkv_bias"], t)[0],
+            lambda w, t: kernels.norm_product(x, w["norm"], 1e-6, residual, w["qkv"], w["qkv_bias"], t)[0],
         ),
         "o": (
             lambda w: F.linear(attention, w["o"]),
-            lambda w, t: plain_product(attention, w["o"], None, t),
+            lambda w, t: kernels.plain_product(attention, w["o"], None, t),
         ),
         "gate_up": (
             lambda w: F.linear(TritonOps.rms_norm(x, w["norm"], 1e-6, residual)[0], w["gate_up"]),
-            lambda w, t: norm_product(x, w["norm"], 1e-6, residual, w["gate_up"], None, t)[0],
+            lambda w, t: kernels.norm_product(x, w["norm"], 1e-6, residual, w["gate_up"], None, t)[0],
         ),
         "gate_up_silu": (
             lambda w: TritonOps.silu_mul(
                 *F.linear(TritonOps.rms_norm(x, w["norm"], 1e-6, residual)[0], w["gate_up"]).chunk(2, dim=-1)
             ),
-            lambda w, t: norm_gated_product(x, w["norm"], 1e-6, residual, w["gate_up"], t)[0],
+            lambda w, t: kernels.norm_gated_product(x, w["norm"], 1e-6, residual, w["gate_up"], t)[0],
         ),
         "gate_up_plain": (
             lambda w: F.linear(x, w["gate_up"]),
-            lambda w, t: plain_product(x, w["gate_up"], None, t),
+            lambda w, t: kernels.plain_product(x, w["gate_up"], None, t),
         ),
         "down": (
             lambda w: F.linear(TritonOps.silu_mul(gate, up), w["down"]),
-            lambda w, t: gated_product(gate, up, w["down"], None, t),
+            lambda w, t: kernels.gated_product(gate, up, w["down"], None, t),
         ),
     }
 
@@ -127,7 +121,7 @@ def measure(model: str, rows: int, repeats: int) -> list[dict]:
         reference = separate(weights[0]).float()
         separate_us = per_layer_us(separate, weights, repeats)
         width, depth = weights[0][name.removesuffix("_silu").removesuffix("_plain")].shape
-        chosen = product_config(rows, width, depth)
+        chosen = kernels.product_config(rows, width, depth)
         sweep = {}
         for tiles in dict.fromkeys([chosen, *SWEEP]):
             try:
