@@ -5,13 +5,13 @@ Inductor writes its FX graph and autotuning caches under TORCHINDUCTOR_CACHE_DIR
 directory in /tmp (gone with the machine's /tmp), which importing `torch._inductor.config` writes
 into the environment. Unless the user chose another directory, grpoflow points the variable at a
 directory of its own (`inductor_cache_dir`) and turns the FX graph cache on unless the user set
-that. Its directory is named by a key of grpoflow's source and the versions of the libraries whose
-code compiles into the layers, so AOTAutograd's cache may keep graphs that hold custom autograd
-functions (grpoflow's LoRA dropout, its fused kernels): torch leaves them out by default, its key
-not covering the functions' backward code, which a new key here does. On an H200, a second run of
-the standard 0.5B update's shapes compiled its first step in 6.1 s against 14.3 s from empty
-caches (benchmarks/results/2026-11-28-compile-*). Layers compile with dynamic shapes, so
-micro-batches of other sizes and lengths reuse one graph.
+that. Its directory is named by a key of grpoflow's source, the layers' own source files and the
+versions of the libraries whose code compiles into them, so AOTAutograd's cache may keep graphs
+that hold custom autograd functions (grpoflow's LoRA dropout, its fused kernels): torch leaves
+them out by default, its key not covering the functions' backward code, which a new key here
+does. On an H200, a second run of the standard 0.5B update's shapes compiled its first step in
+6.1 s against 14.3 s from empty caches (benchmarks/results/2026-11-28-compile-*). Layers compile
+with dynamic shapes, so micro-batches of other sizes and lengths reuse one graph.
 """
 
 from __future__ import annotations
