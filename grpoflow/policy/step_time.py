@@ -96,10 +96,18 @@ against 2.76 s predicted (...-carried-gather.json)."""
 EAGER_MFU = ((2088, 0.33), (8240, 0.752))
 """Model FLOPs utilisation (recomputation counted) of an eager update by the width of its products
 (`product_width`), measured: the standard workload (Qwen2-0.5B shape, width 2,088) took 3.004 s
-with gradient checkpointing, micro-batch 32 (2026-11-25-grpo-step-standard-defaults-vs-trl-*H100*,
-update_s); the Qwen2.5-7B shape (width 8,240) trained in full, micro-batch 16, without
-checkpointing, 14.04 s on an H200 (2026-11-28-grpo-step-7b-full-eager-kv-0.35-*H200.json). Wider
-products run nearer the peak, and the memory-bound work between them weighs less."""
+with gradient checkpointing, micro-batch 32, without Liger's kernels
+(2026-11-25-grpo-step-standard-defaults-vs-trl-*H100*, update_s); the Qwen2.5-7B shape (width
+8,240) trained in full, micro-batch 16, without checkpointing, with Liger's kernels, 14.04 s on an
+H200 (2026-11-28-grpo-step-7b-full-eager-kv-0.35-*H200.json). Wider products run nearer the peak,
+and the memory-bound work between them weighs less."""
+EAGER_LIGER_MFU = ((2088, 0.51), (8240, 0.752))
+"""The same with Liger's fused norms, MLPs and rotary (`use_liger_kernel`, on by default where
+compile is off). At the 0.5B width, COMPILED_MFU's 0.545 over the 1.07 by which compiling sped the
+same update on one H200: the standard workload without gradient checkpointing, micro-batch 128,
+each group's prompt once, 1.08 s eager (steps 3-4 of 2026-11-28-compile-full-eager-*H200.json)
+against 1.01 s compiled (...-compile-full-{cold,warm}-*). EAGER_MFU's 7B point was measured with
+Liger's kernels."""
 COMPILED_MFU = ((2088, 0.545), (8240, 0.776))
 """The same with torch_compile: the standard workload took 1.36 s without gradient checkpointing,
 micro-batch 64 (2026-11-25-grpo-step-standard-gc0-mb64-compile-*H100.json, update_s; 0.585 on an
@@ -218,6 +226,10 @@ class UpdatePasses:
     once per prompt, not once per completion."""
     fsdp_world_size: int = 1
     """Ranks the weights are sharded over (1: not sharded)."""
+    liger: bool = False
+    """Liger's fused kernels run in an eager full update of a dense model (EAGER_LIGER_MFU; they
+    leave a mixture-of-experts model's experts, most of its work, as they are). LoRA's and compiled
+    updates' utilisation does not depend on it (the LoRA figures were measured with them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +314,7 @@ def update_seconds(shape: ModelShape, workload: Workload, gpu: GpuSpec, passes: 
     # a mixture-of-experts model's adapters leave its experts, most of its FLOPs, unadapted
     adapted = passes.lora and not shape.num_experts
     measured = {
-        (False, False): EAGER_MFU,
+        (False, False): EAGER_LIGER_MFU if passes.liger and not shape.num_experts else EAGER_MFU,
         (True, False): COMPILED_MFU,
         (False, True): EAGER_LORA_MFU,
         (True, True): COMPILED_LORA_MFU,

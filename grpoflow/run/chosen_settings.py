@@ -146,21 +146,27 @@ def with_shared_prompts_reason(chosen: ChosenSettings, reason: str | None) -> Ch
     return dataclasses.replace(chosen, reasons={**chosen.reasons, "shared_prompts": reason})
 
 
-def with_liger(config: GRPOConfig, device: DeviceFacts, chosen: ChosenSettings) -> ChosenSettings:
-    """`chosen` with whether Liger's kernels run and why (one log line); use_liger_kernel: true
-    where they cannot run is refused, naming the fix."""
+def liger_choice(config: GRPOConfig, device: DeviceFacts, torch_compile: bool) -> tuple[bool, str]:
+    """Whether Liger's kernels run beside `torch_compile`, and why (`liger.choose`)."""
     setting = config.policy.use_liger_kernel
     facts = liger.LigerFacts(
         cuda=device.kind == "cuda",
         installed=liger.installed(),
         model_type=None,
-        torch_compile=chosen.torch_compile,
+        torch_compile=torch_compile,
         batch_invariant=config.generation.batch_invariant,
         batch_invariant_runs=batch_invariant_runs(config),
     )
     if setting is not False and facts.cuda and facts.installed:
         facts = dataclasses.replace(facts, model_type=model_config(config).model_type)
-    on, reason = liger.choose(setting, facts)
+    return liger.choose(setting, facts)
+
+
+def with_liger(config: GRPOConfig, device: DeviceFacts, chosen: ChosenSettings) -> ChosenSettings:
+    """`chosen` with whether Liger's kernels run and why (one log line); use_liger_kernel: true
+    where they cannot run is refused, naming the fix."""
+    setting = config.policy.use_liger_kernel
+    on, reason = liger_choice(config, device, chosen.torch_compile)
     if setting == "auto":
         logger.info("use_liger_kernel=%s (%s)", on, reason)
     reasons = {**chosen.reasons, "use_liger_kernel": reason}
@@ -178,7 +184,9 @@ def choose_speed(config: GRPOConfig, device: DeviceFacts, shared_prompts: bool =
     chosen = dataclasses.replace(choose_settings(shape, base, device, user), shared_prompts=shared_prompts)
     gpu, steps = gpu_spec(config), config.training.max_steps
     if chosen.torch_compile and chosen.sources["torch_compile"] == "plan" and gpu and steps > 0:
-        eager = predicted_step(applied(config, dataclasses.replace(chosen, torch_compile=False)), gpu)
+        liger_eager = liger_choice(config, device, torch_compile=False)[0]
+        uncompiled = dataclasses.replace(chosen, torch_compile=False, use_liger_kernel=liger_eager)
+        eager = predicted_step(applied(config, uncompiled), gpu)
         compiled = predicted_step(applied(config, chosen), gpu).update
         cost = expected_seconds(compile_shape(config, chosen, gpu.name))
         lora = config.adapter.train_type == "lora"
@@ -307,6 +315,7 @@ def predicted_step(config: GRPOConfig, gpu: GpuSpec, mean_completion_length: flo
         padded=not (packed or training.shared_prompts or config.groups_by_length()),
         shared_prompts=bool(training.shared_prompts),
         fsdp_world_size=fsdp_ranks(config),
+        liger=config.policy.use_liger_kernel is True and not config.policy.torch_compile,
     )
     return predict_step(shape, workload, gpu, passes)
 
