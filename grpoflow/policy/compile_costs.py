@@ -26,10 +26,14 @@ CACHED_SHARE = 6.1 / 14.3
 run has been measured: the standard 0.5B update on an H200."""
 
 
+def grpoflow_cache_dir(environ: MutableMapping[str, str] = os.environ) -> Path:
+    """grpoflow's cache directory: $XDG_CACHE_HOME/grpoflow (~/.cache by default)."""
+    return Path(environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "grpoflow"
+
+
 def costs_path(environ: MutableMapping[str, str] = os.environ) -> Path:
-    """$XDG_CACHE_HOME/grpoflow/compile_seconds.json (~/.cache by default)."""
-    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "grpoflow" / "compile_seconds.json"
+    """compile_seconds.json in grpoflow's cache directory."""
+    return grpoflow_cache_dir(environ) / "compile_seconds.json"
 
 
 def _read(path: Path) -> dict[str, dict[str, float]]:

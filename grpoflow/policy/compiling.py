@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from grpoflow.policy.compile_costs import grpoflow_cache_dir
+
 logger = logging.getLogger("grpoflow.policy.compiling")
 
 CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -41,8 +43,7 @@ def inductor_cache_dir(environ: MutableMapping[str, str], sources: tuple[str, ..
     """grpoflow's Inductor cache: $XDG_CACHE_HOME/grpoflow/inductor/KEY (~/.cache by default),
     KEY naming grpoflow's source, the versions of CACHE_KEY_LIBRARIES and the files `sources`
     (`cache_key`)."""
-    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "grpoflow" / "inductor" / cache_key(sources)
+    return grpoflow_cache_dir(environ) / "inductor" / cache_key(sources)
 
 
 @cache
