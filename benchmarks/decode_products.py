@@ -73,7 +73,8 @@ def layer_weights(shape: tuple, layers: int) -> list[dict]:
 
 
 def products(rows: int, shape: tuple) -> dict:
-    """Each product's (separate kernels, fused kernel at tiles) callables over one layer's weights."""
+    """Each product's weight matrix and its (separate kernels, fused kernel at tiles) callables over
+    one layer's weights."""
     hidden, inner, _, o_in, _ = shape
     x, residual = torch.randn(2, rows, hidden, device=CUDA, dtype=torch.bfloat16).unbind(0)
     attention = torch.randn(rows, o_in, device=CUDA, dtype=torch.bfloat16)
@@ -81,28 +82,34 @@ def products(rows: int, shape: tuple) -> dict:
     gate, up = gate_up.chunk(2, dim=-1)
     return {
         "qkv": (
+            "qkv",
             lambda w: F.linear(TritonOps.rms_norm(x, w["norm"], 1e-6, residual)[0], w["qkv"], w["qkv_bias"]),
             lambda w, t: kernels.norm_product(x, w["norm"], 1e-6, residual, w["qkv"], w["qkv_bias"], t)[0],
         ),
         "o": (
+            "o",
             lambda w: F.linear(attention, w["o"]),
             lambda w, t: kernels.plain_product(attention, w["o"], None, t),
         ),
         "gate_up": (
+            "gate_up",
             lambda w: F.linear(TritonOps.rms_norm(x, w["norm"], 1e-6, residual)[0], w["gate_up"]),
             lambda w, t: kernels.norm_product(x, w["norm"], 1e-6, residual, w["gate_up"], None, t)[0],
         ),
         "gate_up_silu": (
+            "gate_up",
             lambda w: TritonOps.silu_mul(
                 *F.linear(TritonOps.rms_norm(x, w["norm"], 1e-6, residual)[0], w["gate_up"]).chunk(2, dim=-1)
             ),
             lambda w, t: kernels.norm_gated_product(x, w["norm"], 1e-6, residual, w["gate_up"], t)[0],
         ),
         "gate_up_plain": (
+            "gate_up",
             lambda w: F.linear(x, w["gate_up"]),
             lambda w, t: kernels.plain_product(x, w["gate_up"], None, t),
         ),
         "down": (
+            "down",
             lambda w: F.linear(TritonOps.silu_mul(gate, up), w["down"]),
             lambda w, t: kernels.gated_product(gate, up, w["down"], None, t),
         ),
@@ -117,10 +124,10 @@ def measure(model: str, rows: int, repeats: int) -> list[dict]:
     shape = SHAPES[model]
     weights = layer_weights(shape, shape[-1])
     out = []
-    for name, (separate, fused) in products(rows, shape).items():
+    for name, (matrix, separate, fused) in products(rows, shape).items():
         reference = separate(weights[0]).float()
         separate_us = per_layer_us(separate, weights, repeats)
-        width, depth = weights[0][name.removesuffix("_silu").removesuffix("_plain")].shape
+        width, depth = weights[0][matrix].shape
         chosen = kernels.product_config(rows, width, depth)
         sweep = {}
         for tiles in dict.fromkeys([chosen, *SWEEP]):
