@@ -102,7 +102,13 @@ def compile_layers(model: torch.nn.Module, *, fallback: bool = False) -> bool:
     """torch.compile every decoder layer in place (dynamic shapes: micro-batches vary in size and
     length); whether it did. A model without `model.layers` is refused (ValueError), or under
     `fallback` (torch_compile chosen, not given) trains uncompiled with one log line, and a layer
-    Inductor then fails to compile runs eagerly."""
+    Inductor then fails to compile runs eagerly.
+
+    The layers' float attributes (an RMSNorm's epsilon, a LoRA layer's scaling, a dropout
+    probability) are traced as constants. Under dynamic shapes Dynamo traces them as inputs by
+    default, finds that some cannot stay inputs, and traces and partitions the whole layer again
+    with them constant: a cost every run pays anew, the first attempt's graph never reaching
+    AOTAutograd's cache."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         message = "torch_compile needs a model with model.layers (Llama-style decoders)"
@@ -111,9 +117,10 @@ def compile_layers(model: torch.nn.Module, *, fallback: bool = False) -> bool:
         logger.warning("%s: training uncompiled", message)
         return False
     persist_inductor_caches(sources=layer_sources(layers))
-    if fallback:
-        import torch._dynamo
+    import torch._dynamo
 
+    torch._dynamo.config.specialize_float = True
+    if fallback:
         torch._dynamo.config.suppress_errors = True
     for layer in layers:
         layer.compile(dynamic=True)

@@ -79,7 +79,8 @@ print(json.dumps(dict(counters["aot_autograd"])))
 def test_a_second_run_takes_graphs_with_custom_autograd_functions_from_the_cache(tmp_path):
     """Two processes compile a layer whose LoRA dropout is a custom autograd function, after
     importing Inductor's config (which sets TORCHINDUCTOR_CACHE_DIR to torch's /tmp default):
-    the first saves its graph under grpoflow's directory, the second loads it."""
+    the first saves its graph under grpoflow's directory, the second loads it, each tracing the
+    layer once."""
     env = clean_env(XDG_CACHE_HOME=str(tmp_path))
     for name in (CACHE_DIR_ENV, FX_GRAPH_CACHE_ENV):
         env.pop(name, None)
@@ -93,6 +94,9 @@ def test_a_second_run_takes_graphs_with_custom_autograd_functions_from_the_cache
     first, second = runs
     assert "autograd_cache_bypass" not in first and first.get("autograd_cache_saved", 0) >= 1, first
     assert second.get("autograd_cache_hit", 0) >= 1 and "autograd_cache_bypass" not in second, second
+    # One trace each: the dropout probability, a float, is no input that forces a second trace
+    # (whose first attempt would miss the cache in every run).
+    assert first["total"] == second["total"] == 1 and "autograd_cache_miss" not in second, runs
     (directory,) = (tmp_path / "grpoflow" / "inductor").iterdir()  # one key: the same code both times
     assert (directory / "aotautograd").is_dir() and len(directory.name) == 16
 
