@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from batch_invariance import timed
+from report_file import write_report
 
 from grpoflow.policy.step_time import GpuSpec, known_gpu
 
-RESULTS = Path(__file__).parent / "results"
 CUDA = torch.device("cuda")
 SHAPES = {  # product: (out, in); layers
     "qwen2-0.5b": ({"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}, 24, 151936),
@@ -135,30 +133,32 @@ def step_floor(rows: int, products: list[dict], spec: GpuSpec | None) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+def decode_arguments(doc: str, shapes: dict) -> argparse.Namespace:
+    """The decode benchmarks' command line: model shapes, row counts, repeats and a tag for the
+    results' name."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(shapes), choices=list(shapes))
     parser.add_argument("--rows", nargs="+", type=int, default=[128, 512])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tag", default="")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def save_result(kind: str, tag: str, **results) -> None:
+    """`results` with the date, GPU and torch version, as benchmarks/results/DATE-KIND[-TAG]-GPU.json."""
+    date, device = datetime.date.today().isoformat(), torch.cuda.get_device_name()
+    record = {"date": date, "device": device, "torch": torch.__version__, **results}
+    name = f"{date}-{kind}{f'-{tag}' if tag else ''}-{device.replace(' ', '_')}.json"
+    for path in write_report(record, name, None):
+        print(f"wrote {path}")
+
+
+def main() -> None:
+    args = decode_arguments(__doc__, SHAPES)
     header = "".join(f"{f'{lib} {layout}':>15}" for layout in ("out-in", "in-out") for lib in LIBRARIES)
     print(f"{'model':<11}{'rows':>5} {'product':<8}{header}  {'TB/s':>6}{'TF/s':>7}   (us per product)")
     blocks = [measure(model, rows, args.repeats) for model in args.models for rows in args.rows]
-    device = torch.cuda.get_device_name()
-    RESULTS.mkdir(exist_ok=True)
-    tag = f"-{args.tag}" if args.tag else ""
-    path = RESULTS / f"{datetime.date.today()}-decode-blas{tag}-{device.replace(' ', '_')}.json"
-    record = {
-        "date": str(datetime.date.today()),
-        "device": device,
-        "torch": torch.__version__,
-        "blocks": blocks,
-    }
-    path.write_text(json.dumps(record, indent=1))
-    print(f"wrote {path}")
+    save_result("decode-blas", args.tag, blocks=blocks)
 
 
 if __name__ == "__main__":

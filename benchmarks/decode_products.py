@@ -16,20 +16,15 @@ memory as in a decode step. Results go to benchmarks/results/ as JSON.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-from pathlib import Path
-
 import fused_products as kernels
 import torch
 import torch.nn.functional as F
 from batch_invariance import timed
+from decode_blas import decode_arguments, save_result
 from fused_products import Tiles
 
 from grpoflow.kernels.decoder import TritonOps
 
-RESULTS = Path(__file__).parent / "results"
 CUDA = torch.device("cuda")
 SHAPES = {  # hidden, intermediate, q/k/v width, o input width, layers
     "qwen2-0.5b": (896, 4864, 896 + 2 * 128, 896, 24),
@@ -162,14 +157,7 @@ def measure(model: str, rows: int, repeats: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--rows", nargs="+", type=int, default=[128, 512])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--tag", default="")
-    args = parser.parse_args()
+    args = decode_arguments(__doc__, SHAPES)
     header = f"{'model':<11}{'rows':>5} {'product':<8}{'separate':>10}{'fused':>10}{'best':>10}  {'best tiles':<24}{'error':>9}"
     print(header + "\n(microseconds per layer)")
     rows = [
@@ -182,13 +170,7 @@ def main() -> None:
             f"{row['fused_us']:>10.2f}{row['best_us']:>10.2f}  {str(tuple(row['best_tiles'])):<24}"
             f"{row['relative_error']:>9.1e}"
         )
-    device = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
-    tag = f"-{args.tag}" if args.tag else ""
-    path = RESULTS / f"{date}-decode-products{tag}-{device.replace(' ', '_')}.json"
-    record = {"date": date, "device": device, "torch": torch.__version__, "rows": rows}
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"saved {path}")
+    save_result("decode-products", args.tag, rows=rows)
 
 
 if __name__ == "__main__":
