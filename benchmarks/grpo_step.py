@@ -140,6 +140,7 @@ def run_grpoflow(args, model_dir: Path, prompts: Path) -> dict:
         start = time.perf_counter()
         metrics = trainer.step()
         metrics["time/wall"] = time.perf_counter() - start
+        trainer.observe(metrics)  # as `grpoflow train` does: a compiled run records its compile cost
         steps.append(metrics)
         if gpu is not None:  # the prediction again, at the mean length the steps so far produced
             mean = sum(step["completions/mean_length"] for step in steps) / len(steps)

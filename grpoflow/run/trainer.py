@@ -190,11 +190,16 @@ class GRPOTrainer:
                 if self.step_count % self.settings.logging_steps == 0 or evaluated:
                     metrics_logger.log(self.step_count, metrics)
                 metrics_logger.advance(self.step_count, metrics)
-            for observe in self.observers:
-                observe(self.step_count, metrics)
+            self.observe(metrics)
             log_seconds = time.perf_counter() - started
             if stop is not None:
                 raise stop
+
+    def observe(self, metrics: dict[str, float]) -> None:
+        """Hand the last step's number and metrics to the observers (`train` does after each
+        step; a caller stepping the trainer itself does so to keep what they record)."""
+        for observe in self.observers:
+            observe(self.step_count, metrics)
 
     def step(self, metrics_logger: StepLog | None = None) -> dict[str, float]:
         """One generation batch: next groups, advantages, learn, sync; its metrics with its

@@ -84,7 +84,8 @@ def test_observers_see_each_step_and_a_compiled_gpu_run_records_its_compile_cost
     assert trainer.observers == []  # nothing compiled on the CPU: nothing recorded
     seen = []
     trainer.observers.append(lambda step, metrics: seen.append((step, metrics["time/update"])))
-    trainer.train()
+    trainer.observe(trainer.step())  # a caller stepping the trainer itself (benchmarks/grpo_step.py)
+    trainer.train()  # the rest
     assert [step for step, _ in seen] == [1, 2] and all(update > 0 for _, update in seen)
     compiled = recipe(tmp_path / "compiled", torch_compile=True, gpu_name="H100")
     config, chosen = choose_for_run(compiled)
