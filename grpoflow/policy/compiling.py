@@ -105,10 +105,10 @@ def compile_layers(model: torch.nn.Module, *, fallback: bool = False) -> bool:
     Inductor then fails to compile runs eagerly.
 
     The layers' float attributes (an RMSNorm's epsilon, a LoRA layer's scaling, a dropout
-    probability) are traced as constants. Under dynamic shapes Dynamo traces them as inputs by
-    default, finds that some cannot stay inputs, and traces and partitions the whole layer again
-    with them constant: a cost every run pays anew, the first attempt's graph never reaching
-    AOTAutograd's cache."""
+    probability) are traced as constants (Dynamo's `specialize_float`, set for the process). Under
+    dynamic shapes recent Dynamo traces them as inputs by default, finds that some cannot stay
+    inputs, and traces and partitions the whole layer again with them constant: a cost every run
+    pays anew, the first attempt's graph never reaching AOTAutograd's cache."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         message = "torch_compile needs a model with model.layers (Llama-style decoders)"
