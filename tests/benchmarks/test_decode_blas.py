@@ -21,7 +21,7 @@ def product(rows: int, depth: int, width: int, per_step: int, engine_us: float, 
         "cublas out-in": engine_us,
         "cublaslt out-in": best_us + 1,
         "cublas in-out": best_us,
-        "x": engine_us,
+        "cublaslt in-out": engine_us,
     }
     return {"shape": [rows, depth, width], "per_step": per_step, "us": us}
 
