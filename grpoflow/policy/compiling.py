@@ -16,13 +16,13 @@ with dynamic shapes, so micro-batches of other sizes and lengths reuse one graph
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import inspect
 import logging
 import os
-from collections.abc import MutableMapping
-from functools import cache
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
 import torch
@@ -46,7 +46,7 @@ def inductor_cache_dir(environ: MutableMapping[str, str], sources: tuple[str, ..
     return grpoflow_cache_dir(environ) / "inductor" / cache_key(sources)
 
 
-@cache
+@functools.cache
 def cache_key(sources: tuple[str, ...] = ()) -> str:
     """16 hex digits of a hash of every grpoflow source file, the files `sources` (the compiled
     layers' own code: a model's remote code) and CACHE_KEY_LIBRARIES' versions."""
@@ -105,10 +105,10 @@ def compile_layers(model: torch.nn.Module, *, fallback: bool = False) -> bool:
     Inductor then fails to compile runs eagerly.
 
     The layers' float attributes (an RMSNorm's epsilon, a LoRA layer's scaling, a dropout
-    probability) are traced as constants (Dynamo's `specialize_float`, set for the process). Under
-    dynamic shapes recent Dynamo traces them as inputs by default, finds that some cannot stay
-    inputs, and traces and partitions the whole layer again with them constant: a cost every run
-    pays anew, the first attempt's graph never reaching AOTAutograd's cache."""
+    probability) are traced as constants (`_constant_floats`). Under dynamic shapes recent Dynamo
+    traces them as inputs by default, finds that some cannot stay inputs, and traces and partitions
+    the whole layer again with them constant: a cost every run pays anew, the first attempt's graph
+    never reaching AOTAutograd's cache."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         message = "torch_compile needs a model with model.layers (Llama-style decoders)"
@@ -117,14 +117,27 @@ def compile_layers(model: torch.nn.Module, *, fallback: bool = False) -> bool:
         logger.warning("%s: training uncompiled", message)
         return False
     persist_inductor_caches(sources=layer_sources(layers))
-    import torch._dynamo
-
-    torch._dynamo.config.specialize_float = True
     if fallback:
+        import torch._dynamo
+
         torch._dynamo.config.suppress_errors = True
     for layer in layers:
         layer.compile(dynamic=True)
+        layer._compiled_call_impl = _constant_floats(layer._compiled_call_impl)
     return True
+
+
+def _constant_floats(compiled: Callable) -> Callable:
+    """`compiled` traced with Python floats as constants (Dynamo's `specialize_float`, for these
+    calls only: other code the process compiles keeps torch's setting)."""
+    import torch._dynamo
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def layer_sources(layers: torch.nn.Module) -> tuple[str, ...]:
