@@ -111,7 +111,8 @@ class GRPOTrainer:
         `place_models` laid them out; `engine` generates (and evaluates) with the policy's
         weights as `weight_sync` hands them over. `evaluator`: evaluates on held-out prompts as
         the eval section says. `cleanups` run in `close()` (servers the run started);
-        `observers` are given each step's number and metrics once `train` has logged them."""
+        `observers` are given each step's number and metrics by `observe` (`train` calls it once
+        a step is logged)."""
         self.settings, self.source, self.advantages, self.learner = settings, source, advantages, learner
         self.engine, self.weight_sync, self.checkpoints = engine, weight_sync, checkpoints
         self.tokenizer, self.placement, self.ref_placement = tokenizer, placement, ref_placement
