@@ -202,12 +202,15 @@ def choose_speed(config: GRPOConfig, device: DeviceFacts, shared_prompts: bool =
 
 def compile_shape(config: GRPOConfig, chosen: ChosenSettings, gpu_name: str) -> str:
     """A key of what the update's compiled graphs depend on (`compile_costs`): grpoflow's code and
-    libraries (`compiling.cache_key`), the model, its dtype and adapters, the chosen checkpointing
-    and attention, and the GPU."""
+    libraries (`compiling.cache_key`), the model's architecture (its config, not where it was
+    read from: a copy of the model elsewhere compiles to the same graphs), its dtype and adapters,
+    the chosen checkpointing and attention, and the GPU."""
     adapter = config.adapter
+    architecture = model_config(config).to_dict()
+    architecture.pop("_name_or_path", None)
     parts = {
         "code": cache_key(),
-        "model": config.policy.model,
+        "model": architecture,
         "dtype": str(config.policy.torch_dtype),
         "adapter": [adapter.train_type, adapter.lora_rank, sorted(adapter.target_modules)]
         if adapter.train_type == "lora"

@@ -170,6 +170,20 @@ def test_a_cost_measured_by_earlier_runs_of_the_shapes_decides_instead(tmp_path,
     assert any("(about 12 s, as earlier runs of these shapes paid)" in r.getMessage() for r in caplog.records)
 
 
+def test_a_copy_of_the_model_elsewhere_shares_its_compile_record_and_another_shape_does_not(tmp_path):
+    from transformers import Qwen2Config
+
+    chosen = choose(unset(recipe(tmp_path, **STANDARD, gpu_name="H100")), DeviceFacts("cpu"))
+    keys = []
+    for name, width in (("here", 64), ("copy", 64), ("wider", 128)):
+        Qwen2Config(hidden_size=width, num_attention_heads=4, num_key_value_heads=2).save_pretrained(
+            tmp_path / name
+        )
+        config = recipe(tmp_path, **{**STANDARD, "model": str(tmp_path / name)}, gpu_name="H100")
+        keys.append(compile_shape(config, chosen, "NVIDIA H100"))
+    assert keys[0] == keys[1] != keys[2]
+
+
 def test_each_groups_prompt_runs_through_the_update_once_where_it_can(tmp_path, caplog):
     gpu = DeviceFacts("cuda", 80 * GIB, compile_available=True)
     config = unset(recipe(tmp_path, **STANDARD, gpu_name="H100"))
