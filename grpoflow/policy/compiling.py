@@ -98,17 +98,20 @@ def persist_inductor_caches(
     return ours
 
 
-def compile_layers(model: torch.nn.Module, *, fallback: bool = False) -> bool:
+def compile_layers(model: torch.nn.Module, *, fallback: bool = False, backend: str = "inductor") -> bool:
     """torch.compile every decoder layer in place (dynamic shapes: micro-batches vary in size and
     length); whether it did. A model without `model.layers` is refused (ValueError), or under
     `fallback` (torch_compile chosen, not given) trains uncompiled with one log line, and a layer
-    Inductor then fails to compile runs eagerly.
+    Inductor then fails to compile runs eagerly. `backend` is torch.compile's (tests trace with
+    "eager", which generates no kernels).
 
-    The layers' float attributes (an RMSNorm's epsilon, a LoRA layer's scaling, a dropout
-    probability) are traced as constants (`_constant_floats`). Under dynamic shapes recent Dynamo
-    traces them as inputs by default, finds that some cannot stay inputs, and traces and partitions
-    the whole layer again with them constant: a cost every run pays anew, the first attempt's graph
-    never reaching AOTAutograd's cache."""
+    The layers are traced under `_layer_tracing`: their float attributes (an RMSNorm's epsilon, a
+    LoRA layer's scaling, a dropout probability) as constants, since under dynamic shapes recent
+    Dynamo traces them as inputs, finds that some cannot stay inputs, and traces and partitions the
+    whole layer again with them constant (a cost every run pays anew, the first attempt's graph
+    never reaching AOTAutograd's cache); and each dimension as its own symbol, since by default two
+    sizes equal in the first call share one (a micro-batch of 64 rows and a head width of 64), and
+    the next micro-batch of another size traced the layer again."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         message = "torch_compile needs a model with model.layers (Llama-style decoders)"
@@ -122,19 +125,21 @@ def compile_layers(model: torch.nn.Module, *, fallback: bool = False) -> bool:
 
         torch._dynamo.config.suppress_errors = True
     for layer in layers:
-        layer.compile(dynamic=True)
-        layer._compiled_call_impl = _constant_floats(layer._compiled_call_impl)
+        layer.compile(dynamic=True, backend=backend)
+        layer._compiled_call_impl = _layer_tracing(layer._compiled_call_impl)
     return True
 
 
-def _constant_floats(compiled: Callable) -> Callable:
-    """`compiled` traced with Python floats as constants (Dynamo's `specialize_float`, for these
-    calls only: other code the process compiles keeps torch's setting)."""
+def _layer_tracing(compiled: Callable) -> Callable:
+    """`compiled` traced with Python floats as constants (Dynamo's `specialize_float`) and without
+    duck sizing (`use_duck_shape`), for these calls only: other code the process compiles keeps
+    torch's settings."""
     import torch._dynamo
+    import torch.fx.experimental._config as shape_config
 
     @functools.wraps(compiled)
     def call(*args, **kwargs):
-        with torch._dynamo.config.patch(specialize_float=True):
+        with torch._dynamo.config.patch(specialize_float=True), shape_config.patch(use_duck_shape=False):
             return compiled(*args, **kwargs)
 
     return call

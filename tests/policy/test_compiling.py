@@ -139,3 +139,25 @@ def test_a_lora_policys_layers_trace_one_graph_when_marked_alike(alike):
     assert counters["stats"]["unique_graphs"] == (1 if alike else 2)
     with torch.no_grad():
         assert not model.get_input_embeddings()(ids).requires_grad
+
+
+def test_a_micro_batch_as_many_rows_as_a_head_is_wide_traces_the_layers_once():
+    """The tiny model's heads are 16 wide: a first micro-batch of 16 rows, then micro-batches of
+    other sizes and lengths, run on the graph the first traced; torch's duck sizing stays on for
+    other code."""
+    import torch._dynamo
+    import torch.fx.experimental._config as shape_config
+    from torch._dynamo.utils import counters
+
+    from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
+
+    model = build_preset_model("tiny", len(build_char_tokenizer()), seed=3, dtype=torch.float32, device="cpu")
+    assert model.config.hidden_size // model.config.num_attention_heads == 16
+    model.config.use_cache = False
+    compile_layers(model, backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    for rows, length in ((16, 24), (12, 24), (12, 30), (3, 17)):
+        model(input_ids=torch.randint(0, 40, (rows, length))).logits.sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert shape_config.use_duck_shape
