@@ -36,15 +36,13 @@ no speed."""
 
 COMPILE_SECONDS = 15.0
 """What compiling the decoder layers costs a run once with Inductor's caches empty, training every
-parameter: the first compiled step's update took 13.6 s more than the next ones for the 0.5B shape
-on a fresh H100 (2026-11-28-grpo-step-standard-defaults-mb128-vs-trl-*H100*.json, per_step), 14.3 s
-on an H200 (2026-11-28-compile-full-cold-*), 11.9 s for the 7B shape on an H200
-(2026-11-28-grpo-step-7b-full-compiled-*H200.json). A run of shapes compiled before pays what
-`compile_costs` measured instead."""
-LORA_COMPILE_SECONDS = 90.0
-"""The same under LoRA, whose adapters' products and dropout compile into more kernels: 81 s and
-91 s on the 0.5B and 7B shapes on an H100 (2026-11-28-grpo-step-{standard,7b}-lora-compiled-*H100*
-.json, per_step), 78 s for 0.5B on an H200 (2026-11-28-compile-lora-cold-*)."""
+parameter or LoRA adapters alike (the layers' floats traced as constants, `compiling`): the first
+compiled step's update took 10.9 and 13.1 s more than the next ones for the 0.5B shape on an H200
+(2026-11-28-compile-20-steps-cold{-first,}-*), 14.6 s under LoRA
+(2026-11-28-compile-lora-cold-constant-floats-*) and 15.2 s for the 7B shape under LoRA
+(2026-11-28-compile-7b-lora-cold-constant-floats-*), where tracing every float as an input first
+had cost LoRA 78-91 s. A run of shapes compiled before pays what `compile_costs` measured
+instead."""
 
 Source = Literal["user", "plan", "default"]
 
@@ -235,15 +233,15 @@ def _sources(user: UserSettings, unset: Source) -> dict[str, Source]:
 
 
 def compile_skipped(
-    steps: int, eager_update_s: float, compiled_update_s: float, lora: bool = False, cost: float | None = None
+    steps: int, eager_update_s: float, compiled_update_s: float, cost: float | None = None
 ) -> str | None:
     """Why a run of `steps` steps should not compile when the plan would (what it saves is less
     than compiling costs: `cost` where an earlier run of the same shapes measured it
-    (`compile_costs.expected_seconds`), else COMPILE_SECONDS, LORA_COMPILE_SECONDS under `lora`),
-    as a log line; None when compiling pays."""
+    (`compile_costs.expected_seconds`), else COMPILE_SECONDS), as a log line; None when compiling
+    pays."""
     paid = "as earlier runs of these shapes paid" if cost is not None else "with Inductor's caches empty"
     if cost is None:
-        cost = LORA_COMPILE_SECONDS if lora else COMPILE_SECONDS
+        cost = COMPILE_SECONDS
     saved = steps * (eager_update_s - compiled_update_s)
     if saved > cost:
         return None

@@ -2,8 +2,9 @@
 
 A compiled run's first step pays for Dynamo's trace, AOTAutograd and Inductor. With an earlier
 run's artifacts of the same shapes in Inductor's caches (`compiling`) it pays less: on an H200 the
-standard 0.5B update's first compiled step took 14.3 s more than the next ones with empty caches
-and 6.1 s in a second run (benchmarks/results/2026-11-28-compile-*). The file `costs_path` keeps,
+standard 0.5B update's first compiled step took 13.1 s more than the next ones with empty caches
+and 2.7 s in a second run (benchmarks/results/2026-11-28-compile-20-steps-{cold,warm}-*), most of
+it Dynamo tracing a layer anew, which no cache holds. The file `costs_path` keeps,
 per shape (a key the caller makes of what the compiled graphs depend on), what the first run paid
 and what the latest run that found the artifacts paid; the choice of `torch_compile` counts what
 this run will pay (`expected_seconds`) instead of the empty-cache figure, and a compiled run
@@ -21,9 +22,11 @@ from pathlib import Path
 
 logger = logging.getLogger("grpoflow.policy.compile_costs")
 
-CACHED_SHARE = 6.1 / 14.3
+CACHED_SHARE = 0.2
 """What a run of shapes compiled before pays, as a share of what the first run paid, until such a
-run has been measured: the standard 0.5B update on an H200."""
+run has been measured: on an H200, 2.73 of 13.12 s for the standard 0.5B update, 2.56 of 14.6 s
+for it under LoRA, 3.44 of 15.23 s for the 7B shape under LoRA (2026-11-28-compile-*-{cold,warm}
+and the runs' compile_seconds.json)."""
 
 
 def grpoflow_cache_dir(environ: MutableMapping[str, str] = os.environ) -> Path:

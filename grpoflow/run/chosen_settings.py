@@ -189,8 +189,7 @@ def choose_speed(config: GRPOConfig, device: DeviceFacts, shared_prompts: bool =
         eager = predicted_step(applied(config, uncompiled), gpu)
         compiled = predicted_step(applied(config, chosen), gpu).update
         cost = expected_seconds(compile_shape(config, chosen, gpu.name))
-        lora = config.adapter.train_type == "lora"
-        skipped = compile_skipped(steps, eager.update, compiled, lora=lora, cost=cost)
+        skipped = compile_skipped(steps, eager.update, compiled, cost=cost)
         if skipped:
             logger.info("%s", skipped)
             return dataclasses.replace(chosen, torch_compile=False)
