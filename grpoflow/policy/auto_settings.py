@@ -106,6 +106,9 @@ class ChosenSettings:
     shared_prompts: bool = False
     """Each group's prompt runs through the update once (`run.chosen_settings.shared_prompts_choice`;
     until it has chosen, as given)."""
+    fsdp_layout: dict[str, bool] = field(default_factory=dict)
+    """The FSDP layout options a sharded run left unset, as chosen (`run.plan_check.choose_fsdp_layout`,
+    before sleep_level); empty: none chosen."""
 
     def values(self) -> dict[str, object]:
         """The settings by option name."""
@@ -116,6 +119,7 @@ class ChosenSettings:
             "max_tokens_per_micro_batch": self.max_tokens_per_micro_batch,
             "use_liger_kernel": self.use_liger_kernel,
             "shared_prompts": self.shared_prompts,
+            **self.fsdp_layout,
         }
         return values if self.sleep_level is None else {**values, "sleep_level": self.sleep_level}
 

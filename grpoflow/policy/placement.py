@@ -65,17 +65,19 @@ class PlacementConfig:
     fsdp_offload_params: bool = False
     """Under fsdp: keep the sharded parameters, gradients and optimizer state on the CPU (the
     optimizer steps there); each unit comes to the GPU for its forward and backward."""
-    fsdp_reshard_after_forward: bool = True
+    fsdp_reshard_after_forward: bool | None = None
     """Under fsdp: free each decoder layer's gathered weights after its forward pass and gather
     them again for the backward pass (least memory); false: keep them from the rollout's gather (or
     the first forward pass) to the optimizer step's last backward pass, no all-gather in the
     update rather than two per micro-batch, for the full weights' memory during the update
-    (FSDP2's reshard_after_forward, accelerate's fsdp_reshard_after_forward)."""
-    fsdp_reduce_every_micro_batch: bool = True
+    (FSDP2's reshard_after_forward, accelerate's fsdp_reshard_after_forward). Unset: false where
+    the memory plan fits it (`run.plan_check.choose_fsdp_layout`), else true."""
+    fsdp_reduce_every_micro_batch: bool | None = None
     """Under fsdp: reduce-scatter the gradients after every micro-batch's backward pass (each rank
     holds only its shard of them); false: once per optimizer step, after its last micro-batch,
     each rank accumulating the full gradients until then (in float32 under mixed precision: 4
-    bytes per trained parameter more memory, a micro-batch count fewer reductions)."""
+    bytes per trained parameter more memory, a micro-batch count fewer reductions). Unset: as
+    fsdp_reshard_after_forward."""
     fsdp_mixed_precision: MixedPrecision = "auto"
     """Under fsdp: bf16 gathers float32 weights in bfloat16 for forward and backward and reduces
     gradients in float32 (sharded weights and optimizer state keep their dtype); auto is bf16 on
@@ -472,8 +474,8 @@ def place_models(
             model,
             device,
             **options,
-            reduce_every_micro_batch=config.fsdp_reduce_every_micro_batch,
-            reshard_after_forward=config.fsdp_reshard_after_forward,
+            reduce_every_micro_batch=config.fsdp_reduce_every_micro_batch is not False,  # unset: true
+            reshard_after_forward=config.fsdp_reshard_after_forward is not False,
             expert_parallel=config.expert_model_parallel_size > 1,
         )
         if ref_model is None:

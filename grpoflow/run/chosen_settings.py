@@ -32,6 +32,7 @@ from grpoflow.policy.loading import resolve_device
 from grpoflow.policy.step_time import GpuSpec, StepTime, UpdatePasses, Workload, known_gpu, predict_step
 from grpoflow.run.config import GRPOConfig
 from grpoflow.run.plan_check import (
+    choose_fsdp_layout,
     choose_sleep_level,
     completions_held,
     fsdp_ranks,
@@ -246,11 +247,22 @@ def applied(config: GRPOConfig, chosen: ChosenSettings) -> GRPOConfig:
 
 
 def choose_for_run(config: GRPOConfig, facts: DeviceFacts | None = None) -> tuple[GRPOConfig, ChosenSettings]:
-    """The config a run trains with and its chosen settings, whether the engine keeps its cache
-    through the update (`sleep_level`) last: it depends on the others. `facts`: the device to
-    choose for (None: the run's own, `device_facts`)."""
+    """The config a run trains with and its chosen settings: then an FSDP run's layout from the
+    room they leave, and whether the engine keeps its cache through the update (`sleep_level`)
+    last, as it depends on the others. `facts`: the device to choose for (None: the run's own,
+    `device_facts`)."""
     chosen = choose(config, facts or device_facts(config))
     config = applied(config, chosen)
+    layout = choose_fsdp_layout(config)
+    if layout is not None:
+        placement = dataclasses.replace(config.placement, **layout.values)
+        config = dataclasses.replace(config, placement=placement)
+        chosen = dataclasses.replace(
+            chosen,
+            fsdp_layout=layout.values,
+            sources={**chosen.sources, **dict.fromkeys(layout.values, layout.source)},
+            reasons={**chosen.reasons, **dict.fromkeys(layout.values, layout.reason)},
+        )
     sleep = choose_sleep_level(config)
     chosen = dataclasses.replace(
         chosen,

@@ -134,7 +134,7 @@ def plan_settings(
         offload_model=config.placement.offload_model,
         offload_optimizer=config.placement.offload_optimizer,
         fsdp_world_size=fsdp_ranks(config),
-        fsdp_reshard_after_forward=config.placement.fsdp_reshard_after_forward,
+        fsdp_reshard_after_forward=config.placement.fsdp_reshard_after_forward is not False,  # unset: true
         expert_parallel=config.placement.expert_model_parallel_size > 1,
         accumulated_gradient_bytes=_accumulated_gradient_bytes(config, dtype_bytes),
         optimizer_temporaries=config.training.optim == "adamw_torch",
@@ -363,7 +363,7 @@ def _accumulated_gradient_bytes(config, dtype_bytes: int) -> int:
     once per optimizer step: FSDP accumulates them in the reduce dtype (float32 unless
     fsdp_mixed_precision is no: then the trained parameters' dtype)."""
     layout = config.placement
-    if layout.fsdp_reduce_every_micro_batch or fsdp_ranks(config) == 1:
+    if layout.fsdp_reduce_every_micro_batch is not False or fsdp_ranks(config) == 1:
         return 0
     if layout.fsdp_mixed_precision != "no" or config.adapter.train_type == "lora":
         return 4
@@ -379,28 +379,66 @@ FASTER_FSDP = {"fsdp_reshard_after_forward": False, "fsdp_reduce_every_micro_bat
 """FSDP options that trade memory for fewer collectives per micro-batch (README, Multi-GPU)."""
 
 
+@dataclass(frozen=True, slots=True)
+class LayoutChoice:
+    """The FSDP layout options a run left unset, as chosen (`choose_fsdp_layout`), and why."""
+
+    values: dict[str, bool]
+    source: Literal["plan", "default"]
+    reason: str
+
+
+def choose_fsdp_layout(config) -> LayoutChoice | None:
+    """FASTER_FSDP's options a run over several FSDP ranks left unset: false (no all-gather in the
+    update, one reduce-scatter a step) where the plan's peak with them leaves MARGIN of the GPU
+    free, trying both, then each alone (keeping the weights gathered first); else true (least
+    memory), as where nothing is planned. None where none is unset or nothing is sharded."""
+    unset = [name for name in FASTER_FSDP if getattr(config.placement, name) is None]
+    if not unset or fsdp_ranks(config) == 1:
+        return None
+    lean = dict.fromkeys(unset, True)
+    capacity = gpu_capacity(config)
+    if capacity is None or config.plan.memory_check == "off":
+        return LayoutChoice(lean, "default", "no GPU plan: the layout of least memory")
+    budget = (1 - MARGIN) * capacity
+    tried = [unset, *([name] for name in unset)] if len(unset) > 1 else [unset]
+    peaks = [
+        run_plan(_with_layout(config, {**lean, **dict.fromkeys(faster, False)}), capacity)[0].peak
+        for faster in tried
+    ]
+    fastest = f"the faster layout's peak {peaks[0] / GIB:.1f} GiB"
+    for faster, peak in zip(tried, peaks, strict=True):
+        if peak <= budget:
+            beside = "" if faster == unset else f" ({fastest} would not)"
+            reason = f"fewer collectives, peak {peak / GIB:.1f} GiB within {budget / GIB:.1f}{beside}"
+            return LayoutChoice({**lean, **dict.fromkeys(faster, False)}, "plan", reason)
+    return LayoutChoice(lean, "plan", f"{fastest} exceeds {budget / GIB:.1f} GiB")
+
+
+def _with_layout(config, values: dict[str, bool]):
+    return dataclasses.replace(config, placement=dataclasses.replace(config.placement, **values))
+
+
 def faster_fsdp_layout(config, capacity: int) -> str | None:
-    """Under FSDP over several ranks, the options of the faster layout the run leaves unset when
-    the plan says their memory fits (the update's peak within UNCERTAIN_SHARE of the GPU), as a
-    line to log; else None. bf16 weights trained in full also reduce in bf16
-    (fsdp_mixed_precision no)."""
+    """Under FSDP over several ranks, the options of the faster layout the run set otherwise (a
+    setting given; bf16 weights trained in full also reduce in bf16 with fsdp_mixed_precision no,
+    which is never chosen for the user) when the plan with them leaves MARGIN of the GPU free, as a
+    line to log; else None."""
     layout = config.placement
     if fsdp_ranks(config) == 1:
         return None
     wanted = dict(FASTER_FSDP)
     if config.adapter.train_type == "full" and model_shape(config, on_gpu=True).dtype_bytes == 2:
         wanted["fsdp_mixed_precision"] = "no"
-    missing = {key: value for key, value in wanted.items() if getattr(layout, key) != value}
+    missing = {key: value for key, value in wanted.items() if getattr(layout, key) not in (value, None)}
     if not missing:
         return None
-    faster = dataclasses.replace(config, placement=dataclasses.replace(layout, **missing))
-    plan, _ = run_plan(faster, capacity)
-    update = sum(plan.update.values())
-    if not plan.fits or update > UNCERTAIN_SHARE * capacity:
+    plan, _ = run_plan(_with_layout(config, missing), capacity)
+    if plan.peak > (1 - MARGIN) * capacity:
         return None
     options = ", ".join(f"{key}: {str(value).lower()}" for key, value in missing.items())
     return (
-        f"the memory plan leaves room for a faster FSDP layout: {options} (predicted update peak "
-        f"{update / GIB:.2f} GiB of {capacity / GIB:.2f}; one all-gather per micro-batch instead of "
-        f"two and one reduce-scatter per step: a 7B step over 2 H100s scaled 90.6% against 83.5%)"
+        f"the memory plan leaves room for a faster FSDP layout: {options} (predicted peak "
+        f"{plan.peak / GIB:.2f} GiB of {capacity / GIB:.2f}; fewer or smaller collectives: a 7B step "
+        f"over 2 H100s scaled 90.6% with the three against 83.5% with none)"
     )

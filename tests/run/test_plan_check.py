@@ -140,32 +140,70 @@ def test_the_native_engine_leaves_room_for_its_fused_copies_under_fsdp(tmp_path,
     )
 
 
-def test_fsdp_runs_hear_of_the_faster_layout_only_when_its_memory_fits(tmp_path, monkeypatch, caplog):
+FSDP_7B = {
+    "model": "random:qwen2.5-7b",
+    "fsdp": True,
+    "torch_dtype": "bfloat16",
+    "gradient_checkpointing": True,
+}
+LAYOUT = ("fsdp_reshard_after_forward", "fsdp_reduce_every_micro_batch")
+
+
+def test_an_fsdp_runs_layout_left_unset_is_chosen_from_the_room_the_plan_leaves(tmp_path, monkeypatch):
+    from grpoflow.run.chosen_settings import choose_for_run
+    from grpoflow.run.plan_check import choose_fsdp_layout
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def layout(name, **options):
+        config = recipe(tmp_path / name, **FSDP_7B, per_device_train_batch_size=16, **options)
+        return choose_fsdp_layout(config)
+
+    # 140 GiB: both faster; 80: the full float32 gradients do not fit beside the gathered weights
+    roomy, h100 = layout("roomy", gpu_memory_gib=140), layout("h100", gpu_memory_gib=80)
+    assert roomy.values == dict.fromkeys(LAYOUT, False) and roomy.source == "plan"
+    assert h100.values == {LAYOUT[0]: False, LAYOUT[1]: True} and "would not" in h100.reason
+    tight = layout("tight", gpu_memory_gib=45)
+    assert tight.values == dict.fromkeys(LAYOUT, True) and "exceeds 36.0 GiB" in tight.reason
+    unplanned = layout("off", gpu_memory_gib=140, memory_check="off")
+    assert unplanned.values == dict.fromkeys(LAYOUT, True) and unplanned.source == "default"
+    given = layout("given", gpu_memory_gib=140, fsdp_reshard_after_forward=True)
+    assert given.values == {LAYOUT[1]: False}  # the setting given is kept, the other chosen
+    assert layout("both", gpu_memory_gib=140, **dict.fromkeys(LAYOUT, True)) is None
+    config, chosen = choose_for_run(recipe(tmp_path / "run", **FSDP_7B, gpu_memory_gib=140))
+    assert config.placement.fsdp_reshard_after_forward is False
+    assert chosen.record()[LAYOUT[1]]["source"] == "plan"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert layout("single", gpu_memory_gib=140) is None
+    assert choose_for_run(recipe(tmp_path / "one", **FSDP_7B, gpu_memory_gib=140))[1].fsdp_layout == {}
+
+
+def test_fsdp_runs_hear_of_a_faster_layout_they_set_otherwise_when_its_memory_fits(
+    tmp_path, monkeypatch, caplog
+):
     from grpoflow.run.plan_check import faster_fsdp_layout
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    base = {
-        "model": "random:qwen2.5-7b",
-        "fsdp": True,
-        "torch_dtype": "bfloat16",
-        "gradient_checkpointing": True,
-    }
-    config = recipe(tmp_path / "a", **base, per_device_train_batch_size=16, max_completion_length=256)
-    hint = faster_fsdp_layout(config, 80 * 2**30)
+    slower = dict.fromkeys(LAYOUT, True)
+    config = recipe(tmp_path / "a", **FSDP_7B, **slower, per_device_train_batch_size=16)
+    hint = faster_fsdp_layout(config, 120 * 2**30)
     assert "fsdp_reshard_after_forward: false" in hint and "fsdp_reduce_every_micro_batch: false" in hint
     assert "fsdp_mixed_precision: no" in hint  # bf16 weights trained in full reduce in bf16
     with caplog.at_level("INFO", logger="grpoflow"):
-        check_plan(recipe(tmp_path / "b", **base, gpu_memory_gib=80, per_device_train_batch_size=16))
+        check_plan(
+            recipe(tmp_path / "b", **FSDP_7B, **slower, gpu_memory_gib=120, per_device_train_batch_size=16)
+        )
     assert "faster FSDP layout" in caplog.text
-    # Already set, or no room for the full weights and gradients on every rank: nothing to say.
-    chosen = {"fsdp_reshard_after_forward": False, "fsdp_reduce_every_micro_batch": False}
-    set_already = recipe(tmp_path / "c", **base, **chosen, fsdp_mixed_precision="no")
-    assert faster_fsdp_layout(set_already, 80 * 2**30) is None
+    # Left unset (the plan chooses them), already set, or no room: only what is left to say.
+    unset = recipe(tmp_path / "c", **FSDP_7B, per_device_train_batch_size=16)
+    assert "fsdp_mixed_precision: no (" in faster_fsdp_layout(unset, 120 * 2**30)
+    set_already = recipe(tmp_path / "d", **FSDP_7B, **dict.fromkeys(LAYOUT, False), fsdp_mixed_precision="no")
+    assert faster_fsdp_layout(set_already, 120 * 2**30) is None
     assert faster_fsdp_layout(config, 40 * 2**30) is None
-    lora = recipe(tmp_path / "d", **base, train_type="lora")
-    assert "fsdp_mixed_precision" not in faster_fsdp_layout(lora, 80 * 2**30)
+    lora = recipe(tmp_path / "e", **FSDP_7B, **slower, train_type="lora")
+    assert "fsdp_mixed_precision" not in faster_fsdp_layout(lora, 120 * 2**30)
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert faster_fsdp_layout(config, 80 * 2**30) is None
+    assert faster_fsdp_layout(config, 120 * 2**30) is None
 
 
 def test_a_cache_too_small_for_the_step_is_named_with_its_fix(tmp_path, caplog):
