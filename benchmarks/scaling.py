@@ -170,6 +170,8 @@ def as_run(config: dict, chosen: dict) -> dict:
         "shared_prompts",
         "use_liger_kernel",
         "sleep_level",
+        "fsdp_reshard_after_forward",
+        "fsdp_reduce_every_micro_batch",
     )
     settled = {**config, **{key: chosen[key] for key in planned if chosen.get(key) is not None}}
     settled["gradient_accumulation_steps"] = completions // settled.get(
