@@ -54,6 +54,9 @@ def test_the_peak_is_planned_at_the_chosen_micro_batch_for_the_same_generation_b
     settled = scaling.as_run(config, CHOSEN)
     assert (settled["per_device_train_batch_size"], settled["gradient_accumulation_steps"]) == (32, 4)
     assert settled["sleep_level"] == 1 and "num_kv_blocks" not in settled  # the engine's, not the config's
+    unset = {key: value for key, value in config.items() if not key.startswith("fsdp_re")}
+    layout = {"fsdp_reshard_after_forward": False, "fsdp_reduce_every_micro_batch": False}
+    assert scaling.as_run(unset, {**CHOSEN, **layout}).items() >= layout.items()  # chosen under --defaults
     loaded = load_config(None, settled)
     assert loaded.generation_batch_size == load_config(None, config).generation_batch_size == 128
     capacity = 140 * 2**30
