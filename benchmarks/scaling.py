@@ -7,12 +7,12 @@
     python benchmarks/scaling.py --model qwen2.5-7b --strong --prompts 64 --micro-batch 16 \
         --variants 1gpu,4gpu-fsdp+keep-gathered+reduce-per-step     # 64 x 8 a step on 1 and on 4 GPUs
     python benchmarks/scaling.py --model qwen2.5-7b --strong --prompts 64 --defaults \
-        --variants 1gpu,4gpu-fsdp+keep-gathered+reduce-per-step     # the same, as grpoflow train chooses
+        --variants 1gpu,4gpu-fsdp     # the same, as grpoflow train chooses (the FSDP layout too)
 
 The standard workload of benchmarks/grpo_step.py per GPU (a random Qwen2-0.5B-shaped model in bf16,
 `--prompts` (64) prompts x 8 generations, prompt 128 tokens, 256 new tokens, beta 0, native engine,
-gradient checkpointing; under `--defaults` the micro-batch, checkpointing and compile each
-variant's plan chooses, as `grpoflow train` does), so 2 GPUs generate and train on twice the
+gradient checkpointing; under `--defaults` the micro-batch, checkpointing, compile and FSDP layout
+each variant's plan chooses, as `grpoflow train` does), so 2 GPUs generate and train on twice the
 batch of 1 (weak scaling); with `--strong`, `--prompts` is the step's whole batch, split over
 each variant's GPUs.
 `--model qwen2.5-7b` trains a random Qwen2.5-7B-shaped model in full (bf16 weights, gradients and
