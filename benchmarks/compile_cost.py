@@ -19,7 +19,6 @@ call's seconds, the graphs Dynamo traced, AOTAutograd's cache hits and two of Dy
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -28,7 +27,8 @@ import tempfile
 import time
 
 import torch
-from report_file import write_report
+from report_file import save_result
+from rollout import synchronize
 
 PHASES = ("bytecode_tracing", "OutputGraph.call_user_compiler", "_compile.compile_inner")
 
@@ -91,11 +91,6 @@ def timed_calls(args: argparse.Namespace) -> dict:
     }
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_twice(argv: list[str]) -> list[dict]:
     """Two runs in fresh processes with one new cache directory: caches empty, then warm."""
     runs = []
@@ -140,13 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     runs = run_twice(argv)
     print(table(runs))
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    date = datetime.date.today().isoformat()
     kind = f"compile-cost-{args.preset}{f'-lora{args.lora}' if args.lora else ''}"
-    name = f"{date}-{kind}{f'-{args.tag}' if args.tag else ''}-{device.replace(' ', '_')}.json"
-    report = {"date": date, "device": device, "torch": torch.__version__, "args": vars(args), "runs": runs}
-    for path in write_report(report, name, args.out):
-        print(f"wrote {path}")
-    return report
+    return save_result(kind, args.tag, device, args.out, args=vars(args), runs=runs)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,13 @@ get faster (1.360 against 1.361 s for 16 prompts x 8).
 from __future__ import annotations
 
 import argparse
-import datetime
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from batch_invariance import timed
-from report_file import write_report
+from report_file import save_result
 
 from grpoflow.policy.step_time import GpuSpec, known_gpu
 
@@ -144,21 +143,12 @@ def decode_arguments(doc: str, shapes: dict) -> argparse.Namespace:
     return parser.parse_args()
 
 
-def save_result(kind: str, tag: str, **results) -> None:
-    """`results` with the date, GPU and torch version, as benchmarks/results/DATE-KIND[-TAG]-GPU.json."""
-    date, device = datetime.date.today().isoformat(), torch.cuda.get_device_name()
-    record = {"date": date, "device": device, "torch": torch.__version__, **results}
-    name = f"{date}-{kind}{f'-{tag}' if tag else ''}-{device.replace(' ', '_')}.json"
-    for path in write_report(record, name, None):
-        print(f"wrote {path}")
-
-
 def main() -> None:
     args = decode_arguments(__doc__, SHAPES)
     header = "".join(f"{f'{lib} {layout}':>15}" for layout in ("out-in", "in-out") for lib in LIBRARIES)
     print(f"{'model':<11}{'rows':>5} {'product':<8}{header}  {'TB/s':>6}{'TF/s':>7}   (us per product)")
     blocks = [measure(model, rows, args.repeats) for model in args.models for rows in args.rows]
-    save_result("decode-blas", args.tag, blocks=blocks)
+    save_result("decode-blas", args.tag, torch.cuda.get_device_name(), blocks=blocks)
 
 
 if __name__ == "__main__":

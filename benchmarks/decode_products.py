@@ -20,8 +20,9 @@ import fused_products as kernels
 import torch
 import torch.nn.functional as F
 from batch_invariance import timed
-from decode_blas import decode_arguments, save_result
+from decode_blas import decode_arguments
 from fused_products import Tiles
+from report_file import save_result
 
 from grpoflow.kernels.decoder import TritonOps
 
@@ -170,7 +171,7 @@ def main() -> None:
             f"{row['fused_us']:>10.2f}{row['best_us']:>10.2f}  {str(tuple(row['best_tiles'])):<24}"
             f"{row['relative_error']:>9.1e}"
         )
-    save_result("decode-products", args.tag, rows=rows)
+    save_result("decode-products", args.tag, torch.cuda.get_device_name(), rows=rows)
 
 
 if __name__ == "__main__":

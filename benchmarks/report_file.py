@@ -3,6 +3,7 @@ $OUT when that is set (a device run's files come back from there)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from pathlib import Path
@@ -19,3 +20,16 @@ def write_report(report: dict, name: str, output: str | None) -> list[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=2))
     return paths
+
+
+def save_result(kind: str, tag: str, device: str, output: str | None = None, **results) -> dict:
+    """`results` with the date, `device` and torch's version, as RESULTS/DATE-KIND[-TAG]-DEVICE.json
+    (or `output`), each path written printed; the report."""
+    import torch
+
+    date = datetime.date.today().isoformat()
+    report = {"date": date, "device": device, "torch": torch.__version__, **results}
+    name = f"{date}-{kind}{f'-{tag}' if tag else ''}-{device.replace(' ', '_')}.json"
+    for path in write_report(report, name, output):
+        print(f"wrote {path}")
+    return report
