@@ -41,6 +41,7 @@ from grpoflow.run.plan_check import (
     model_config,
     model_shape,
     plan_settings,
+    with_layout,
 )
 
 logger = logging.getLogger("grpoflow")
@@ -255,8 +256,7 @@ def choose_for_run(config: GRPOConfig, facts: DeviceFacts | None = None) -> tupl
     config = applied(config, chosen)
     layout = choose_fsdp_layout(config)
     if layout is not None:
-        placement = dataclasses.replace(config.placement, **layout.values)
-        config = dataclasses.replace(config, placement=placement)
+        config = with_layout(config, layout.values)
         chosen = dataclasses.replace(
             chosen,
             fsdp_layout=layout.values,

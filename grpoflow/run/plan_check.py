@@ -402,20 +402,20 @@ def choose_fsdp_layout(config) -> LayoutChoice | None:
         return LayoutChoice(lean, "default", "no GPU plan: the layout of least memory")
     budget = (1 - MARGIN) * capacity
     tried = [unset, *([name] for name in unset)] if len(unset) > 1 else [unset]
-    peaks = [
-        run_plan(_with_layout(config, {**lean, **dict.fromkeys(faster, False)}), capacity)[0].peak
-        for faster in tried
-    ]
-    fastest = f"the faster layout's peak {peaks[0] / GIB:.1f} GiB"
-    for faster, peak in zip(tried, peaks, strict=True):
+    fastest = None
+    for faster in tried:
+        values = {**lean, **dict.fromkeys(faster, False)}
+        peak = run_plan(with_layout(config, values), capacity)[0].peak
+        fastest = fastest or f"the faster layout's peak {peak / GIB:.1f} GiB"
         if peak <= budget:
             beside = "" if faster == unset else f" ({fastest} would not)"
             reason = f"fewer collectives, peak {peak / GIB:.1f} GiB within {budget / GIB:.1f}{beside}"
-            return LayoutChoice({**lean, **dict.fromkeys(faster, False)}, "plan", reason)
+            return LayoutChoice(values, "plan", reason)
     return LayoutChoice(lean, "plan", f"{fastest} exceeds {budget / GIB:.1f} GiB")
 
 
-def _with_layout(config, values: dict[str, bool]):
+def with_layout(config, values: dict[str, object]):
+    """`config` with these placement options."""
     return dataclasses.replace(config, placement=dataclasses.replace(config.placement, **values))
 
 
@@ -433,7 +433,7 @@ def faster_fsdp_layout(config, capacity: int) -> str | None:
     missing = {key: value for key, value in wanted.items() if getattr(layout, key) not in (value, None)}
     if not missing:
         return None
-    plan, _ = run_plan(_with_layout(config, missing), capacity)
+    plan, _ = run_plan(with_layout(config, missing), capacity)
     if plan.peak > (1 - MARGIN) * capacity:
         return None
     options = ", ".join(f"{key}: {str(value).lower()}" for key, value in missing.items())
