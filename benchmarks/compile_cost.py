@@ -28,7 +28,6 @@ import time
 
 import torch
 from report_file import save_result
-from rollout import synchronize
 
 PHASES = ("bytecode_tracing", "OutputGraph.call_user_compiler", "_compile.compile_inner")
 
@@ -89,6 +88,11 @@ def timed_calls(args: argparse.Namespace) -> dict:
         "aot_autograd": dict(counters["aot_autograd"]),
         "phases": phases,
     }
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def run_twice(argv: list[str]) -> list[dict]:
