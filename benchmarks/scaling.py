@@ -78,6 +78,7 @@ OPTIONS: dict[str, dict] = {
 ENVIRONMENTS: dict[str, dict[str, str]] = {
     "nccl-simple": {"NCCL_PROTO": "Simple"},
     "expandable-segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "nccl-high-priority": {"TORCH_NCCL_HIGH_PRIORITY": "1"},
 }
 """Options that set the processes' environment rather than the config."""
 DEFAULT_VARIANTS = "1gpu,2gpu-ddp,2gpu-fsdp,1gpu+lora,1gpu+offload-optimizer,1gpu+kl,1gpu+kl+offload-model"

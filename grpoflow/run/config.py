@@ -31,7 +31,7 @@ from grpoflow.learn.update import ImportanceCorrection, UpdateSettings, replayed
 from grpoflow.options import require, require_min
 from grpoflow.policy.loading import PolicyConfig
 from grpoflow.policy.lora import AdapterConfig
-from grpoflow.policy.placement import PlacementConfig
+from grpoflow.policy.placement_config import PlacementConfig
 from grpoflow.remote.engine import RemoteConfig
 from grpoflow.rewards.params import RewardConfig
 from grpoflow.run.config_rules import SpanningRules

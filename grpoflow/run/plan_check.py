@@ -134,7 +134,7 @@ def plan_settings(
         offload_model=config.placement.offload_model,
         offload_optimizer=config.placement.offload_optimizer,
         fsdp_world_size=fsdp_ranks(config),
-        fsdp_reshard_after_forward=config.placement.fsdp_reshard_after_forward is not False,  # unset: true
+        fsdp_reshard_after_forward=config.placement.reshards_after_forward,
         expert_parallel=config.placement.expert_model_parallel_size > 1,
         accumulated_gradient_bytes=_accumulated_gradient_bytes(config, dtype_bytes),
         optimizer_temporaries=config.training.optim == "adamw_torch",
@@ -363,7 +363,7 @@ def _accumulated_gradient_bytes(config, dtype_bytes: int) -> int:
     once per optimizer step: FSDP accumulates them in the reduce dtype (float32 unless
     fsdp_mixed_precision is no: then the trained parameters' dtype)."""
     layout = config.placement
-    if layout.fsdp_reduce_every_micro_batch is not False or fsdp_ranks(config) == 1:
+    if layout.reduces_every_micro_batch or fsdp_ranks(config) == 1:
         return 0
     if layout.fsdp_mixed_precision != "no" or config.adapter.train_type == "lora":
         return 4

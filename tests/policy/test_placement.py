@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -21,13 +20,12 @@ from helpers.support import (
     write_config,
 )
 
-from grpoflow import options
 from grpoflow.engines import EngineCapabilities
 from grpoflow.policy import placement
 from grpoflow.policy.offload import CPU, OptimizerOffload, module_offloaded
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
 from grpoflow.run.build import build_trainer, run
-from grpoflow.run.config import GRPOConfig, load_config
+from grpoflow.run.config import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -235,23 +233,6 @@ def test_a_replicated_placement_runs_forward_passes_plainly_and_moves_only_an_of
     assert all(a != b for a, b in zip(inside, pointers))  # brought to its device as a copy
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, original[name]), name
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        ({"fsdp_offload_params": True}, "fsdp_offload_params needs fsdp=true"),
-        ({"fsdp": True, "offload_model": True}, "offload_model moves a replicated model"),
-        ({"fsdp": True, "offload_optimizer": True}, "use fsdp_offload_params=true"),
-        ({"fsdp": True, "fsdp_mixed_precision": "fp8"}, "fsdp_mixed_precision must be one of"),
-    ],
-)
-def test_a_placement_config_refuses_impossible_layouts(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        placement.PlacementConfig(**overrides)
-    fields = {field.name for field in dataclasses.fields(placement.PlacementConfig)}
-    owners = options.flat_fields(GRPOConfig)
-    assert all(owners[name].path == ("placement", name) for name in fields)
 
 
 def test_fsdp_needs_a_list_of_decoder_layers():
