@@ -27,6 +27,7 @@ import tempfile
 import time
 
 import torch
+from gpu_clock import synchronize
 from report_file import save_result
 
 PHASES = ("bytecode_tracing", "OutputGraph.call_user_compiler", "_compile.compile_inner")
@@ -88,11 +89,6 @@ def timed_calls(args: argparse.Namespace) -> dict:
         "aot_autograd": dict(counters["aot_autograd"]),
         "phases": phases,
     }
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_twice(argv: list[str]) -> list[dict]:

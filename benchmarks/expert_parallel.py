@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
+from gpu_clock import synchronize as wait_for
 from report_file import write_report
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
@@ -144,8 +145,7 @@ def measure(args, mode: str, device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    wait_for(device)
     torch_dist.barrier()
 
 

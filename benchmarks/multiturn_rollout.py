@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gpu_clock import synchronize
 
 from grpoflow.engines.base import SamplingParams
 from grpoflow.engines.native import NativeEngine, NativeEngineConfig
@@ -69,11 +70,6 @@ def build_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
         for _ in range(episodes)
     ]
     return Workload(prompts, environment, args.samples, args.turn_tokens, args.seed)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def play(engine: NativeEngine, workload: Workload, num_turns: int, device: torch.device) -> dict:

@@ -37,6 +37,7 @@ from grpoflow.engines.native import NativeEngine, NativeEngineConfig
 from grpoflow.policy.tiny import build_preset_model
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_clock import synchronize  # noqa: E402
 from step_report import active_parameters, matmul_tflops  # noqa: E402
 
 
@@ -104,11 +105,6 @@ def copy_bandwidth(device: torch.device) -> float:
     torch.cuda.synchronize()
     seconds = start.elapsed_time(end) / 1000 / 20
     return 2 * source.numel() * source.element_size() / seconds
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def run_native(engine: NativeEngine, workload: Workload, device: torch.device, repeats: int) -> dict:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_clock import synchronize
 
 from grpoflow.policy.placement import Placement
 from grpoflow.policy.tiny import build_char_tokenizer, build_preset_model
@@ -46,11 +47,6 @@ def start_server(args: argparse.Namespace, log_dir: Path) -> RolloutServers:
         "--max-num-seqs", "16", "--gpu-memory-utilization", "0.5",
     ]  # fmt: skip
     return RolloutServers(flags, [args.server_gpu if args.device == "cuda" else None], log_dir)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_transport(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import scaling  # noqa: E402
 
@@ -80,3 +82,12 @@ def test_a_kept_cache_is_planned_into_the_update(tmp_path, monkeypatch):
     assert blocks == 256 * 12 and plan.peak_phase == "update" and plan.update["kv_cache"] > blocks * PER_BLOCK
     as_run = plan.peak + (6144 - blocks) * PER_BLOCK
     assert 95.5 < as_run / 2**30 < 95.5 * 1.1
+
+
+def test_a_variant_joins_config_options_and_environments_and_names_what_is_unknown():
+    nproc, keys, env = scaling.parse_variant("4gpu-fsdp+keep-gathered+nccl-high-priority+nccl-simple")
+    assert nproc == 4
+    assert keys == {"fsdp": True, "fsdp_reshard_after_forward": False}
+    assert env == {"TORCH_NCCL_HIGH_PRIORITY": "1", "NCCL_PROTO": "Simple"}
+    with pytest.raises(SystemExit, match=r"unknown variant '4gpu-fsdp\+high-priority'.*nccl-high-priority"):
+        scaling.parse_variant("4gpu-fsdp+high-priority")
