@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from grpoflow.policy.background_compile import CompiledBeside
 from grpoflow.policy.compile_costs import grpoflow_cache_dir
 
 logger = logging.getLogger("grpoflow.policy.compiling")
@@ -98,12 +99,16 @@ def persist_inductor_caches(
     return ours
 
 
-def compile_layers(model: torch.nn.Module, *, fallback: bool = False, backend: str = "inductor") -> bool:
+def compile_layers(
+    model: torch.nn.Module, *, fallback: bool = False, backend: str = "inductor", beside: bool = False
+) -> bool:
     """torch.compile every decoder layer in place (dynamic shapes: micro-batches vary in size and
     length); whether it did. A model without `model.layers` is refused (ValueError), or under
     `fallback` (torch_compile chosen, not given) trains uncompiled with one log line, and a layer
     Inductor then fails to compile runs eagerly. `backend` is torch.compile's (tests trace with
-    "eager", which generates no kernels).
+    "eager", which generates no kernels). `beside`: the layers run eagerly while a background
+    thread compiles them (`background_compile.CompiledBeside`), rather than compiling in the
+    first micro-batch.
 
     The layers are traced under `_layer_tracing`: their float attributes (an RMSNorm's epsilon, a
     LoRA layer's scaling, a dropout probability) as constants, since under dynamic shapes recent
@@ -127,6 +132,8 @@ def compile_layers(model: torch.nn.Module, *, fallback: bool = False, backend: s
     for layer in layers:
         layer.compile(dynamic=True, backend=backend)
         layer._compiled_call_impl = _layer_tracing(layer._compiled_call_impl)
+    if beside:
+        CompiledBeside(layers, [layer._compiled_call_impl for layer in layers], fallback=fallback)
     return True
 
 

@@ -167,7 +167,7 @@ def load_model(
     if config.use_liger_kernel is True:
         liger.apply(model, moe=is_moe_config(model.config))
     if config.torch_compile:
-        compile_layers(model, fallback=config.compile_fallback)
+        compile_layers(model, fallback=config.compile_fallback, beside=True)
     if config.gradient_checkpointing:
         options: dict = {"use_reentrant": False}
         if not is_moe_config(model.config):  # a router's choices must repeat: its layers exactly

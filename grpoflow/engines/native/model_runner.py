@@ -366,7 +366,9 @@ class Runner:
         While capturing, the rows are idle (no cache writes, nothing attended). The capture runs
         on a side stream as `torch.cuda.graph` does, without its `gc.collect` and `empty_cache`:
         those cost a capture tens of milliseconds, and handed the update's cached blocks back to
-        the driver, which the update then allocated again."""
+        the driver, which the update then allocated again. It forbids unsafe CUDA calls in this
+        thread alone (`thread_local`), so other threads' work (a layer compiling beside training,
+        a server's) neither fails nor breaks the capture."""
         if rows in self.graphs:
             return
         self.meta[:, :rows] = IDLE_ROW.to(self.device)
@@ -374,7 +376,7 @@ class Runner:
         graph, stream = torch.cuda.CUDAGraph(), self.capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=self.graph_pool)
+            graph.capture_begin(pool=self.graph_pool, capture_error_mode="thread_local")
             try:
                 self._decode_forward(rows, 0)
             finally:
