@@ -10,6 +10,12 @@ and what the latest run that found the artifacts paid; the choice of `torch_comp
 this run will pay (`expected_seconds`) instead of the empty-cache figure, and a compiled run
 records what it paid once its second step ends (`CompileCostRecorder`). A file that cannot be read
 or written only costs the figure, with one log line.
+
+A training run's layers compile beside training (`background_compile`): its first update runs them
+uncompiled while the compiler shares the interpreter. The recorded figure, the first update less
+the second, then also holds what any run's first step pays (2.2 s for the uncompiled run in the
+call of 2026-11-28-compile-20-steps-beside-*, 1.9 s for the compiled one), so it overstates what
+compiling costs, and the choice errs towards leaving compile off.
 """
 
 from __future__ import annotations

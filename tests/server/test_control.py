@@ -44,8 +44,10 @@ def test_requests_that_wait_out_a_pause_share_one_engine_call(fresh):
     threads = [threading.Thread(target=ask, args=(index,)) for index in range(6)]
     for thread in threads:
         thread.start()
-    time.sleep(0.5)
-    assert results == {}  # held while paused
+    deadline = time.monotonic() + 30  # every request queued, however slow the machine
+    while len(batcher._queue) < len(threads) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(batcher._queue) == len(threads) and results == {}  # held while paused
     calls = batcher.num_engine_calls
     httpx.post(fresh.url + "/resume")
     for thread in threads:

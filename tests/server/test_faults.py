@@ -28,10 +28,12 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def answered_quickly(url: str, path: str = "/health", method: str = "GET", **kwargs) -> httpx.Response:
+def answered_quickly(
+    url: str, path: str = "/health", method: str = "GET", within: float = 5.0, **kwargs
+) -> httpx.Response:
     start = time.monotonic()
     response = httpx.request(method, url + path, timeout=30, **kwargs)
-    assert time.monotonic() - start < 5.0, f"{method} {path} took {time.monotonic() - start:.1f}s"
+    assert time.monotonic() - start < within, f"{method} {path} took {time.monotonic() - start:.1f}s"
     return response
 
 
@@ -149,8 +151,10 @@ def test_a_template_bomb_and_a_huge_prompt_do_not_stall_other_requests(serve_liv
 
 
 def chat_with(live, template: str) -> httpx.Response:
+    """The answer to a chat with `template`, within the server's 3 s template timeout and 5 s more
+    for a loaded CI machine (unbounded, the templates below would run for hours)."""
     body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template, "max_tokens": 1}
-    return answered_quickly(live.url, "/v1/chat/completions", "POST", json=body)
+    return answered_quickly(live.url, "/v1/chat/completions", "POST", within=8.0, json=body)
 
 
 def test_trusted_request_templates_are_bounded_in_time_output_and_memory(serve_live, make_service):
