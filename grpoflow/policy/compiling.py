@@ -10,8 +10,10 @@ versions of the libraries whose code compiles into them, so AOTAutograd's cache 
 that hold custom autograd functions (grpoflow's LoRA dropout, its fused kernels): torch leaves
 them out by default, its key not covering the functions' backward code, which a new key here
 does. On an H200, a second run of the standard 0.5B update's shapes compiled its first step in
-6.1 s against 14.3 s from empty caches (benchmarks/results/2026-11-28-compile-*). Layers compile
-with dynamic shapes, so micro-batches of other sizes and lengths reuse one graph.
+2.7 s against 13.1 s from empty caches (benchmarks/results/2026-11-28-compile-20-steps-*). Layers
+compile with dynamic shapes, so micro-batches of other sizes and lengths reuse one graph. A training
+run compiles them beside training (`background_compile`): its first steps run them uncompiled
+while a thread compiles, so no step waits for the compiler.
 """
 
 from __future__ import annotations
