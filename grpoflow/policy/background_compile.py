@@ -76,11 +76,16 @@ class CompiledBeside:
         it on a training pass's inputs."""
         if self.finished.is_set():
             self._settle()
-        elif self.thread is None and torch.is_grad_enabled() and _requires_grad((args, kwargs)):
+        elif self.thread is None and torch.is_grad_enabled() and self._trains(args, kwargs):
             if _sharded(self.layers[0]):
                 self._switch()
                 return
             self._start(args, kwargs)
+
+    def _trains(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a pass with gradients on computes any for the first layer: its input's (the
+        layers below train) or its own parameters'."""
+        return _requires_grad((args, kwargs)) or any(p.requires_grad for p in self.layers[0].parameters())
 
     def _start(self, args: tuple, kwargs: dict) -> None:
         inputs = tree_map_only(torch.Tensor, _copy, (args, kwargs))
@@ -111,6 +116,7 @@ class CompiledBeside:
                 output = self.compiled[0](*args, **kwargs)
                 hidden = output[0] if isinstance(output, (tuple, list)) else output
                 needing = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+                needing = needing or [p for p in self.layers[0].parameters() if p.requires_grad]
                 if needing and hidden.requires_grad:
                     torch.autograd.grad(hidden, needing, torch.ones_like(hidden), allow_unused=True)
             if stream is not None:

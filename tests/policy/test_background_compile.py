@@ -144,3 +144,22 @@ def test_a_loaded_policy_given_torch_compile_compiles_its_layers_beside_training
         dtype="auto",
     )
     assert all(CompiledBeside.of(layer) is not None for layer in model.model.layers)
+
+
+def test_layers_whose_input_needs_no_gradient_still_compile_beside_training(fresh_dynamo):
+    model = tiny_model()
+    model.get_input_embeddings().requires_grad_(False)  # the first layer's input needs no gradient
+    compile_layers(model, backend="eager", beside=True)
+    beside = CompiledBeside.of(model.model.layers[0])
+    ids = torch.randint(0, 40, (2, 8))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    model(input_ids=ids).logits.square().mean().backward()
+    assert beside.thread is not None
+    beside.thread.join()
+    assert beside.error is None
+    model.zero_grad()
+    model(input_ids=ids).logits.square().mean().backward()
+    # the later layers' inputs need gradients, the first's not: a graph each, as compiled in place
+    # (`trace_every_layer_alike` makes them alike in a run)
+    assert beside.use_compiled and fresh_dynamo["stats"]["unique_graphs"] == 2
+    assert all(p.grad is not None for p in trained)
