@@ -49,7 +49,6 @@ class CompiledBeside:
     def __init__(self, layers: Sequence[nn.Module], compiled: Sequence[Callable], *, fallback: bool) -> None:
         self.layers, self.compiled, self.fallback = list(layers), list(compiled), fallback
         self.thread: threading.Thread | None = None
-        self.finished = threading.Event()
         self.error: BaseException | None = None
         self.settled = False
         """Compiled, or given up: the dispatcher no longer looks at the thread."""
@@ -74,7 +73,7 @@ class CompiledBeside:
     def _begin_pass(self, args: tuple, kwargs: dict) -> None:
         """At the start of a pass: switch to the compiled layers once the thread is done, or start
         it on a training pass's inputs."""
-        if self.finished.is_set():
+        if self.thread is not None and not self.thread.is_alive():
             self._settle()
         elif self.thread is None and torch.is_grad_enabled() and self._trains(args, kwargs):
             if _sharded(self.layers[0]):
@@ -123,11 +122,8 @@ class CompiledBeside:
                 stream.synchronize()
         except BaseException as error:  # handed to the training thread at its next pass
             self.error = error
-        finally:
-            self.finished.set()
 
     def _settle(self) -> None:
-        self.thread.join()
         self.settled = True
         if self.error is None:
             self._switch()
