@@ -75,16 +75,15 @@ class CompiledBeside:
         it on a training pass's inputs."""
         if self.thread is not None and not self.thread.is_alive():
             self._settle()
-        elif self.thread is None and torch.is_grad_enabled() and self._trains(args, kwargs):
+        elif (
+            self.thread is None
+            and torch.is_grad_enabled()
+            and _needing_gradients((args, kwargs), self.layers[0])
+        ):
             if _sharded(self.layers[0]):
                 self._switch()
                 return
             self._start(args, kwargs)
-
-    def _trains(self, args: tuple, kwargs: dict) -> bool:
-        """Whether a pass with gradients on computes any for the first layer: its input's (the
-        layers below train) or its own parameters'."""
-        return _requires_grad((args, kwargs)) or any(p.requires_grad for p in self.layers[0].parameters())
 
     def _start(self, args: tuple, kwargs: dict) -> None:
         inputs = tree_map_only(torch.Tensor, _copy, (args, kwargs))
@@ -114,8 +113,7 @@ class CompiledBeside:
                 args, kwargs = inputs
                 output = self.compiled[0](*args, **kwargs)
                 hidden = output[0] if isinstance(output, (tuple, list)) else output
-                needing = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-                needing = needing or [p for p in self.layers[0].parameters() if p.requires_grad]
+                needing = _needing_gradients(inputs, self.layers[0])
                 if needing and hidden.requires_grad:
                     torch.autograd.grad(hidden, needing, torch.ones_like(hidden), allow_unused=True)
             if stream is not None:
@@ -150,8 +148,12 @@ def _copy(tensor: torch.Tensor) -> torch.Tensor:
     return copy.requires_grad_(tensor.requires_grad)
 
 
-def _requires_grad(tree: Any) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(tree))
+def _needing_gradients(inputs: Any, layer: nn.Module) -> list[torch.Tensor]:
+    """What a pass with gradients on computes gradients for at `layer`: the tensors in `inputs`
+    that require them (the layers below train), else the layer's own trained parameters; empty
+    when the pass trains nothing there."""
+    tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return tensors or [p for p in layer.parameters() if p.requires_grad]
 
 
 def _sharded(layer: nn.Module) -> bool:
